@@ -1,0 +1,125 @@
+"""TileLang helpers shared by every stage's kernel.py.
+
+Two paths lead from a TileLang program to numbers:
+
+- `compile_report(prim_func)` lowers the program for sm_90a on this machine's CPU, compiles the
+  generated CUDA with nvcc, and reads registers, spills and shared memory from ptxas. It needs
+  nvcc, not a GPU, so it runs in CI and on a student's laptop.
+- each stage's `forward(...)` JIT-compiles the same program for the GPU torch sees and runs it.
+
+tilelang is imported inside the functions: the NumPy references and their tests never pay for it.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+# TileLang 0.1.15 takes the target as a dict; the string form "cuda -arch=sm_90a" is rejected.
+SM90A = {"kind": "cuda", "arch": "sm_90a"}
+
+# exp(x) = exp2(x * log2(e)): kernels call the hardware exp2, references call exp.
+LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What ptxas says of one kernel compiled for sm_90a, and the source it compiled."""
+
+    registers: int  # per thread
+    spill_stores: int  # bytes
+    spill_loads: int  # bytes
+    stack_frame: int  # bytes of local memory per thread
+    static_shared: int  # bytes, declared in the CUDA source
+    dynamic_shared: int  # bytes, requested by TileLang at launch
+    threads: int  # per block, as launched (TileLang may add producer warps)
+    grid: tuple  # blocks along x, y, z
+    cuda_source: str
+    ptxas_log: str
+
+    @property
+    def shared_memory(self):
+        return self.static_shared + self.dynamic_shared
+
+    def summary(self):
+        return (
+            f"{self.registers} registers/thread, {self.spill_stores} B spill stores, "
+            f"{self.spill_loads} B spill loads, {self.stack_frame} B stack, "
+            f"{self.shared_memory} B shared memory, {self.threads} threads/block, grid {self.grid}"
+        )
+
+
+def find_nvcc():
+    """The nvcc to compile with: $CUDA_HOME/bin/nvcc, else the one on PATH."""
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [os.path.join(cuda_home, "bin", "nvcc")] if cuda_home else []
+    candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc"]
+    for path in candidates:
+        if path and os.path.exists(path):
+            return path
+    raise FileNotFoundError(
+        "compile-only reports need nvcc (CUDA 12.x or 13.x) and no GPU: install the CUDA toolkit, "
+        "or `pip install nvidia-cuda-nvcc`, and put nvcc on PATH or set CUDA_HOME"
+    )
+
+
+def lower(prim_func, target=SM90A):
+    """Lower a TileLang program for `target`; returns the artifact with `kernel_source`."""
+    import tilelang
+    from tvm.target import Target
+
+    target = Target(target)
+    with target:  # some lowering passes ask for the current target
+        return tilelang.lower(prim_func, target=target)
+
+
+def compile_report(prim_func):
+    """Lower `prim_func` for sm_90a, compile it with nvcc, and return its CompileReport."""
+    from tilelang.contrib import nvcc as tilelang_nvcc
+
+    artifact = lower(prim_func)
+    source = artifact.kernel_source
+    kernel_attrs = [fn.attrs for _, fn in artifact.device_mod.functions.items() if fn.attrs is not None]
+    if len(kernel_attrs) != 1:
+        raise ValueError(f"expected one device kernel, found {len(kernel_attrs)}")
+    attrs = kernel_attrs[0]
+    extent = dict(attrs["thread_extent"])
+    threads = int(extent.get("threadIdx.x", 1)) * int(extent.get("threadIdx.y", 1)) * int(extent.get("threadIdx.z", 1))
+    grid = tuple(int(extent.get(f"blockIdx.{axis}", 1)) for axis in "xyz")
+    dynamic_shared = int(attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in attrs else 0
+
+    options = tilelang_nvcc.default_compile_options() + ["--ptxas-options=--verbose", "-w"]
+    with tempfile.TemporaryDirectory() as workdir:
+        source_path = os.path.join(workdir, "kernel.cu")
+        with open(source_path, "w") as f:
+            f.write(source)
+        command = [find_nvcc(), "--cubin", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", *options,
+                   "-o", os.path.join(workdir, "kernel.cubin"), source_path]
+        result = subprocess.run(command, capture_output=True, text=True)
+    log = result.stdout + result.stderr
+    if result.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({result.returncode}):\n{log[-4000:]}")
+    return _parse_ptxas(log, source, dynamic_shared, threads, grid)
+
+
+def _parse_ptxas(log, source, dynamic_shared, threads, grid):
+    def number(pattern):
+        match = re.search(pattern, log)
+        if match is None:
+            raise RuntimeError(f"ptxas output has no match for {pattern!r}:\n{log}")
+        return int(match.group(1))
+
+    return CompileReport(
+        registers=number(r"Used (\d+) registers"),
+        spill_stores=number(r"(\d+) bytes spill stores"),
+        spill_loads=number(r"(\d+) bytes spill loads"),
+        stack_frame=number(r"(\d+) bytes stack frame"),
+        static_shared=int(m.group(1)) if (m := re.search(r"(\d+) bytes smem", log)) else 0,
+        dynamic_shared=dynamic_shared,
+        threads=threads,
+        grid=grid,
+        cuda_source=source,
+        ptxas_log=log,
+    )

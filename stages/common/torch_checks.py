@@ -1,0 +1,34 @@
+"""Input checks for the kernels' torch-facing wrappers.
+
+Every failure raises an error that names the argument and says what was expected: a kernel fed a
+wrong tensor otherwise reads out of bounds or returns garbage without a word.
+"""
+
+KERNEL_DTYPES = ("float16", "bfloat16")
+
+
+def check_kernel_tensor(name, x, rank, dtypes=KERNEL_DTYPES):
+    """x is a contiguous CUDA torch tensor of the given rank and one of `dtypes` (names)."""
+    import torch
+
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
+    dtype_name = str(x.dtype).removeprefix("torch.")
+    if dtype_name not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(dtypes)}, got {dtype_name}")
+    if x.device.type != "cuda":
+        raise ValueError(f"{name} must be on a CUDA device, got device {x.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first); its strides are {tuple(x.stride())}")
+
+
+def check_same(name, x, reference_name, reference, what="shape"):
+    """x has the same `what` ("shape", "dtype" or "device") as `reference`."""
+    if what == "shape":
+        ours, theirs = tuple(x.shape), tuple(reference.shape)
+    else:
+        ours, theirs = getattr(x, what), getattr(reference, what)
+    if ours != theirs:
+        raise ValueError(f"{name} must have the {what} of {reference_name}, {theirs}; got {ours}")

@@ -1,0 +1,162 @@
+"""Stage 1 kernel: chunked linear attention in TileLang.
+
+One program per (block of d_v columns, batch x head). Each program keeps its slice of the state,
+S^T (d_k x block_dv), in registers as an fp32 fragment for the whole sequence, and walks the chunks
+in a pipelined loop (the copies of chunk i+1 overlap the GEMMs of chunk i):
+
+    acc_o  = Q S^T                         inter-chunk term (S^T cast to the input dtype first)
+    acc_o += (Q K^T ⊙ M) V                 intra-chunk term, M inclusive (j <= r)
+    O      = acc_o                         written before ...
+    S^T   += K^T V                         ... the state moves on
+
+Run `python -m stages.s01_linear_attention.kernel` to compile it for sm_90a and print its ptxas
+report (no GPU needed), or to check it against reference A on a GPU.
+"""
+
+import functools
+
+import numpy as np
+
+from stages.common.checks import padded_length
+from stages.common.tilelang_tools import compile_report as _compile_report
+from stages.common.torch_checks import check_kernel_tensor, check_same
+
+DEFAULT_CHUNK_SIZE = 64
+DEFAULT_BLOCK_DV = 64
+
+
+# --8<-- [start:program]
+def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
+                  dtype="float16", num_stages=2, threads=128):
+    """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v) -> o: (B, N, H, d_v).
+
+    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
+    """
+    import tilelang.language as T
+
+    C = chunk_size
+    accum_dtype = "float32"
+    num_chunks = N // C
+
+    @T.prim_func
+    def linear_attention_fwd(
+        Q: T.Tensor((B, N, H, d_k), dtype),
+        K: T.Tensor((B, N, H, d_k), dtype),
+        V: T.Tensor((B, N, H, d_v), dtype),
+        O: T.Tensor((B, N, H, d_v), dtype),
+    ):
+        with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
+            b, h = i_bh // H, i_bh % H
+            v0 = i_v * block_dv
+
+            Q_s = T.alloc_shared((C, d_k), dtype)
+            K_s = T.alloc_shared((C, d_k), dtype)
+            V_s = T.alloc_shared((C, block_dv), dtype)
+            S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
+            scores_s = T.alloc_shared((C, C), dtype)
+
+            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across chunks
+            scores = T.alloc_fragment((C, C), accum_dtype)
+            acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
+
+            T.clear(S_f)  # once, outside the chunk loop: the state carries over
+            for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
+                t0 = i_c * C
+                T.copy(Q[b, t0:t0 + C, h, :], Q_s)
+                T.copy(K[b, t0:t0 + C, h, :], K_s)
+                T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
+
+                # intra-chunk scores Q K^T, causally masked with the diagonal included
+                T.gemm(Q_s, K_s, scores, transpose_B=True, clear_accum=True)
+                for r, j in T.Parallel(C, C):
+                    scores_s[r, j] = T.if_then_else(j <= r, scores[r, j], 0)
+
+                # inter-chunk term Q S^T, then the intra-chunk term added into the same accumulator
+                T.copy(S_f, S_s)
+                T.gemm(Q_s, S_s, acc_o, clear_accum=True)
+                T.gemm(scores_s, V_s, acc_o)
+                T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
+
+                # only now does the state move past this chunk: S^T += K^T V
+                T.gemm(K_s, V_s, S_f, transpose_A=True)
+
+    return linear_attention_fwd
+# --8<-- [end:program]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
+    import tilelang
+
+    program = build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype)
+    return tilelang.compile(program, out_idx=[3], target="cuda")
+
+
+# --8<-- [start:forward]
+def forward(q, k, v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV):
+    """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16.
+
+    Returns o: (B, N, H, d_v) in the input dtype. N need not be a multiple of chunk_size: the
+    sequence is zero-padded, which is exact (see reference.kernel_mirror).
+    """
+    import torch
+
+    check_kernel_tensor("q", q, rank=4)
+    check_kernel_tensor("k", k, rank=4)
+    check_kernel_tensor("v", v, rank=4)
+    check_same("k", k, "q", q, "shape")
+    check_same("k", k, "q", q, "dtype")
+    check_same("v", v, "q", q, "dtype")
+    check_same("k", k, "q", q, "device")
+    check_same("v", v, "q", q, "device")
+    B, N, H, d_k = q.shape
+    if tuple(v.shape[:3]) != (B, N, H):
+        raise ValueError(f"v must be (B, N, H, d_v) = ({B}, {N}, {H}, d_v), got {tuple(v.shape)}")
+    d_v = v.shape[3]
+    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+
+    N_padded = padded_length(N, chunk_size)
+    if N_padded != N:
+        pad = (0, 0, 0, 0, 0, N_padded - N)  # torch pads from the last axis backwards
+        q, k, v = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
+    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, str(q.dtype).removeprefix("torch."))
+    return kernel(q, k, v)[:, :N]
+# --8<-- [end:forward]
+
+
+def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):
+    """Tile sizes the tensor cores accept: multiples of 16, block_dv dividing d_v."""
+    if chunk_size < 16 or chunk_size % 16:
+        raise ValueError(f"chunk_size must be a multiple of 16, got {chunk_size}")
+    if d_k % 16:
+        raise ValueError(f"d_k must be a multiple of 16, got {d_k}")
+    if block_dv < 16 or block_dv % 16 or d_v % block_dv:
+        raise ValueError(f"block_dv must be a multiple of 16 that divides d_v = {d_v}, got {block_dv}")
+
+
+def compile_report(B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
+                   block_dv=DEFAULT_BLOCK_DV, dtype="float16"):
+    """Lower and compile the kernel for sm_90a without a GPU; see stages.common.tilelang_tools."""
+    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    return _compile_report(build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype))
+
+
+def main():
+    import torch
+
+    from stages.common.errors import error_report
+    from stages.common.inputs import make_inputs
+    from stages.s01_linear_attention.reference import recurrent
+
+    print("sm_90a:", compile_report().summary())
+    if not torch.cuda.is_available():
+        print("no CUDA device: compile-only")
+        return
+    x = make_inputs(2, 1024, 4, 128, 128, seed=0)
+    expected = recurrent(x.q, x.k, x.v)
+    q, k, v = (torch.tensor(a, dtype=torch.float16, device="cuda") for a in (x.q, x.k, x.v))
+    print("fp16 kernel vs reference A:", error_report(forward(q, k, v), expected))
+
+
+if __name__ == "__main__":
+    main()
