@@ -1,0 +1,89 @@
+"""The exercise and bug catalog (kdacourse/catalog.toml) as Python objects."""
+
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from kdacourse import REPO_ROOT
+
+CATALOG_PATH = Path(__file__).with_name("catalog.toml")
+REGION_BEGIN = "# EXERCISE BEGIN"
+REGION_END = "# EXERCISE END"
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str
+    stage: str
+    file: str
+    kind: str  # "fill" or "fix"
+    points: int
+    read: str  # docs page and section that explain it
+    bug: str | None = None  # for kind = "fix": the catalog bug it ships with
+
+    @property
+    def test_path(self):
+        return REPO_ROOT / "tests" / "exercises" / self.stage / f"test_{self.file}"
+
+
+@dataclass(frozen=True)
+class Bug:
+    id: str
+    stage: str
+    file: str
+    mistake: str
+    why_easy: str
+    hides_when: str
+    find: str
+    replace: str
+
+    def apply(self, source):
+        """The solution's source with this bug in it; `find` must occur exactly once."""
+        count = source.count(self.find)
+        if count != 1:
+            raise ValueError(f"bug {self.id}: its `find` text occurs {count} times in {self.stage}/{self.file}, expected once")
+        return source.replace(self.find, self.replace)
+
+
+@cache
+def load_catalog():
+    """(exercises by id, bugs by id), in catalog order."""
+    with open(CATALOG_PATH, "rb") as f:
+        data = tomllib.load(f)
+    exercises = {e["id"]: Exercise(**e) for e in data.get("exercise", [])}
+    bugs = {b["id"]: Bug(**b) for b in data.get("bug", [])}
+    for exercise in exercises.values():
+        if exercise.kind not in ("fill", "fix"):
+            raise ValueError(f"exercise {exercise.id}: kind must be fill or fix, got {exercise.kind!r}")
+        if (exercise.kind == "fix") != (exercise.bug is not None):
+            raise ValueError(f"exercise {exercise.id}: a fix exercise names its bug, a fill exercise none")
+        if exercise.bug is not None and exercise.bug not in bugs:
+            raise ValueError(f"exercise {exercise.id}: unknown bug {exercise.bug!r}")
+    return exercises, bugs
+
+
+def exercises():
+    return list(load_catalog()[0].values())
+
+
+def bugs():
+    return list(load_catalog()[1].values())
+
+
+def exercises_of_stage(stage):
+    return [e for e in exercises() if e.stage == stage]
+
+
+def stages():
+    """The stage folders that have exercises, in order."""
+    return sorted({e.stage for e in exercises()})
+
+
+def resolve_stage(name):
+    """'s01', '1' or 's01_linear_attention' -> 's01_linear_attention'."""
+    for stage in stages():
+        prefix = stage.split("_")[0]  # "s01"
+        if name in (stage, prefix, prefix[1:], str(int(prefix[1:]))):
+            return stage
+    raise ValueError(f"unknown stage {name!r}; stages: {', '.join(stages())}")

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates the course's virtual environment and installs everything the course needs into it.
+# Usage: bash scripts/setup.sh [python] [venv-dir]     (make setup calls it)
+set -euo pipefail
+python=${1:-python3}
+venv=${2:-.venv}
+cd "$(dirname "$0")/.."
+"$python" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+# The CPU build of torch first and pinned: left to the resolver, torch would arrive as a CUDA build
+# of several GB. Kernels run on a GPU machine, which brings its own CUDA torch.
+"$venv/bin/python" -m pip install -q "torch==2.13.0"
+"$venv/bin/python" -m pip install -q -e .
+echo "course environment ready in $venv"
