@@ -1,4 +1,15 @@
-"""The exercise and bug catalog (kdacourse/catalog.toml) as Python objects."""
+"""The exercise and bug catalog, kdacourse/catalog/<stage>.toml, one file per stage.
+
+[[exercise]]: one file that a student edits, exercises/<stage>/<file>, mirrored by
+  solutions/<stage>/<file>; the two differ only between the "# EXERCISE BEGIN" and
+  "# EXERCISE END" lines. Its tests are tests/exercises/<stage>/test_<file>.
+  kind = "fill": the region raises NotImplementedError; kind = "fix": the region is the solution's
+  with the catalog bug named by `bug` applied. `read` is the page section that explains it.
+
+[[bug]]: one known mistake. Applied to solutions/<stage>/<file> by replacing the text `find`
+  (which must occur exactly once) by `replace`. `hides_when` says on which inputs the bug gives
+  the right answer anyway: the tests must use inputs where it does not.
+"""
 
 import tomllib
 from dataclasses import dataclass
@@ -7,7 +18,7 @@ from pathlib import Path
 
 from kdacourse import REPO_ROOT
 
-CATALOG_PATH = Path(__file__).with_name("catalog.toml")
+CATALOG_DIR = Path(__file__).with_name("catalog")
 REGION_BEGIN = "# EXERCISE BEGIN"
 REGION_END = "# EXERCISE END"
 
@@ -49,10 +60,14 @@ class Bug:
 @cache
 def load_catalog():
     """(exercises by id, bugs by id), in catalog order."""
-    with open(CATALOG_PATH, "rb") as f:
-        data = tomllib.load(f)
-    exercises = {e["id"]: Exercise(**e) for e in data.get("exercise", [])}
-    bugs = {b["id"]: Bug(**b) for b in data.get("bug", [])}
+    exercises, bugs = {}, {}
+    for path in sorted(CATALOG_DIR.glob("*.toml")):
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        for entry in data.get("exercise", []):
+            _add_unique(exercises, Exercise(**entry), path)
+        for entry in data.get("bug", []):
+            _add_unique(bugs, Bug(**entry), path)
     for exercise in exercises.values():
         if exercise.kind not in ("fill", "fix"):
             raise ValueError(f"exercise {exercise.id}: kind must be fill or fix, got {exercise.kind!r}")
@@ -61,6 +76,12 @@ def load_catalog():
         if exercise.bug is not None and exercise.bug not in bugs:
             raise ValueError(f"exercise {exercise.id}: unknown bug {exercise.bug!r}")
     return exercises, bugs
+
+
+def _add_unique(table, item, path):
+    if item.id in table:
+        raise ValueError(f"{path.name}: id {item.id!r} is used twice in the catalog")
+    table[item.id] = item
 
 
 def exercises():

@@ -44,7 +44,7 @@ def target_source(target, stage, file):
         bug_id = target.removeprefix("bug:")
         bugs = load_catalog()[1]
         if bug_id not in bugs:
-            raise TargetError(f"unknown bug {bug_id!r}; see kdacourse/catalog.toml")
+            raise TargetError(f"unknown bug {bug_id!r}; see kdacourse/catalog/")
         bug = bugs[bug_id]
         if (bug.stage, bug.file) == (stage, file):
             source = bug.apply(source)

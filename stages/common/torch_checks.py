@@ -8,7 +8,11 @@ KERNEL_DTYPES = ("float16", "bfloat16")
 
 
 def check_kernel_tensor(name, x, rank, dtypes=KERNEL_DTYPES):
-    """x is a contiguous CUDA torch tensor of the given rank and one of `dtypes` (names)."""
+    """x is a contiguous torch tensor of the given rank and one of `dtypes` (names).
+
+    The device is checked apart, by check_on_cuda, after the checks between tensors: that order lets
+    every other mistake be shown, and tested, on a machine without a GPU.
+    """
     import torch
 
     if not isinstance(x, torch.Tensor):
@@ -18,14 +22,22 @@ def check_kernel_tensor(name, x, rank, dtypes=KERNEL_DTYPES):
     dtype_name = str(x.dtype).removeprefix("torch.")
     if dtype_name not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(dtypes)}, got {dtype_name}")
-    if x.device.type != "cuda":
-        raise ValueError(f"{name} must be on a CUDA device, got device {x.device}")
     if not x.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first); its strides are {tuple(x.stride())}")
 
 
+def check_on_cuda(tensors):
+    """Every tensor of {name: tensor} is on one CUDA device."""
+    devices = {name: x.device for name, x in tensors.items()}
+    for name, device in devices.items():
+        if device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device, got device {device}")
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all inputs must be on one device, got {devices}")
+
+
 def check_same(name, x, reference_name, reference, what="shape"):
-    """x has the same `what` ("shape", "dtype" or "device") as `reference`."""
+    """x has the same `what` ("shape" or "dtype") as `reference`."""
     if what == "shape":
         ours, theirs = tuple(x.shape), tuple(reference.shape)
     else:

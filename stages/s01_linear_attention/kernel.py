@@ -19,7 +19,7 @@ import numpy as np
 
 from stages.common.checks import padded_length
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.torch_checks import check_kernel_tensor, check_same
+from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 64
@@ -105,15 +105,14 @@ def forward(q, k, v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV):
     check_kernel_tensor("k", k, rank=4)
     check_kernel_tensor("v", v, rank=4)
     check_same("k", k, "q", q, "shape")
-    check_same("k", k, "q", q, "dtype")
-    check_same("v", v, "q", q, "dtype")
-    check_same("k", k, "q", q, "device")
-    check_same("v", v, "q", q, "device")
     B, N, H, d_k = q.shape
     if tuple(v.shape[:3]) != (B, N, H):
         raise ValueError(f"v must be (B, N, H, d_v) = ({B}, {N}, {H}, d_v), got {tuple(v.shape)}")
+    check_same("k", k, "q", q, "dtype")
+    check_same("v", v, "q", q, "dtype")
     d_v = v.shape[3]
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    check_on_cuda({"q": q, "k": k, "v": v})
 
     N_padded = padded_length(N, chunk_size)
     if N_padded != N:

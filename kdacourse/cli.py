@@ -1,0 +1,74 @@
+"""The `course` command: the entry point for students and instructors.
+
+    course check [STAGE]            run your exercises, see what passes and what to read next
+    course grade FOLDER --out DIR   grade a folder laid out like exercises/ (instructors)
+    course serve                    build the site and serve it on http://127.0.0.1:8000
+    course build                    build the site into site/ (mkdocs build --strict)
+    course regenerate               rewrite every generated table, plot and report under docs/
+    course test [PYTEST ARGS]       run the whole test suite on the solutions (what CI runs)
+"""
+
+import argparse
+import sys
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="course", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    check = commands.add_parser("check", help="run your exercises and say what to read next")
+    check.add_argument("stage", nargs="?", help="s01, 1 or s01_linear_attention (default: every stage)")
+    check.add_argument("--target", default="exercises", help="folder to check (default: exercises/)")
+
+    grade = commands.add_parser("grade", help="grade a folder laid out like exercises/")
+    grade.add_argument("folder", help="the submission: a folder with s01_linear_attention/... inside")
+    grade.add_argument("--out", required=True, help="folder for report.md, report.json and junit.xml")
+    grade.add_argument("--timeout", type=float, default=60, help="seconds allowed per test (default 60)")
+
+    serve = commands.add_parser("serve", help="build the course site and serve it locally")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--no-browser", action="store_true", help="do not open a browser")
+
+    commands.add_parser("build", help="build the site into site/ with mkdocs --strict")
+    commands.add_parser("regenerate", help="rewrite every generated file under docs/")
+
+    test = commands.add_parser("test", help="run the test suite (what .ci/run runs)")
+    test.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed on to pytest")
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["test"]:  # everything after `test` belongs to pytest, options included
+        return _test(argv[1:])
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        from kdacourse.grading import check
+
+        return check(args.stage, args.target)
+    if args.command == "grade":
+        from kdacourse.grading import grade
+
+        return grade(args.folder, args.out, timeout_per_test=args.timeout)
+    if args.command == "serve":
+        from kdacourse.site import serve
+
+        return serve(port=args.port, open_browser=not args.no_browser)
+    if args.command == "build":
+        from kdacourse.site import build
+
+        return build()
+    if args.command == "regenerate":
+        from kdacourse.generated import regenerate
+
+        return regenerate()
+    parser.error(f"unknown command {args.command}")
+
+
+def _test(pytest_args):
+    import pytest
+
+    # The exercise tests check the solutions here; the student's copy is checked by `course check`,
+    # and tests/test_exercise_model.py checks that the shipped exercises fail and every bug is caught.
+    return int(pytest.main(["-p", "no:cacheprovider", "--target=solutions", *pytest_args]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
