@@ -1,0 +1,16 @@
+"""Every generated file under docs/ is current: regenerating it changes nothing."""
+
+import pytest
+
+from kdacourse import REPO_ROOT
+from kdacourse.generated import generators, regenerate
+
+GENERATED = sorted(generators())
+
+
+@pytest.mark.parametrize("path", GENERATED)
+def test_generated_file_is_current(path, tmp_path):
+    regenerate(root=tmp_path, only={path})
+    committed = REPO_ROOT / path
+    assert committed.is_file(), f"{path} is missing: run `course regenerate`"
+    assert (tmp_path / path).read_bytes() == committed.read_bytes(), f"{path} is stale: run `course regenerate`"
