@@ -85,15 +85,15 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
+def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads):
     import tilelang
 
-    program = build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype)
+    program = build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
     return tilelang.compile(program, out_idx=[3], target="cuda")
 
 
 # --8<-- [start:forward]
-def forward(q, k, v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV):
+def forward(q, k, v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, num_stages=2, threads=128):
     """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16.
 
     Returns o: (B, N, H, d_v) in the input dtype. N need not be a multiple of chunk_size: the
@@ -118,7 +118,8 @@ def forward(q, k, v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV):
     if N_padded != N:
         pad = (0, 0, 0, 0, 0, N_padded - N)  # torch pads from the last axis backwards
         q, k, v = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
-    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, str(q.dtype).removeprefix("torch."))
+    dtype = str(q.dtype).removeprefix("torch.")
+    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
     return kernel(q, k, v)[:, :N]
 # --8<-- [end:forward]
 

@@ -1,0 +1,249 @@
+"""Benchmark every stage's kernel against FLA 0.6.0 and plain torch on one CUDA machine.
+
+    python -m benchmarks.bench [--stages s01,s02] [--quick] [--out DIR] [--no-precision]
+
+For each stage whose kernel exists: check it against the float64 reference at a small shape; at each
+benchmark shape of DESIGN.md check it against FLA's chunk kernel and time ours, FLA's and the
+plain-torch chunked forward in this one process (CUDA events via triton.testing.do_bench: warm-up,
+then the median of repeats); compute the bytes the forward must move and the time that traffic
+alone takes at 4.3 TB/s. Then the precision study: fp16 and bf16 against float64 as N grows.
+A shape that fails is recorded with its error and the run goes on.
+
+Writes DIR/bench.csv, DIR/precision.csv and DIR/meta.json. `course regenerate` turns the committed
+CSVs into the tables and plots of the benchmarks page (benchmarks/figures.py), on any machine.
+"""
+
+import argparse
+import csv
+import importlib
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks import plain_torch
+
+MEMORY_BANDWIDTH = 4.3e12  # bytes/s, the H200's HBM3e as DESIGN.md fixes it for the bound
+SHAPES = [(1, 4096, 32, 128), (1, 16384, 32, 128), (1, 65536, 32, 128), (8, 4096, 16, 128)]  # B, N, H, D
+QUICK_SHAPES = [(1, 4096, 32, 128), (8, 4096, 16, 128)]
+PRECISION_LENGTHS = [1024, 4096, 16384, 65536]
+GATE_RANGE = (0.9, 0.999)
+UNSAFE_GATE_RANGE = (0.5, 0.999)
+BETA_RANGE = (0.1, 0.9)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """How to run one stage: our kernel, FLA's, and plain torch, on the same inputs."""
+
+    name: str
+    kernel_module: str  # module with forward(q, k, v, *gates)
+    fla_name: str
+    gate: str  # "none", "head", "token" or "channel", as stages.common.inputs
+    has_beta: bool
+    plain: object  # the plain-torch function
+
+    def inputs_bytes(self, B, N, H, D, element_size):
+        """Bytes the forward must read and write at least: q, k, v, gates, beta in; o out."""
+        tokens = B * N * H
+        moved = tokens * 4 * D * element_size  # q, k, v read and o written
+        moved += {"none": 0, "head": 4 * H / tokens, "token": 4, "channel": 4 * D}[self.gate] * tokens
+        moved += 4 * tokens if self.has_beta else 0
+        return moved
+
+
+STAGES = {
+    "s01": Stage("s01_linear_attention", "stages.s01_linear_attention.kernel", "chunk_linear_attn", "none", False,
+                 plain_torch.linear_attention),
+    "s02": Stage("s02_scalar_decay", "stages.s02_scalar_decay.kernel", "chunk_simple_gla", "head", False,
+                 plain_torch.scalar_decay),
+    "s03": Stage("s03_gated_deltanet", "stages.s03_gated_deltanet.kernel", "chunk_gated_delta_rule", "token", True,
+                 plain_torch.gated_deltanet),
+    "s04": Stage("s04_kda", "stages.s04_kda.kernel", "chunk_kda", "channel", True, plain_torch.kda),
+    "s05": Stage("s05_fast_kda", "stages.s05_fast_kda.kernel", "chunk_kda", "channel", True, plain_torch.kda),
+}
+
+
+def make_inputs(stage, B, N, H, D, dtype, gate_range=GATE_RANGE, seed=0):
+    """Inputs on the GPU: L2-normalized q, k; v ~ N(0, 1); g = log U(gate_range) (fp32); beta ~ U(BETA_RANGE) (fp32)."""
+    import torch
+
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    def normal(*shape):
+        return torch.randn(*shape, device="cuda", generator=generator, dtype=torch.float32)
+
+    def uniform(low, high, *shape):
+        return low + (high - low) * torch.rand(*shape, device="cuda", generator=generator, dtype=torch.float32)
+
+    q = torch.nn.functional.normalize(normal(B, N, H, D), dim=-1).to(dtype)
+    k = torch.nn.functional.normalize(normal(B, N, H, D), dim=-1).to(dtype)
+    v = normal(B, N, H, D).to(dtype)
+    gate_shape = {"none": None, "head": (H,), "token": (B, N, H), "channel": (B, N, H, D)}[stage.gate]
+    gates = [] if gate_shape is None else [torch.log(uniform(*gate_range, *gate_shape))]
+    if stage.has_beta:
+        gates.append(uniform(*BETA_RANGE, B, N, H))
+    return [q, k, v, *gates]
+
+
+def ours(stage):
+    return importlib.import_module(stage.kernel_module).forward
+
+
+def fla(stage):
+    """FLA's chunk kernel of the stage with the course's conventions: no scale, no normalizer."""
+    import fla.ops as ops
+
+    function = getattr(ops, stage.fla_name)
+    if stage.gate == "none":
+        return lambda q, k, v: function(q, k, v, scale=1.0, normalize=False)[0]
+    if stage.gate == "head":
+        return lambda q, k, v, g: function(q, k, v, g_gamma=g, scale=1.0)[0]
+    return lambda q, k, v, g, beta: function(q, k, v, g, beta, scale=1.0)[0]
+
+
+def plain(stage):
+    return stage.plain
+
+
+def relative_l2(actual, expected):
+    import torch
+
+    actual, expected = actual.double(), expected.double()
+    if not torch.isfinite(actual).all():
+        return math.nan
+    return float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))
+
+
+def time_ms(function, args):
+    import torch
+    from triton.testing import do_bench
+
+    with torch.no_grad():
+        return float(do_bench(lambda: function(*args), warmup=25, rep=100, return_mode="median"))
+
+
+def float64_reference(stage, args):
+    return plain(stage)(*[x.double() for x in args])
+
+
+def run_stage(stage, shapes, writer, log):
+    """Correctness at a small shape, then check and time at every benchmark shape."""
+    import torch
+
+    try:
+        forward = ours(stage)
+    except ImportError as error:
+        log(f"{stage.name}: no kernel yet ({error}); skipped")
+        return
+    small = make_inputs(stage, 2, 1024, 4, 128, torch.float16)
+    error = relative_l2(forward(*small), float64_reference(stage, small))
+    log(f"{stage.name}: fp16 kernel vs float64 reference at B=2, N=1024, H=4, D=128: rel L2 {error:.2e}")
+    writer.writerow(dict(stage=stage.name, B=2, N=1024, H=4, D=128, dtype="float16", impl="ours",
+                         rel_l2_vs_float64=f"{error:.3e}"))
+    for B, N, H, D in shapes:
+        args = make_inputs(stage, B, N, H, D, torch.bfloat16)
+        bound_ms = stage.inputs_bytes(B, N, H, D, 2) / MEMORY_BANDWIDTH * 1e3
+        reference_output = None
+        for impl, function in (("fla", fla(stage)), ("ours", forward), ("torch", plain(stage))):
+            row = dict(stage=stage.name, B=B, N=N, H=H, D=D, dtype="bfloat16", impl=impl,
+                       bytes=int(stage.inputs_bytes(B, N, H, D, 2)), memory_bound_ms=f"{bound_ms:.4f}")
+            started = time.monotonic()
+            try:
+                output = function(*args)
+                if impl == "fla":
+                    reference_output = output
+                elif reference_output is not None:
+                    row["rel_l2_vs_fla"] = f"{relative_l2(output, reference_output):.3e}"
+                del output
+                row["time_ms"] = f"{time_ms(function, args):.4f}"
+            except Exception as failure:  # a failing shape is recorded, the run goes on
+                row["error"] = f"{type(failure).__name__}: {str(failure)[:200]}"
+                traceback.print_exc()
+            torch.cuda.empty_cache()
+            writer.writerow(row)
+            log(f"{stage.name} B={B} N={N} H={H} D={D} {impl}: {row.get('time_ms', 'failed')} ms "
+                f"{row.get('rel_l2_vs_fla', '')} ({time.monotonic() - started:.0f} s)")
+
+
+def run_precision(stage, writer, log, lengths=PRECISION_LENGTHS):
+    """Relative L2 against float64 as N grows, fp16 and bf16, ours and FLA, inside and outside the safe gates."""
+    import torch
+
+    try:
+        implementations = (("ours", ours(stage)), ("fla", fla(stage)))
+    except ImportError:
+        return
+    gate_ranges = [GATE_RANGE] + ([UNSAFE_GATE_RANGE] if stage.gate != "none" else [])
+    for gate_range in gate_ranges:
+        for N in lengths:
+            exact = make_inputs(stage, 1, N, 4, 128, torch.float64, gate_range)
+            expected = float64_reference(stage, exact)
+            for dtype in (torch.float16, torch.bfloat16):
+                args = [x.to(dtype) if i < 3 else x.float() for i, x in enumerate(exact)]
+                for impl, function in implementations:
+                    row = dict(stage=stage.name, N=N, dtype=str(dtype).removeprefix("torch."), impl=impl,
+                               gate_lower=gate_range[0], gate_upper=gate_range[1])
+                    try:
+                        row["rel_l2_vs_float64"] = f"{relative_l2(function(*args), expected):.3e}"
+                    except Exception as failure:
+                        row["error"] = f"{type(failure).__name__}: {str(failure)[:200]}"
+                    writer.writerow(row)
+                    log(f"precision {stage.name} N={N} {row['dtype']} {impl} gates {gate_range}: "
+                        f"{row.get('rel_l2_vs_float64', row.get('error'))}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated: s01,s02,...")
+    parser.add_argument("--quick", action="store_true", help="two shapes instead of four")
+    parser.add_argument("--no-precision", action="store_true", help="skip the precision study")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the CSVs")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchmarks need a CUDA device; torch sees none", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+
+    def log(message):
+        print(f"[{time.monotonic() - started:6.0f} s] {message}", flush=True)
+
+    selected = [STAGES[name] for name in args.stages.split(",")]
+    bench_fields = ["stage", "B", "N", "H", "D", "dtype", "impl", "time_ms", "rel_l2_vs_fla", "rel_l2_vs_float64",
+                    "bytes", "memory_bound_ms", "error"]
+    with open(out / "bench.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, bench_fields)
+        writer.writeheader()
+        for stage in selected:
+            run_stage(stage, QUICK_SHAPES if args.quick else SHAPES, writer, log)
+    if not args.no_precision:
+        precision_fields = ["stage", "N", "dtype", "impl", "gate_lower", "gate_upper", "rel_l2_vs_float64", "error"]
+        with open(out / "precision.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, precision_fields)
+            writer.writeheader()
+            for stage in selected:
+                run_precision(stage, writer, log)
+    import fla
+    import tilelang
+    import triton
+
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
+                triton=triton.__version__, tilelang=tilelang.__version__, fla=getattr(fla, "__version__", "?"),
+                python=platform.python_version(), command="python -m benchmarks.bench " + " ".join(argv or sys.argv[1:]),
+                date=time.strftime("%Y-%m-%d"), seconds=round(time.monotonic() - started))
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    log(f"done: {out}/bench.csv, precision.csv, meta.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
