@@ -22,7 +22,7 @@ from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same
 
 DEFAULT_CHUNK_SIZE = 64
-DEFAULT_BLOCK_DV = 64
+DEFAULT_BLOCK_DV = 32
 
 
 # --8<-- [start:program]
