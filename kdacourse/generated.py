@@ -2,7 +2,8 @@
 
 A stage contributes its files through `stages/<stage>/figures.py`, which defines
 `generated_files()` -> {path relative to the repository: function(path) that writes it}.
-The course machinery contributes the kill matrix. `course regenerate` rewrites them all; the test
+The course machinery contributes the kill matrix, and benchmarks/figures.py the benchmark page's
+tables and plots (from the committed CSVs). `course regenerate` rewrites them all; the test
 suite regenerates them into a temporary folder and checks that the committed ones are current.
 Figures are SVG written without dates, so the same numbers give the same bytes.
 """
@@ -21,8 +22,10 @@ def generators():
     for figures in sorted((REPO_ROOT / "stages").glob("s*/figures.py")):
         module = importlib.import_module(f"stages.{figures.parent.name}.figures")
         table.update(module.generated_files())
+    from benchmarks import figures as benchmark_figures
     from kdacourse import killmatrix
 
+    table.update(benchmark_figures.generated_files())
     table.update(killmatrix.generated_files())
     return table
 

@@ -1,0 +1,148 @@
+"""The benchmarks page's tables and plots, made from the committed results on any machine.
+
+Reads benchmarks/results/{bench.csv, precision.csv, meta.json}, written on a GPU by
+`python -m benchmarks.bench --out benchmarks/results`, and writes docs/generated/bench_*.
+"""
+
+import csv
+import json
+from collections import defaultdict
+
+from kdacourse import REPO_ROOT
+from kdacourse.generated import markdown_table, save_svg
+
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+STAGE_LABELS = {
+    "s01_linear_attention": "s01 linear attention",
+    "s02_scalar_decay": "s02 scalar decay",
+    "s03_gated_deltanet": "s03 Gated DeltaNet",
+    "s04_kda": "s04 KDA",
+    "s05_fast_kda": "s05 fast KDA",
+}
+
+
+def _rows(name):
+    path = RESULTS / name
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _timings():
+    """{(stage, B, N, H, D): {impl: row}} for the benchmark shapes (rows with a time or an error)."""
+    table = defaultdict(dict)
+    for row in _rows("bench.csv"):
+        if row["impl"] and row["dtype"] == "bfloat16":
+            table[(row["stage"], int(row["B"]), int(row["N"]), int(row["H"]), int(row["D"]))][row["impl"]] = row
+    return table
+
+
+def _ms(row):
+    return float(row["time_ms"]) if row and row.get("time_ms") else None
+
+
+def write_meta(path):
+    meta_path = RESULTS / "meta.json"
+    if not meta_path.exists():
+        path.write_text("No benchmark results are committed yet.\n")
+        return
+    meta = json.loads(meta_path.read_text())
+    rows = [(key, f"`{value}`" if key == "command" else value) for key, value in meta.items()]
+    path.write_text(markdown_table(["", ""], rows))
+
+
+def write_timing_table(path):
+    rows = []
+    for (stage, B, N, H, D), by_impl in _timings().items():
+        ours, fla, plain = (by_impl.get(i) for i in ("ours", "fla", "torch"))
+        t_ours, t_fla, t_plain = _ms(ours), _ms(fla), _ms(plain)
+        bound = float((ours or fla)["memory_bound_ms"])
+
+        def cell(t):
+            return f"{t:.3f}" if t is not None else "failed"
+
+        rows.append((
+            STAGE_LABELS.get(stage, stage), f"{B}, {N}, {H}, {D}", cell(t_ours), cell(t_fla), cell(t_plain),
+            f"{t_fla / t_ours:.2f}" if t_ours and t_fla else "–",
+            f"{bound:.3f}", f"{bound / t_ours:.0%}" if t_ours else "–",
+            ours.get("rel_l2_vs_fla") or "–" if ours else "–",
+        ))
+    path.write_text(markdown_table(
+        ["stage", "B, N, H, D", "ours (ms)", "FLA (ms)", "plain torch (ms)", "FLA / ours", "memory bound (ms)",
+         "of bound", "rel L2 ours vs FLA"], rows) if rows else "No timings are committed yet.\n")
+
+
+def write_correctness_table(path):
+    rows = [(STAGE_LABELS.get(r["stage"], r["stage"]), f"{r['B']}, {r['N']}, {r['H']}, {r['D']}", r["dtype"],
+             r["rel_l2_vs_float64"]) for r in _rows("bench.csv") if r["rel_l2_vs_float64"]]
+    path.write_text(markdown_table(["stage", "B, N, H, D", "inputs", "rel L2 vs float64"], rows)
+                    if rows else "No results are committed yet.\n")
+
+
+def write_precision_table(path):
+    table = defaultdict(dict)
+    for row in _rows("precision.csv"):
+        key = (row["stage"], f"[{row['gate_lower']}, {row['gate_upper']}]", row["dtype"], row["impl"])
+        table[key][int(row["N"])] = row.get("rel_l2_vs_float64") or "failed"
+    lengths = sorted({n for values in table.values() for n in values})
+    rows = [(STAGE_LABELS.get(s, s), gates, dtype, impl, *(values.get(n, "–") for n in lengths))
+            for (s, gates, dtype, impl), values in table.items()]
+    path.write_text(markdown_table(["stage", "gates a in", "inputs", "kernel", *(f"N = {n}" for n in lengths)], rows)
+                    if rows else "No precision results are committed yet.\n")
+
+
+def write_plots(path):
+    """Three panels: time vs N (B = 1, H = 32), FLA / ours at every shape, fraction of the memory bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timings = _timings()
+    figure, (time_axis, ratio_axis, bound_axis) = plt.subplots(1, 3, figsize=(15, 4.2))
+    stages = sorted({key[0] for key in timings})
+    shapes = sorted({key[1:] for key in timings})
+    for stage in stages:
+        label = STAGE_LABELS.get(stage, stage)
+        lengths = sorted(N for (s, B, N, H, D) in timings if s == stage and B == 1)
+        for impl, style in (("ours", "-o"), ("fla", "--s")):
+            points = [(N, _ms(timings[(stage, 1, N, 32, 128)].get(impl))) for N in lengths]
+            points = [(N, t) for N, t in points if t is not None]
+            if points:
+                time_axis.plot(*zip(*points), style, label=f"{label} ({'ours' if impl == 'ours' else 'FLA'})")
+    time_axis.set(xscale="log", yscale="log", xlabel="N (B = 1, H = 32, D = 128)", ylabel="forward time (ms)",
+                  title="time against sequence length")
+    time_axis.legend(fontsize=7)
+    width = 0.8 / max(len(stages), 1)
+    for index, stage in enumerate(stages):
+        ratios, bounds = [], []
+        for shape in shapes:
+            by_impl = timings.get((stage, *shape), {})
+            t_ours, t_fla = _ms(by_impl.get("ours")), _ms(by_impl.get("fla"))
+            ratios.append(t_fla / t_ours if t_ours and t_fla else 0)
+            row = by_impl.get("ours")
+            bounds.append(float(row["memory_bound_ms"]) / t_ours if row and t_ours else 0)
+        offsets = [i + (index - (len(stages) - 1) / 2) * width for i in range(len(shapes))]
+        ratio_axis.bar(offsets, ratios, width, label=STAGE_LABELS.get(stage, stage))
+        bound_axis.bar(offsets, bounds, width, label=STAGE_LABELS.get(stage, stage))
+    labels = [f"B={B}\nN={N}\nH={H}" for B, N, H, D in shapes]
+    ratio_axis.axhline(1.0, color="black", linewidth=0.8)
+    ratio_axis.set(xticks=range(len(shapes)), xticklabels=labels, ylabel="time(FLA) / time(ours)",
+                   title="speed relative to FLA (> 1: ours faster)")
+    bound_axis.set(xticks=range(len(shapes)), xticklabels=labels, ylabel="memory-bound time / time",
+                   title="fraction of the memory-traffic bound")
+    ratio_axis.legend(fontsize=7)
+    figure.tight_layout()
+    save_svg(figure, path)
+    plt.close(figure)
+
+
+def generated_files():
+    return {
+        "docs/generated/bench_meta.md": write_meta,
+        "docs/generated/bench_timings.md": write_timing_table,
+        "docs/generated/bench_correctness.md": write_correctness_table,
+        "docs/generated/bench_precision.md": write_precision_table,
+        "docs/generated/bench_plots.svg": write_plots,
+    }
