@@ -18,10 +18,12 @@ from kdacourse import REPO_ROOT
 
 @dataclass
 class RunResult:
-    """outcomes: test id -> "passed" | "failed" | "skipped"; messages: test id -> failure text."""
+    """outcomes: test id -> "passed" | "failed" | "skipped"; messages: test id -> failure text;
+    summaries: test id -> the failure's message alone (its first lines, without the traceback)."""
 
     outcomes: dict = field(default_factory=dict)
     messages: dict = field(default_factory=dict)
+    summaries: dict = field(default_factory=dict)
     returncode: int = 0
     timed_out: bool = False
     output: str = ""
@@ -74,6 +76,7 @@ def _read_junit(xml, result):
         if problem is not None:
             result.outcomes[test_id] = "failed"
             result.messages[test_id] = (problem.get("message") or "") + "\n" + (problem.text or "")
+            result.summaries[test_id] = problem.get("message") or ""
         elif case.find("skipped") is not None:
             result.outcomes[test_id] = "skipped"
         else:

@@ -1,0 +1,377 @@
+"""Grading a folder of exercises (instructors) and checking one's own (students).
+
+    course grade FOLDER --out DIR    every exercise of the folder, a report in DIR
+    course check [STAGE]             your exercises, PASS or FAIL, and what to read next
+
+Both run each exercise's tests, tests/exercises/<stage>/test_<file>, in a pytest process of its own
+(kdacourse.runner) against the folder, with a time limit per test and one per exercise: a syntax
+error, an exception at import, an endless loop or an exit of the process costs that exercise, never
+the run. The folder is only read (kdacourse.targets compiles its files in memory), never written.
+
+An exercise is passed when every one of its tests passes; it then earns its points, else none.
+"""
+
+import html
+import json
+import os
+import re
+import sys
+import time
+import unicodedata
+import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kdacourse import REPO_ROOT
+from kdacourse.catalog import Exercise, exercises, resolve_stage, stages
+from kdacourse.runner import RunResult, run_tests
+from kdacourse.targets import TargetError, target_folder
+
+# Exercise runs are separate processes that mostly wait on imports: a few at once fill the cores.
+JOBS = max(1, min(4, os.cpu_count() or 1))
+# The whole test run of one exercise may take this many times the limit of one test.
+EXERCISE_LIMIT_PER_TEST_LIMIT = 5
+# `course check` is the student's loop: a hang should cost half a minute, not the grader's minute.
+CHECK_TIMEOUT_PER_TEST = 30
+# How much of a failure message the reports quote.
+MESSAGE_LINES = 3
+MESSAGE_LINE_CHARS = 200
+
+
+@dataclass
+class ExerciseResult:
+    """One exercise's test run, read as a grade."""
+
+    exercise: Exercise
+    run: RunResult
+    seconds: float
+    timeout_per_exercise: float
+
+    @property
+    def passed(self):
+        return self.run.all_passed() and self.run.returncode == 0
+
+    @property
+    def points(self):
+        return self.exercise.points if self.passed else 0
+
+    @property
+    def tests_total(self):
+        return len(self.run.outcomes)
+
+    @property
+    def tests_passed(self):
+        return sum(outcome == "passed" for outcome in self.run.outcomes.values())
+
+    def run_problem(self):
+        """Why the run as a whole gave no verdict (time limit, process ended early), or None."""
+        if self.run.timed_out:
+            return (f"timed out: the whole test run was stopped after {self.timeout_per_exercise:g} s "
+                    f"(the time limit per exercise)")
+        if not self.run.outcomes:
+            last_lines = "\n".join(self.run.output.strip().splitlines()[-MESSAGE_LINES:])
+            return (f"no test result: the test process ended with exit code {self.run.returncode} "
+                    f"before reporting (did the code exit the process?)\n{last_lines}")
+        if self.run.returncode != 0 and not self.run.failed():
+            return f"the test process ended with exit code {self.run.returncode}"
+        return None
+
+    def failure_messages(self):
+        """The run's problem if any, then `test name: its failure message` per failed test."""
+        problem = self.run_problem()
+        messages = [problem] if problem else []
+        for test_id in self.run.failed():
+            message = self.run.summaries.get(test_id) or self.run.messages.get(test_id, "")
+            messages.append(f"{_test_name(test_id)}: {message.strip()}")
+        return messages
+
+    def failures(self):
+        """The failure messages shortened to one line each."""
+        return [_one_line(message) for message in self.failure_messages()]
+
+    def first_failure(self):
+        """The first lines of the first failure message ("" when passed)."""
+        messages = self.failure_messages()
+        if not messages:
+            return ""
+        lines = [line[:MESSAGE_LINE_CHARS] for line in messages[0].splitlines() if line.strip()]
+        return "\n".join(lines[:MESSAGE_LINES])
+
+    def as_json(self):
+        return {
+            "id": self.exercise.id,
+            "stage": self.exercise.stage,
+            "file": self.exercise.file,
+            "kind": self.exercise.kind,
+            "passed": self.passed,
+            "points": self.points,
+            "max_points": self.exercise.points,
+            "tests_passed": self.tests_passed,
+            "tests_total": self.tests_total,
+            "timed_out": self.run.timed_out,
+            "seconds": round(self.seconds, 2),
+            "failures": self.failures(),
+        }
+
+
+def _one_line(text):
+    """The first lines of a message joined into one short line ("AssertionError:" alone says little)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    joined = " ".join(lines[:MESSAGE_LINES]) or "(no message)"
+    return joined if len(joined) <= MESSAGE_LINE_CHARS else joined[: MESSAGE_LINE_CHARS - 3] + "..."
+
+
+def _test_name(test_id):
+    """'tests/exercises/s01/test_x.py::test_y[8-8]' -> 'test_y[8-8]'."""
+    return test_id.split("::", 1)[-1]
+
+
+def run_exercises(target, selected, timeout_per_test, timeout_per_exercise, on_result):
+    """Run each exercise's tests against `target`, JOBS processes at a time.
+
+    Calls on_result(position, result) in catalog order as results come in; returns the results.
+    """
+
+    def run_one(exercise):
+        started = time.monotonic()
+        run = run_tests(target, [exercise.test_path.relative_to(REPO_ROOT)],
+                        timeout_per_test=timeout_per_test, timeout_total=timeout_per_exercise)
+        return ExerciseResult(exercise, run, time.monotonic() - started, timeout_per_exercise)
+
+    results = []
+    with ThreadPoolExecutor(max_workers=JOBS) as pool:
+        for position, result in enumerate(pool.map(run_one, selected), 1):
+            on_result(position, result)
+            results.append(result)
+    return results
+
+
+def _error(message):
+    print(f"course: {message}", file=sys.stderr)
+    return 2
+
+
+def _unknown_stage(name):
+    known = ", ".join(f"{stage.split('_')[0]} ({stage})" for stage in stages())
+    return _error(f"unknown stage {name!r}; the stages are: {known}")
+
+
+# ---------------------------------------------------------------------------------------- grade
+
+
+def grade(folder, out, timeout_per_test=60):
+    """Grade `folder` (laid out like exercises/) and write report.md, report.json, junit.xml to `out`.
+
+    Grades every exercise of the stages whose folders `folder` has: a student who hands in stage 1
+    only is graded on stage 1 (the report names the stages left out); a file missing from a stage
+    folder costs its exercise. Each exercise's whole test run may take EXERCISE_LIMIT_PER_TEST_LIMIT
+    times `timeout_per_test`. Returns the exit code: 0 once graded, whatever the score; 2 when there
+    is nothing to grade.
+    """
+    folder_path = Path(folder).expanduser().resolve()
+    if not folder_path.is_dir():
+        return _error(f"cannot grade {folder}: no such folder")
+    graded_stages = [stage for stage in stages() if (folder_path / stage).is_dir()]
+    if not graded_stages:
+        return _error(f"cannot grade {folder}: it has no stage folder; expected one of: {', '.join(stages())}")
+    out_path = Path(out).expanduser().resolve()
+    if out_path == folder_path or folder_path in out_path.parents:
+        return _error(f"the reports would go inside the graded folder {folder}; choose --out elsewhere")
+    timeout_per_exercise = EXERCISE_LIMIT_PER_TEST_LIMIT * timeout_per_test
+
+    selected = [exercise for exercise in exercises() if exercise.stage in graded_stages]
+    not_graded = [stage for stage in stages() if stage not in graded_stages]
+    print(f"grading {folder_path}: {len(selected)} exercises in {len(graded_stages)} stages "
+          f"({timeout_per_test:g} s per test, {timeout_per_exercise:g} s per exercise)", flush=True)
+    if not_graded:
+        print(f"not in the folder, not graded: {', '.join(not_graded)}", flush=True)
+
+    def show_progress(position, result):
+        verdict = "passed" if result.passed else "FAILED"
+        line = (f"[{position}/{len(selected)}] {result.exercise.id} ... {verdict} "
+                f"({result.points}/{result.exercise.points} points, {result.seconds:.1f} s)")
+        if not result.passed:
+            line += f": {result.failures()[0]}"
+        print(line, flush=True)
+
+    started_at = datetime.now(timezone.utc)
+    started = time.monotonic()
+    results = run_exercises(str(folder_path), selected, timeout_per_test, timeout_per_exercise, show_progress)
+    report = grade_report(folder_path, results, not_graded, started_at, time.monotonic() - started,
+                          timeout_per_test, timeout_per_exercise)
+
+    out_path.mkdir(parents=True, exist_ok=True)
+    (out_path / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out_path / "report.md").write_text(markdown_report(report), encoding="utf-8")
+    junit_tree(results).write(out_path / "junit.xml", encoding="utf-8", xml_declaration=True)
+    print(f"score: {report['score']}/{report['max_score']} points; "
+          f"{out_path / 'report.md'}, report.json, junit.xml", flush=True)
+    return 0
+
+
+def grade_report(folder_path, results, not_graded, started_at, seconds, timeout_per_test, timeout_per_exercise):
+    """The content of report.json: totals, per-stage totals and one entry per exercise."""
+    per_stage = {}
+    for result in results:
+        totals = per_stage.setdefault(result.exercise.stage, {
+            "score": 0, "max_score": 0, "exercises_passed": 0, "exercises_total": 0})
+        totals["score"] += result.points
+        totals["max_score"] += result.exercise.points
+        totals["exercises_passed"] += result.passed
+        totals["exercises_total"] += 1
+    return {
+        "folder": str(folder_path),
+        "graded_at": started_at.isoformat(timespec="seconds"),
+        "seconds": round(seconds, 1),
+        "timeout_per_test": timeout_per_test,
+        "timeout_per_exercise": timeout_per_exercise,
+        "score": sum(result.points for result in results),
+        "max_score": sum(result.exercise.points for result in results),
+        "stages": per_stage,
+        "stages_not_graded": not_graded,
+        "exercises": [{**result.as_json(), "first_failure": result.first_failure()} for result in results],
+    }
+
+
+def markdown_report(report):
+    """report.md: the totals, then per stage a table of its exercises."""
+    passed = sum(entry["passed"] for entry in report["exercises"])
+    lines = [
+        f"# Grade of `{report['folder']}`",
+        "",
+        f"**Score: {report['score']} / {report['max_score']} points**, "
+        f"{passed} of {len(report['exercises'])} exercises passed. "
+        f"Graded {report['graded_at']} in {report['seconds']:g} s; time limits "
+        f"{report['timeout_per_test']:g} s per test, {report['timeout_per_exercise']:g} s per exercise.",
+        "",
+        "An exercise earns its points when all of its tests pass, else none.",
+        "",
+    ]
+    if report["stages_not_graded"]:
+        lines += [f"Stages not in the folder, not graded: {', '.join(report['stages_not_graded'])}.", ""]
+    for stage, totals in report["stages"].items():
+        lines += [f"## {stage}: {totals['score']} / {totals['max_score']} points", "",
+                  "| exercise | kind | passed | points | tests passed | first failure |",
+                  "|---|---|---|---|---|---|"]
+        for entry in report["exercises"]:
+            if entry["stage"] == stage:
+                lines.append(f"| `{entry['id']}` | {entry['kind']} | {'yes' if entry['passed'] else '**no**'} "
+                             f"| {entry['points']}/{entry['max_points']} "
+                             f"| {entry['tests_passed']}/{entry['tests_total']} "
+                             f"| {_table_cell(entry['first_failure'])} |")
+        lines.append("")
+    lines += ["## Totals", "", "| stage | points | exercises passed |", "|---|---|---|"]
+    for stage, totals in report["stages"].items():
+        lines.append(f"| {stage} | {totals['score']}/{totals['max_score']} "
+                     f"| {totals['exercises_passed']}/{totals['exercises_total']} |")
+    lines.append(f"| **all** | **{report['score']}/{report['max_score']}** | {passed}/{len(report['exercises'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _table_cell(text):
+    """Text as one Markdown table cell: HTML-escaped (student messages may hold < and |), lines as <br>."""
+    return "<br>".join(html.escape(line).replace("|", "&#124;") for line in text.splitlines())
+
+
+def junit_tree(results):
+    """junit.xml: one <testsuite> per exercise holding pytest's own <testcase> elements.
+
+    A run that gave no verdict as a whole (time limit per exercise, process ended early) adds one
+    failed testcase that says so, so that CI shows the exercise as failed.
+    """
+    suites = ElementTree.Element("testsuites", name="course grade")
+    for result in results:
+        cases = list(ElementTree.fromstring(result.run.junit_xml).iter("testcase")) if result.run.junit_xml else []
+        problem = result.run_problem()
+        if problem:
+            case = ElementTree.Element("testcase", classname=result.exercise.id, name="test run",
+                                       time=f"{result.seconds:.3f}")
+            failure = ElementTree.SubElement(case, "failure", message=_one_line(problem))
+            failure.text = problem + ("\n\n" + result.run.output[-4000:] if result.run.output else "")
+            cases.append(case)
+        counts = {kind: sum(case.find(kind) is not None for case in cases) for kind in ("failure", "error", "skipped")}
+        suite = ElementTree.SubElement(suites, "testsuite", name=result.exercise.id, tests=str(len(cases)),
+                                       failures=str(counts["failure"]), errors=str(counts["error"]),
+                                       skipped=str(counts["skipped"]), time=f"{result.seconds:.3f}")
+        properties = ElementTree.SubElement(suite, "properties")
+        for name, value in (("stage", result.exercise.stage), ("kind", result.exercise.kind),
+                            ("points", result.points), ("max_points", result.exercise.points)):
+            ElementTree.SubElement(properties, "property", name=name, value=str(value))
+        suite.extend(cases)
+    for total in ("tests", "failures", "errors", "skipped"):
+        suites.set(total, str(sum(int(suite.get(total)) for suite in suites)))
+    return ElementTree.ElementTree(suites)
+
+
+# ---------------------------------------------------------------------------------------- check
+
+
+def check(stage=None, target="exercises"):
+    """Run the student's exercises of one stage (or all) and say what to read next.
+
+    Returns the exit code: 0 when every exercise passes, 1 otherwise, 2 for an unknown stage or
+    target.
+    """
+    try:
+        checked_stages = [resolve_stage(stage)] if stage else stages()
+    except ValueError:
+        return _unknown_stage(stage)
+    try:
+        folder_path = target_folder(target)
+    except TargetError as error:
+        return _error(str(error))
+    # "exercises", "solutions" and "bug:<id>" mean what they mean to the tests; a folder goes absolute.
+    run_target = target if target in ("exercises", "solutions") or target.startswith("bug:") else str(folder_path)
+    selected = [exercise for exercise in exercises() if exercise.stage in checked_stages]
+    print(f"checking {len(selected)} exercises in {folder_path}", flush=True)
+
+    def show_result(position, result):
+        if result.passed:
+            print(f"PASS  {result.exercise.id}", flush=True)
+            return
+        print(f"FAIL  {result.exercise.id}: {result.failures()[0]}", flush=True)
+        print(f"      read: {read_location(result.exercise.read)}", flush=True)
+        rerun = f"pytest {result.exercise.test_path.relative_to(REPO_ROOT)}"
+        if run_target != "exercises":
+            rerun += f" --target={run_target}"
+        print(f"      re-run its tests: {rerun}", flush=True)
+
+    results = run_exercises(run_target, selected, CHECK_TIMEOUT_PER_TEST,
+                            EXERCISE_LIMIT_PER_TEST_LIMIT * CHECK_TIMEOUT_PER_TEST, show_result)
+    passed = [result for result in results if result.passed]
+    points = sum(result.points for result in results)
+    print(f"{len(passed)} of {len(results)} exercises pass "
+          f"({points}/{sum(result.exercise.points for result in results)} points)", flush=True)
+    return 0 if len(passed) == len(results) else 1
+
+
+def read_location(read, docs=REPO_ROOT / "docs"):
+    """A catalog `read` field as a page and section: "docs/<page>, section '<heading>'".
+
+    'page.md#anchor' names the heading of docs/page.md whose anchor (as the site makes it) is
+    `anchor`; where the page has no such heading, the section is named by its anchor.
+    """
+    page, _, anchor = read.partition("#")
+    location = f"docs/{page}"
+    if not anchor:
+        return location
+    return f"{location}, section '{_heading_with_anchor(docs / page, anchor)}'"
+
+
+def _heading_with_anchor(page_path, anchor):
+    if page_path.is_file():
+        for line in page_path.read_text(encoding="utf-8").splitlines():
+            if line.startswith("#"):
+                heading = re.sub(r"\s*\{[^}]*\}\s*$", "", line.lstrip("#").strip())  # drop an {#id} suffix
+                if _anchor_of(heading) == anchor:
+                    return heading
+    return f"#{anchor}"
+
+
+def _anchor_of(heading):
+    """The anchor Python-Markdown's toc extension (and so MkDocs) gives a heading."""
+    text = unicodedata.normalize("NFKD", heading).encode("ascii", "ignore").decode("ascii")
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
