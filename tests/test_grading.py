@@ -1,0 +1,330 @@
+"""`course grade` and `course check`, run as an instructor and a student run them.
+
+Every grading and check runs once, as a `course` process, in the module fixture `runs`: solutions
+(full marks), the shipped exercises (zero on every exercise), and folders of broken files (a syntax
+error, an exception at import, endless loops, exits of the process, a missing file), each broken
+file in an exercise of its own beside intact ones. The tests then read the reports, the output and
+the folders, which must be byte for byte as they were.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kdacourse import REPO_ROOT
+from kdacourse.catalog import exercises, exercises_of_stage, stages
+from kdacourse.grading import check, grade, read_location
+from kdacourse.shipped import shipped_source, split_region
+
+EXERCISES = exercises()
+# The broken folders use the first stage's exercises: its tests are small and fast.
+BROKEN_STAGE = stages()[0]
+# Small limits keep the hangs short: 2 s per test, so 10 s per exercise (grading's default ratio).
+BROKEN_TIMEOUT_PER_TEST = 2
+
+
+def _replace_region(source, body):
+    """`source` with its exercise region replaced by `body`, indented as the region is."""
+    before, region, after = split_region(source)
+    indent = region[: len(region) - len(region.lstrip())]
+    return before + "".join(indent + line + "\n" for line in body.splitlines()) + after
+
+
+# Ways a student's file breaks: name -> the broken text made from the solution (None: no file).
+BREAKAGES = {
+    "syntax error": lambda solution: "def broken(:\n" + solution,
+    "endless loop in the function": lambda solution: _replace_region(solution, "while True:\n    pass"),
+    "intact": lambda solution: solution,
+    "exception at import": lambda solution: 'raise RuntimeError("broken at import")\n' + solution,
+    # pytest-timeout stops a test with SIGALRM; ignoring it leaves the limit per exercise to stop the run
+    "endless loop at import, deaf to the per-test limit": lambda solution: (
+        "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+        "while True:\n    time.sleep(0.1)\n" + solution),
+    "sys.exit at import": lambda solution: "import sys\nsys.exit(3)\n" + solution,
+    "os._exit in the function": lambda solution: _replace_region(solution, "import os\nos._exit(0)"),
+    "missing file": None,
+}
+
+
+def broken_folders():
+    """[(folder name, {exercise: breakage})]: the breakages dealt over the first stage's exercises,
+    one per exercise, as many folders as that takes; exercises left over stay intact."""
+    stage_exercises = exercises_of_stage(BROKEN_STAGE)
+    names = list(BREAKAGES)
+    folders = []
+    for start in range(0, len(names), len(stage_exercises)):
+        dealt = names[start : start + len(stage_exercises)]
+        dealt += ["intact"] * (len(stage_exercises) - len(dealt))
+        folders.append((f"broken{len(folders)}", dict(zip(stage_exercises, dealt))))
+    return folders
+
+
+BROKEN_FOLDERS = broken_folders()
+
+
+@dataclass
+class Run:
+    """One `course` command: its exit code, its output, and the reports it wrote (for grade)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    out: Path | None = None
+
+    def report(self):
+        return json.loads((self.out / "report.json").read_text())
+
+    def entries(self):
+        return {entry["id"]: entry for entry in self.report()["exercises"]}
+
+
+def course(*arguments, out=None, cwd):
+    command = [sys.executable, "-m", "kdacourse.cli", *map(str, arguments)]
+    if out is not None:
+        command += ["--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd,
+                               env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"), stdin=subprocess.DEVNULL)
+    return Run(completed.returncode, completed.stdout, completed.stderr, out)
+
+
+def snapshot(folder):
+    """{relative path: sha256 of the file, or "folder"}: the whole tree, to compare before and after."""
+    tree = {}
+    for path in sorted(folder.rglob("*")):
+        relative = str(path.relative_to(folder))
+        tree[relative] = "folder" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+    return tree
+
+
+def set_read_only(folder, read_only):
+    for path in [folder, *folder.rglob("*")]:
+        mode = path.stat().st_mode
+        write = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+        path.chmod(mode & ~write if read_only else mode | stat.S_IWUSR)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: Run} for every grading and check, run two at a time; plus the folders' snapshots."""
+    root = tmp_path_factory.mktemp("grading")
+    folders = {}
+
+    solutions = root / "solutions"
+    shutil.copytree(REPO_ROOT / "solutions", solutions)
+    folders["solutions"] = solutions
+
+    shipped = root / "shipped"
+    for exercise in EXERCISES:
+        path = shipped / exercise.stage / exercise.file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(shipped_source(exercise))
+    folders["shipped"] = shipped
+
+    for name, breakages in BROKEN_FOLDERS:
+        for exercise, breakage in breakages.items():
+            make = BREAKAGES[breakage]
+            if make is not None:
+                path = root / name / exercise.stage / exercise.file
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(make((REPO_ROOT / "solutions" / exercise.stage / exercise.file).read_text()))
+        folders[name] = root / name
+
+    before = {name: snapshot(folder) for name, folder in folders.items()}
+    for folder in folders.values():
+        set_read_only(folder, True)
+
+    short_stage = BROKEN_STAGE.split("_")[0]
+    commands = {  # the broken ones first: their hangs overlap with the others' work
+        **{name: ("grade", root / name, "--timeout", BROKEN_TIMEOUT_PER_TEST) for name, _ in BROKEN_FOLDERS},
+        "grade solutions": ("grade", solutions),
+        "grade shipped": ("grade", shipped),
+        "check solutions": ("check", short_stage, "--target", solutions),
+        "check shipped": ("check", short_stage, "--target", shipped),
+    }
+    reports = root / "reports"
+
+    def run(name):
+        out = reports / name.replace(" ", "-") if commands[name][0] == "grade" else None
+        return course(*commands[name], out=out, cwd=root)
+
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            results = dict(zip(commands, pool.map(run, commands)))
+    finally:
+        for folder in folders.values():
+            set_read_only(folder, False)
+    results["snapshots"] = {name: (before[name], snapshot(folder)) for name, folder in folders.items()}
+    return results
+
+
+def test_solutions_score_full_marks(runs):
+    run = runs["grade solutions"]
+    assert run.returncode == 0, run.stderr
+    report = run.report()
+    assert report["score"] == report["max_score"] == sum(e.points for e in EXERCISES)
+    assert {entry["id"] for entry in report["exercises"] if entry["passed"]} == {e.id for e in EXERCISES}
+    assert all(entry["tests_passed"] > 0 and not entry["failures"] for entry in report["exercises"])
+    assert f"[{len(EXERCISES)}/{len(EXERCISES)}]" in run.stdout
+
+
+def test_shipped_exercises_score_zero(runs):
+    run = runs["grade shipped"]
+    assert run.returncode == 0, run.stderr
+    entries = run.entries()
+    assert set(entries) == {e.id for e in EXERCISES}
+    for exercise in EXERCISES:
+        entry = entries[exercise.id]
+        assert (entry["passed"], entry["points"], entry["kind"]) == (False, 0, exercise.kind), exercise.id
+        assert entry["failures"], f"{exercise.id} failed with no message"
+    fill = [entries[e.id]["failures"] for e in EXERCISES if e.kind == "fill"]
+    assert all(any("NotImplementedError" in message for message in messages) for messages in fill)
+    assert run.report()["score"] == 0
+
+
+@pytest.mark.parametrize("name", [name for name, _ in BROKEN_FOLDERS])
+def test_broken_files_cost_their_exercise_only(runs, name):
+    run = runs[name]
+    assert run.returncode == 0, run.stderr
+    entries = run.entries()
+    for exercise, breakage in dict(BROKEN_FOLDERS)[name].items():
+        entry = entries[exercise.id]
+        if breakage == "intact":
+            assert entry["passed"] and entry["points"] == exercise.points, f"intact {exercise.id}: {entry['failures']}"
+        else:
+            assert not entry["passed"] and entry["points"] == 0, f"{breakage} in {exercise.id} passes"
+            assert entry["failures"] and entry["first_failure"], f"{breakage}: no message"
+
+
+def _entries_by_breakage():
+    """{breakage: (folder name, exercise)} for every breakage but intact."""
+    return {breakage: (name, exercise) for name, breakages in BROKEN_FOLDERS
+            for exercise, breakage in breakages.items() if breakage != "intact"}
+
+
+@pytest.mark.parametrize("breakage, any_of", [
+    ("syntax error", ["SyntaxError"]),
+    ("exception at import", ["RuntimeError: broken at import"]),
+    ("sys.exit at import", ["SystemExit: 3"]),
+    ("missing file", ["is missing"]),
+    # each test stopped by pytest-timeout, or the run by the limit per exercise if the tests add up to it
+    ("endless loop in the function", ["Timeout", "timed out"]),
+    ("endless loop at import, deaf to the per-test limit", ["timed out: the whole test run was stopped"]),
+    ("os._exit in the function", ["no test result"]),
+])
+def test_failure_messages_say_what_broke(runs, breakage, any_of):
+    name, exercise = _entries_by_breakage()[breakage]
+    entry = runs[name].entries()[exercise.id]
+    assert any(words in message for words in any_of for message in [entry["first_failure"], *entry["failures"]]), entry
+    if breakage == "endless loop at import, deaf to the per-test limit":
+        assert entry["timed_out"]
+
+
+@pytest.mark.parametrize("name", ["grade solutions", "grade shipped", *[name for name, _ in BROKEN_FOLDERS]])
+def test_reports_are_well_formed_and_agree(runs, name):
+    run = runs[name]
+    report = run.report()
+    entries = report["exercises"]
+
+    # report.json: the totals are the sums of the parts, and an exercise is all or nothing
+    assert report["score"] == sum(entry["points"] for entry in entries)
+    assert report["max_score"] == sum(entry["max_points"] for entry in entries)
+    for stage, totals in report["stages"].items():
+        in_stage = [entry for entry in entries if entry["stage"] == stage]
+        assert totals["score"] == sum(entry["points"] for entry in in_stage)
+        assert totals["max_score"] == sum(entry["max_points"] for entry in in_stage)
+        assert totals["exercises_passed"] == sum(entry["passed"] for entry in in_stage)
+    assert sum(totals["score"] for totals in report["stages"].values()) == report["score"]
+    for entry in entries:
+        assert entry["points"] == (entry["max_points"] if entry["passed"] else 0)
+        assert entry["passed"] == (not entry["failures"])
+        assert entry["tests_passed"] <= entry["tests_total"]
+        if entry["passed"]:
+            assert entry["tests_passed"] > 0
+    assert Path(report["folder"]).name == (name.split()[-1] if name.startswith("grade") else name)
+    assert report["graded_at"]
+
+    # report.md: one row per exercise with its points, and the total
+    markdown = (run.out / "report.md").read_text()
+    assert f"**Score: {report['score']} / {report['max_score']} points**" in markdown
+    for entry in entries:
+        row = next(line for line in markdown.splitlines() if line.startswith(f"| `{entry['id']}` |"))
+        assert f"| {entry['points']}/{entry['max_points']} |" in row
+        assert ("| **no** |" in row) != entry["passed"]
+
+    # junit.xml: one testsuite per exercise, one testcase per test, the failures where they belong
+    suites = ElementTree.parse(run.out / "junit.xml").getroot()
+    assert suites.tag == "testsuites"
+    assert [suite.get("name") for suite in suites] == [entry["id"] for entry in entries]
+    for suite, entry in zip(suites, entries):
+        cases = suite.findall("testcase")
+        problems = [problem for case in cases for problem in [case.find("failure"), case.find("error")]
+                    if problem is not None]
+        assert int(suite.get("tests")) == len(cases) >= max(entry["tests_total"], 1)
+        assert int(suite.get("failures")) + int(suite.get("errors")) == len(problems)
+        assert bool(problems) == (not entry["passed"]), entry["id"]
+        assert all(problem.get("message") for problem in problems)
+    assert int(suites.get("tests")) == sum(int(suite.get("tests")) for suite in suites)
+
+
+@pytest.mark.parametrize("name", ["solutions", "shipped", *[name for name, _ in BROKEN_FOLDERS]])
+def test_graded_folders_are_untouched(runs, name):
+    before, after = runs["snapshots"][name]
+    assert after == before, f"{name}: grading changed {sorted(set(after.items()) ^ set(before.items()))}"
+
+
+def test_check_passes_on_solutions(runs):
+    run = runs["check solutions"]
+    assert run.returncode == 0, run.stdout + run.stderr
+    for exercise in exercises_of_stage(BROKEN_STAGE):
+        assert f"PASS  {exercise.id}" in run.stdout
+    assert "FAIL" not in run.stdout
+
+
+def test_check_on_shipped_exercises_says_what_to_read(runs):
+    run = runs["check shipped"]
+    assert run.returncode == 1, run.stdout + run.stderr
+    for exercise in exercises_of_stage(BROKEN_STAGE):
+        assert f"FAIL  {exercise.id}: " in run.stdout
+        assert f"read: {read_location(exercise.read)}" in run.stdout
+        assert f"pytest tests/exercises/{exercise.stage}/test_{exercise.file}" in run.stdout
+
+
+def test_check_of_an_unknown_stage_lists_the_stages(capsys):
+    assert check("s99") == 2
+    error = capsys.readouterr().err
+    assert "unknown stage 's99'" in error
+    assert all(stage in error for stage in stages())
+
+
+def test_grade_refuses_a_missing_or_empty_folder(tmp_path, capsys):
+    assert grade(tmp_path / "nowhere", tmp_path / "out") == 2
+    assert "no such folder" in capsys.readouterr().err
+    (tmp_path / "empty" / "notes").mkdir(parents=True)
+    assert grade(tmp_path / "empty", tmp_path / "out") == 2
+    assert "no stage folder" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_grade_refuses_to_write_inside_the_graded_folder(tmp_path, capsys):
+    (tmp_path / BROKEN_STAGE).mkdir()
+    assert grade(tmp_path, tmp_path / "out") == 2
+    assert "inside the graded folder" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_read_location_names_the_heading_of_the_anchor(tmp_path):
+    (tmp_path / "page.md").write_text("# Page\n\n## Reference B: chunk by chunk\n\ntext\n")
+    assert read_location("page.md#reference-b-chunk-by-chunk", tmp_path) == \
+        "docs/page.md, section 'Reference B: chunk by chunk'"
+    assert read_location("page.md#no-such-heading", tmp_path) == "docs/page.md, section '#no-such-heading'"
+    assert read_location("page.md", tmp_path) == "docs/page.md"
