@@ -29,8 +29,8 @@ from kdacourse.catalog import Exercise, exercises, resolve_stage, stages
 from kdacourse.runner import RunResult, run_tests
 from kdacourse.targets import TargetError, target_folder
 
-# Exercise runs are separate processes that mostly wait on imports: a few at once fill the cores.
-JOBS = max(1, min(4, os.cpu_count() or 1))
+# Exercise runs at a time: one pytest process per core, at most 8 (each holds numpy and torch).
+JOBS = max(1, min(8, os.cpu_count() or 1))
 # The whole test run of one exercise may take this many times the limit of one test.
 EXERCISE_LIMIT_PER_TEST_LIMIT = 5
 # `course check` is the student's loop: a hang should cost half a minute, not the grader's minute.
@@ -51,7 +51,8 @@ class ExerciseResult:
 
     @property
     def passed(self):
-        return self.run.all_passed() and self.run.returncode == 0
+        """Every test ran and passed (skipped ones aside, but not all of them), and pytest agrees."""
+        return self.run.all_passed() and self.run.returncode == 0 and self.tests_passed > 0
 
     @property
     def points(self):
@@ -69,13 +70,15 @@ class ExerciseResult:
         """Why the run as a whole gave no verdict (time limit, process ended early), or None."""
         if self.run.timed_out:
             return (f"timed out: the whole test run was stopped after {self.timeout_per_exercise:g} s "
-                    f"(the time limit per exercise)")
+                    f"(the time limit per exercise; an endless loop?)")
         if not self.run.outcomes:
             last_lines = "\n".join(self.run.output.strip().splitlines()[-MESSAGE_LINES:])
             return (f"no test result: the test process ended with exit code {self.run.returncode} "
                     f"before reporting (did the code exit the process?)\n{last_lines}")
         if self.run.returncode != 0 and not self.run.failed():
             return f"the test process ended with exit code {self.run.returncode}"
+        if self.tests_passed == 0 and not self.run.failed():
+            return f"no test ran: all {self.tests_total} were skipped here"
         return None
 
     def failure_messages(self):
@@ -183,7 +186,7 @@ def grade(folder, out, timeout_per_test=60):
 
     selected = [exercise for exercise in exercises() if exercise.stage in graded_stages]
     not_graded = [stage for stage in stages() if stage not in graded_stages]
-    print(f"grading {folder_path}: {len(selected)} exercises in {len(graded_stages)} stages "
+    print(f"grading {folder_path}: {len(selected)} exercises of {', '.join(graded_stages)} "
           f"({timeout_per_test:g} s per test, {timeout_per_exercise:g} s per exercise)", flush=True)
     if not_graded:
         print(f"not in the folder, not graded: {', '.join(not_graded)}", flush=True)
@@ -259,7 +262,7 @@ def markdown_report(report):
             if entry["stage"] == stage:
                 lines.append(f"| `{entry['id']}` | {entry['kind']} | {'yes' if entry['passed'] else '**no**'} "
                              f"| {entry['points']}/{entry['max_points']} "
-                             f"| {entry['tests_passed']}/{entry['tests_total']} "
+                             f"| {_tests_cell(entry)} "
                              f"| {_table_cell(entry['first_failure'])} |")
         lines.append("")
     lines += ["## Totals", "", "| stage | points | exercises passed |", "|---|---|---|"]
@@ -270,9 +273,15 @@ def markdown_report(report):
     return "\n".join(lines) + "\n"
 
 
+def _tests_cell(entry):
+    if entry["tests_total"] == 0:  # the run ended or was stopped before pytest reported
+        return "no result"
+    return f"{entry['tests_passed']}/{entry['tests_total']}"
+
+
 def _table_cell(text):
     """Text as one Markdown table cell: HTML-escaped (student messages may hold < and |), lines as <br>."""
-    return "<br>".join(html.escape(line).replace("|", "&#124;") for line in text.splitlines())
+    return "<br>".join(html.escape(line, quote=False).replace("|", "&#124;") for line in text.splitlines())
 
 
 def junit_tree(results):
@@ -288,8 +297,8 @@ def junit_tree(results):
         if problem:
             case = ElementTree.Element("testcase", classname=result.exercise.id, name="test run",
                                        time=f"{result.seconds:.3f}")
-            failure = ElementTree.SubElement(case, "failure", message=_one_line(problem))
-            failure.text = problem + ("\n\n" + result.run.output[-4000:] if result.run.output else "")
+            failure = ElementTree.SubElement(case, "failure", message=_xml_text(_one_line(problem)))
+            failure.text = _xml_text(problem + ("\n\n" + result.run.output[-4000:] if result.run.output else ""))
             cases.append(case)
         counts = {kind: sum(case.find(kind) is not None for case in cases) for kind in ("failure", "error", "skipped")}
         suite = ElementTree.SubElement(suites, "testsuite", name=result.exercise.id, tests=str(len(cases)),
@@ -303,6 +312,11 @@ def junit_tree(results):
     for total in ("tests", "failures", "errors", "skipped"):
         suites.set(total, str(sum(int(suite.get(total)) for suite in suites)))
     return ElementTree.ElementTree(suites)
+
+
+def _xml_text(text):
+    """`text` without the characters XML 1.0 cannot hold (a student's output may print any)."""
+    return re.sub("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]", "?", text)
 
 
 # ---------------------------------------------------------------------------------------- check

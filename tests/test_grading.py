@@ -23,7 +23,8 @@ import pytest
 
 from kdacourse import REPO_ROOT
 from kdacourse.catalog import exercises, exercises_of_stage, stages
-from kdacourse.grading import check, grade, read_location
+from kdacourse.grading import ExerciseResult, check, grade, junit_tree, read_location
+from kdacourse.runner import RunResult
 from kdacourse.shipped import shipped_source, split_region
 
 EXERCISES = exercises()
@@ -328,3 +329,18 @@ def test_read_location_names_the_heading_of_the_anchor(tmp_path):
         "docs/page.md, section 'Reference B: chunk by chunk'"
     assert read_location("page.md#no-such-heading", tmp_path) == "docs/page.md, section '#no-such-heading'"
     assert read_location("page.md", tmp_path) == "docs/page.md"
+
+
+def test_junit_survives_a_run_that_gave_no_result():
+    """A run stopped or ended early becomes one failed testcase, its output made fit for XML."""
+    exercise = EXERCISES[0]
+    stopped = ExerciseResult(exercise, RunResult(returncode=-1, timed_out=True, output="dots\x00\x1b[31m..."),
+                             seconds=10.0, timeout_per_exercise=10)
+    exited = ExerciseResult(exercise, RunResult(returncode=0, output=""), seconds=1.0, timeout_per_exercise=10)
+    written = ElementTree.tostring(junit_tree([stopped, exited]).getroot(), encoding="unicode")
+    suites = ElementTree.fromstring(written)
+    failures = [suite.find("testcase/failure") for suite in suites]
+    assert "timed out" in failures[0].get("message") and "dots?" in failures[0].text
+    assert "no test result" in failures[1].get("message")
+    assert suites.get("tests") == suites.get("failures") == "2"
+    assert (stopped.points, exited.points) == (0, 0)
