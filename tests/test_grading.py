@@ -75,12 +75,13 @@ BROKEN_FOLDERS = broken_folders()
 
 @dataclass
 class Run:
-    """One `course` command: its exit code, its output, and the reports it wrote (for grade)."""
+    """One `course` command: its exit code, its output, and for grade the folder and its reports."""
 
     returncode: int
     stdout: str
     stderr: str
     out: Path | None = None
+    folder: Path | None = None
 
     def report(self):
         return json.loads((self.out / "report.json").read_text())
@@ -155,8 +156,11 @@ def runs(tmp_path_factory):
     reports = root / "reports"
 
     def run(name):
-        out = reports / name.replace(" ", "-") if commands[name][0] == "grade" else None
-        return course(*commands[name], out=out, cwd=root)
+        if commands[name][0] != "grade":
+            return course(*commands[name], cwd=root)
+        result = course(*commands[name], out=reports / name.replace(" ", "-"), cwd=root)
+        result.folder = commands[name][1]
+        return result
 
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
@@ -251,7 +255,7 @@ def test_reports_are_well_formed_and_agree(runs, name):
         assert entry["tests_passed"] <= entry["tests_total"]
         if entry["passed"]:
             assert entry["tests_passed"] > 0
-    assert Path(report["folder"]).name == (name.split()[-1] if name.startswith("grade") else name)
+    assert report["folder"] == str(run.folder.resolve())
     assert report["graded_at"]
 
     # report.md: one row per exercise with its points, and the total
