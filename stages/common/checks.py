@@ -4,6 +4,8 @@ Each check raises ValueError naming the argument and what was expected, so that 
 fails at the door instead of deep inside a loop.
 """
 
+from stages.common.inputs import GATE_SHAPES
+
 
 def check_qkv(q, k, v):
     """q, k: (B, N, H, d_k); v: (B, N, H, d_v). Returns (B, N, H, d_k, d_v)."""
@@ -29,3 +31,12 @@ def check_chunking(N, d_v, chunk_size, block_dv=None):
 def padded_length(N, chunk_size):
     """The smallest multiple of chunk_size that is >= N."""
     return -(-N // chunk_size) * chunk_size
+
+
+def check_gate_and_beta(g, beta, B, N, H, d_k, gate):
+    """g has the shape inputs.GATE_SHAPES[gate] gives for (B, N, H, d_k); beta is (B, N, H)."""
+    expected = GATE_SHAPES[gate](B, N, H, d_k)
+    if tuple(g.shape) != tuple(expected):
+        raise ValueError(f"g must have shape {expected} (the {gate} gate), got {tuple(g.shape)}")
+    if tuple(beta.shape) != (B, N, H):
+        raise ValueError(f"beta must have shape (B, N, H) = {(B, N, H)}, got {tuple(beta.shape)}")
