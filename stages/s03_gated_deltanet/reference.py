@@ -1,0 +1,138 @@
+"""Stage 3 references in NumPy float64: Gated DeltaNet, a scalar gate and a delete term.
+
+    S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T        o_t = S_t q_t
+                                                             (paper layout: S is d_v x d_k)
+
+q, k: (B, N, H, d_k); v: (B, N, H, d_v); g = log(alpha): (B, N, H), one gate per token and head;
+beta: (B, N, H), the write strength in [0, 1]. Every function returns o: (B, N, H, d_v).
+
+- `recurrent` (A) is the recurrence token by token, in the paper layout.
+- `chunkwise` (B) keeps the state transposed, S^T (d_k x d_v), the kernel layout. For chunk [t]
+  with rows Q, K, V, gates G and gamma[r] = G[0] + ... + G[r] (one log decay per row):
+      M[c, i]   = e^{gamma_c - gamma_i} (k_c · k_i)  for i < c       the decay factors out of the product
+      T         = (I + L)^{-1},  L[c, i] = beta_i M[c, i]            the UT transform
+      W, U      = diag(beta) T (K ⊙ e^{gamma}),  diag(beta) T V      the WY factors
+      V_new     = U - W S^T                                           the pseudo-values
+      A_qk[c, j] = e^{gamma_c - gamma_j} (q_c · k_j)  for j <= c
+      O         = (Q ⊙ e^{gamma}) S^T + A_qk V_new
+      S^T      <- e^{gamma_C} S^T + (K ⊙ e^{gamma_C - gamma})^T V_new
+- `kernel_mirror` (C) is the TileLang kernel's control flow in NumPy: the decay table
+  Gamma[c, i] = e^{gamma_c - gamma_i} (C x C) multiplies the GEMMs K K^T and Q K^T elementwise, one
+  forward substitution solves for [K ⊙ e^{gamma} | V] at once with beta applied after it, and the
+  state is decayed by one scalar per chunk.
+"""
+
+import numpy as np
+
+from stages.common.checks import check_chunking, check_gate_and_beta, check_qkv, padded_length
+
+
+# --8<-- [start:recurrent]
+def recurrent(q, k, v, g, beta):
+    """Reference A: the recurrence token by token. State S: (d_v, d_k), the paper layout."""
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate_and_beta(g, beta, B, N, H, d_k, gate="token")
+    o = np.zeros((B, N, H, d_v))
+    for b in range(B):
+        for h in range(H):
+            S = np.zeros((d_v, d_k))
+            for t in range(N):
+                k_t, beta_t = k[b, t, h], beta[b, t, h]
+                alpha_t = np.exp(g[b, t, h])  # one decay for the whole state
+                householder = np.eye(d_k) - beta_t * np.outer(k_t, k_t)
+                # the old state decays and loses its component along k_t; the new write does not decay
+                S = alpha_t * S @ householder + beta_t * np.outer(v[b, t, h], k_t)
+                o[b, t, h] = S @ q[b, t, h]
+    return o
+# --8<-- [end:recurrent]
+
+
+# --8<-- [start:chunkwise]
+def chunkwise(q, k, v, g, beta, chunk_size):
+    """Reference B: chunk by chunk, plain loops for M and A_qk, the UT transform by inversion.
+    State S^T: (d_k, d_v).
+
+    The last chunk may be shorter than chunk_size: nothing in the math needs equal chunks.
+    """
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate_and_beta(g, beta, B, N, H, d_k, gate="token")
+    check_chunking(N, d_v, chunk_size)
+    o = np.zeros((B, N, H, d_v))
+    for b in range(B):
+        for h in range(H):
+            S_T = np.zeros((d_k, d_v))
+            for start in range(0, N, chunk_size):
+                rows = slice(start, min(start + chunk_size, N))
+                Q, K, V = q[b, rows, h], k[b, rows, h], v[b, rows, h]
+                beta_c = beta[b, rows, h]
+                C = len(Q)
+                gamma = np.cumsum(g[b, rows, h])  # (C,): log decay from the chunk start
+                M = np.zeros((C, C))
+                for c in range(C):
+                    for i in range(c):  # i < c: strictly lower triangular
+                        M[c, i] = np.exp(gamma[c] - gamma[i]) * (K[c] @ K[i])
+                L = M * beta_c[None, :]  # L[c, i] = beta_i M[c, i] ...
+                T = np.linalg.inv(np.eye(C) + L)
+                A_hat = beta_c[:, None] * T  # ... pairs with diag(beta) T
+                W = A_hat @ (K * np.exp(gamma)[:, None])
+                U = A_hat @ V
+                V_new = U - W @ S_T
+                A_qk = np.zeros((C, C))
+                for c in range(C):
+                    for j in range(c + 1):  # j <= c: a token sees itself, undecayed
+                        A_qk[c, j] = np.exp(gamma[c] - gamma[j]) * (Q[c] @ K[j])
+                o[b, rows, h] = (Q * np.exp(gamma)[:, None]) @ S_T + A_qk @ V_new
+                decay_to_chunk_end = np.exp(gamma[-1] - gamma)  # (C,), every entry <= 1
+                S_T = np.exp(gamma[-1]) * S_T + (K * decay_to_chunk_end[:, None]).T @ V_new
+    return o
+# --8<-- [end:chunkwise]
+
+
+# --8<-- [start:kernel_mirror]
+def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv):
+    """Reference C: the kernel's control flow. State S^T: (d_k, block_dv) per program.
+
+    Like the kernel's wrapper, it zero-pads N up to a multiple of chunk_size. The padding is exact:
+    a padded token has k = v = 0, beta = 0 and g = 0 (no decay), so it leaves the state as it was,
+    and its output row is cut off at the end.
+    """
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate_and_beta(g, beta, B, N, H, d_k, gate="token")
+    check_chunking(N, d_v, chunk_size, block_dv)
+    C = chunk_size
+    q, k, v = (_pad_tokens(x, padded_length(N, C)) for x in (q, k, v))
+    g, beta = (_pad_tokens(x[..., None], padded_length(N, C))[..., 0] for x in (g, beta))
+    o = np.zeros((B, q.shape[1], H, d_v))
+    for i_v in range(d_v // block_dv):  # grid.x: one program per block of value columns
+        cols = slice(i_v * block_dv, (i_v + 1) * block_dv)
+        for i_bh in range(B * H):  # grid.y: one program per (batch, head)
+            b, h = divmod(i_bh, H)
+            S_T = np.zeros((d_k, block_dv))  # the state, on chip for the whole program
+            for i_c in range(q.shape[1] // C):  # the pipelined chunk loop
+                rows = slice(i_c * C, (i_c + 1) * C)
+                Q, K, V = q[b, rows, h], k[b, rows, h], v[b, rows, h, cols]
+                beta_c = beta[b, rows, h]
+                gamma = np.cumsum(g[b, rows, h])  # T.cumsum over the chunk's gates in shared memory
+                # the decay table, zero above the diagonal where no decay is defined
+                Gamma = np.tril(np.exp(gamma[:, None] - gamma[None, :]))
+                L = np.tril((K @ K.T) * Gamma, -1) * beta_c[None, :]  # GEMM; strict: i < c
+                A_qk = np.tril((Q @ K.T) * Gamma)  # GEMM; inclusive: j <= c
+                # one forward substitution (I + L) X = [K ⊙ e^{gamma} | V], row by row
+                X = np.concatenate([K * np.exp(gamma)[:, None], V], axis=1)
+                for r in range(1, C):
+                    X[r] -= L[r, :r] @ X[:r]
+                X *= beta_c[:, None]  # beta after the solve: diag(beta) T
+                W, U = X[:, :d_k], X[:, d_k:]
+                V_new = U - W @ S_T  # GEMM
+                acc_o = (Q * np.exp(gamma)[:, None]) @ S_T  # GEMM: the inter-chunk term
+                acc_o += A_qk @ V_new  # GEMM: the intra-chunk term, accumulated
+                o[b, rows, h, cols] = acc_o  # the chunk's output is written ...
+                S_T *= np.exp(gamma[-1])  # ... then the state decays, one scalar ...
+                S_T += (K * np.exp(gamma[-1] - gamma)[:, None]).T @ V_new  # ... then takes the chunk (GEMM)
+    return o[:, :N]
+# --8<-- [end:kernel_mirror]
+
+
+def _pad_tokens(x, length):
+    """Zero-pad axis 1 (tokens) of a (B, N, H, D) array to `length`."""
+    return np.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
