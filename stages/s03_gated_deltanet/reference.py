@@ -112,7 +112,7 @@ def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv):
                 rows = slice(i_c * C, (i_c + 1) * C)
                 Q, K, V = q[b, rows, h], k[b, rows, h], v[b, rows, h, cols]
                 beta_c = beta[b, rows, h]
-                gamma = np.cumsum(g[b, rows, h])  # T.cumsum over the chunk's gates in shared memory
+                gamma = np.cumsum(g[b, rows, h])  # in shared memory, one prefix sum per row
                 # the decay table, zero above the diagonal where no decay is defined
                 Gamma = np.tril(np.exp(gamma[:, None] - gamma[None, :]))
                 L = np.tril((K @ K.T) * Gamma, -1) * beta_c[None, :]  # GEMM; strict: i < c

@@ -1,0 +1,61 @@
+"""Exercise s03.chunkwise (fill): reference B, Gated DeltaNet chunk by chunk with the UT transform.
+
+For chunk [t] with rows Q, K, V, write strengths beta, gamma[r] = g[0] + ... + g[r] (the log decay
+from the chunk start) and the state S^T (d_k x d_v, the kernel layout) left by the chunks before it:
+    M[c, i]    = e^{gamma_c - gamma_i} (k_c · k_i)  for i < c
+    T          = (I + L)^{-1},  L[c, i] = beta_i M[c, i]
+    W, U       = diag(beta) T (K ⊙ e^{gamma}),  diag(beta) T V
+    V_new      = U - W S^T
+    A_qk[c, j] = e^{gamma_c - gamma_j} (q_c · k_j)  for j <= c
+    O          = (Q ⊙ e^{gamma}) S^T + A_qk V_new
+    S^T       <- e^{gamma_C} S^T + (K ⊙ e^{gamma_C - gamma})^T V_new
+
+Fill the region: plain loops where the math has sums; np.linalg.inv is fine for T. The last chunk
+may be shorter.
+Read: docs, stage 3, "Reference B: chunk by chunk".  Check: course check s03
+"""
+
+import numpy as np
+
+from stages.common.checks import check_chunking, check_gate_and_beta, check_qkv
+
+
+def chunkwise(q, k, v, g, beta, chunk_size):
+    """Reference B: chunk by chunk, plain loops for M and A_qk, the UT transform by inversion.
+    State S^T: (d_k, d_v).
+
+    The last chunk may be shorter than chunk_size: nothing in the math needs equal chunks.
+    """
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate_and_beta(g, beta, B, N, H, d_k, gate="token")
+    check_chunking(N, d_v, chunk_size)
+    o = np.zeros((B, N, H, d_v))
+    # EXERCISE BEGIN
+    for b in range(B):
+        for h in range(H):
+            S_T = np.zeros((d_k, d_v))
+            for start in range(0, N, chunk_size):
+                rows = slice(start, min(start + chunk_size, N))
+                Q, K, V = q[b, rows, h], k[b, rows, h], v[b, rows, h]
+                beta_c = beta[b, rows, h]
+                C = len(Q)
+                gamma = np.cumsum(g[b, rows, h])  # (C,): log decay from the chunk start
+                M = np.zeros((C, C))
+                for c in range(C):
+                    for i in range(c):  # i < c: strictly lower triangular
+                        M[c, i] = np.exp(gamma[c] - gamma[i]) * (K[c] @ K[i])
+                L = M * beta_c[None, :]  # L[c, i] = beta_i M[c, i] ...
+                T = np.linalg.inv(np.eye(C) + L)
+                A_hat = beta_c[:, None] * T  # ... pairs with diag(beta) T
+                W = A_hat @ (K * np.exp(gamma)[:, None])
+                U = A_hat @ V
+                V_new = U - W @ S_T
+                A_qk = np.zeros((C, C))
+                for c in range(C):
+                    for j in range(c + 1):  # j <= c: a token sees itself, undecayed
+                        A_qk[c, j] = np.exp(gamma[c] - gamma[j]) * (Q[c] @ K[j])
+                o[b, rows, h] = (Q * np.exp(gamma)[:, None]) @ S_T + A_qk @ V_new
+                decay_to_chunk_end = np.exp(gamma[-1] - gamma)  # (C,), every entry <= 1
+                S_T = np.exp(gamma[-1]) * S_T + (K * decay_to_chunk_end[:, None]).T @ V_new
+    # EXERCISE END
+    return o

@@ -1,0 +1,45 @@
+"""Tests of exercise s03.chunkwise: reference B against the delta rule in its prediction-error form.
+
+beta is random on every input: with all beta equal, a mixed beta pairing gives the right answer."""
+
+import numpy as np
+import pytest
+
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from tests.oracles import delta_rule
+
+STAGE = "s03_gated_deltanet"
+
+
+@pytest.fixture
+def chunkwise(target_module):
+    return target_module(STAGE, "chunkwise.py").chunkwise
+
+
+@pytest.mark.parametrize(
+    "N, chunk_size",
+    [
+        (8, 8),  # one chunk
+        (32, 4),  # many chunks
+        (19, 4),  # a shorter last chunk
+        (6, 1),  # one token per chunk: no triangular system at all
+        (5, 16),  # a chunk longer than the sequence
+    ],
+)
+def test_matches_delta_rule(chunkwise, N, chunk_size):
+    x = make_inputs(2, N, 2, 6, 5, gate="token", gate_range=(0.8, 0.99), beta_range=(0.1, 0.9), seed=N)
+    actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, chunk_size)
+    assert error_report(actual, delta_rule(x.q, x.k, x.v, x.beta, x.g)).rel_l2 <= 1e-12
+
+
+def test_g_zero_is_deltanet(chunkwise):
+    x = make_inputs(1, 24, 2, 4, 3, gate="token", beta_range=(0.1, 0.9), seed=7)
+    actual = chunkwise(x.q, x.k, x.v, np.zeros_like(x.g), x.beta, 8)
+    assert error_report(actual, delta_rule(x.q, x.k, x.v, x.beta)).rel_l2 <= 1e-12
+
+
+def test_rejects_bad_chunk_size(chunkwise):
+    x = make_inputs(1, 8, 1, 4, 4, gate="token", beta_range=(0.1, 0.9), seed=4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunkwise(x.q, x.k, x.v, x.g, x.beta, 0)

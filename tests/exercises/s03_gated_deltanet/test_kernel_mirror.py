@@ -1,0 +1,49 @@
+"""Tests of exercise s03.kernel_mirror: reference C against the delta rule in its prediction-error form.
+
+beta is random and the gates are well below 1 on every input: equal beta hides a beta applied
+before the solve, and g = 0 or a single chunk hides a decay left out or applied in the wrong order."""
+
+import pytest
+
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from tests.oracles import delta_rule
+
+STAGE = "s03_gated_deltanet"
+
+
+@pytest.fixture
+def kernel_mirror(target_module):
+    return target_module(STAGE, "kernel_mirror.py").kernel_mirror
+
+
+def _inputs(N, seed):
+    return make_inputs(2, N, 3, 4, 6, gate="token", gate_range=(0.8, 0.99), beta_range=(0.1, 0.9), seed=seed)
+
+
+@pytest.mark.parametrize(
+    "N, chunk_size, block_dv",
+    [
+        (8, 8, 6),  # one chunk, one block of value columns
+        (32, 8, 6),  # many chunks: the state must carry over, decayed
+        (32, 8, 2),  # three blocks of value columns
+        (21, 8, 3),  # N padded up to a multiple of chunk_size
+    ],
+)
+def test_matches_delta_rule(kernel_mirror, N, chunk_size, block_dv):
+    x = _inputs(N, seed=N + block_dv)
+    actual = kernel_mirror(x.q, x.k, x.v, x.g, x.beta, chunk_size, block_dv)
+    assert error_report(actual, delta_rule(x.q, x.k, x.v, x.beta, x.g)).rel_l2 <= 1e-12
+
+
+def test_independent_of_block_dv(kernel_mirror):
+    x = _inputs(24, seed=5)
+    by_block = [kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 8, block_dv) for block_dv in (1, 2, 3, 6)]
+    for other in by_block[1:]:
+        assert error_report(other, by_block[0]).rel_l2 <= 1e-14
+
+
+def test_rejects_block_dv_that_does_not_divide_d_v(kernel_mirror):
+    x = _inputs(8, seed=6)
+    with pytest.raises(ValueError, match="block_dv"):
+        kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 4, 4)
