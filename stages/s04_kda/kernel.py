@@ -1,0 +1,289 @@
+"""Stage 4 kernel: Kimi Delta Attention (KDA) in TileLang.
+
+One program per (block of d_v columns, batch x head), as in stages 1-3. Each program keeps its
+slice of the state, S^T (d_k x block_dv, the kernel layout), as an fp32 fragment for the whole
+sequence and walks the chunks of C tokens in order. Per chunk, with gamma the per-channel cumulative
+log decay (C x d_k):
+
+    K+ = K ⊙ e^{gamma},  K- = K ⊙ e^{-gamma},  Q+ = Q ⊙ e^{gamma}      the exponent split
+    L = strict(K+ K-^T) ⊙ beta_i,   A_qk = tril(Q+ K-^T)              two GEMMs, two masks
+    (I + L) X = [K+ | V]  by forward substitution, then X ⊙= beta      one solve for W and U
+    V_new = U - W S^T
+    O = Q+ S^T + A_qk V_new                                             written ...
+    S^T = Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new   ... before the state moves
+
+The seven ordering constraints of the seed are named where they apply: "constraint 1" ... "7".
+
+`build_program`'s `layout` says where e^{+gamma}, e^{-gamma} and W live: "registers" (fragments)
+or "shared" (shared memory). Run `python -m stages.s04_kda.kernel` to compile it for sm_90a and
+print its ptxas report (no GPU needed), or to check it against reference A on a GPU.
+"""
+
+import functools
+import math
+import warnings
+
+from stages.common.checks import padded_length
+from stages.common.tilelang_tools import LOG2_E
+from stages.common.tilelang_tools import compile_report as _compile_report
+from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same
+
+DEFAULT_CHUNK_SIZE = 64
+DEFAULT_BLOCK_DV = 32
+# Where e^{+gamma}, e^{-gamma} and W live: "registers" (fragments) or "shared" (shared memory).
+# All three in registers is the layout with the fewest registers and the least shared memory;
+# the page's register table compiles every other choice.
+DEFAULT_LAYOUT = (("e_plus_gamma", "registers"), ("e_minus_gamma", "registers"), ("w", "registers"))
+# Warp specialization off: 128 threads do everything, as the seed's register budget assumes, and
+# ptxas's register count is the program's demand rather than the cap TileLang sets per warp group.
+PASS_CONFIGS = {"tl.disable_warp_specialized": True}
+# The largest chunk-local log decay -gamma the fp16 and bf16 kernels accept (see max_log_decay).
+MAX_LOG_DECAY = {"float16": 14 * math.log(2), "bfloat16": 126 * math.log(2)}
+
+
+# --8<-- [start:program]
+def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
+                  dtype="float16", num_stages=1, threads=128, layout=DEFAULT_LAYOUT):
+    """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g: (B, N, H, d_k) fp32,
+    beta: (B, N, H) fp32 -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program.
+
+    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
+    """
+    import tilelang.language as T
+
+    C = chunk_size
+    accum_dtype = "float32"
+    num_chunks = N // C
+    place = dict(layout)
+    alloc = {"registers": T.alloc_fragment, "shared": T.alloc_shared}
+
+    @T.prim_func
+    def kda_fwd(
+        Q: T.Tensor((B, N, H, d_k), dtype),
+        K: T.Tensor((B, N, H, d_k), dtype),
+        V: T.Tensor((B, N, H, d_v), dtype),
+        G: T.Tensor((B, N, H, d_k), accum_dtype),
+        Beta: T.Tensor((B, N, H), accum_dtype),
+        O: T.Tensor((B, N, H, d_v), dtype),
+    ):
+        with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
+            b, h = i_bh // H, i_bh % H
+            v0 = i_v * block_dv
+
+            Q_s = T.alloc_shared((C, d_k), dtype)
+            K_s = T.alloc_shared((C, d_k), dtype)  # read only (constraint 5)
+            V_s = T.alloc_shared((C, block_dv), dtype)
+            beta_s = T.alloc_shared((C,), accum_dtype)
+            gamma_s = T.alloc_shared((C, d_k), accum_dtype)  # every thread reads other rows
+            E_plus = alloc[place["e_plus_gamma"]]((C, d_k), accum_dtype)  # e^{gamma} <= 1
+            E_minus = alloc[place["e_minus_gamma"]]((C, d_k), accum_dtype)  # e^{-gamma} >= 1
+            Q_plus_s = T.alloc_shared((C, d_k), dtype)  # q ⊙ e^{gamma}: both of q's GEMMs want it
+            K_plus_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{gamma}; later k ⊙ e^{gamma_C - gamma}
+            K_minus_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{-gamma}
+            L_s = T.alloc_shared((C, C), accum_dtype)  # every thread reads row r of L
+            X_s = T.alloc_shared((C, d_k + block_dv), accum_dtype)  # [W | U], solved in place
+            W = alloc[place["w"]]((C, d_k), dtype)  # beta ⊙ X[:, :d_k], a GEMM operand
+            S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
+            A_qk_s = T.alloc_shared((C, C), dtype)
+            V_new_s = T.alloc_shared((C, block_dv), dtype)
+
+            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across chunks
+            M_f = T.alloc_fragment((C, C), accum_dtype)
+            A_qk_f = T.alloc_fragment((C, C), accum_dtype)
+            V_new_f = T.alloc_fragment((C, block_dv), accum_dtype)
+            acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
+            correction = T.alloc_var(accum_dtype)
+
+            T.clear(S_f)  # constraint 7: once, outside the chunk loop
+            for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
+                t0 = i_c * C
+                T.copy(Q[b, t0:t0 + C, h, :], Q_s)
+                T.copy(K[b, t0:t0 + C, h, :], K_s)
+                T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
+                T.copy(Beta[b, t0:t0 + C, h], beta_s)
+
+                # per-channel cumulative log decay: channels in parallel, positions in order
+                for d in T.Parallel(d_k):
+                    gamma_s[0, d] = G[b, t0, h, d]
+                    for r in T.serial(1, C):
+                        gamma_s[r, d] = gamma_s[r - 1, d] + G[b, t0 + r, h, d]
+
+                # the exponent split e^{gamma_c - gamma_i} = e^{gamma_c} e^{-gamma_i}
+                for r, d in T.Parallel(C, d_k):
+                    E_plus[r, d] = T.exp2(gamma_s[r, d] * LOG2_E)
+                    E_minus[r, d] = T.exp2(-gamma_s[r, d] * LOG2_E)
+                for r, d in T.Parallel(C, d_k):
+                    # constraint 3: q ⊙ e^{gamma} serves both GEMMs of q, so q is never needed again
+                    Q_plus_s[r, d] = Q_s[r, d] * E_plus[r, d]
+                    # constraint 5: K_s is only read; every derived key goes to its own buffer
+                    K_plus_s[r, d] = K_s[r, d] * E_plus[r, d]
+                    K_minus_s[r, d] = K_s[r, d] * E_minus[r, d]
+                    X_s[r, d] = K_s[r, d] * E_plus[r, d]
+                for r, j in T.Parallel(C, block_dv):
+                    X_s[r, d_k + j] = V_s[r, j]
+
+                # constraint 4: L strictly lower (i < c), A_qk with its diagonal (j <= c)
+                T.gemm(K_plus_s, K_minus_s, M_f, transpose_B=True, clear_accum=True)
+                for c, i in T.Parallel(C, C):
+                    L_s[c, i] = T.if_then_else(i < c, M_f[c, i] * beta_s[i], 0)
+                T.gemm(Q_plus_s, K_minus_s, A_qk_f, transpose_B=True, clear_accum=True)
+                for c, j in T.Parallel(C, C):
+                    A_qk_s[c, j] = T.if_then_else(j <= c, A_qk_f[c, j], 0)
+
+                # forward substitution, one row at a time: X[r] -= L[r, :r] X[:r]
+                for r in T.serial(1, C):
+                    for col in T.Parallel(d_k + block_dv):
+                        correction = 0
+                        for j in T.serial(r):
+                            correction += L_s[r, j] * X_s[j, col]
+                        X_s[r, col] -= correction
+                # constraint 6: beta only now, after the solve: diag(beta) T, not T diag(beta)
+                for r, d in T.Parallel(C, d_k):
+                    W[r, d] = X_s[r, d] * beta_s[r]
+                T.copy(S_f, S_s)
+                T.gemm(W, S_s, V_new_f, clear_accum=True)
+                for r, j in T.Parallel(C, block_dv):
+                    V_new_f[r, j] = X_s[r, d_k + j] * beta_s[r] - V_new_f[r, j]
+                T.copy(V_new_f, V_new_s)
+
+                # the inter-chunk and intra-chunk terms into one accumulator (constraint 7: clear_accum)
+                T.gemm(Q_plus_s, S_s, acc_o, clear_accum=True)
+                T.gemm(A_qk_s, V_new_s, acc_o)
+                T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
+
+                # constraint 1: the state moves only after the chunk's output is written;
+                # constraint 2: its rows decay (one rate per key channel) before the GEMM adds to it
+                for d, j in T.Parallel(d_k, block_dv):
+                    S_f[d, j] *= T.exp2(gamma_s[C - 1, d] * LOG2_E)
+                for r, d in T.Parallel(C, d_k):
+                    K_plus_s[r, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
+                T.gemm(K_plus_s, V_new_s, S_f, transpose_A=True)
+
+    return kda_fwd
+# --8<-- [end:program]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
+    import tilelang
+
+    program = build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype)
+    return tilelang.compile(program, out_idx=[5], target="cuda", pass_configs=PASS_CONFIGS)
+
+
+# --8<-- [start:forward]
+def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, max_log_decay=None):
+    """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v) in fp16 or bf16,
+    g: (B, N, H, d_k) and beta: (B, N, H) in float32. Returns o: (B, N, H, d_v) in q's dtype.
+
+    max_log_decay bounds -gamma, the log decay accumulated inside one chunk (default
+    MAX_LOG_DECAY[dtype]); gates that decay faster raise a ValueError instead of returning
+    garbage. Pass math.inf to run anyway. N need not be a multiple of chunk_size: the padding is
+    exact (see reference.kernel_mirror).
+    """
+    import torch
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_kernel_tensor(name, x, rank=4)
+    check_kernel_tensor("g", g, rank=4, dtypes=("float32",))
+    check_kernel_tensor("beta", beta, rank=3, dtypes=("float32",))
+    check_same("k", k, "q", q, "shape")
+    B, N, H, d_k = q.shape
+    if tuple(v.shape[:3]) != (B, N, H):
+        raise ValueError(f"v must be (B, N, H, d_v) = ({B}, {N}, {H}, d_v), got {tuple(v.shape)}")
+    check_same("g", g, "q", q, "shape")
+    if tuple(beta.shape) != (B, N, H):
+        raise ValueError(f"beta must be (B, N, H) = ({B}, {N}, {H}), got {tuple(beta.shape)}")
+    check_same("k", k, "q", q, "dtype")
+    check_same("v", v, "q", q, "dtype")
+    d_v = v.shape[3]
+    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    dtype = str(q.dtype).removeprefix("torch.")
+    _check_gates(g, beta, chunk_size, MAX_LOG_DECAY[dtype] if max_log_decay is None else max_log_decay)
+    check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta})
+
+    N_padded = padded_length(N, chunk_size)
+    if N_padded != N:  # padded tokens: k = v = 0, beta = 0, g = 0 (no decay) leave the state as it is
+        pad = (0, 0, 0, 0, 0, N_padded - N)  # torch pads from the last axis backwards
+        q, k, v, g = (torch.nn.functional.pad(x, pad) for x in (q, k, v, g))
+        beta = torch.nn.functional.pad(beta, pad[2:])
+    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype)
+    return kernel(q, k, v, g, beta)[:, :N]
+# --8<-- [end:forward]
+
+
+def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):
+    """Tile sizes the tensor cores accept: multiples of 16, block_dv dividing d_v."""
+    if chunk_size < 16 or chunk_size % 16:
+        raise ValueError(f"chunk_size must be a multiple of 16, got {chunk_size}")
+    if d_k % 16:
+        raise ValueError(f"d_k must be a multiple of 16, got {d_k}")
+    if block_dv < 16 or block_dv % 16 or d_v % block_dv:
+        raise ValueError(f"block_dv must be a multiple of 16 that divides d_v = {d_v}, got {block_dv}")
+
+
+# --8<-- [start:gate_check]
+def _check_gates(g, beta, chunk_size, max_log_decay):
+    """g <= 0, 0 <= beta <= 1, and no chunk decays by more than e^{-max_log_decay} in any channel.
+
+    The kernel rounds k ⊙ e^{-gamma} and q ⊙ e^{gamma} to the input dtype. In fp16, e^{gamma}
+    below 2^-14 leaves the normal range (and loses its precision bit by bit) and e^{-gamma} above
+    2^14 is a step from overflow: -gamma <= 14 ln 2 keeps both sides exact to fp16's precision.
+    """
+    if bool((g > 0).any()):
+        raise ValueError(f"g must be <= 0 (g = log a with 0 < a <= 1), got max(g) = {g.max().item():.3g}")
+    if bool(((beta < 0) | (beta > 1)).any()):
+        raise ValueError(f"beta must lie in [0, 1], got values in [{beta.min().item():.3g}, {beta.max().item():.3g}]")
+    worst = max_chunk_log_decay(g, chunk_size)
+    if worst > max_log_decay:
+        raise ValueError(
+            f"g decays by e^-{worst:.3g} within one chunk of {chunk_size} tokens, beyond e^-{max_log_decay:.3g}: "
+            f"e^(+-gamma) would leave the input dtype's range. Bound the gates from below "
+            f"(a >= {math.exp(-max_log_decay / chunk_size):.3f} always passes), use a smaller chunk_size, "
+            f"or pass max_log_decay=math.inf to run anyway"
+        )
+
+
+def max_chunk_log_decay(g, chunk_size):
+    """max over chunks, positions and channels of -gamma, gamma the chunk-local cumulative sum of
+    the torch tensor g: (B, N, H, d_k), on the tensor's own device."""
+    import torch
+
+    B, N, H, d_k = g.shape
+    padded = torch.nn.functional.pad(g, (0, 0, 0, 0, 0, padded_length(N, chunk_size) - N))
+    gamma = padded.reshape(B, -1, chunk_size, H, d_k).double().cumsum(dim=2)
+    return float(-gamma.min()) if gamma.numel() else 0.0
+
+
+# --8<-- [end:gate_check]
+
+
+def compile_report(B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
+                   block_dv=DEFAULT_BLOCK_DV, dtype="float16", layout=DEFAULT_LAYOUT):
+    """Lower and compile the kernel for sm_90a without a GPU; see stages.common.tilelang_tools."""
+    from tilelang.transform import PassContext
+
+    with PassContext(config=PASS_CONFIGS):
+        return _compile_report(build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, layout=layout))
+
+
+def main():
+    import torch
+
+    from stages.common.errors import error_report
+    from stages.common.inputs import make_inputs
+    from stages.s04_kda.reference import recurrent
+
+    print("sm_90a:", compile_report().summary())
+    if not torch.cuda.is_available():
+        print("no CUDA device: compile-only")
+        return
+    x = make_inputs(2, 512, 4, 128, 128, gate="channel", beta_range=(0.1, 0.9), seed=0)
+    expected = recurrent(x.q, x.k, x.v, x.g, x.beta)
+    q, k, v = (torch.tensor(a, dtype=torch.float16, device="cuda") for a in (x.q, x.k, x.v))
+    g, beta = (torch.tensor(a, dtype=torch.float32, device="cuda") for a in (x.g, x.beta))
+    print("fp16 kernel vs reference A:", error_report(forward(q, k, v, g, beta), expected))
+
+
+if __name__ == "__main__":
+    main()
