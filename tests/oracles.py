@@ -9,3 +9,34 @@ def causal_linear_attention(q, k, v):
     scores = np.einsum("bthd,bshd->bhts", q, k)
     scores = scores * np.tril(np.ones(scores.shape[-2:]))
     return np.einsum("bhts,bshd->bthd", scores, v)
+
+
+def delta_rule(q, k, v, beta, g=None):
+    """DeltaNet (g None) or Gated DeltaNet, in the prediction-error form of the delta rule:
+        S^T <- alpha_t S^T;   S^T <- S^T + beta_t k_t (v_t - S k_t)^T;   o_t = S q_t
+    one online gradient step on ||S k_t - v_t||^2 / 2 per token, with no Householder matrix formed.
+    q, k: (B, N, H, d_k); v: (B, N, H, d_v); beta, g = log(alpha): (B, N, H). State S^T: (d_k, d_v)."""
+    B, N, H, d_k = q.shape
+    o = np.zeros(v.shape)
+    for b in range(B):
+        for h in range(H):
+            S_T = np.zeros((d_k, v.shape[3]))
+            for t in range(N):
+                if g is not None:
+                    S_T = np.exp(g[b, t, h]) * S_T
+                prediction_error = v[b, t, h] - k[b, t, h] @ S_T
+                S_T = S_T + beta[b, t, h] * np.outer(k[b, t, h], prediction_error)
+                o[b, t, h] = q[b, t, h] @ S_T
+    return o
+
+
+def token_gated_linear_attention(q, k, v, g):
+    """o_t = sum_{j <= t} e^{gamma_t - gamma_j} (q_t . k_j) v_j with gamma = cumsum(g) over the whole
+    sequence: the quadratic form of linear attention with a scalar gate per token, no state.
+    q, k: (B, N, H, d_k); v: (B, N, H, d_v); g = log(alpha): (B, N, H)."""
+    gamma = np.cumsum(g, axis=1)  # (B, N, H)
+    log_decay = gamma.transpose(0, 2, 1)[:, :, :, None] - gamma.transpose(0, 2, 1)[:, :, None, :]
+    causal = np.tril(np.ones(log_decay.shape[-2:], dtype=bool))
+    decay = np.exp(np.where(causal, log_decay, -np.inf))  # (B, H, t, j), zero for j > t
+    scores = np.einsum("bthd,bshd->bhts", q, k) * decay
+    return np.einsum("bhts,bshd->bthd", scores, v)
