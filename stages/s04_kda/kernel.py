@@ -258,6 +258,83 @@ def max_chunk_log_decay(g, chunk_size):
 # --8<-- [end:gate_check]
 
 
+# --8<-- [start:ordering]
+def ordering_constraints(program):
+    """Check constraints 1, 2, 5 and 7 on a program's TIR as written, before any lowering (no GPU,
+    no nvcc): [(constraint number, statement, holds)]. The other three are about values (the
+    masks, beta's place, q ⊙ e^{gamma}); the tests check them by running the code."""
+    chunk_loop = _chunk_loop(program)
+    before, inside = _writes(program.body, skip=chunk_loop), _writes(chunk_loop.body)
+    position = {}  # (op, buffer) -> the positions in `inside` where op writes buffer
+    for n, (op, buffer, _) in enumerate(inside):
+        position.setdefault((op, buffer), []).append(n)
+    state_writes = sorted(n for (op, buffer), ns in position.items() if buffer == "S_f" for n in ns)
+    output_copies = position.get(("copy", "O"), [])
+    state_decay, state_gemms = position.get(("store", "S_f"), []), position.get(("gemm", "S_f"), [])
+    output_gemms = position.get(("gemm", "acc_o"), [])
+    return [
+        (1, "the chunk's output is written before the state changes",
+         bool(output_copies and state_writes) and max(output_copies) < min(state_writes)),
+        (2, "the state's rows decay before the GEMM adds the chunk to it",
+         bool(state_decay and state_gemms) and max(state_decay) < min(state_gemms)),
+        (5, "K_s is written only by the copy of the chunk's keys",
+         all(event == ("copy", "K_s", "K") for event in inside if event[1] == "K_s")),
+        (7, "the state is cleared once, before the chunk loop; the output accumulator in every chunk",
+         ("fill", "S_f", None) in before and ("fill", "S_f", None) not in inside
+         and all(inside[n][2] is False for n in state_gemms)
+         and bool(output_gemms) and inside[output_gemms[0]][2] is True),
+    ]
+
+
+def _chunk_loop(program):
+    """The one pipelined loop of the program: the loop over chunks."""
+    from tvm import tirx
+
+    loops = []
+
+    def visit(node):
+        if isinstance(node, tirx.For) and "num_stages" in node.annotations:
+            loops.append(node)
+        return True
+
+    tirx.stmt_functor.pre_order_visit(program.body, visit)
+    if len(loops) != 1:
+        raise ValueError(f"expected one pipelined chunk loop, found {len(loops)}")
+    return loops[0]
+
+
+def _writes(stmt, skip=None):
+    """The buffer writes of `stmt` in program order, without entering `skip`: (op, buffer, detail),
+    detail being the source buffer of a copy, clear_accum of a GEMM, None otherwise."""
+    from tvm import tirx
+
+    events = []
+
+    def visit(node):
+        if skip is not None and node.same_as(skip):
+            return False
+        if isinstance(node, tirx.BufferStore):
+            events.append(("store", node.buffer.name, None))
+        elif isinstance(node, tirx.Call) and getattr(node.op, "name", "") in _TILE_OPS:
+            op, destination = _TILE_OPS[node.op.name]
+            detail = _region_buffer(node.args[0]) if op == "copy" else bool(node.args[9]) if op == "gemm" else None
+            events.append((op, _region_buffer(node.args[destination]), detail))
+        return True
+
+    tirx.stmt_functor.pre_order_visit(stmt, visit)
+    return events
+
+
+# tile operator -> (name, index of the argument it writes); a GEMM's clear_accum is its argument 9
+_TILE_OPS = {"tl.tileop.copy": ("copy", 1), "tl.tileop.gemm": ("gemm", 2), "tl.tileop.fill": ("fill", 0)}
+
+
+def _region_buffer(region):
+    """The name of the buffer a T.region(...) argument points into."""
+    return region.args[0].buffer.name
+# --8<-- [end:ordering]
+
+
 def compile_report(B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
                    block_dv=DEFAULT_BLOCK_DV, dtype="float16", layout=DEFAULT_LAYOUT):
     """Lower and compile the kernel for sm_90a without a GPU; see stages.common.tilelang_tools."""
