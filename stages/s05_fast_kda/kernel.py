@@ -1,0 +1,379 @@
+"""Stage 5 kernels: the KDA forward as two TileLang kernels, prepare and recurrence.
+
+prepare: one program per (chunk, batch x head), thousands of them, no state. Per chunk of C tokens:
+    gamma = cumsum of the log gates (T.cumsum)
+    A_kk, A_qk from GEMMs on 16-row sub-blocks with anchored exponents (every factor <= 1 off the
+    diagonal blocks), T = (I + L)^{-1} by blocks in fp32, then the GEMMs
+    W = diag(beta) T (K e^gamma), U = diag(beta) T V; written to HBM with Q e^gamma,
+    K e^{gamma_C - gamma}, A_qk (input dtype) and e^{gamma_C} (fp32).
+
+recurrence: one program per (block of d_v columns, batch x head), the state S^T (d_k x block_dv)
+in registers as an fp32 fragment for the whole sequence, a pipelined chunk loop (stage 1's
+kernel with three more GEMM operands):
+    V_new = U - W S^T
+    O     = (Q e^gamma) S^T + A_qk V_new            written before ...
+    S^T  <- Diag(e^{gamma_C}) S^T + (K e^{gamma_C - gamma})^T V_new   ... the state moves on
+
+Run `python -m stages.s05_fast_kda.kernel` to compile both for sm_90a and print their ptxas reports
+(no GPU needed), or to check them against the float64 references (and FLA, if installed) on a GPU.
+"""
+
+import functools
+
+from stages.common.checks import padded_length
+from stages.common.tilelang_tools import LOG2_E
+from stages.common.tilelang_tools import compile_report as _compile_report
+from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same
+
+DEFAULT_CHUNK_SIZE = 64
+DEFAULT_BLOCK_DV = 32
+SUB_BLOCK = 16  # rows of a sub-block of the chunk: anchors and the block inverse work on these
+
+
+# --8<-- [start:prepare_program]
+def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=128):
+    """The prepare kernel: q, k (B, N, H, d_k), v (B, N, H, d_v) in `dtype`, g (B, N, H, d_k) and
+    beta (B, N, H) in fp32 -> W, Q e^gamma, K e^{gamma_C - gamma} (B, N, H, d_k), U (B, N, H, d_v),
+    A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) in fp32.
+
+    N must be a multiple of chunk_size (the wrapper pads), chunk_size a multiple of SUB_BLOCK.
+    """
+    import tilelang.language as T
+
+    C, sub = chunk_size, SUB_BLOCK
+    accum_dtype = "float32"
+    num_chunks = N // C
+
+    @T.prim_func
+    def kda_prepare(
+        Q: T.Tensor((B, N, H, d_k), dtype),
+        K: T.Tensor((B, N, H, d_k), dtype),
+        V: T.Tensor((B, N, H, d_v), dtype),
+        G: T.Tensor((B, N, H, d_k), accum_dtype),
+        Beta: T.Tensor((B, N, H), accum_dtype),
+        W: T.Tensor((B, N, H, d_k), dtype),
+        U: T.Tensor((B, N, H, d_v), dtype),
+        Q_decayed: T.Tensor((B, N, H, d_k), dtype),
+        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+        A_qk: T.Tensor((B, N, H, C), dtype),
+        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+    ):
+        with T.Kernel(num_chunks, B * H, threads=threads) as (i_c, i_bh):
+            b, h = i_bh // H, i_bh % H
+            t0 = i_c * C
+
+            Q_s = T.alloc_shared((C, d_k), dtype)
+            K_s = T.alloc_shared((C, d_k), dtype)
+            V_s = T.alloc_shared((C, d_v), dtype)
+            gamma_s = T.alloc_shared((C, d_k), accum_dtype)
+            beta_s = T.alloc_shared((C,), accum_dtype)
+            Q_row_s = T.alloc_shared((C, d_k), dtype)  # GEMM operands: decay from the anchor to the row
+            K_row_s = T.alloc_shared((C, d_k), dtype)
+            K_col_s = T.alloc_shared((C, d_k), dtype)  # ... and from the column to the anchor
+            L_s = T.alloc_shared((C, C), accum_dtype)  # L = beta_i A_kk, strictly lower
+            A_qk_s = T.alloc_shared((C, C), accum_dtype)
+            T_s = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}
+            merge_s = T.alloc_shared((sub, C), accum_dtype)  # L[P, :P] T[:P, :P] of one block row
+            A_hat_s = T.alloc_shared((C, C), dtype)  # diag(beta) T
+            K_plus_s = T.alloc_shared((C, d_k), dtype)  # K e^gamma
+
+            kk_f = T.alloc_fragment((C, C), accum_dtype)
+            qk_f = T.alloc_fragment((C, C), accum_dtype)
+            kk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
+            qk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
+            w_f = T.alloc_fragment((C, d_k), accum_dtype)
+            u_f = T.alloc_fragment((C, d_v), accum_dtype)
+
+            T.copy(Q[b, t0:t0 + C, h, :], Q_s)
+            T.copy(K[b, t0:t0 + C, h, :], K_s)
+            T.copy(V[b, t0:t0 + C, h, :], V_s)
+            T.copy(G[b, t0:t0 + C, h, :], gamma_s)
+            T.copy(Beta[b, t0:t0 + C, h], beta_s)
+            T.cumsum(gamma_s, dim=0)  # gamma[r] = g[0] + ... + g[r], per channel
+
+            # --8<-- [start:prepare_scores]
+            # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block
+            for r, d in T.Parallel(C, d_k):
+                middle = gamma_s[(r // sub) * sub + sub // 2, d]
+                Q_row_s[r, d] = Q_s[r, d] * T.exp2((gamma_s[r, d] - middle) * LOG2_E)
+                K_row_s[r, d] = K_s[r, d] * T.exp2((gamma_s[r, d] - middle) * LOG2_E)
+                K_col_s[r, d] = K_s[r, d] * T.exp2((middle - gamma_s[r, d]) * LOG2_E)
+            T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=True)
+            T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=True)
+            for r, j in T.Parallel(C, C):
+                same_block = r // sub == j // sub
+                L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
+                A_qk_s[r, j] = T.if_then_else(same_block and j <= r, qk_f[r, j], 0)
+
+            # off-diagonal: one slab of sub columns at a time, anchored at the first row below it
+            for s0 in range(sub, C, sub):
+                for r, d in T.Parallel(C, d_k):
+                    below = r >= s0
+                    to_row = T.exp2(T.min(gamma_s[r, d] - gamma_s[s0, d], 0) * LOG2_E)  # <= 1
+                    Q_row_s[r, d] = T.if_then_else(below, Q_s[r, d] * to_row, 0)
+                    K_row_s[r, d] = T.if_then_else(below, K_s[r, d] * to_row, 0)
+                for j, d in T.Parallel(sub, d_k):
+                    col = s0 - sub + j
+                    K_col_s[j, d] = K_s[col, d] * T.exp2((gamma_s[s0, d] - gamma_s[col, d]) * LOG2_E)  # <= 1
+                T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=True)
+                T.gemm(Q_row_s, K_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=True)
+                for r, j in T.Parallel(C, sub):
+                    if r >= s0:
+                        L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
+                        A_qk_s[r, s0 - sub + j] = qk_slab_f[r, j]
+            # --8<-- [end:prepare_scores]
+
+            # --8<-- [start:prepare_inverse]
+            # diagonal blocks of T = (I + L)^{-1}: forward substitution, one lane per (block, column)
+            T.clear(T_s)
+            for r in T.serial(sub):
+                for blk, col in T.Parallel(C // sub, sub):
+                    i = blk * sub + r
+                    T_s[i, blk * sub + col] = T.if_then_else(col == r, 1, 0)
+                    for j in T.serial(r):
+                        T_s[i, blk * sub + col] -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
+            # block row P from the rows above it: T[P, :P] = -T[P, P] (L[P, :P] T[:P, :P])
+            # (loops over all C columns with a test: TileLang 0.1.15 finds no layout for (sub, p0))
+            for p0 in range(sub, C, sub):
+                for r, c in T.Parallel(sub, C):
+                    if c < p0:
+                        partial = T.alloc_var(accum_dtype)
+                        partial = 0
+                        for j in T.serial((c // sub) * sub, p0):  # T[:P, :P] is block lower triangular
+                            partial += L_s[p0 + r, j] * T_s[j, c]
+                        merge_s[r, c] = partial
+                for r, c in T.Parallel(sub, C):
+                    if c < p0:
+                        product = T.alloc_var(accum_dtype)
+                        product = 0
+                        for j in T.serial(sub):
+                            product += T_s[p0 + r, p0 + j] * merge_s[j, c]
+                        T_s[p0 + r, c] = -product
+            # --8<-- [end:prepare_inverse]
+
+            # --8<-- [start:prepare_outputs]
+            for r, c in T.Parallel(C, C):
+                A_hat_s[r, c] = T_s[r, c] * beta_s[r]  # diag(beta) T, after the inverse
+            for r, d in T.Parallel(C, d_k):
+                K_plus_s[r, d] = K_s[r, d] * T.exp2(gamma_s[r, d] * LOG2_E)
+            T.gemm(A_hat_s, K_plus_s, w_f, clear_accum=True)
+            T.gemm(A_hat_s, V_s, u_f, clear_accum=True)
+            T.copy(w_f, W[b, t0:t0 + C, h, :])
+            T.copy(u_f, U[b, t0:t0 + C, h, :])
+            T.copy(A_qk_s, A_qk[b, t0:t0 + C, h, :])
+            for r, d in T.Parallel(C, d_k):
+                Q_decayed[b, t0 + r, h, d] = Q_s[r, d] * T.exp2(gamma_s[r, d] * LOG2_E)
+                K_to_chunk_end[b, t0 + r, h, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
+            for d in T.Parallel(d_k):
+                Chunk_decay[b, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
+            # --8<-- [end:prepare_outputs]
+
+    return kda_prepare
+# --8<-- [end:prepare_program]
+
+
+# --8<-- [start:recurrence_program]
+def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
+                             dtype="float16", num_stages=2, threads=128):
+    """The recurrence kernel: the prepare kernel's outputs and S_0^T (B, H, d_k, d_v) fp32
+    -> o (B, N, H, d_v) in `dtype` and the final state S^T (B, H, d_k, d_v) in fp32.
+
+    N must be a multiple of chunk_size, block_dv must divide d_v.
+    """
+    import tilelang.language as T
+
+    C = chunk_size
+    accum_dtype = "float32"
+    num_chunks = N // C
+
+    @T.prim_func
+    def kda_recurrence(
+        W: T.Tensor((B, N, H, d_k), dtype),
+        U: T.Tensor((B, N, H, d_v), dtype),
+        Q_decayed: T.Tensor((B, N, H, d_k), dtype),
+        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+        A_qk: T.Tensor((B, N, H, C), dtype),
+        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+        Initial_state: T.Tensor((B, H, d_k, d_v), accum_dtype),
+        O: T.Tensor((B, N, H, d_v), dtype),
+        Final_state: T.Tensor((B, H, d_k, d_v), accum_dtype),
+    ):
+        with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
+            b, h = i_bh // H, i_bh % H
+            v0 = i_v * block_dv
+
+            W_s = T.alloc_shared((C, d_k), dtype)
+            U_s = T.alloc_shared((C, block_dv), dtype)
+            Q_decayed_s = T.alloc_shared((C, d_k), dtype)
+            K_to_chunk_end_s = T.alloc_shared((C, d_k), dtype)
+            A_qk_s = T.alloc_shared((C, C), dtype)
+            chunk_decay_s = T.alloc_shared((d_k,), accum_dtype)
+            S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
+            V_new_s = T.alloc_shared((C, block_dv), dtype)
+
+            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across chunks
+            V_new_f = T.alloc_fragment((C, block_dv), accum_dtype)
+            acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
+
+            T.copy(Initial_state[b, h, :, v0:v0 + block_dv], S_f)  # once, outside the chunk loop
+            for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
+                t0 = i_c * C
+                T.copy(W[b, t0:t0 + C, h, :], W_s)
+                T.copy(U[b, t0:t0 + C, h, v0:v0 + block_dv], U_s)
+                T.copy(Q_decayed[b, t0:t0 + C, h, :], Q_decayed_s)
+                T.copy(K_to_chunk_end[b, t0:t0 + C, h, :], K_to_chunk_end_s)
+                T.copy(A_qk[b, t0:t0 + C, h, :], A_qk_s)
+                T.copy(Chunk_decay[b, i_c, h, :], chunk_decay_s)
+
+                # the pseudo-values V_new = U - W S^T (S^T cast to the input dtype first)
+                T.copy(S_f, S_s)
+                T.gemm(W_s, S_s, V_new_f, clear_accum=True)
+                for r, j in T.Parallel(C, block_dv):
+                    V_new_f[r, j] = U_s[r, j] - V_new_f[r, j]
+                T.copy(V_new_f, V_new_s)
+
+                # inter-chunk term, then the intra-chunk term added into the same accumulator
+                T.gemm(Q_decayed_s, S_s, acc_o, clear_accum=True)
+                T.gemm(A_qk_s, V_new_s, acc_o)
+                T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
+
+                # only now does the state move past this chunk: decay row by row, then the GEMM
+                for d, j in T.Parallel(d_k, block_dv):
+                    S_f[d, j] *= chunk_decay_s[d]
+                T.gemm(K_to_chunk_end_s, V_new_s, S_f, transpose_A=True)
+            T.copy(S_f, Final_state[b, h, :, v0:v0 + block_dv])
+
+    return kda_recurrence
+# --8<-- [end:recurrence_program]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
+    import tilelang
+
+    program = build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, threads)
+    return tilelang.compile(program, out_idx=[5, 6, 7, 8, 9, 10], target="cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads):
+    import tilelang
+
+    program = build_recurrence_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
+    return tilelang.compile(program, out_idx=[7, 8], target="cuda")
+
+
+# --8<-- [start:forward]
+def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, num_stages=2, threads=128,
+            prepare_threads=128, initial_state=None, output_final_state=False):
+    """Run both kernels on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16),
+    g: (B, N, H, d_k) fp32 log gates (<= 0), beta: (B, N, H) fp32 in [0, 1].
+
+    initial_state: S_0^T (B, H, d_k, d_v) fp32 or None (zeros). Returns o: (B, N, H, d_v) in the
+    input dtype, and with output_final_state also the final state S^T (B, H, d_k, d_v) fp32.
+    N need not be a multiple of chunk_size: the sequence is zero-padded, which is exact (see
+    reference.kernel_mirror).
+    """
+    import torch
+
+    check_kernel_tensor("q", q, rank=4)
+    check_kernel_tensor("k", k, rank=4)
+    check_kernel_tensor("v", v, rank=4)
+    check_same("k", k, "q", q, "shape")
+    B, N, H, d_k = q.shape
+    if tuple(v.shape[:3]) != (B, N, H):
+        raise ValueError(f"v must be (B, N, H, d_v) = ({B}, {N}, {H}, d_v), got {tuple(v.shape)}")
+    check_same("k", k, "q", q, "dtype")
+    check_same("v", v, "q", q, "dtype")
+    d_v = v.shape[3]
+    check_kernel_tensor("g", g, rank=4, dtypes=("float32",))
+    check_same("g", g, "q", q, "shape")
+    check_kernel_tensor("beta", beta, rank=3, dtypes=("float32",))
+    if tuple(beta.shape) != (B, N, H):
+        raise ValueError(f"beta must be (B, N, H) = ({B}, {N}, {H}), got {tuple(beta.shape)}")
+    if initial_state is not None:
+        check_kernel_tensor("initial_state", initial_state, rank=4, dtypes=("float32",))
+        if tuple(initial_state.shape) != (B, H, d_k, d_v):
+            raise ValueError(f"initial_state must be (B, H, d_k, d_v) = ({B}, {H}, {d_k}, {d_v}), "
+                             f"got {tuple(initial_state.shape)}")
+    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    _check_gate_and_beta_values(g, beta)
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
+
+    N_padded = padded_length(N, chunk_size)
+    if N_padded != N:
+        pad = (0, 0, 0, 0, 0, N_padded - N)  # torch pads from the last axis backwards
+        q, k, v, g = (torch.nn.functional.pad(x, pad) for x in (q, k, v, g))
+        beta = torch.nn.functional.pad(beta, (0, 0, 0, N_padded - N))
+    if initial_state is None:
+        initial_state = q.new_zeros((B, H, d_k, d_v), dtype=torch.float32)
+    dtype = str(q.dtype).removeprefix("torch.")
+    prepare = _compiled_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype, prepare_threads)
+    recurrence = _compiled_recurrence(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
+    o, final_state = recurrence(*prepare(q, k, v, g, beta), initial_state)
+    o = o[:, :N]
+    return (o, final_state) if output_final_state else o
+# --8<-- [end:forward]
+
+
+def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):
+    """Tile sizes the kernels accept: chunks of whole sub-blocks, multiples of 16, block_dv dividing d_v."""
+    if chunk_size < 2 * SUB_BLOCK or chunk_size % SUB_BLOCK:
+        raise ValueError(f"chunk_size must be a multiple of {SUB_BLOCK} and at least {2 * SUB_BLOCK}, got {chunk_size}")
+    if d_k % 16:
+        raise ValueError(f"d_k must be a multiple of 16, got {d_k}")
+    if block_dv < 16 or block_dv % 16 or d_v % block_dv:
+        raise ValueError(f"block_dv must be a multiple of 16 that divides d_v = {d_v}, got {block_dv}")
+
+
+def _check_gate_and_beta_values(g, beta):
+    """g <= 0 (a decay, never a growth) and 0 <= beta <= 1; one device sync for both."""
+    import torch
+
+    gate_grows, beta_outside = torch.stack([(g > 0).any(), ((beta < 0) | (beta > 1)).any()]).tolist()
+    if gate_grows:
+        raise ValueError(f"g must be <= 0 everywhere (log of a decay in (0, 1]); its largest entry is {g.max().item():.3g}")
+    if beta_outside:
+        raise ValueError(f"beta must lie in [0, 1]; its range is [{beta.min().item():.3g}, {beta.max().item():.3g}]")
+
+
+def compile_report(kernel="recurrence", B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
+                   block_dv=DEFAULT_BLOCK_DV, dtype="float16"):
+    """Lower and compile one kernel ("prepare" or "recurrence") for sm_90a without a GPU."""
+    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    if kernel == "prepare":
+        return _compile_report(build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype))
+    if kernel == "recurrence":
+        return _compile_report(build_recurrence_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype))
+    raise ValueError(f"kernel must be 'prepare' or 'recurrence', got {kernel!r}")
+
+
+def main():
+    import torch
+
+    from stages.common.errors import error_report
+    from stages.common.inputs import make_inputs
+    from stages.s05_fast_kda.reference import recurrent
+
+    for kernel in ("prepare", "recurrence"):
+        print(f"{kernel} sm_90a:", compile_report(kernel).summary())
+    if not torch.cuda.is_available():
+        print("no CUDA device: compile-only")
+        return
+    x = make_inputs(2, 1024, 4, 128, 128, gate="channel", beta_range=(0.1, 0.9), seed=0)
+    expected = recurrent(x.q, x.k, x.v, x.g, x.beta)
+    g, beta = (torch.tensor(a, dtype=torch.float32, device="cuda") for a in (x.g, x.beta))
+    for dtype in (torch.float16, torch.bfloat16):
+        q, k, v = (torch.tensor(a, dtype=dtype, device="cuda") for a in (x.q, x.k, x.v))
+        o = forward(q, k, v, g, beta)
+        print(f"{dtype} kernels vs reference A:", error_report(o, expected))
+        try:
+            from fla.ops import chunk_kda
+        except ImportError:
+            continue
+        print(f"{dtype} FLA chunk_kda vs reference A:", error_report(chunk_kda(q, k, v, g, beta, scale=1.0)[0], expected))
+
+
+if __name__ == "__main__":
+    main()
