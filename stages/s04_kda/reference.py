@@ -4,7 +4,7 @@
                                                              (paper layout: S is d_v x d_k)
 
 q, k: (B, N, H, d_k); v: (B, N, H, d_v); g = log(a): (B, N, H, d_k), one gate per key channel;
-beta: (B, N, H). Every function returns o: (B, N, H, d_v).
+beta: (B, N, H), the write strength in [0, 1]. Every function returns o: (B, N, H, d_v).
 
 - `recurrent` (A) is the recurrence token by token, in the paper layout.
 - `chunkwise` (B) keeps the state transposed, S^T (d_k x d_v), the kernel layout. For chunk [t]
@@ -94,8 +94,8 @@ def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv, sub_chunk_size=None):
     """Reference C: the kernel's control flow. State S^T: (d_k, block_dv) per program.
 
     Like the kernel's wrapper, it zero-pads N up to a multiple of chunk_size. The padding is exact:
-    a padded token has k = v = 0, beta = 0 and g = 0 (no decay), so it leaves the state as it was.
-    sub_chunk_size (a divisor of chunk_size, default chunk_size: the kernel's case) restarts the
+    a padded token has k = v = 0, beta = 0 and g = 0 (no decay), so it leaves the state as it was,
+    and its output row is cut off at the end. sub_chunk_size (a divisor of chunk_size, default chunk_size: the kernel's case) restarts the
     cumulative decay of the key operand at every sub-chunk.
     """
     B, N, H, d_k, d_v = check_qkv(q, k, v)
@@ -110,13 +110,12 @@ def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv, sub_chunk_size=None):
         cols = slice(i_v * block_dv, (i_v + 1) * block_dv)
         for i_bh in range(B * H):  # grid.y: one program per (batch, head)
             b, h = divmod(i_bh, H)
-            # EXERCISE BEGIN
             S_T = np.zeros((d_k, block_dv))  # the state, on chip for the whole program
             for i_c in range(q.shape[1] // C):  # the pipelined chunk loop
                 rows = slice(i_c * C, (i_c + 1) * C)
                 Q, K, V = q[b, rows, h], k[b, rows, h], v[b, rows, h, cols]
                 beta_c = beta[b, rows, h]
-                gamma = np.cumsum(g[b, rows, h], axis=0)  # T.cumsum over the chunk's gate tile
+                gamma = np.cumsum(g[b, rows, h], axis=0)  # in shared memory: channels in parallel, rows in order
                 # the exponent split e^{gamma_c - gamma_i} = e^{gamma_c - origin} e^{origin - gamma_i},
                 # one block of key columns (a sub-chunk) at a time; origin = the decay before it
                 M, A_qk = np.zeros((C, C)), np.zeros((C, C))
@@ -142,7 +141,6 @@ def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv, sub_chunk_size=None):
                 o[b, rows, h, cols] = acc_o  # the chunk's output is written ...
                 S_T *= np.exp(gamma[-1])[:, None]  # ... then the state decays, row by row ...
                 S_T += (K * np.exp(gamma[-1] - gamma)).T @ V_new  # ... then takes the chunk (GEMM)
-            # EXERCISE END
     return o[:, :N]
 # --8<-- [end:kernel_mirror]
 
