@@ -2,8 +2,9 @@
 
 A stage contributes its files through `stages/<stage>/figures.py`, which defines
 `generated_files()` -> {path relative to the repository: function(path) that writes it}.
-The course machinery contributes the kill matrix, and benchmarks/figures.py the benchmark page's
-tables and plots (from the committed CSVs). `course regenerate` rewrites them all; the test
+The course machinery contributes the kill matrix and, through kdacourse/doctables.py, each stage's
+tables of exercises, bugs and kill-matrix rows; benchmarks/figures.py the benchmark page's tables and
+plots (from the committed CSVs). `course regenerate` rewrites them all; the test
 suite regenerates them into a temporary folder and checks that the committed ones are current.
 Figures are SVG written without dates, so the same numbers give the same bytes.
 """
@@ -23,10 +24,11 @@ def generators():
         module = importlib.import_module(f"stages.{figures.parent.name}.figures")
         table.update(module.generated_files())
     from benchmarks import figures as benchmark_figures
-    from kdacourse import killmatrix
+    from kdacourse import doctables, killmatrix
 
     table.update(benchmark_figures.generated_files())
     table.update(killmatrix.generated_files())
+    table.update(doctables.generated_files())
     return table
 
 

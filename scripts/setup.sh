@@ -11,4 +11,6 @@ cd "$(dirname "$0")/.."
 # of several GB. Kernels run on a GPU machine, which brings its own CUDA torch.
 "$venv/bin/python" -m pip install -q "torch==2.13.0"
 "$venv/bin/python" -m pip install -q -e .
+# MathJax for the site, from the npm registry into docs/javascripts/vendor/ (needs npm; silent when done)
+"$venv/bin/python" -m kdacourse.site vendor
 echo "course environment ready in $venv"

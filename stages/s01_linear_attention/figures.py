@@ -1,5 +1,8 @@
-"""Stage 1's generated files: the error table of references B and C against A."""
+"""Stage 1's generated files: the error table of references B and C against A, the identities
+table, the kernel's compile-only report at a few tile sizes, and the kernel's errors on the H200
+(read from the committed GPU test log)."""
 
+from kdacourse.doctables import compile_report_table, gpu_log_table, identities_table
 from kdacourse.generated import markdown_table
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
@@ -30,5 +33,34 @@ def write_error_table(path):
     )
 
 
+def write_identities_table(path):
+    from stages.s01_linear_attention.identities import IDENTITIES
+
+    path.write_text(identities_table(IDENTITIES, "stages/s01_linear_attention/figures.py"))
+
+
+# The test shape of the compile-only test, at the default tiles and at the alternatives one would try:
+# wider value blocks (fewer programs, a bigger state fragment each) and longer chunks.
+COMPILE_SHAPE = dict(B=2, N=1024, H=4, d_k=128, d_v=128)
+COMPILE_TILES = [(64, 32), (64, 64), (64, 128), (128, 32)]  # (chunk_size, block_dv)
+
+
+def write_compile_report(path):
+    from stages.s01_linear_attention.kernel import compile_report
+
+    reports = [({"chunk_size": C, "block_dv": block_dv}, compile_report(**COMPILE_SHAPE, chunk_size=C, block_dv=block_dv))
+               for C, block_dv in COMPILE_TILES]
+    path.write_text(compile_report_table(reports, "stages/s01_linear_attention/figures.py"))
+
+
+def write_gpu_errors(path):
+    path.write_text(gpu_log_table("tests/gpu_results/s01_linear_attention.log", "stages/s01_linear_attention/figures.py"))
+
+
 def generated_files():
-    return {"docs/generated/s01_errors.md": write_error_table}
+    return {
+        "docs/generated/s01_gpu_errors.md": write_gpu_errors,
+        "docs/generated/s01_errors.md": write_error_table,
+        "docs/generated/s01_identities.md": write_identities_table,
+        "docs/generated/s01_compile_report.md": write_compile_report,
+    }
