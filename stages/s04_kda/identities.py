@@ -8,7 +8,7 @@ Kernel layout throughout unless a name says "paper": the recurrence reads
     S_t^T = (I - beta_t k_t^T k_t) Diag(a_t) S_{t-1}^T + beta_t k_t^T v_t      o_t = q_t S_t^T
 with q_t, k_t, v_t row vectors.
 
-Run `python -m stages.s04_kda.identities` to prove them all, and to see the placements of Diag(a)
+Run `python -m stages.s04_kda.identities` to prove them all, and to refute the placements of Diag(a)
 and the pairing of beta that are not identities.
 """
 
@@ -51,7 +51,7 @@ def _ut_transform(K, E_plus, betas):
     return sp.diag(*betas) * (sp.eye(K.rows) + M * sp.diag(*betas)).inv()
 
 
-def _chunk(Q, K, V, gates, betas, S0_T):
+def _chunked(Q, K, V, gates, betas, S0_T):
     """Outputs and final state of the chunkwise form: exponent split, UT transform, pseudo-values."""
     E_plus = _decay_from_start(gates)
     E_minus = E_plus.applyfunc(lambda x: 1 / x)
@@ -106,7 +106,7 @@ def diag_placement_transposes():
     )
 
 
-def wy_representation():
+def householder_product_equals_wy_form():
     _, K, _, gates, betas, _ = _symbols()
     transitions = sp.eye(d_k)
     for t in range(C):
@@ -130,18 +130,18 @@ def chunk_output_equals_recurrence():
         "chunked output = recurrence",
         "(Q ⊙ e^{gamma}) S0^T + A_qk V_new with V_new = U - W S0^T, W = diag(beta) T (K ⊙ e^{gamma}), "
         "U = diag(beta) T V, T = (I + L)^{-1}, L[c, i] = beta_i M[c, i], equals q_t S_t^T of the recurrence.",
-        _chunk(Q, K, V, gates, betas, S0_T)[0],
+        _chunked(Q, K, V, gates, betas, S0_T)[0],
         _recurrence(Q, K, V, gates, betas, S0_T)[0],
     )
 
 
-def chunk_state_equals_recurrence():
+def chunk_state_update_equals_recurrence():
     Q, K, V, gates, betas, S0_T = _symbols()
     return Identity(
         "state across a chunk",
         "Diag(e^{gamma_C}) S0^T + (K ⊙ e^{gamma_C - gamma})^T V_new equals the state the recurrence "
         "reaches after the chunk.",
-        _chunk(Q, K, V, gates, betas, S0_T)[1],
+        _chunked(Q, K, V, gates, betas, S0_T)[1],
         _recurrence(Q, K, V, gates, betas, S0_T)[1],
     )
 
@@ -159,7 +159,7 @@ def beta_pairings_agree():
 # --8<-- [end:identities]
 
 
-# --8<-- [start:non_identities]
+# --8<-- [start:refuted]
 def diag_after_householder(equal_channels=False):
     """The decay moved past the Householder factor: S (I - beta k k^T) Diag(a), paper layout."""
     S_paper, k, beta = matrix("s", d_v, d_k), matrix("k", 1, d_k), sp.Symbol("beta")
@@ -185,7 +185,7 @@ def diag_before_state(equal_channels=False):
     )
 
 
-def beta_pairings_mixed(equal_betas=False):
+def mixed_beta_pairing(equal_betas=False):
     """L[c, i] = beta_i M[c, i] with beta applied before T: the mixed pairing."""
     M = matrix("m", C, C).multiply_elementwise(causal_mask(C, include_diagonal=False))
     betas = sp.diag(*[sp.Symbol("beta" if equal_betas else f"beta_{t}", positive=True) for t in range(C)])
@@ -198,32 +198,31 @@ def beta_pairings_mixed(equal_betas=False):
     )
 
 
-def differs_somewhere(identity):
-    """True when lhs - rhs is nonzero at one point: every symbol set to a distinct small rational.
-    One nonzero value proves the two sides differ (the converse needs Identity.holds)."""
+def counterexample(identity):
+    """A point (symbol -> rational) where lhs - rhs is not zero: one point proves the two differ."""
     symbols = sorted(identity.lhs.free_symbols | identity.rhs.free_symbols, key=str)
-    point = {symbol: sp.Rational(1, n + 2) for n, symbol in enumerate(symbols)}
-    return any(entry != 0 for entry in (identity.lhs - identity.rhs).subs(point).applyfunc(sp.nsimplify))
+    point = {symbol: sp.Rational(number + 2, number + 3) for number, symbol in enumerate(symbols)}
+    return point if any((identity.lhs - identity.rhs).subs(point)) else None
 
 
 def _channel_gates(equal):
     """(1 x d_k) gates alpha_d, or one alpha for every channel."""
     return sp.Matrix(1, d_k, lambda _, d: sp.Symbol("alpha" if equal else f"alpha_{d}", positive=True))
-# --8<-- [end:non_identities]
+# --8<-- [end:refuted]
 
 
-IDENTITIES = [exponent_split, dplr_form, diag_placement_transposes, wy_representation, chunk_output_equals_recurrence,
-              chunk_state_equals_recurrence, beta_pairings_agree]
-NON_IDENTITIES = [diag_after_householder, diag_before_state, beta_pairings_mixed]
+IDENTITIES = [exponent_split, dplr_form, diag_placement_transposes, householder_product_equals_wy_form,
+              chunk_output_equals_recurrence, chunk_state_update_equals_recurrence, beta_pairings_agree]
+REFUTED = [diag_after_householder, diag_before_state, mixed_beta_pairing]
 
 
 def main():
     for build in IDENTITIES:
         identity = build()
         print(f"{'proved' if identity.holds() else 'FAILS '}  {identity.name}: {identity.statement}")
-    for build in NON_IDENTITIES:
+    for build in REFUTED:
         identity = build()
-        print(f"{'differs' if differs_somewhere(identity) else 'EQUAL  '}  {identity.name}: {identity.statement}")
+        print(f"{'refuted' if counterexample(identity) else 'HOLDS  '}  {identity.name}: {identity.statement}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ DEFAULT_LAYOUT = (("e_plus_gamma", "registers"), ("e_minus_gamma", "registers"),
 PASS_CONFIGS = {"tl.disable_warp_specialized": True}
 # The largest chunk-local log decay -gamma the fp16 and bf16 kernels accept (see max_log_decay).
 MAX_LOG_DECAY = {"float16": 14 * math.log(2), "bfloat16": 126 * math.log(2)}
+GATE_DTYPES = ("float32",)
 
 
 # --8<-- [start:program]
@@ -54,6 +55,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
     C = chunk_size
     accum_dtype = "float32"
     num_chunks = N // C
+    width = d_k + block_dv  # the columns of [K ⊙ e^{gamma} | V], solved together
     place = dict(layout)
     alloc = {"registers": T.alloc_fragment, "shared": T.alloc_shared}
 
@@ -81,7 +83,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             K_plus_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{gamma}; later k ⊙ e^{gamma_C - gamma}
             K_minus_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{-gamma}
             L_s = T.alloc_shared((C, C), accum_dtype)  # every thread reads row r of L
-            X_s = T.alloc_shared((C, d_k + block_dv), accum_dtype)  # [W | U], solved in place
+            X_s = T.alloc_shared((C, width), accum_dtype)  # [K ⊙ e^{gamma} | V], solved in place
             W = alloc[place["w"]]((C, d_k), dtype)  # beta ⊙ X[:, :d_k], a GEMM operand
             S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
             A_qk_s = T.alloc_shared((C, C), dtype)
@@ -130,9 +132,10 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 for c, j in T.Parallel(C, C):
                     A_qk_s[c, j] = T.if_then_else(j <= c, A_qk_f[c, j], 0)
 
-                # forward substitution, one row at a time: X[r] -= L[r, :r] X[:r]
+                # one forward substitution for both right-hand sides: row r needs rows j < r solved;
+                # each thread sums its column's correction in a register, one barrier per row
                 for r in T.serial(1, C):
-                    for col in T.Parallel(d_k + block_dv):
+                    for col in T.Parallel(width):
                         correction = 0
                         for j in T.serial(r):
                             correction += L_s[r, j] * X_s[j, col]
@@ -164,50 +167,53 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
+def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads):
     import tilelang
 
-    program = build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype)
+    program = build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
     return tilelang.compile(program, out_idx=[5], target="cuda", pass_configs=PASS_CONFIGS)
 
 
 # --8<-- [start:forward]
-def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, max_log_decay=None):
-    """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v) in fp16 or bf16,
-    g: (B, N, H, d_k) and beta: (B, N, H) in float32. Returns o: (B, N, H, d_v) in q's dtype.
+def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, num_stages=1,
+            threads=128, max_log_decay=None):
+    """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16, and
+    g = log(a): (B, N, H, d_k), beta: (B, N, H), float32, with g <= 0 and 0 <= beta <= 1.
 
-    max_log_decay bounds -gamma, the log decay accumulated inside one chunk (default
-    MAX_LOG_DECAY[dtype]); gates that decay faster raise a ValueError instead of returning
-    garbage. Pass math.inf to run anyway. N need not be a multiple of chunk_size: the padding is
-    exact (see reference.kernel_mirror).
+    Returns o: (B, N, H, d_v) in the input dtype. max_log_decay bounds -gamma, the log decay one
+    chunk accumulates in a channel (default MAX_LOG_DECAY[dtype]): gates that decay faster raise a
+    ValueError instead of returning garbage; math.inf runs anyway. N need not be a multiple of
+    chunk_size: the sequence is zero-padded, which is exact (see reference.kernel_mirror).
     """
     import torch
 
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_kernel_tensor(name, x, rank=4)
-    check_kernel_tensor("g", g, rank=4, dtypes=("float32",))
-    check_kernel_tensor("beta", beta, rank=3, dtypes=("float32",))
+    check_kernel_tensor("q", q, rank=4)
+    check_kernel_tensor("k", k, rank=4)
+    check_kernel_tensor("v", v, rank=4)
+    check_kernel_tensor("g", g, rank=4, dtypes=GATE_DTYPES)
+    check_kernel_tensor("beta", beta, rank=3, dtypes=GATE_DTYPES)
     check_same("k", k, "q", q, "shape")
     B, N, H, d_k = q.shape
     if tuple(v.shape[:3]) != (B, N, H):
         raise ValueError(f"v must be (B, N, H, d_v) = ({B}, {N}, {H}, d_v), got {tuple(v.shape)}")
     check_same("g", g, "q", q, "shape")
     if tuple(beta.shape) != (B, N, H):
-        raise ValueError(f"beta must be (B, N, H) = ({B}, {N}, {H}), got {tuple(beta.shape)}")
+        raise ValueError(f"beta must have shape (B, N, H) = {(B, N, H)}, got {tuple(beta.shape)}")
     check_same("k", k, "q", q, "dtype")
     check_same("v", v, "q", q, "dtype")
     d_v = v.shape[3]
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
     dtype = str(q.dtype).removeprefix("torch.")
-    _check_gates(g, beta, chunk_size, MAX_LOG_DECAY[dtype] if max_log_decay is None else max_log_decay)
+    _check_gate_values(g, beta)
+    _check_gate_range(g, chunk_size, MAX_LOG_DECAY[dtype] if max_log_decay is None else max_log_decay)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta})
 
     N_padded = padded_length(N, chunk_size)
-    if N_padded != N:  # padded tokens: k = v = 0, beta = 0, g = 0 (no decay) leave the state as it is
-        pad = (0, 0, 0, 0, 0, N_padded - N)  # torch pads from the last axis backwards
-        q, k, v, g = (torch.nn.functional.pad(x, pad) for x in (q, k, v, g))
-        beta = torch.nn.functional.pad(beta, pad[2:])
-    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype)
+    if N_padded != N:
+        pad = N_padded - N  # torch pads from the last axis backwards
+        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
+    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
     return kernel(q, k, v, g, beta)[:, :N]
 # --8<-- [end:forward]
 
@@ -222,18 +228,22 @@ def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):
         raise ValueError(f"block_dv must be a multiple of 16 that divides d_v = {d_v}, got {block_dv}")
 
 
+def _check_gate_values(g, beta):
+    """g = log(a) finite and <= 0 (a gate that grows the state is not a gate); beta in [0, 1]."""
+    if not bool(((g <= 0) & g.isfinite()).all()):
+        raise ValueError(f"g must be finite and <= 0 (g = log(a), 0 < a <= 1); its largest entry is {g.max().item()}")
+    if not bool(((beta >= 0) & (beta <= 1)).all()):
+        raise ValueError(f"beta must lie in [0, 1]; its entries span [{beta.min().item()}, {beta.max().item()}]")
+
+
 # --8<-- [start:gate_check]
-def _check_gates(g, beta, chunk_size, max_log_decay):
-    """g <= 0, 0 <= beta <= 1, and no chunk decays by more than e^{-max_log_decay} in any channel.
+def _check_gate_range(g, chunk_size, max_log_decay):
+    """No chunk decays a channel by more than e^{-max_log_decay}.
 
     The kernel rounds k ⊙ e^{-gamma} and q ⊙ e^{gamma} to the input dtype. In fp16, e^{gamma}
     below 2^-14 leaves the normal range (and loses its precision bit by bit) and e^{-gamma} above
-    2^14 is a step from overflow: -gamma <= 14 ln 2 keeps both sides exact to fp16's precision.
+    2^14 is a step from overflow: -gamma <= 14 ln 2 keeps both sides within fp16's normal range.
     """
-    if bool((g > 0).any()):
-        raise ValueError(f"g must be <= 0 (g = log a with 0 < a <= 1), got max(g) = {g.max().item():.3g}")
-    if bool(((beta < 0) | (beta > 1)).any()):
-        raise ValueError(f"beta must lie in [0, 1], got values in [{beta.min().item():.3g}, {beta.max().item():.3g}]")
     worst = max_chunk_log_decay(g, chunk_size)
     if worst > max_log_decay:
         raise ValueError(
@@ -340,6 +350,7 @@ def compile_report(B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_
     """Lower and compile the kernel for sm_90a without a GPU; see stages.common.tilelang_tools."""
     from tilelang.transform import PassContext
 
+    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
     with PassContext(config=PASS_CONFIGS):
         return _compile_report(build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, layout=layout))
 
@@ -355,7 +366,7 @@ def main():
     if not torch.cuda.is_available():
         print("no CUDA device: compile-only")
         return
-    x = make_inputs(2, 512, 4, 128, 128, gate="channel", beta_range=(0.1, 0.9), seed=0)
+    x = make_inputs(2, 1024, 4, 128, 128, gate="channel", beta_range=(0.1, 0.9), seed=0)
     expected = recurrent(x.q, x.k, x.v, x.g, x.beta)
     q, k, v = (torch.tensor(a, dtype=torch.float16, device="cuda") for a in (x.q, x.k, x.v))
     g, beta = (torch.tensor(a, dtype=torch.float32, device="cuda") for a in (x.g, x.beta))
