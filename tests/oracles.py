@@ -40,3 +40,15 @@ def token_gated_linear_attention(q, k, v, g):
     decay = np.exp(np.where(causal, log_decay, -np.inf))  # (B, H, t, j), zero for j > t
     scores = np.einsum("bthd,bshd->bhts", q, k) * decay
     return np.einsum("bhts,bshd->bthd", scores, v)
+
+
+def scalar_decay_attention(q, k, v, g):
+    """o_t = sum_{j <= t} alpha_h^(t - j) (q_t . k_j) v_j per (batch, head h), alpha_h = e^{g_h}: the
+    quadratic form of linear attention with a constant decay per head, with no state and no chunks.
+    q, k: (B, N, H, d_k); v: (B, N, H, d_v); g = log(alpha): (H,)."""
+    N = q.shape[1]
+    offsets = np.arange(N)[:, None] - np.arange(N)[None, :]  # t - j
+    causal = offsets >= 0
+    decay = np.where(causal, np.exp(g[:, None, None] * np.where(causal, offsets, 0)), 0.0)  # (H, t, j)
+    scores = np.einsum("bthd,bshd->bhts", q, k) * decay
+    return np.einsum("bhts,bshd->bthd", scores, v)

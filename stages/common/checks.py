@@ -40,3 +40,10 @@ def check_gate_and_beta(g, beta, B, N, H, d_k, gate):
         raise ValueError(f"g must have shape {expected} (the {gate} gate), got {tuple(g.shape)}")
     if tuple(beta.shape) != (B, N, H):
         raise ValueError(f"beta must have shape (B, N, H) = {(B, N, H)}, got {tuple(beta.shape)}")
+
+
+def check_gate(g, B, N, H, d_k, gate):
+    """g has the shape inputs.GATE_SHAPES[gate] gives for (B, N, H, d_k); for stages without beta."""
+    expected = GATE_SHAPES[gate](B, N, H, d_k)
+    if tuple(g.shape) != tuple(expected):
+        raise ValueError(f"g must have shape {expected} (the {gate} gate), got {tuple(g.shape)}")

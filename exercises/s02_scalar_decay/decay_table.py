@@ -1,0 +1,28 @@
+"""Exercise s02.decay_table (fix): the decay table Gamma of one head, in a given dtype.
+
+    Gamma[i, j] = alpha^(i - j) for j <= i, 0 above the diagonal        (C x C)
+
+The course builds it in float64 for the references; the kernel would like it in fp16. Whatever the
+dtype, every entry must come out finite and right.
+
+This function runs and looks right, and carries one known bug. Find it and fix it.
+Read: docs, stage 2, "Numerics".  Check: course check s02
+"""
+
+import numpy as np
+
+
+def decay_table(g_head, chunk_size, dtype=np.float64):
+    """Gamma (C x C) of one head: Gamma[i, j] = alpha^(i - j) for j <= i, 0 above the diagonal.
+
+    g_head = log(alpha), a scalar. The ratio form: the exponent gamma_i - gamma_j = (i - j) g_head
+    is formed first, so every entry is e^{<= 0}, at most 1, and fits any dtype. Gamma depends on
+    i - j only, so one table serves every chunk.
+    """
+    C = chunk_size
+    gamma = g_head * np.arange(1, C + 1)  # log alpha^r, r counted from the chunk start
+    lower = np.tril(np.ones((C, C), dtype=bool))  # j <= i
+    # EXERCISE BEGIN
+    decay_from_start = np.where(lower, np.exp(gamma)[:, None], 0).astype(dtype)  # e^{gamma_i}, 0 above the diagonal
+    return decay_from_start * np.exp(-gamma).astype(dtype)[None, :]  # times 1 / e^{gamma_j}
+    # EXERCISE END

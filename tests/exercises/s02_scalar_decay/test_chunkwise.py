@@ -1,0 +1,43 @@
+"""Tests of exercise s02.chunkwise: reference B against the quadratic form with a decay per head."""
+
+import numpy as np
+import pytest
+
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from tests.oracles import causal_linear_attention, scalar_decay_attention
+
+STAGE = "s02_scalar_decay"
+
+
+@pytest.fixture
+def chunkwise(target_module):
+    return target_module(STAGE, "chunkwise.py").chunkwise
+
+
+@pytest.mark.parametrize(
+    "N, chunk_size",
+    [
+        (8, 8),  # one chunk
+        (32, 4),  # many chunks: the decay must restart at every one
+        (19, 4),  # a shorter last chunk
+        (6, 1),  # one token per chunk: all decay goes through the state
+        (5, 16),  # a chunk longer than the sequence
+    ],
+)
+def test_matches_quadratic_form(chunkwise, N, chunk_size):
+    x = make_inputs(2, N, 2, 6, 5, gate="head", gate_range=(0.5, 0.99), seed=N)
+    actual = chunkwise(x.q, x.k, x.v, x.g, chunk_size)
+    assert error_report(actual, scalar_decay_attention(x.q, x.k, x.v, x.g)).rel_l2 <= 1e-12
+
+
+def test_no_decay_is_linear_attention(chunkwise):
+    x = make_inputs(1, 20, 2, 4, 4, seed=7)
+    actual = chunkwise(x.q, x.k, x.v, np.zeros(2), 8)
+    assert error_report(actual, causal_linear_attention(x.q, x.k, x.v)).rel_l2 <= 1e-12
+
+
+def test_rejects_bad_chunk_size(chunkwise):
+    x = make_inputs(1, 8, 1, 4, 4, gate="head", seed=4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunkwise(x.q, x.k, x.v, x.g, 0)

@@ -1,0 +1,49 @@
+"""Tests of exercise s02.kernel_mirror: reference C against the quadratic form with a decay per head."""
+
+import numpy as np
+import pytest
+
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from tests.oracles import causal_linear_attention, scalar_decay_attention
+
+STAGE = "s02_scalar_decay"
+
+
+@pytest.fixture
+def kernel_mirror(target_module):
+    return target_module(STAGE, "kernel_mirror.py").kernel_mirror
+
+
+@pytest.mark.parametrize(
+    "N, chunk_size, block_dv",
+    [
+        (8, 8, 6),  # one chunk, one block of value columns
+        (32, 8, 6),  # many chunks: the state carries over, decayed
+        (32, 8, 2),  # three blocks of value columns
+        (21, 8, 3),  # N padded up to a multiple of chunk_size
+    ],
+)
+def test_matches_quadratic_form(kernel_mirror, N, chunk_size, block_dv):
+    x = make_inputs(2, N, 3, 4, 6, gate="head", gate_range=(0.5, 0.99), seed=N + block_dv)
+    actual = kernel_mirror(x.q, x.k, x.v, x.g, chunk_size, block_dv)
+    assert error_report(actual, scalar_decay_attention(x.q, x.k, x.v, x.g)).rel_l2 <= 1e-12
+
+
+def test_independent_of_block_dv(kernel_mirror):
+    x = make_inputs(1, 24, 2, 4, 6, gate="head", seed=5)
+    by_block = [kernel_mirror(x.q, x.k, x.v, x.g, 8, block_dv) for block_dv in (1, 2, 3, 6)]
+    for other in by_block[1:]:
+        assert error_report(other, by_block[0]).rel_l2 <= 1e-14
+
+
+def test_no_decay_is_linear_attention(kernel_mirror):
+    x = make_inputs(1, 20, 2, 4, 4, seed=8)
+    actual = kernel_mirror(x.q, x.k, x.v, np.zeros(2), 8, 2)
+    assert error_report(actual, causal_linear_attention(x.q, x.k, x.v)).rel_l2 <= 1e-12
+
+
+def test_rejects_block_dv_that_does_not_divide_d_v(kernel_mirror):
+    x = make_inputs(1, 8, 1, 4, 6, gate="head", seed=6)
+    with pytest.raises(ValueError, match="block_dv"):
+        kernel_mirror(x.q, x.k, x.v, x.g, 4, 4)

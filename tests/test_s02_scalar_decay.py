@@ -1,0 +1,223 @@
+"""Stage 2 library tests: references B and C against A and the quadratic form, the identities, the
+numerics, the kernel."""
+
+import inspect
+
+import numpy as np
+import pytest
+
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from stages.common.symbolic import Identity
+from stages.s01_linear_attention import reference as stage1
+from stages.s02_scalar_decay import identities, numerics, reference
+from tests.oracles import scalar_decay_attention
+
+SHAPES = [
+    # B, N, H, d_k, d_v, chunk_size, block_dv
+    (1, 8, 1, 4, 4, 8, 4),  # one chunk
+    (2, 64, 3, 8, 6, 8, 2),  # many chunks, three blocks of value columns
+    (2, 45, 2, 16, 8, 16, 4),  # N not a multiple of chunk_size
+    (1, 7, 2, 4, 4, 16, 1),  # a chunk longer than the sequence
+]
+STRONG_DECAY = (0.5, 0.99)  # alpha^C far from 1 at these chunk sizes, so every decay counts
+
+
+@pytest.mark.parametrize("B, N, H, d_k, d_v, chunk_size, block_dv", SHAPES)
+def test_chunkwise_and_kernel_mirror_equal_recurrent(B, N, H, d_k, d_v, chunk_size, block_dv):
+    x = make_inputs(B, N, H, d_k, d_v, gate="head", gate_range=STRONG_DECAY, seed=N)
+    expected = reference.recurrent(x.q, x.k, x.v, x.g)
+    assert error_report(reference.chunkwise(x.q, x.k, x.v, x.g, chunk_size), expected).rel_l2 <= 1e-12
+    assert error_report(reference.kernel_mirror(x.q, x.k, x.v, x.g, chunk_size, block_dv), expected).rel_l2 <= 1e-12
+
+
+def test_recurrent_equals_quadratic_form():
+    x = make_inputs(2, 30, 3, 8, 5, gate="head", gate_range=STRONG_DECAY, seed=11)
+    expected = scalar_decay_attention(x.q, x.k, x.v, x.g)
+    assert error_report(reference.recurrent(x.q, x.k, x.v, x.g), expected).rel_l2 <= 1e-12
+
+
+def test_no_decay_is_stage_1_exactly():
+    """g = 0: alpha = e^0 = 1 exactly, so every decay is a multiplication by 1 and the results are
+    stage 1's bit for bit."""
+    x = make_inputs(2, 20, 2, 8, 6, seed=12)
+    no_decay = np.zeros(2)
+    assert np.array_equal(reference.recurrent(x.q, x.k, x.v, no_decay), stage1.recurrent(x.q, x.k, x.v))
+    assert np.array_equal(reference.chunkwise(x.q, x.k, x.v, no_decay, 8), stage1.chunkwise(x.q, x.k, x.v, 8))
+    assert np.array_equal(reference.kernel_mirror(x.q, x.k, x.v, no_decay, 8, 3),
+                          stage1.kernel_mirror(x.q, x.k, x.v, 8, 3))
+
+
+def test_alpha_near_zero_keeps_only_the_current_token():
+    """alpha = e^-50 underflows every power alpha^n, n >= 1, below 1e-21: o_t = (q_t . k_t) v_t."""
+    x = make_inputs(1, 12, 2, 4, 3, seed=13)
+    expected = np.einsum("bthd,bthd->bth", x.q, x.k)[..., None] * x.v
+    g = np.full(2, -50.0)
+    for actual in (reference.recurrent(x.q, x.k, x.v, g), reference.chunkwise(x.q, x.k, x.v, g, 4),
+                   reference.kernel_mirror(x.q, x.k, x.v, g, 4, 1)):
+        assert error_report(actual, expected).rel_l2 <= 1e-12
+
+
+def test_kernel_mirror_independent_of_block_dv():
+    x = make_inputs(2, 40, 2, 8, 8, gate="head", seed=1)
+    results = [reference.kernel_mirror(x.q, x.k, x.v, x.g, 8, block_dv) for block_dv in (1, 2, 4, 8)]
+    for result in results[1:]:
+        assert error_report(result, results[0]).rel_l2 <= 1e-14
+
+
+def test_decay_table_is_one_table_for_every_chunk():
+    """The table kernel_mirror builds once equals, for a chunk starting at token s, the ratios of the
+    cumulative products alpha^(s+i) / alpha^(s+j) counted from the sequence start."""
+    alpha, size, start = 0.9, 8, 40
+    P = alpha ** np.arange(1, start + size + 1, dtype=float)  # alpha^t, t = 1..
+    chunk = P[start:start + size]
+    from_sequence_start = np.tril(chunk[:, None] / chunk[None, :])
+    np.testing.assert_allclose(reference.decay_table(np.log(alpha), size), from_sequence_start, rtol=1e-12)
+
+
+@pytest.mark.parametrize("function", [reference.recurrent, reference.chunkwise, reference.kernel_mirror])
+def test_references_reject_mismatched_shapes(function):
+    x = make_inputs(1, 8, 2, 4, 4, gate="head", seed=2)
+    extra = {reference.chunkwise: (4,), reference.kernel_mirror: (4, 2)}.get(function, ())
+    with pytest.raises(ValueError, match="k must have q's shape"):
+        function(x.q, x.k[:, :, :1], x.v, x.g, *extra)
+    with pytest.raises(ValueError, match="v must be"):
+        function(x.q, x.k, x.v[:, :4], x.g, *extra)
+    with pytest.raises(ValueError, match="rank 4"):
+        function(x.q[0], x.k, x.v, x.g, *extra)
+    with pytest.raises(ValueError, match=r"g must have shape \(2,\) \(the head gate\)"):
+        function(x.q, x.k, x.v, np.zeros((1, 8, 2)), *extra)
+
+
+def test_kernel_mirror_rejects_bad_block_dv():
+    x = make_inputs(1, 8, 1, 4, 6, gate="head", seed=3)
+    with pytest.raises(ValueError, match="block_dv"):
+        reference.kernel_mirror(x.q, x.k, x.v, x.g, 4, 4)
+
+
+@pytest.mark.parametrize("build", identities.IDENTITIES, ids=lambda build: build.__name__)
+def test_identity_holds(build):
+    assert build().holds()
+
+
+def test_identity_check_tells_a_state_decayed_after_the_chunk():
+    """The proof machinery rejects a wrong form: decaying the state after adding the chunk."""
+    Q, K, V, S0_T = identities._symbols()
+    wrong = identities._chunked(Q, K, V, S0_T, identities.C, state_decay_first=False)[0]
+    identity = Identity("decay after", "", wrong, identities._recurrence(Q, K, V, S0_T)[0])
+    assert any(entry != 0 for entry in identity.difference())  # some entry simplifies to a nonzero expression
+
+
+@pytest.mark.parametrize("name", ["recurrent", "chunkwise", "kernel_mirror", "decay_table"])
+def test_solutions_are_the_library_code(name):
+    """solutions/ holds the library's functions verbatim (less the exercise markers)."""
+    from kdacourse.targets import load_module
+
+    solution = load_module("solutions", "s02_scalar_decay", f"{name}.py")
+    solution_source = "".join(
+        line for line in inspect.getsource(getattr(solution, name)).splitlines(keepends=True)
+        if line.strip() not in ("# EXERCISE BEGIN", "# EXERCISE END")
+    )
+    assert solution_source == inspect.getsource(getattr(reference, name))
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def test_factorized_table_overflows_fp16_where_the_ratio_does_not():
+    """The seed's NaN: at C = 64 the factor alpha^(-j) leaves fp16 for alpha < 65504^(-1/64)."""
+    C = 64
+    threshold = np.float64(np.finfo(np.float16).max) ** (-1 / C)
+    assert abs(numerics.overflow_threshold(C, np.float16) - threshold) < 1e-4
+    for alpha in (0.85, 0.9):
+        assert np.isfinite(numerics.factorized_decay_table(np.log(alpha), C, np.float16)).all()
+    for alpha in (0.84, 0.8, 0.5):
+        assert not np.isfinite(numerics.factorized_decay_table(np.log(alpha), C, np.float16)).all()
+        assert np.isfinite(reference.decay_table(np.log(alpha), C, np.float16)).all()
+
+
+def test_fp16_intra_chunk_term_is_nan_with_the_factorized_table_only():
+    by_alpha = {row["alpha"]: row for row in numerics.factorized_vs_ratio(alphas=[0.9, 0.8])}
+    assert np.isnan(by_alpha[0.8]["factorized_error"])
+    assert by_alpha[0.9]["factorized_error"] < 2e-3
+    assert all(row["ratio_error"] < 2e-3 for row in by_alpha.values())
+
+
+def test_chunk_reset_bounds_the_cumulative_product():
+    rows = numerics.cumulative_product_range(lengths=[64, 4096], alphas=[0.99])
+    short, long = rows
+    assert short["per_chunk_smallest"] == long["per_chunk_smallest"] == pytest.approx(0.99 ** 64)
+    assert short["smallest_fp16"] > 0 and np.isfinite(short["largest_fp16"])
+    assert long["smallest_fp16"] == 0 and np.isinf(long["largest_fp16"])  # alpha^4096 ~ 1e-18
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+@pytest.mark.compile
+def test_kernel_compiles_for_sm90a_without_spills():
+    from stages.s02_scalar_decay.figures import COMPILE_SHAPE
+    from stages.s02_scalar_decay.kernel import compile_report
+
+    # called as the page's report calls it, so that one nvcc run (cached) serves both
+    report = compile_report(**COMPILE_SHAPE, chunk_size=64, block_dv=32, threads=128)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
+    assert 0 < report.registers <= 255
+    assert report.shared_memory <= 227 * 1024
+    assert "scalar_decay_fwd" in report.cuda_source
+    assert "exp2" in report.cuda_source and "expf(" not in report.cuda_source
+
+
+def _cuda_inputs(x, dtype):
+    import torch
+
+    q, k, v = (torch.tensor(a, dtype=dtype, device="cuda") for a in (x.q, x.k, x.v))
+    return q, k, v, torch.tensor(x.g, dtype=torch.float32, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "B, N, H, D, gate_range",
+    [
+        (2, 1024, 4, 128, (0.9, 0.999)),
+        (1, 16384, 2, 128, (0.9, 0.999)),  # long: the state carries 256 chunks
+        (1, 1000, 2, 64, (0.5, 0.999)),  # padded last chunk; strong decay the ratio form keeps finite
+    ],
+)
+def test_kernel_matches_reference_fp16(B, N, H, D, gate_range):
+    import torch
+
+    from stages.s02_scalar_decay.kernel import forward
+
+    x = make_inputs(B, N, H, D, D, gate="head", gate_range=gate_range, seed=B + N)
+    expected = reference.recurrent(x.q, x.k, x.v, x.g)
+    error = error_report(forward(*_cuda_inputs(x, torch.float16)), expected)
+    print(f"s02 kernel fp16 B={B} N={N} H={H} D={D} gates {gate_range}: {error}")
+    assert error.rel_l2 <= 2e-3
+
+
+def test_kernel_wrapper_rejects_bad_input():
+    torch = pytest.importorskip("torch")
+    from stages.s02_scalar_decay.kernel import forward
+
+    q = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
+    g = torch.full((2,), -0.1)
+    cases = [
+        ((q, q, q, g), ValueError, "q must be on a CUDA device"),
+        ((q.float(), q, q, g), TypeError, "q must have dtype float16 or bfloat16, got float32"),
+        ((q[0], q, q, g), ValueError, "q must have rank 4"),
+        ((q, np.zeros(3), q, g), TypeError, "k must be a torch.Tensor"),
+        ((q, q[:, :32], q, g), ValueError, r"k must have the shape of q, \(1, 64, 2, 64\)"),
+        ((q, q, q[:, :32], g), ValueError, r"v must be \(B, N, H, d_v\) = \(1, 64, 2, d_v\)"),
+        ((q, q, q.bfloat16(), g), ValueError, "v must have the dtype of q"),
+        ((q.transpose(1, 2).contiguous().transpose(1, 2), q, q, g), ValueError, "q must be contiguous"),
+        ((q, q, q, g.double()), TypeError, "g must have dtype float32, got float64"),
+        ((q, q, q, g[None]), ValueError, "g must have rank 1"),
+        ((q, q, q, g[:1]), ValueError, r"g must have shape \(H,\) = \(2,\)"),
+        ((q, q, q, torch.tensor([-0.1, 0.2])), ValueError, r"g = log\(alpha\) must be <= 0"),
+        ((q, q, q, torch.tensor([-0.1, -float("inf")])), ValueError, "g must be finite"),
+        ((q, q, q, torch.tensor([-0.1, float("nan")])), ValueError, "g must be finite"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error, match=message):
+            forward(*args)
