@@ -142,12 +142,19 @@ class PageVisit:
         self.page.evaluate("MathJax.startup.promise")
 
     def math(self):
-        """(arithmatex elements, those with an mjx-container, raw TeX left in any of them)."""
+        """(arithmatex elements, those with an mjx-container, raw TeX left in any of them, characters
+        of typeset formulas without a glyph: MathJax's HTML output draws each character from a CSS
+        rule, and a formula whose rules were lost shows as blank space)."""
         return self.page.evaluate("""() => {
             const spans = Array.from(document.querySelectorAll('article .arithmatex'));
+            const glyphless = Array.from(document.querySelectorAll('article mjx-c')).filter(c => {
+                const content = getComputedStyle(c, '::before').content;
+                return (content === 'none' || content === '') && !c.textContent;
+            });
             return [spans.length,
                     spans.filter(e => e.querySelector('mjx-container')).length,
-                    spans.map(e => e.textContent).filter(text => /\\\\\\(|\\\\\\[|\\$\\$|\\\\begin\\{/.test(text))];
+                    spans.map(e => e.textContent).filter(text => /\\\\\\(|\\\\\\[|\\$\\$|\\\\begin\\{/.test(text)),
+                    glyphless.length];
         }""")
 
     def close(self):
@@ -181,9 +188,11 @@ def test_page_in_browser(page, visit, built):
     visit.open(page_url(base, page))
     problems = []
 
-    spans, typeset, raw = visit.math()
+    spans, typeset, raw, glyphless = visit.math()
     if typeset != spans:
         problems.append(f"{spans - typeset} of {spans} formulas were not typeset by MathJax")
+    if glyphless:
+        problems.append(f"{glyphless} characters of typeset formulas have no glyph (they show as blanks)")
     problems += [f"raw TeX left in a formula: {text[:80]!r}" for text in raw]
     text = visit.page.evaluate("""() => {
         const article = document.querySelector('article').cloneNode(true);
@@ -238,6 +247,8 @@ def test_instant_navigation_typesets_the_new_page(visit, built):
         return spans.length > 0 && Array.from(spans).every(e => e.querySelector('mjx-container'));
     }""", timeout=10_000)
     assert visit.page.evaluate("window.__same_document === true"), "the link reloaded the page: instant navigation is off"
+    spans, typeset, raw, glyphless = visit.math()
+    assert spans == typeset and not raw and not glyphless, f"{spans} formulas, {typeset} typeset, raw TeX {raw}, {glyphless} blank characters"
     assert not visit.errors, visit.errors
 
 

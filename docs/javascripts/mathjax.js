@@ -26,17 +26,18 @@ window.MathJax = {
   },
 };
 
-// Instant navigation swaps the page without reloading it: typeset the new page's math each time.
-// On the first page MathJax typesets by itself when it starts, so only later pages need this.
+// Instant navigation swaps the page without reloading it: typeset each new page's math. The first
+// page is left to MathJax, which typesets it when it starts; typesetting it again here would clear
+// the output's cache of character styles and blank the formulas already on the page.
+let firstPage = true;
 document$.subscribe(() => {
-  const mathjax = window.MathJax;
-  if (!mathjax || typeof mathjax.typesetPromise !== "function") {
+  if (firstPage) {
+    firstPage = false;
     return;
   }
+  const mathjax = window.MathJax;
   mathjax.startup.promise = mathjax.startup.promise.then(() => {
-    if (mathjax.startup.output.clearCache) {
-      mathjax.startup.output.clearCache();
-    }
+    mathjax.startup.output.clearCache();  // the page's styles went with the old page
     mathjax.typesetClear();
     mathjax.texReset();
     return mathjax.typesetPromise();
