@@ -143,18 +143,24 @@ class PageVisit:
 
     def math(self):
         """(arithmatex elements, those with an mjx-container, raw TeX left in any of them, characters
-        of typeset formulas without a glyph: MathJax's HTML output draws each character from a CSS
-        rule, and a formula whose rules were lost shows as blank space)."""
+        of typeset formulas without a glyph, TeX errors and undefined macros).
+
+        MathJax's HTML output draws each character from a CSS rule: a formula whose rules were lost
+        shows as blank space. A TeX error or an undefined macro shows in red, not in the console."""
         return self.page.evaluate("""() => {
             const spans = Array.from(document.querySelectorAll('article .arithmatex'));
             const glyphless = Array.from(document.querySelectorAll('article mjx-c')).filter(c => {
                 const content = getComputedStyle(c, '::before').content;
                 return (content === 'none' || content === '') && !c.textContent;
             });
+            const errors = Array.from(document.querySelectorAll('article mjx-merror'))
+                .map(e => 'TeX error: ' + e.getAttribute('data-mjx-error') + ' in ' + e.textContent)
+                .concat(Array.from(document.querySelectorAll('article mjx-assistive-mml mtext[mathcolor="red"]'))
+                .map(e => 'undefined macro: ' + e.textContent));
             return [spans.length,
                     spans.filter(e => e.querySelector('mjx-container')).length,
                     spans.map(e => e.textContent).filter(text => /\\\\\\(|\\\\\\[|\\$\\$|\\\\begin\\{/.test(text)),
-                    glyphless.length];
+                    glyphless.length, errors];
         }""")
 
     def close(self):
@@ -188,7 +194,8 @@ def test_page_in_browser(page, visit, built):
     visit.open(page_url(base, page))
     problems = []
 
-    spans, typeset, raw, glyphless = visit.math()
+    spans, typeset, raw, glyphless, tex_errors = visit.math()
+    problems += tex_errors
     if typeset != spans:
         problems.append(f"{spans - typeset} of {spans} formulas were not typeset by MathJax")
     if glyphless:
@@ -247,15 +254,16 @@ def test_instant_navigation_typesets_the_new_page(visit, built):
         return spans.length > 0 && Array.from(spans).every(e => e.querySelector('mjx-container'));
     }""", timeout=10_000)
     assert visit.page.evaluate("window.__same_document === true"), "the link reloaded the page: instant navigation is off"
-    spans, typeset, raw, glyphless = visit.math()
-    assert spans == typeset and not raw and not glyphless, f"{spans} formulas, {typeset} typeset, raw TeX {raw}, {glyphless} blank characters"
+    spans, typeset, raw, glyphless, tex_errors = visit.math()
+    assert spans == typeset and not raw and not glyphless and not tex_errors, (
+        f"{spans} formulas, {typeset} typeset, raw TeX {raw}, {glyphless} blank characters, {tex_errors}")
     assert not visit.errors, visit.errors
 
 
-def test_exercise_read_anchors_exist_on_the_built_pages(built):
-    """Each catalog `read` field (page.md#anchor) names a section that the built page has."""
-    for exercise in exercises():
-        page, _, anchor = exercise.read.partition("#")
-        status, ids = _fetch(page_url(built["url"], page))
-        assert status == 200, f"{exercise.id}: page {page} is not on the site"
-        assert anchor in ids, f"{exercise.id}: {page} has no section #{anchor}"
+@pytest.mark.parametrize("exercise", exercises(), ids=lambda exercise: exercise.id)
+def test_exercise_read_anchor_exists_on_the_built_page(exercise, built):
+    """The catalog's `read` field (page.md#anchor) names a section that the built page has."""
+    page, _, anchor = exercise.read.partition("#")
+    status, ids = _fetch(page_url(built["url"], page))
+    assert status == 200, f"{exercise.id}: page {page} is not on the site"
+    assert anchor in ids, f"{exercise.id}: {page} has no section #{anchor}"
