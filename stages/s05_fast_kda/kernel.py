@@ -87,9 +87,15 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             T.copy(Q[b, t0:t0 + C, h, :], Q_s)
             T.copy(K[b, t0:t0 + C, h, :], K_s)
             T.copy(V[b, t0:t0 + C, h, :], V_s)
-            T.copy(G[b, t0:t0 + C, h, :], gamma_s)
             T.copy(Beta[b, t0:t0 + C, h], beta_s)
-            T.cumsum(gamma_s, dim=0)  # gamma[r] = g[0] + ... + g[r], per channel
+            # gamma[r] = g[0] + ... + g[r]: one thread per channel walks the rows in a register
+            # (T.cumsum lowers to one warp per column, whose strided reads all hit one smem bank)
+            for d in T.Parallel(d_k):
+                running = T.alloc_var(accum_dtype)
+                running = 0
+                for r in T.serial(C):
+                    running += G[b, t0 + r, h, d]
+                    gamma_s[r, d] = running
 
             # --8<-- [start:prepare_scores]
             # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block
@@ -318,9 +324,9 @@ def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BL
 
 
 def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):
-    """Tile sizes the kernels accept: chunks of whole sub-blocks, multiples of 16, block_dv dividing d_v."""
-    if chunk_size < 2 * SUB_BLOCK or chunk_size % SUB_BLOCK:
-        raise ValueError(f"chunk_size must be a multiple of {SUB_BLOCK} and at least {2 * SUB_BLOCK}, got {chunk_size}")
+    """Tile sizes the kernels accept: chunks of 2 or 4 sub-blocks, multiples of 16, block_dv dividing d_v."""
+    if chunk_size not in (2 * SUB_BLOCK, 4 * SUB_BLOCK):
+        raise ValueError(f"chunk_size must be {2 * SUB_BLOCK} or {4 * SUB_BLOCK}, got {chunk_size}")
     if d_k % 16:
         raise ValueError(f"d_k must be a multiple of 16, got {d_k}")
     if block_dv < 16 or block_dv % 16 or d_v % block_dv:
@@ -373,6 +379,25 @@ def main():
         except ImportError:
             continue
         print(f"{dtype} FLA chunk_kda vs reference A:", error_report(chunk_kda(q, k, v, g, beta, scale=1.0)[0], expected))
+    _time_each_kernel()
+
+
+def _time_each_kernel(B=1, N=16384, H=32, D=128):
+    """Milliseconds of the prepare and the recurrence kernel alone, bf16, at a benchmark shape."""
+    import torch
+    from triton.testing import do_bench
+
+    from benchmarks.bench import STAGES, make_inputs
+
+    q, k, v, g, beta = make_inputs(STAGES["s05"], B, N, H, D, torch.bfloat16)
+    prepare = _compiled_prepare(B, N, H, D, D, DEFAULT_CHUNK_SIZE, "bfloat16", 128)
+    recurrence = _compiled_recurrence(B, N, H, D, D, DEFAULT_CHUNK_SIZE, DEFAULT_BLOCK_DV, "bfloat16", 2, 128)
+    prepared = prepare(q, k, v, g, beta)
+    initial_state = q.new_zeros((B, H, D, D), dtype=torch.float32)
+    for name, run in (("prepare", lambda: prepare(q, k, v, g, beta)),
+                      ("recurrence", lambda: recurrence(*prepared, initial_state)),
+                      ("forward", lambda: forward(q, k, v, g, beta))):
+        print(f"B={B} N={N} H={H} D={D} bf16 {name}: {do_bench(run, warmup=25, rep=100, return_mode='median'):.4f} ms")
 
 
 if __name__ == "__main__":

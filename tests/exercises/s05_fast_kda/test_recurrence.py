@@ -1,0 +1,49 @@
+"""Tests of exercise s05.recurrence: the library's prepare, then the recurrence under test, against
+the delta-rule form of KDA token by token."""
+
+import numpy as np
+import pytest
+
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from stages.s05_fast_kda.reference import prepare
+from tests.exercises.s05_fast_kda.oracle import kda_delta_rule
+
+STAGE = "s05_fast_kda"
+
+
+@pytest.fixture
+def recurrence(target_module):
+    return target_module(STAGE, "recurrence.py").recurrence
+
+
+def _inputs(N, seed):
+    return make_inputs(2, N, 2, 8, 6, gate="channel", gate_range=(0.8, 0.999), beta_range=(0.1, 0.9), seed=seed)
+
+
+@pytest.mark.parametrize(
+    "N, chunk_size, block_dv",
+    [
+        (16, 16, 6),  # one chunk
+        (64, 16, 6),  # many chunks: the state must decay and carry over
+        (64, 8, 2),  # three blocks of value columns
+        (37, 16, 3),  # N padded up to a multiple of chunk_size
+    ],
+)
+def test_matches_delta_rule(recurrence, N, chunk_size, block_dv):
+    x = _inputs(N, seed=N + block_dv)
+    expected, expected_state = kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)
+    o, final_state = recurrence(prepare(x.q, x.k, x.v, x.g, x.beta, chunk_size, 4), block_dv)
+    assert error_report(o[:, :N], expected).rel_l2 <= 1e-12
+    assert error_report(final_state, expected_state).rel_l2 <= 1e-12
+
+
+def test_carries_the_state_across_calls(recurrence):
+    x = _inputs(64, seed=9)
+    expected, _ = kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)
+    state, outputs = None, []
+    for rows in (slice(0, 32), slice(32, 64)):
+        tensors = prepare(x.q[:, rows], x.k[:, rows], x.v[:, rows], x.g[:, rows], x.beta[:, rows], 16, 4)
+        o, state = recurrence(tensors, 3, initial_state=state)
+        outputs.append(o)
+    assert error_report(np.concatenate(outputs, axis=1), expected).rel_l2 <= 1e-12

@@ -1,0 +1,267 @@
+"""Stage 5 library tests: references B and C against A, the block inverse, the anchored scores in
+fp16, the state carried across calls, the identities, the kernels (compile-only here, on a GPU with
+the gpu marker)."""
+
+import inspect
+
+import numpy as np
+import pytest
+
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from stages.s05_fast_kda import identities, reference
+from tests.exercises.s05_fast_kda.oracle import decayed_scores, kda_delta_rule
+
+GATES, BETAS = (0.9, 0.999), (0.1, 0.9)
+
+SHAPES = [
+    # B, N, H, d_k, d_v, chunk_size, block_dv, sub_block
+    (1, 16, 1, 4, 4, 16, 4, 4),  # one chunk
+    (2, 64, 2, 8, 6, 16, 2, 4),  # many chunks, three blocks of value columns
+    (2, 45, 2, 16, 8, 16, 4, 8),  # N not a multiple of chunk_size
+    (1, 128, 1, 16, 16, 64, 8, 16),  # the kernel's chunk and sub-block
+    (1, 7, 2, 4, 4, 8, 1, 1),  # a chunk longer than the sequence, one-row sub-blocks
+]
+
+
+def _inputs(B, N, H, d_k, d_v, seed, gate_range=GATES):
+    return make_inputs(B, N, H, d_k, d_v, gate="channel", gate_range=gate_range, beta_range=BETAS, seed=seed)
+
+
+@pytest.mark.parametrize("B, N, H, d_k, d_v, chunk_size, block_dv, sub_block", SHAPES)
+def test_chunkwise_and_kernel_mirror_equal_recurrent(B, N, H, d_k, d_v, chunk_size, block_dv, sub_block):
+    x = _inputs(B, N, H, d_k, d_v, seed=N)
+    expected = reference.recurrent(x.q, x.k, x.v, x.g, x.beta)
+    assert error_report(reference.chunkwise(x.q, x.k, x.v, x.g, x.beta, chunk_size), expected).rel_l2 <= 1e-12
+    actual = reference.kernel_mirror(x.q, x.k, x.v, x.g, x.beta, chunk_size, block_dv, sub_block)
+    assert error_report(actual, expected).rel_l2 <= 1e-12
+
+
+def test_kernel_mirror_matches_the_delta_rule_oracle_with_strong_gates():
+    """Gates down to 0.3: the anchors keep every factor bounded, float64 shows no difference."""
+    x = _inputs(1, 96, 2, 16, 8, seed=4, gate_range=(0.3, 0.999))
+    expected, _ = kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)
+    assert error_report(reference.kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 32, 4, 8), expected).rel_l2 <= 1e-12
+
+
+def test_kernel_mirror_independent_of_block_dv():
+    x = _inputs(2, 40, 2, 8, 8, seed=1)
+    results = [reference.kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 8, block_dv, 4) for block_dv in (1, 2, 4, 8)]
+    for result in results[1:]:
+        assert error_report(result, results[0]).rel_l2 <= 1e-14
+
+
+def test_recurrence_carries_the_state_across_calls():
+    """Two halves, the first half's final state passed as the second's initial state, give the whole."""
+    x = _inputs(2, 64, 2, 8, 6, seed=5)
+    expected, expected_state = kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)
+    halves = [slice(0, 32), slice(32, 64)]
+    state, outputs = None, []
+    for rows in halves:
+        tensors = reference.prepare(x.q[:, rows], x.k[:, rows], x.v[:, rows], x.g[:, rows], x.beta[:, rows], 16, 4)
+        o, state = reference.recurrence(tensors, 3, initial_state=state)
+        outputs.append(o)
+    assert error_report(np.concatenate(outputs, axis=1), expected).rel_l2 <= 1e-12
+    assert error_report(state, expected_state).rel_l2 <= 1e-12
+
+
+@pytest.mark.parametrize("C, block", [(64, 16), (48, 16), (12, 3), (8, 1)])
+def test_block_inverse_equals_the_inverse(C, block):
+    rng = np.random.default_rng(C + block)
+    L = np.tril(rng.uniform(-0.5, 0.5, (C, C)), -1)
+    expected = np.linalg.inv(np.eye(C) + L)
+    assert np.max(np.abs(reference.block_inverse(L, block) - expected)) <= 1e-12 * np.max(np.abs(expected))
+
+
+@pytest.mark.parametrize("sub_block", [16, 8, 4, 1])
+def test_intra_chunk_scores_equal_the_definition(sub_block):
+    x = _inputs(1, 64, 1, 16, 4, seed=sub_block, gate_range=(0.5, 0.999))
+    Q, K = x.q[0, :, 0], x.k[0, :, 0]
+    gamma = np.cumsum(x.g[0, :, 0], axis=0)
+    for actual, expected in zip(reference.intra_chunk_scores(Q, K, gamma, sub_block), decayed_scores(Q, K, gamma)):
+        assert np.max(np.abs(actual - expected)) <= 1e-13
+
+
+def test_anchored_scores_survive_fp16_where_the_chunk_start_anchor_overflows():
+    """Gates near 0.5: e^{-gamma} from the chunk start reaches 2^63, far past fp16's 65504; the
+    anchored operands stay <= 1 off the diagonal blocks and <= 2^8 on them."""
+    x = _inputs(1, 64, 1, 32, 4, seed=6, gate_range=(0.5, 0.55))
+    Q, K = x.q[0, :, 0], x.k[0, :, 0]
+    gamma = np.cumsum(x.g[0, :, 0], axis=0)
+    assert np.max(np.exp(-gamma)) > np.finfo(np.float16).max
+    expected = decayed_scores(Q, K, gamma)
+    for actual, exact in zip(reference.intra_chunk_scores(Q, K, gamma, 16, np.float16), expected):
+        assert np.all(np.isfinite(actual))
+        assert error_report(actual, exact).rel_l2 <= 2e-3
+
+
+def test_prepare_rounds_like_the_kernel_in_fp16():
+    """The fp16 mirror of the prepare kernel stays within fp16's rounding of the float64 result."""
+    x = _inputs(1, 128, 2, 32, 16, seed=7, gate_range=(0.5, 0.999))
+    expected, _ = kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)
+    o, _ = reference.recurrence(reference.prepare(x.q, x.k, x.v, x.g, x.beta, 64, 16, np.float16), 8)
+    assert error_report(o, expected).rel_l2 <= 3e-3
+
+
+@pytest.mark.parametrize("function", [reference.chunkwise, reference.kernel_mirror, reference.prepare])
+def test_references_reject_mismatched_shapes(function):
+    x = _inputs(1, 8, 2, 4, 4, seed=2)
+    extra = {reference.kernel_mirror: (4, 2)}.get(function, (4,))
+    with pytest.raises(ValueError, match="k must have q's shape"):
+        function(x.q, x.k[:, :, :1], x.v, x.g, x.beta, *extra)
+    with pytest.raises(ValueError, match="v must be"):
+        function(x.q, x.k, x.v[:, :4], x.g, x.beta, *extra)
+    with pytest.raises(ValueError, match="g must have shape"):
+        function(x.q, x.k, x.v, x.g[..., 0], x.beta, *extra)
+    with pytest.raises(ValueError, match="beta must have shape"):
+        function(x.q, x.k, x.v, x.g, x.beta[:, :4], *extra)
+
+
+def test_prepare_rejects_a_sub_block_that_does_not_divide_the_chunk():
+    x = _inputs(1, 8, 1, 4, 4, seed=3)
+    with pytest.raises(ValueError, match="sub_block"):
+        reference.prepare(x.q, x.k, x.v, x.g, x.beta, 8, 3)
+
+
+@pytest.mark.parametrize("build", identities.IDENTITIES, ids=lambda build: build.__name__)
+def test_identity_holds(build):
+    assert build().holds()
+
+
+@pytest.mark.parametrize("name", ["intra_chunk_scores", "block_inverse", "recurrence"])
+def test_solutions_are_the_library_code(name):
+    """solutions/ holds the library's functions verbatim (less the exercise markers)."""
+    from kdacourse.targets import load_module
+
+    solution = load_module("solutions", "s05_fast_kda", f"{name}.py")
+
+    def without_markers(function):
+        return "".join(line for line in inspect.getsource(function).splitlines(keepends=True)
+                       if line.strip() not in ("# EXERCISE BEGIN", "# EXERCISE END"))
+
+    assert without_markers(getattr(solution, name)) == without_markers(getattr(reference, name))
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+
+@pytest.mark.compile
+def test_kernels_compile_for_sm90a_without_spills():
+    from stages.s05_fast_kda.kernel import compile_report
+
+    for kernel in ("prepare", "recurrence"):
+        report = compile_report(kernel, B=2, N=1024, H=4, d_k=128, d_v=128)
+        assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
+        assert 0 < report.registers <= 255
+        assert report.shared_memory <= 227 * 1024
+        assert f"kda_{kernel}" in report.cuda_source or "main_kernel" in report.cuda_source
+
+
+def _cuda_inputs(x, dtype):
+    import torch
+
+    q, k, v = (torch.tensor(a, dtype=dtype, device="cuda") for a in (x.q, x.k, x.v))
+    g, beta = (torch.tensor(a, dtype=torch.float32, device="cuda") for a in (x.g, x.beta))
+    return q, k, v, g, beta
+
+
+def _float64_on_gpu(args):
+    """FLA-free float64 reference for long sequences: the chunked plain-torch forward on the GPU."""
+    from benchmarks.plain_torch import kda
+
+    return kda(*[a.double() for a in args])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("B, N, H, D", [(2, 1024, 4, 128), (1, 1000, 2, 64)])
+def test_kernels_match_reference(dtype_name, B, N, H, D):
+    import torch
+
+    from stages.s05_fast_kda.kernel import forward
+
+    x = _inputs(B, N, H, D, D, seed=B + N)
+    expected = reference.recurrent(x.q, x.k, x.v, x.g, x.beta)
+    error = error_report(forward(*_cuda_inputs(x, getattr(torch, dtype_name))), expected)
+    print(f"s05 kernels {dtype_name} B={B} N={N} H={H} D={D}: {error}")
+    assert error.rel_l2 <= 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_kernels_match_float64_on_a_long_sequence(dtype_name):
+    import torch
+
+    from stages.s05_fast_kda.kernel import forward
+
+    x = _inputs(1, 16384, 2, 128, 128, seed=11)
+    args = _cuda_inputs(x, getattr(torch, dtype_name))
+    exact = [torch.tensor(a, dtype=torch.float64, device="cuda") for a in (x.q, x.k, x.v, x.g, x.beta)]
+    error = error_report(forward(*args), _float64_on_gpu(exact))
+    print(f"s05 kernels {dtype_name} B=1 N=16384 H=2 D=128: {error}")
+    assert error.rel_l2 <= 3e-3
+
+
+@pytest.mark.gpu
+def test_kernels_carry_the_state_across_calls():
+    import torch
+
+    from stages.s05_fast_kda.kernel import forward
+
+    x = _inputs(2, 512, 2, 128, 64, seed=12)
+    expected, expected_state = kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)
+    args = _cuda_inputs(x, torch.bfloat16)
+    first = [a[:, :256] for a in args]
+    second = [a[:, 256:].contiguous() for a in args]
+    o1, state = forward(*[a.contiguous() for a in first], output_final_state=True)
+    o2, final_state = forward(*second, initial_state=state, output_final_state=True)
+    error, state_error = error_report(torch.cat([o1, o2], dim=1), expected), error_report(final_state, expected_state)
+    print(f"s05 kernels bf16, two calls: output {error}, final state {state_error}")
+    assert error.rel_l2 <= 3e-3 and state_error.rel_l2 <= 3e-3
+
+
+@pytest.mark.gpu
+def test_kernels_match_fla_chunk_kda():
+    import torch
+
+    fla_ops = pytest.importorskip("fla.ops")
+    from stages.s05_fast_kda.kernel import forward
+
+    x = _inputs(2, 1024, 4, 128, 128, seed=13)
+    args = _cuda_inputs(x, torch.bfloat16)
+    expected = reference.recurrent(x.q, x.k, x.v, x.g, x.beta)
+    ours, fla = forward(*args), fla_ops.chunk_kda(*args, scale=1.0)[0]
+    ours_error, fla_error = error_report(ours, expected), error_report(fla, expected)
+    print(f"bf16 vs float64: ours {ours_error}, FLA chunk_kda {fla_error}; ours vs FLA {error_report(ours, fla)}")
+    assert ours_error.rel_l2 <= max(2 * fla_error.rel_l2, 1e-3)
+
+
+def test_kernel_wrapper_rejects_bad_input():
+    torch = pytest.importorskip("torch")
+    from stages.s05_fast_kda.kernel import forward
+
+    q = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
+    g = -torch.ones(1, 64, 2, 64)
+    beta = torch.full((1, 64, 2), 0.5)
+    cases = [
+        ((q, q, q, g, beta), {}, ValueError, "q must be on a CUDA device"),
+        ((q.float(), q, q, g, beta), {}, TypeError, "q must have dtype float16 or bfloat16, got float32"),
+        ((q[0], q, q, g, beta), {}, ValueError, "q must have rank 4"),
+        ((q, np.zeros(3), q, g, beta), {}, TypeError, "k must be a torch.Tensor"),
+        ((q, q[:, :32], q, g, beta), {}, ValueError, r"k must have the shape of q, \(1, 64, 2, 64\)"),
+        ((q, q, q[:, :32], g, beta), {}, ValueError, r"v must be \(B, N, H, d_v\) = \(1, 64, 2, d_v\)"),
+        ((q, q, q.half(), g, beta), {}, ValueError, "v must have the dtype of q"),
+        ((q, q, q, g.bfloat16(), beta), {}, TypeError, "g must have dtype float32"),
+        ((q, q, q, g[..., :32].contiguous(), beta), {}, ValueError, "g must have the shape of q"),
+        ((q, q, q, g, beta[:, :32]), {}, ValueError, r"beta must be \(B, N, H\) = \(1, 64, 2\)"),
+        ((q, q, q, g, beta), {"initial_state": torch.zeros(1, 2, 64, 32)}, ValueError,
+         r"initial_state must be \(B, H, d_k, d_v\) = \(1, 2, 64, 64\)"),
+        ((q, q, q, g, beta), {"chunk_size": 128}, ValueError, "chunk_size must be 32 or 64"),
+        ((q, q, q, g, beta), {"block_dv": 24}, ValueError, "block_dv must be a multiple of 16"),
+        ((q, q, q, -g, beta), {}, ValueError, "g must be <= 0 everywhere"),
+        ((q, q, q, g, beta + 1), {}, ValueError, r"beta must lie in \[0, 1\]"),
+        ((q.transpose(1, 2).contiguous().transpose(1, 2), q, q, g, beta), {}, ValueError, "q must be contiguous"),
+    ]
+    for args, keywords, error, message in cases:
+        with pytest.raises(error, match=message):
+            forward(*args, **keywords)
