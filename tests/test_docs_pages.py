@@ -104,6 +104,20 @@ def test_included_files_and_sections_exist(page):
                 assert marker in text, f"{page.name} includes {include}, but {path} has no '{marker}'"
 
 
+def test_readme_lists_the_course_commands_as_the_cli_does():
+    import textwrap
+
+    from kdacourse import cli
+
+    listing = textwrap.dedent(cli.__doc__.split("\n\n")[1]).strip()
+    assert listing in (REPO_ROOT / "README.md").read_text(encoding="utf-8"), "README's `course` list differs from cli.py's"
+
+
+def test_readme_links_to_pages_that_exist():
+    for link in re.findall(r"\]\((docs/[^)#]+)", (REPO_ROOT / "README.md").read_text(encoding="utf-8")):
+        assert (REPO_ROOT / link).is_file(), f"README links to {link}, which does not exist"
+
+
 def test_build_without_npm_says_what_to_install(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(site, "VENDOR_DIR", tmp_path / "vendor" / "mathjax")  # nothing vendored yet
     monkeypatch.setattr(site.shutil, "which", lambda name: None)
