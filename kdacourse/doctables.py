@@ -1,6 +1,7 @@
 """Tables the stage pages include, generated from the code and the catalog rather than typed.
 
-docs/generated/course_commands.md lists the `course` subcommands (from kdacourse/cli.py). For every
+docs/generated/course_commands.md lists the `course` subcommands (from kdacourse/cli.py), and
+docs/generated/reference_modules.md the Reference page's sections, one per stage. For every
 stage of the catalog, kdacourse/generated.py registers three files under
 docs/generated/catalog/ (a stage page includes them with `--8<-- "docs/generated/catalog/..."`):
 
@@ -82,7 +83,8 @@ def write_stage_kill_matrix(stage, path):
 
 
 def generated_files():
-    table = {"docs/generated/course_commands.md": write_course_commands}
+    table = {"docs/generated/course_commands.md": write_course_commands,
+             "docs/generated/reference_modules.md": write_reference_modules}
     for stage in stages():
         table[f"{CATALOG_TABLES_DIR}/{stage}_exercises.md"] = lambda path, s=stage: write_exercise_table(s, path)
         table[f"{CATALOG_TABLES_DIR}/{stage}_bugs.md"] = lambda path, s=stage: write_bug_table(s, path)
@@ -146,3 +148,25 @@ def write_course_commands(path):
 
     listing = cli.__doc__.split("\n\n")[1]
     path.write_text(_banner("kdacourse/cli.py's docstring") + "```text\n" + textwrap.dedent(listing).strip() + "\n```\n")
+
+
+REFERENCE_MODULES = ("reference", "kernel", "identities", "numerics")
+
+
+def write_reference_modules(path):
+    """The Reference page's stage sections: a mkdocstrings block per module of each stage that has it."""
+    from kdacourse import REPO_ROOT
+
+    lines = [_banner("kdacourse/doctables.py: every stage's reference, kernel, identities, numerics").rstrip(), ""]
+    for folder in sorted((REPO_ROOT / "stages").glob("s[0-9][0-9]_*")):
+        modules = [name for name in REFERENCE_MODULES if (folder / f"{name}.py").is_file()]
+        if not modules:
+            continue
+        title = folder.name
+        init = folder / "__init__.py"
+        if init.is_file():
+            match = re.match(r'\s*"""(Stage \d+: [^,.]+)', init.read_text(encoding="utf-8"))
+            title = match.group(1) if match else title
+        lines += [f"## {title}", ""]
+        lines += [line for name in modules for line in (f"::: stages.{folder.name}.{name}", "")]
+    path.write_text("\n".join(lines))
