@@ -10,6 +10,7 @@ Modules are compiled from source and executed in memory: nothing is written to t
 folder (no __pycache__), so grading never touches a student's files.
 """
 
+import linecache
 import sys
 import types
 from pathlib import Path
@@ -63,4 +64,7 @@ def load_module(target, stage, file):
     except Exception as error:
         raise TargetError(f"{path} does not import: {type(error).__name__}: {error}") from error
     sys.modules[name] = module  # inspect and pickle find functions through their module
+    # inspect reads a function's source through linecache: give it the text that ran (for a bug
+    # target, not the file on disk). TileLang parses a kernel from that text, so it needs this.
+    linecache.cache[str(path)] = (len(source), None, source.splitlines(keepends=True), str(path))
     return module

@@ -42,6 +42,36 @@ def token_gated_linear_attention(q, k, v, g):
     return np.einsum("bhts,bshd->bthd", scores, v)
 
 
+def kda_delta_rule(q, k, v, g, beta):
+    """KDA in the prediction-error form of the delta rule, one decay per key channel:
+        S^T <- Diag(a_t) S^T;   S^T <- S^T + beta_t k_t (v_t - S k_t)^T;   o_t = S q_t
+    with no Householder matrix formed. q, k: (B, N, H, d_k); v: (B, N, H, d_v); g = log(a):
+    (B, N, H, d_k); beta: (B, N, H). State S^T: (d_k, d_v)."""
+    B, N, H, d_k = q.shape
+    o = np.zeros(v.shape)
+    for b in range(B):
+        for h in range(H):
+            S_T = np.zeros((d_k, v.shape[3]))
+            for t in range(N):
+                S_T = np.exp(g[b, t, h])[:, None] * S_T  # row d of S^T decays at its own rate
+                prediction_error = v[b, t, h] - k[b, t, h] @ S_T
+                S_T = S_T + beta[b, t, h] * np.outer(k[b, t, h], prediction_error)
+                o[b, t, h] = q[b, t, h] @ S_T
+    return o
+
+
+def channel_gated_linear_attention(q, k, v, g):
+    """o_t = sum_{j <= t} ((q_t ⊙ e^{gamma_t - gamma_j}) . k_j) v_j with gamma = cumsum(g) over the
+    whole sequence: linear attention with one gate per key channel, no state and no delete term.
+    q, k: (B, N, H, d_k); v: (B, N, H, d_v); g = log(a): (B, N, H, d_k)."""
+    gamma = np.cumsum(g, axis=1)
+    log_decay = gamma[:, :, None] - gamma[:, None, :]  # (B, t, j, H, d_k)
+    causal = np.tril(np.ones(log_decay.shape[1:3], dtype=bool))[None, :, :, None, None]
+    decay = np.exp(np.where(causal, log_decay, -np.inf))  # zero for j > t
+    scores = np.einsum("bthd,btjhd,bjhd->bhtj", q, decay, k)
+    return np.einsum("bhtj,bjhd->bthd", scores, v)
+
+
 def scalar_decay_attention(q, k, v, g):
     """o_t = sum_{j <= t} alpha_h^(t - j) (q_t . k_j) v_j per (batch, head h), alpha_h = e^{g_h}: the
     quadratic form of linear attention with a constant decay per head, with no state and no chunks.

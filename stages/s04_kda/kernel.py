@@ -270,29 +270,28 @@ def max_chunk_log_decay(g, chunk_size):
 
 # --8<-- [start:ordering]
 def ordering_constraints(program):
-    """Check constraints 1, 2, 5 and 7 on a program's TIR as written, before any lowering (no GPU,
-    no nvcc): [(constraint number, statement, holds)]. The other three are about values (the
-    masks, beta's place, q ⊙ e^{gamma}); the tests check them by running the code."""
+    """Check constraints 1, 2 and 7 on a program's TIR as written, before any lowering (no GPU, no
+    nvcc): [(constraint number, statement, holds)]. Each is necessary for a right answer. The others
+    are about values (the masks, beta's place, q ⊙ e^{gamma}), which only running the code shows,
+    or, for 5, a rule of this kernel's style: writing K_s after its last read would be harmless."""
     chunk_loop = _chunk_loop(program)
     before, inside = _writes(program.body, skip=chunk_loop), _writes(chunk_loop.body)
-    position = {}  # (op, buffer) -> the positions in `inside` where op writes buffer
-    for n, (op, buffer, _) in enumerate(inside):
-        position.setdefault((op, buffer), []).append(n)
-    state_writes = sorted(n for (op, buffer), ns in position.items() if buffer == "S_f" for n in ns)
-    output_copies = position.get(("copy", "O"), [])
-    state_decay, state_gemms = position.get(("store", "S_f"), []), position.get(("gemm", "S_f"), [])
-    output_gemms = position.get(("gemm", "acc_o"), [])
+    position = {}  # (op, buffer, detail) -> the positions in `inside` of that write
+    for n, event in enumerate(inside):
+        position.setdefault(event, []).append(n)
+    state_writes = [n for n, (_, buffer, _) in enumerate(inside) if buffer == "S_f"]
+    state_reads = position.get(("copy", "S_s", "S_f"), [])  # the output's GEMMs read the state in S_s
+    state_decay, state_gemms = position.get(("store", "S_f", None), []), position.get(("gemm", "S_f", False), [])
+    state_clears = position.get(("fill", "S_f", None), []) + position.get(("gemm", "S_f", True), [])
+    output_writes = [event for event in inside if event[1] == "acc_o"]
     return [
-        (1, "the chunk's output is written before the state changes",
-         bool(output_copies and state_writes) and max(output_copies) < min(state_writes)),
+        (1, "the output reads the state before the chunk changes it",
+         bool(state_reads and state_writes) and max(state_reads) < min(state_writes)),
         (2, "the state's rows decay before the GEMM adds the chunk to it",
          bool(state_decay and state_gemms) and max(state_decay) < min(state_gemms)),
-        (5, "K_s is written only by the copy of the chunk's keys",
-         all(event == ("copy", "K_s", "K") for event in inside if event[1] == "K_s")),
         (7, "the state is cleared once, before the chunk loop; the output accumulator in every chunk",
-         ("fill", "S_f", None) in before and ("fill", "S_f", None) not in inside
-         and all(inside[n][2] is False for n in state_gemms)
-         and bool(output_gemms) and inside[output_gemms[0]][2] is True),
+         ("fill", "S_f", None) in before and not state_clears
+         and bool(output_writes) and output_writes[0] in (("fill", "acc_o", None), ("gemm", "acc_o", True))),
     ]
 
 

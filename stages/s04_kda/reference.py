@@ -95,7 +95,8 @@ def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv, sub_chunk_size=None):
 
     Like the kernel's wrapper, it zero-pads N up to a multiple of chunk_size. The padding is exact:
     a padded token has k = v = 0, beta = 0 and g = 0 (no decay), so it leaves the state as it was,
-    and its output row is cut off at the end. sub_chunk_size (a divisor of chunk_size, default chunk_size: the kernel's case) restarts the
+    and its output row is cut off at the end.
+    sub_chunk_size (a divisor of chunk_size; default chunk_size, the kernel's case) restarts the
     cumulative decay of the key operand at every sub-chunk.
     """
     B, N, H, d_k, d_v = check_qkv(q, k, v)

@@ -1,0 +1,61 @@
+"""Exercise s04.chunkwise (fill): reference B, KDA chunk by chunk.
+
+For chunk [t] with rows Q, K, V, write strengths beta, gates G and gamma[r] = G[0] + ... + G[r]
+(a vector of d_k log decays), and the state S^T (d_k x d_v, the kernel layout) left by the chunks
+before it:
+    M[c, i]    = (k_c ⊙ e^{gamma_c - gamma_i}) · k_i  for i < c      (plain loops)
+    T          = (I + L)^{-1},  L[c, i] = beta_i M[c, i]
+    W, U       = diag(beta) T (K ⊙ e^{gamma}),  diag(beta) T V
+    V_new      = U - W S^T
+    A_qk[c, j] = (q_c ⊙ e^{gamma_c - gamma_j}) · k_j  for j <= c     (plain loops)
+    O          = (Q ⊙ e^{gamma}) S^T + A_qk V_new
+    S^T       <- Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new
+
+Fill the region. The last chunk may be shorter.
+Read: docs, stage 4, "Reference B: chunk by chunk".  Check: course check s04
+"""
+
+import numpy as np
+
+from stages.common.checks import check_chunking, check_gate_and_beta, check_qkv
+
+
+def chunkwise(q, k, v, g, beta, chunk_size):
+    """Reference B: chunk by chunk, plain loops for M and A_qk, the UT transform by inversion.
+    State S^T: (d_k, d_v).
+
+    The last chunk may be shorter than chunk_size: nothing in the math needs equal chunks.
+    """
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate_and_beta(g, beta, B, N, H, d_k, gate="channel")
+    check_chunking(N, d_v, chunk_size)
+    o = np.zeros((B, N, H, d_v))
+    # EXERCISE BEGIN
+    for b in range(B):
+        for h in range(H):
+            S_T = np.zeros((d_k, d_v))
+            for start in range(0, N, chunk_size):
+                rows = slice(start, min(start + chunk_size, N))
+                Q, K, V = q[b, rows, h], k[b, rows, h], v[b, rows, h]
+                beta_c = beta[b, rows, h]
+                C = len(Q)
+                gamma = np.cumsum(g[b, rows, h], axis=0)  # (C, d_k): log decay from the chunk start
+                M = np.zeros((C, C))
+                for c in range(C):
+                    for i in range(c):  # i < c: strictly lower triangular
+                        M[c, i] = (K[c] * np.exp(gamma[c] - gamma[i])) @ K[i]
+                L = M * beta_c[None, :]  # L[c, i] = beta_i M[c, i] ...
+                T = np.linalg.inv(np.eye(C) + L)
+                A_hat = beta_c[:, None] * T  # ... pairs with diag(beta) T
+                W = A_hat @ (K * np.exp(gamma))
+                U = A_hat @ V
+                V_new = U - W @ S_T
+                A_qk = np.zeros((C, C))
+                for c in range(C):
+                    for j in range(c + 1):  # j <= c: a token sees itself, undecayed
+                        A_qk[c, j] = (Q[c] * np.exp(gamma[c] - gamma[j])) @ K[j]
+                o[b, rows, h] = (Q * np.exp(gamma)) @ S_T + A_qk @ V_new
+                decay_to_chunk_end = np.exp(gamma[-1] - gamma)  # (C, d_k), every entry <= 1
+                S_T = np.exp(gamma[-1])[:, None] * S_T + (K * decay_to_chunk_end).T @ V_new
+    # EXERCISE END
+    return o

@@ -1,0 +1,36 @@
+"""Tests of exercise s04.chunkwise: reference B against the delta-rule form of KDA (tests/oracles.py)."""
+
+import pytest
+
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from tests.oracles import kda_delta_rule
+
+STAGE = "s04_kda"
+
+
+@pytest.fixture
+def chunkwise(target_module):
+    return target_module(STAGE, "chunkwise.py").chunkwise
+
+
+@pytest.mark.parametrize(
+    "N, chunk_size",
+    [
+        (8, 8),  # one chunk
+        (32, 4),  # many chunks
+        (19, 4),  # a shorter last chunk
+        (6, 1),  # one token per chunk: nothing to solve inside a chunk
+        (5, 16),  # a chunk longer than the sequence
+    ],
+)
+def test_matches_delta_rule_form(chunkwise, N, chunk_size):
+    x = make_inputs(2, N, 2, 6, 5, gate="channel", gate_range=(0.5, 0.999), beta_range=(0.1, 0.9), seed=N)
+    actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, chunk_size)
+    assert error_report(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)).rel_l2 <= 1e-12
+
+
+def test_rejects_bad_chunk_size(chunkwise):
+    x = make_inputs(1, 8, 1, 4, 4, gate="channel", beta_range=(0.1, 0.9), seed=4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunkwise(x.q, x.k, x.v, x.g, x.beta, 0)

@@ -1,0 +1,55 @@
+"""Tests of exercise s04.kernel_mirror: reference C against the delta-rule form of KDA
+(tests/oracles.py), on inputs where no catalog bug hides: gates that differ by channel, random beta,
+several chunks, several blocks of value columns."""
+
+import pytest
+
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from tests.oracles import kda_delta_rule
+
+STAGE = "s04_kda"
+
+
+@pytest.fixture
+def kernel_mirror(target_module):
+    return target_module(STAGE, "kernel_mirror.py").kernel_mirror
+
+
+def _inputs(N, seed):
+    return make_inputs(2, N, 3, 4, 6, gate="channel", gate_range=(0.5, 0.999), beta_range=(0.1, 0.9), seed=seed)
+
+
+@pytest.mark.parametrize(
+    "N, chunk_size, block_dv",
+    [
+        (8, 8, 6),  # one chunk, one block of value columns
+        (32, 8, 6),  # many chunks: the state must carry over
+        (32, 8, 2),  # three blocks of value columns
+        (21, 8, 3),  # N padded up to a multiple of chunk_size
+    ],
+)
+def test_matches_delta_rule_form(kernel_mirror, N, chunk_size, block_dv):
+    x = _inputs(N, seed=N + block_dv)
+    actual = kernel_mirror(x.q, x.k, x.v, x.g, x.beta, chunk_size, block_dv)
+    assert error_report(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)).rel_l2 <= 1e-12
+
+
+@pytest.mark.parametrize("sub_chunk_size", [1, 2, 4])
+def test_sub_chunks_match_delta_rule_form(kernel_mirror, sub_chunk_size):
+    x = _inputs(24, seed=5)
+    actual = kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 8, 3, sub_chunk_size=sub_chunk_size)
+    assert error_report(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)).rel_l2 <= 1e-12
+
+
+def test_independent_of_block_dv(kernel_mirror):
+    x = _inputs(24, seed=6)
+    by_block = [kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 8, block_dv) for block_dv in (1, 2, 3, 6)]
+    for other in by_block[1:]:
+        assert error_report(other, by_block[0]).rel_l2 <= 1e-14
+
+
+def test_rejects_block_dv_that_does_not_divide_d_v(kernel_mirror):
+    x = _inputs(8, seed=7)
+    with pytest.raises(ValueError, match="block_dv"):
+        kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 4, 4)
