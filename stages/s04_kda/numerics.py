@@ -167,7 +167,7 @@ def fp16_kernel_emulation(q, k, v, g, beta, chunk_size):
 # --8<-- [end:fp16_emulation]
 
 
-def fp16_error_rows(lower_bounds=(0.95, 0.9, 0.8, 0.7, 0.6, 0.5), chunk_size=64, shape=(1, 256, 2, 64, 64)):
+def fp16_error_rows(lower_bounds=(0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.5), chunk_size=64, shape=(1, 256, 2, 64, 64)):
     """(L, max over the inputs of -gamma in a chunk, ErrorReport of the fp16 emulation against the
     float64 reference) with a ~ U(L, 1), beta ~ U(0.1, 0.9)."""
     from stages.s04_kda.reference import kernel_mirror
