@@ -75,8 +75,10 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 T.copy(Q[b, t0:t0 + C, h, :], Q_s)
                 T.copy(K[b, t0:t0 + C, h, :], K_s)
                 T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
-                T.copy(Beta[b, t0:t0 + C, h], beta_s)
-
+                # the gates are read by the threads that use them, outside the copy pipeline, so
+                # that no prefetch of the next chunk can overwrite them while this chunk reads them
+                for r in T.Parallel(C):
+                    beta_s[r] = Beta[b, t0 + r, h]
                 # per-channel cumulative log decay: channels in parallel, positions in order
                 for d in T.Parallel(d_k):
                     gamma_s[0, d] = G[b, t0, h, d]
