@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from kdacourse import REPO_ROOT
-from kdacourse.catalog import exercises
 from kdacourse.site import build, make_server, site_url
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -258,12 +257,3 @@ def test_instant_navigation_typesets_the_new_page(visit, built):
     assert spans == typeset and not raw and not glyphless and not tex_errors, (
         f"{spans} formulas, {typeset} typeset, raw TeX {raw}, {glyphless} blank characters, {tex_errors}")
     assert not visit.errors, visit.errors
-
-
-@pytest.mark.parametrize("exercise", exercises(), ids=lambda exercise: exercise.id)
-def test_exercise_read_anchor_exists_on_the_built_page(exercise, built):
-    """The catalog's `read` field (page.md#anchor) names a section that the built page has."""
-    page, _, anchor = exercise.read.partition("#")
-    status, ids = _fetch(page_url(built["url"], page))
-    assert status == 200, f"{exercise.id}: page {page} is not on the site"
-    assert anchor in ids, f"{exercise.id}: {page} has no section #{anchor}"
