@@ -132,7 +132,7 @@ def test_identity_check_tells_a_wrong_mask():
 
 def test_unit_keys_keep_the_system_well_conditioned():
     row = numerics.study(64, key_norm=1.0, samples=4)
-    assert row.condition < 3 and row.largest_entry_of_T <= 1 + 1e-12
+    assert row.condition < 5 and row.largest_entry_of_T <= 1 + 1e-12
 
 
 def test_large_keys_make_the_system_grow_with_the_chunk():
