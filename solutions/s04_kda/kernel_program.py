@@ -20,7 +20,8 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
     """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g: (B, N, H, d_k) fp32,
     beta: (B, N, H) fp32 -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program.
 
-    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
+    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v. layout maps
+    "e_plus_gamma", "e_minus_gamma" and "w" to "registers" or "shared".
     """
     import tilelang.language as T
 

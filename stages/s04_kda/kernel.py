@@ -21,7 +21,6 @@ print its ptxas report (no GPU needed), or to check it against reference A on a 
 
 import functools
 import math
-import warnings
 
 from stages.common.checks import padded_length
 from stages.common.tilelang_tools import LOG2_E
@@ -37,7 +36,7 @@ DEFAULT_LAYOUT = (("e_plus_gamma", "registers"), ("e_minus_gamma", "registers"),
 # Warp specialization off: 128 threads do everything, as the seed's register budget assumes, and
 # ptxas's register count is the program's demand rather than the cap TileLang sets per warp group.
 PASS_CONFIGS = {"tl.disable_warp_specialized": True}
-# The largest chunk-local log decay -gamma the fp16 and bf16 kernels accept (see max_log_decay).
+# The largest chunk-local log decay -gamma the fp16 and bf16 kernels accept (see _check_gate_range).
 MAX_LOG_DECAY = {"float16": 14 * math.log(2), "bfloat16": 126 * math.log(2)}
 GATE_DTYPES = ("float32",)
 
@@ -48,7 +47,8 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
     """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g: (B, N, H, d_k) fp32,
     beta: (B, N, H) fp32 -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program.
 
-    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
+    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v. layout maps
+    "e_plus_gamma", "e_minus_gamma" and "w" to "registers" or "shared".
     """
     import tilelang.language as T
 
