@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import webbrowser
 from pathlib import Path
 
@@ -103,6 +104,11 @@ def make_server(port, directory=SITE_DIR):
     return http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
 
 
+def has_graphical_session():
+    """Whether a browser opened here would show a window (rather than take over the terminal)."""
+    return sys.platform in ("darwin", "win32") or bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
 def serve(port=8000, open_browser=True):
     """Build the site, then serve it on http://127.0.0.1:port until Ctrl-C."""
     try:
@@ -119,10 +125,11 @@ def serve(port=8000, open_browser=True):
     url = site_url(port)
     print(f"Serving the course site on {url} (Ctrl-C to stop)", flush=True)
     if open_browser:
-        try:
-            webbrowser.get().open(url)
-        except webbrowser.Error:
-            print("No browser found here: open the URL above in yours.", flush=True)
+        if has_graphical_session():
+            # in a thread: some browsers' launchers return only when the browser exits
+            threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()
+        else:
+            print("No graphical session here: open the URL above in a browser.", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

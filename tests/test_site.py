@@ -257,3 +257,29 @@ def test_instant_navigation_typesets_the_new_page(visit, built):
     assert spans == typeset and not raw and not glyphless and not tex_errors, (
         f"{spans} formulas, {typeset} typeset, raw TeX {raw}, {glyphless} blank characters, {tex_errors}")
     assert not visit.errors, visit.errors
+
+
+def test_course_serve_prints_its_url_and_serves_the_site():
+    """`course serve` builds, says where it serves, and answers there (the README's `make serve`)."""
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-c", "import sys; from kdacourse.cli import main; sys.exit(main())",
+               "serve", "--port", "0", "--no-browser"]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, url = time.monotonic() + 120, None
+        while url is None and time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            match = re.search(r"Serving the course site on (http://127\.0\.0\.1:\d+/)", line)
+            url = match.group(1) if match else None
+        assert url, "course serve did not print the URL it serves"
+        with urllib.request.urlopen(url + "s01_linear_attention/") as response:
+            assert response.status == 200
+            assert "Stage 1: linear attention" in response.read().decode()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
