@@ -104,6 +104,22 @@ def test_included_files_and_sections_exist(page):
                 assert marker in text, f"{page.name} includes {include}, but {path} has no '{marker}'"
 
 
+def nav_pages():
+    """The pages of mkdocs.yml's nav, in order (read as text: the file uses MkDocs' own YAML tags)."""
+    text = (REPO_ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    nav = text.split("\nnav:\n", 1)[1].split("\n\n", 1)[0]
+    return re.findall(r"^\s+- .*:\s*(\S+\.md)\s*$", nav, flags=re.MULTILINE)
+
+
+def test_nav_has_every_page_once_and_the_stages_in_order():
+    pages = nav_pages()
+    assert sorted(pages) == sorted(page.name for page in PAGES), "docs/*.md and mkdocs.yml's nav differ"
+    stages = [page for page in pages if re.match(r"s\d\d_", page)]
+    assert stages == sorted(stages), f"stage pages out of order in the nav: {stages}"
+    assert pages.index(stages[0]) == pages.index("exercises.md") + 1, "stage pages follow 'How to work the exercises'"
+    assert pages.index(stages[-1]) + 1 == pages.index("numerics.md"), "stage pages come as one block before Numerics"
+
+
 def test_readme_lists_the_course_commands_as_the_cli_does():
     import textwrap
 
