@@ -272,14 +272,15 @@ def test_course_serve_prints_its_url_and_serves_the_site():
                "serve", "--port", "0", "--no-browser"]
     process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline, url = time.monotonic() + 120, None
+        deadline, url, output = time.monotonic() + 120, None, []
         while url is None and time.monotonic() < deadline:
             line = process.stdout.readline()
             if not line:
                 break
+            output.append(line)
             match = re.search(r"Serving the course site on (http://127\.0\.0\.1:\d+/)", line)
             url = match.group(1) if match else None
-        assert url, "course serve did not print the URL it serves"
+        assert url, "course serve did not print the URL it serves:\n" + "".join(output[-15:])
         with urllib.request.urlopen(url + "s01_linear_attention/") as response:
             assert response.status == 200
             assert "Stage 1: linear attention" in response.read().decode()
