@@ -30,7 +30,7 @@ DEFAULT_BLOCK_DV = 32
 SUB_BLOCK = 16  # rows of a sub-block of the chunk: anchors and the block inverse work on these
 
 
-# --8<-- [start:prepare_program]
+# --8<-- [start:prepare_setup]
 def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=128):
     """The prepare kernel: q, k (B, N, H, d_k), v (B, N, H, d_v) in `dtype`, g (B, N, H, d_k) and
     beta (B, N, H) in fp32 -> W, Q e^gamma, K e^{gamma_C - gamma} (B, N, H, d_k), U (B, N, H, d_v),
@@ -96,6 +96,8 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                 for r in T.serial(C):
                     running += G[b, t0 + r, h, d]
                     gamma_s[r, d] = running
+
+            # --8<-- [end:prepare_setup]
 
             # --8<-- [start:prepare_scores]
             # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block
@@ -172,10 +174,9 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                 K_to_chunk_end[b, t0 + r, h, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
             for d in T.Parallel(d_k):
                 Chunk_decay[b, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
-            # --8<-- [end:prepare_outputs]
 
     return kda_prepare
-# --8<-- [end:prepare_program]
+# --8<-- [end:prepare_outputs]
 
 
 # --8<-- [start:recurrence_program]
