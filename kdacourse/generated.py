@@ -53,10 +53,16 @@ def save_svg(figure, path):
     figure.savefig(path, format="svg", metadata={"Date": None, "Creator": None}, bbox_inches="tight")
 
 
+def table_cell(value):
+    """A value as the text of one Markdown table cell: a "|" would end the cell, so it becomes the
+    HTML entity, which the browser turns back into "|" (inside math too, before MathJax reads it)."""
+    return str(value).replace("|", "&#124;").replace("\n", " ")
+
+
 def markdown_table(header, rows):
     """A Markdown table from a header row and rows of already formatted cells."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    lines = ["| " + " | ".join(map(table_cell, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(map(table_cell, row)) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 

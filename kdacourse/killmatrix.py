@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 from kdacourse.catalog import bugs
+from kdacourse.generated import table_cell
 from kdacourse.runner import run_tests
 
 KILL_MATRIX_PATH = "docs/generated/kill_matrix.md"
@@ -51,7 +52,7 @@ def write_kill_matrix(path):
                 cases = [o for t, o in outcomes.items() if test_function(t) == function]
                 caught = sum(o == "failed" for o in cases)
                 cells.append(f"**{caught}/{len(cases)}**" if caught else f"0/{len(cases)}")
-            lines.append(f"| `{bug.id}` | {bug.hides_when} | " + " | ".join(cells) + " |")
+            lines.append(f"| `{bug.id}` | {table_cell(bug.hides_when)} | " + " | ".join(cells) + " |")
         lines.append("")
     lines.append("A cell counts the cases of a test (its parameters) that fail with the bug in; "
                  "**bold** cells catch it.")

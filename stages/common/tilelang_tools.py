@@ -51,6 +51,10 @@ class CompileReport:
         )
 
 
+class NvccMissing(FileNotFoundError):
+    """No nvcc on this machine: compile-only reports cannot be made here."""
+
+
 def find_nvcc():
     """The nvcc to compile with: $CUDA_HOME/bin/nvcc, else the one on PATH."""
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
@@ -59,7 +63,7 @@ def find_nvcc():
     for path in candidates:
         if path and os.path.exists(path):
             return path
-    raise FileNotFoundError(
+    raise NvccMissing(
         "compile-only reports need nvcc (CUDA 12.x or 13.x) and no GPU: install the CUDA toolkit, "
         "or `pip install nvidia-cuda-nvcc`, and put nvcc on PATH or set CUDA_HOME"
     )
