@@ -190,7 +190,6 @@ LAYOUT_ROWS = [  # (C, e^{+gamma}, e^{-gamma}, W, the seed's estimate)
     (64, R, S, S, "≈ 192, its choice"),
     (64, S, S, S, "its kernel's code"),
     (32, R, R, R, "≈ 160, C-sized tiles halved"),
-    (32, S, S, S, ""),
 ]
 SHARED_MEMORY_LIMIT_KIB = 227  # per block on sm_90 (H100, H200)
 
