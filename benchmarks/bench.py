@@ -131,7 +131,16 @@ def float64_reference(stage, args):
     return plain(stage)(*[x.double() for x in args])
 
 
-def run_stage(stage, shapes, writer, log):
+class Deadline(Exception):
+    """The run's time is up: what was measured so far is kept."""
+
+
+def check_deadline(deadline):
+    if deadline is not None and time.monotonic() > deadline:
+        raise Deadline()
+
+
+def run_stage(stage, shapes, writer, log, deadline=None):
     """Correctness at a small shape, then check and time at every benchmark shape."""
     import torch
 
@@ -146,6 +155,7 @@ def run_stage(stage, shapes, writer, log):
     writer.writerow(dict(stage=stage.name, B=2, N=1024, H=4, D=128, dtype="float16", impl="ours",
                          rel_l2_vs_float64=f"{error:.3e}"))
     for B, N, H, D in shapes:
+        check_deadline(deadline)
         args = make_inputs(stage, B, N, H, D, torch.bfloat16)
         bound_ms = stage.inputs_bytes(B, N, H, D, 2) / MEMORY_BANDWIDTH * 1e3
         reference_output = None
@@ -170,7 +180,7 @@ def run_stage(stage, shapes, writer, log):
                 f"{row.get('rel_l2_vs_fla', '')} ({time.monotonic() - started:.0f} s)")
 
 
-def run_precision(stage, writer, log, lengths=PRECISION_LENGTHS):
+def run_precision(stage, writer, log, lengths=PRECISION_LENGTHS, heads=4, deadline=None):
     """Relative L2 against float64 as N grows, fp16 and bf16, ours and FLA, inside and outside the safe gates."""
     import torch
 
@@ -181,7 +191,8 @@ def run_precision(stage, writer, log, lengths=PRECISION_LENGTHS):
     gate_ranges = [GATE_RANGE] + ([UNSAFE_GATE_RANGE] if stage.gate != "none" else [])
     for gate_range in gate_ranges:
         for N in lengths:
-            exact = make_inputs(stage, 1, N, 4, 128, torch.float64, gate_range)
+            check_deadline(deadline)
+            exact = make_inputs(stage, 1, N, heads, 128, torch.float64, gate_range)
             expected = float64_reference(stage, exact)
             for dtype in (torch.float16, torch.bfloat16):
                 args = [x.to(dtype) if i < 3 else x.float() for i, x in enumerate(exact)]
@@ -197,12 +208,29 @@ def run_precision(stage, writer, log, lengths=PRECISION_LENGTHS):
                         f"{row.get('rel_l2_vs_float64', row.get('error'))}")
 
 
+def _flushing(writer, file):
+    """A csv writer whose rows reach the disk at once: a run stopped from outside keeps them."""
+    write_row = writer.writerow
+
+    def writerow(row):
+        write_row(row)
+        file.flush()
+
+    writer.writerow = writerow
+    return writer
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated: s01,s02,...")
     parser.add_argument("--quick", action="store_true", help="two shapes instead of four")
     parser.add_argument("--no-precision", action="store_true", help="skip the precision study")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the CSVs")
+    parser.add_argument("--precision-lengths", default=",".join(map(str, PRECISION_LENGTHS)),
+                        help="sequence lengths of the precision study")
+    parser.add_argument("--precision-heads", type=int, default=4, help="heads in the precision study")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after which no new shape is started (what was measured is kept)")
     args = parser.parse_args(argv)
 
     import torch
@@ -218,20 +246,28 @@ def main(argv=None):
         print(f"[{time.monotonic() - started:6.0f} s] {message}", flush=True)
 
     selected = [STAGES[name] for name in args.stages.split(",")]
+    deadline = None if args.deadline is None else started + args.deadline
     bench_fields = ["stage", "B", "N", "H", "D", "dtype", "impl", "time_ms", "rel_l2_vs_fla", "rel_l2_vs_float64",
                     "bytes", "memory_bound_ms", "error"]
     with open(out / "bench.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, bench_fields)
+        writer = _flushing(csv.DictWriter(f, bench_fields), f)
         writer.writeheader()
-        for stage in selected:
-            run_stage(stage, QUICK_SHAPES if args.quick else SHAPES, writer, log)
+        try:
+            for stage in selected:
+                run_stage(stage, QUICK_SHAPES if args.quick else SHAPES, writer, log, deadline)
+        except Deadline:
+            log("deadline reached during the timings")
     if not args.no_precision:
         precision_fields = ["stage", "N", "dtype", "impl", "gate_lower", "gate_upper", "rel_l2_vs_float64", "error"]
         with open(out / "precision.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, precision_fields)
+            writer = _flushing(csv.DictWriter(f, precision_fields), f)
             writer.writeheader()
-            for stage in selected:
-                run_precision(stage, writer, log)
+            lengths = [int(n) for n in args.precision_lengths.split(",")]
+            try:
+                for stage in selected:
+                    run_precision(stage, writer, log, lengths, args.precision_heads, deadline)
+            except Deadline:
+                log("deadline reached during the precision study")
     import fla
     import tilelang
     import triton

@@ -62,7 +62,8 @@ def gated_deltanet(q, k, v, g, beta, chunk_size=64):
 
 
 def kda(q, k, v, g, beta, chunk_size=64):
-    """Stage 4, g: (B, N, H, d_k) per-channel log gate, beta: (B, N, H).
+    """Stage 4, g: (B, N, H, d_k) per-channel log gate, beta: (B, N, H). Half-precision inputs are
+    computed in float32 (torch has no half-precision triangular solve) and the output cast back.
 
     Per chunk, with gamma the chunk-local cumulative log gate (C x d_k):
         L = strict_tril(beta_i (K e^gamma)(K e^-gamma)^T)      A-hat = diag(beta) (I + L)^-1
@@ -70,8 +71,11 @@ def kda(q, k, v, g, beta, chunk_size=64):
         O = (Q e^gamma) S^T + tril((Q e^gamma)(K e^-gamma)^T) V~
         S^T <- Diag(e^gamma_C) S^T + (K e^(gamma_C - gamma))^T V~
     """
-    q, k, v, g = _heads_first(q, k, v, g)
-    beta = beta.transpose(1, 2)  # (B, H, N)
+    output_dtype = v.dtype
+    if q.dtype in (torch.float16, torch.bfloat16):  # torch's triangular solve has no half-precision kernel
+        q, k, v = q.float(), k.float(), v.float()
+    q, k, v, g = _heads_first(q, k, v, g.to(q.dtype))
+    beta = beta.transpose(1, 2).to(q.dtype)  # (B, H, N)
     B, H, N, d_k = q.shape
     C = chunk_size
     identity = torch.eye(C, device=q.device, dtype=q.dtype)
@@ -92,4 +96,4 @@ def kda(q, k, v, g, beta, chunk_size=64):
         o[:, :, rows] = Q_plus @ S_T + A_qk @ pseudo_values
         gamma_C = gamma[:, :, -1:]
         S_T = torch.exp(gamma_C).transpose(-1, -2) * S_T + (K * torch.exp(gamma_C - gamma)).transpose(-1, -2) @ pseudo_values
-    return o.transpose(1, 2)
+    return o.transpose(1, 2).to(output_dtype)

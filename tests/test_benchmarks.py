@@ -1,0 +1,56 @@
+"""The benchmark's plain-torch forwards equal each stage's reference A (they are the float64
+reference of the precision study), and accept the half-precision inputs the benchmark times."""
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import plain_torch
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from tests.oracles import causal_linear_attention, delta_rule, kda_delta_rule, scalar_decay_attention
+
+B, N, H, D, C = 2, 48, 2, 8, 16
+
+
+def _torch(*arrays):
+    return [torch.tensor(a) for a in arrays]
+
+
+def test_linear_attention():
+    x = make_inputs(B, N, H, D, D, seed=1)
+    actual = plain_torch.linear_attention(*_torch(x.q, x.k, x.v), chunk_size=C)
+    assert error_report(actual, causal_linear_attention(x.q, x.k, x.v)).rel_l2 <= 1e-12
+
+
+def test_scalar_decay():
+    x = make_inputs(B, N, H, D, D, gate="head", gate_range=(0.7, 0.99), seed=2)
+    actual = plain_torch.scalar_decay(*_torch(x.q, x.k, x.v, x.g), chunk_size=C)
+    assert error_report(actual, scalar_decay_attention(x.q, x.k, x.v, x.g)).rel_l2 <= 1e-12
+
+
+def test_gated_deltanet():
+    x = make_inputs(B, N, H, D, D, gate="token", beta_range=(0.1, 0.9), seed=3)
+    actual = plain_torch.gated_deltanet(*_torch(x.q, x.k, x.v, x.g, x.beta), chunk_size=C)
+    assert error_report(actual, delta_rule(x.q, x.k, x.v, x.beta, x.g)).rel_l2 <= 1e-12
+
+
+def test_kda():
+    x = make_inputs(B, N, H, D, D, gate="channel", beta_range=(0.1, 0.9), seed=4)
+    actual = plain_torch.kda(*_torch(x.q, x.k, x.v, x.g, x.beta), chunk_size=C)
+    assert error_report(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)).rel_l2 <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kda_takes_half_precision_inputs(dtype):
+    x = make_inputs(1, 64, 2, 16, 16, gate="channel", beta_range=(0.1, 0.9), seed=5)
+    q, k, v, g, beta = _torch(x.q, x.k, x.v, x.g, x.beta)
+    actual = plain_torch.kda(q.to(dtype), k.to(dtype), v.to(dtype), g.float(), beta.float(), chunk_size=C)
+    assert actual.dtype == dtype
+    assert error_report(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)).rel_l2 <= 2e-2
+
+
+def test_chunks_must_divide_the_sequence():
+    x = make_inputs(1, 20, 1, 4, 4, seed=6)
+    with pytest.raises(ValueError, match="multiple of chunk_size"):
+        plain_torch.linear_attention(*_torch(x.q, x.k, x.v), chunk_size=8)
