@@ -19,6 +19,8 @@ from kdacourse import REPO_ROOT
 
 def generators():
     """{relative path: writer}, from every stage's figures.py and the course machinery."""
+    if str(REPO_ROOT) not in sys.path:  # figures use tests/oracles.py and benchmarks/, which live beside the package
+        sys.path.insert(0, str(REPO_ROOT))
     table = {}
     for figures in sorted((REPO_ROOT / "stages").glob("s*/figures.py")):
         module = importlib.import_module(f"stages.{figures.parent.name}.figures")
