@@ -151,3 +151,16 @@ def test_mathjax_setup_is_silent_when_done(capsys):
     site.vendor_mathjax()
     assert capsys.readouterr().out == ""
     assert site.mathjax_is_vendored()
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
+def test_headings_hold_no_math(page):
+    """The table of contents shows headings as plain text, where MathJax never runs: a formula in a
+    heading appears there as raw TeX. Headings use words or Unicode (β, γ) instead."""
+    headings, in_code = [], False
+    for line in (DOCS / page).read_text().splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            in_code = not in_code
+        elif line.startswith("#") and not in_code:
+            headings.append(line)
+    assert not [h for h in headings if "$" in h or "\\(" in h], f"{page}: math in a heading"
