@@ -49,12 +49,12 @@ def write_meta(path):
         return
     meta = json.loads(meta_path.read_text())
     rows = [(key, f"`{value}`" if key == "command" else value) for key, value in meta.items()]
-    path.write_text(markdown_table(["", ""], rows))
+    path.write_text(markdown_table(["what", "value"], rows))
 
 
 def write_timing_table(path):
     rows = []
-    for (stage, B, N, H, D), by_impl in _timings().items():
+    for (stage, B, N, H, D), by_impl in sorted(_timings().items()):
         ours, fla, plain = (by_impl.get(i) for i in ("ours", "fla", "torch"))
         t_ours, t_fla, t_plain = _ms(ours), _ms(fla), _ms(plain)
         bound = float((ours or fla)["memory_bound_ms"])
