@@ -44,3 +44,13 @@ def check_same(name, x, reference_name, reference, what="shape"):
         ours, theirs = getattr(x, what), getattr(reference, what)
     if ours != theirs:
         raise ValueError(f"{name} must have the {what} of {reference_name}, {theirs}; got {ours}")
+
+
+def check_tile_sizes(d_k, d_v, chunk_size, block_dv):
+    """Tile sizes the tensor cores accept: multiples of 16, block_dv dividing d_v."""
+    if chunk_size < 16 or chunk_size % 16:
+        raise ValueError(f"chunk_size must be a multiple of 16, got {chunk_size}")
+    if d_k % 16:
+        raise ValueError(f"d_k must be a multiple of 16, got {d_k}")
+    if block_dv < 16 or block_dv % 16 or d_v % block_dv:
+        raise ValueError(f"block_dv must be a multiple of 16 that divides d_v = {d_v}, got {block_dv}")

@@ -19,7 +19,7 @@ import numpy as np
 
 from stages.common.checks import padded_length
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same
+from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same, check_tile_sizes
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
@@ -111,7 +111,7 @@ def forward(q, k, v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, n
     check_same("k", k, "q", q, "dtype")
     check_same("v", v, "q", q, "dtype")
     d_v = v.shape[3]
-    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    check_tile_sizes(d_k, d_v, chunk_size, block_dv)
     check_on_cuda({"q": q, "k": k, "v": v})
 
     N_padded = padded_length(N, chunk_size)
@@ -124,20 +124,10 @@ def forward(q, k, v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, n
 # --8<-- [end:forward]
 
 
-def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):
-    """Tile sizes the tensor cores accept: multiples of 16, block_dv dividing d_v."""
-    if chunk_size < 16 or chunk_size % 16:
-        raise ValueError(f"chunk_size must be a multiple of 16, got {chunk_size}")
-    if d_k % 16:
-        raise ValueError(f"d_k must be a multiple of 16, got {d_k}")
-    if block_dv < 16 or block_dv % 16 or d_v % block_dv:
-        raise ValueError(f"block_dv must be a multiple of 16 that divides d_v = {d_v}, got {block_dv}")
-
-
 def compile_report(B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
                    block_dv=DEFAULT_BLOCK_DV, dtype="float16"):
     """Lower and compile the kernel for sm_90a without a GPU; see stages.common.tilelang_tools."""
-    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    check_tile_sizes(d_k, d_v, chunk_size, block_dv)
     return _compile_report(build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype))
 
 

@@ -23,7 +23,7 @@ import functools
 from stages.common.checks import padded_length
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same
+from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same, check_tile_sizes
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
@@ -325,13 +325,10 @@ def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BL
 
 
 def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):
-    """Tile sizes the kernels accept: chunks of 2 or 4 sub-blocks, multiples of 16, block_dv dividing d_v."""
+    """The tensor cores' tile sizes (stages.common), and chunks of 2 or 4 sub-blocks for the block inverse."""
     if chunk_size not in (2 * SUB_BLOCK, 4 * SUB_BLOCK):
         raise ValueError(f"chunk_size must be {2 * SUB_BLOCK} or {4 * SUB_BLOCK}, got {chunk_size}")
-    if d_k % 16:
-        raise ValueError(f"d_k must be a multiple of 16, got {d_k}")
-    if block_dv < 16 or block_dv % 16 or d_v % block_dv:
-        raise ValueError(f"block_dv must be a multiple of 16 that divides d_v = {d_v}, got {block_dv}")
+    check_tile_sizes(d_k, d_v, chunk_size, block_dv)
 
 
 def _check_gate_and_beta_values(g, beta):
