@@ -1,6 +1,6 @@
 """Benchmark every stage's kernel against FLA 0.6.0 and plain torch on one CUDA machine.
 
-    python -m benchmarks.bench [--stages s01,s02] [--quick] [--out DIR] [--no-precision]
+    python -m benchmarks.bench [--stages s01,s02] [--quick] [--out DIR] [--no-precision | --no-timings]
 
 For each stage whose kernel exists: check it against the float64 reference at a small shape; at each
 benchmark shape of DESIGN.md check it against FLA's chunk kernel and time ours, FLA's and the
@@ -225,6 +225,7 @@ def main(argv=None):
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated: s01,s02,...")
     parser.add_argument("--quick", action="store_true", help="two shapes instead of four")
     parser.add_argument("--no-precision", action="store_true", help="skip the precision study")
+    parser.add_argument("--no-timings", action="store_true", help="only the precision study")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the CSVs")
     parser.add_argument("--precision-lengths", default=",".join(map(str, PRECISION_LENGTHS)),
                         help="sequence lengths of the precision study")
@@ -249,14 +250,15 @@ def main(argv=None):
     deadline = None if args.deadline is None else started + args.deadline
     bench_fields = ["stage", "B", "N", "H", "D", "dtype", "impl", "time_ms", "rel_l2_vs_fla", "rel_l2_vs_float64",
                     "bytes", "memory_bound_ms", "error"]
-    with open(out / "bench.csv", "w", newline="") as f:
-        writer = _flushing(csv.DictWriter(f, bench_fields), f)
-        writer.writeheader()
-        try:
-            for stage in selected:
-                run_stage(stage, QUICK_SHAPES if args.quick else SHAPES, writer, log, deadline)
-        except Deadline:
-            log("deadline reached during the timings")
+    if not args.no_timings:
+        with open(out / "bench.csv", "w", newline="") as f:
+            writer = _flushing(csv.DictWriter(f, bench_fields), f)
+            writer.writeheader()
+            try:
+                for stage in selected:
+                    run_stage(stage, QUICK_SHAPES if args.quick else SHAPES, writer, log, deadline)
+            except Deadline:
+                log("deadline reached during the timings")
     if not args.no_precision:
         precision_fields = ["stage", "N", "dtype", "impl", "gate_lower", "gate_upper", "rel_l2_vs_float64", "error"]
         with open(out / "precision.csv", "w", newline="") as f:

@@ -287,6 +287,7 @@ def test_kernel_wrapper_rejects_bad_input():
          r"initial_state must be \(B, H, d_k, d_v\) = \(1, 2, 64, 64\)"),
         ((q, q, q, g, beta), {"chunk_size": 128}, ValueError, "chunk_size must be 32 or 64"),
         ((q, q, q, g, beta), {"block_dv": 24}, ValueError, "block_dv must be a multiple of 16"),
+        ((q[..., :48].contiguous(), q[..., :48].contiguous(), q, g[..., :48].contiguous(), beta), {}, ValueError, "d_k must be a multiple of 32"),
         ((q, q, q, -g, beta), {}, ValueError, "g must be <= 0 everywhere"),
         ((q, q, q, g, beta + 1), {}, ValueError, r"beta must lie in \[0, 1\]"),
         ((q.transpose(1, 2).contiguous().transpose(1, 2), q, q, g, beta), {}, ValueError, "q must be contiguous"),

@@ -1,11 +1,11 @@
 """Stage 5 kernels: the KDA forward as two TileLang kernels, prepare and recurrence.
 
 prepare: one program per (chunk, batch x head), thousands of them, no state. Per chunk of C tokens:
-    gamma = cumsum of the log gates (T.cumsum)
+    gamma = cumsum of the log gates
     A_kk, A_qk from GEMMs on 16-row sub-blocks with anchored exponents (every factor <= 1 off the
-    diagonal blocks), T = (I + L)^{-1} by blocks in fp32, then the GEMMs
-    W = diag(beta) T (K e^gamma), U = diag(beta) T V; written to HBM with Q e^gamma,
-    K e^{gamma_C - gamma}, A_qk (input dtype) and e^{gamma_C} (fp32).
+    diagonal blocks), written as A_qk (input dtype) and L = diag(beta) A_kk (fp32, on chip);
+    Q e^gamma, K e^{gamma_C - gamma} (input dtype) and e^{gamma_C} (fp32) written;
+    T = (I + L)^{-1} by blocks in fp32, then the GEMMs W = diag(beta) T (K e^gamma), U = diag(beta) T V.
 
 recurrence: one program per (block of d_v columns, batch x head), the state S^T (d_k x block_dv)
 in registers as an fp32 fragment for the whole sequence, a pipelined chunk loop (stage 1's
@@ -31,18 +31,24 @@ SUB_BLOCK = 16  # rows of a sub-block of the chunk: anchors and the block invers
 
 
 # --8<-- [start:prepare_setup]
-def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=128):
+def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+                          channel_passes=2):
     """The prepare kernel: q, k (B, N, H, d_k), v (B, N, H, d_v) in `dtype`, g (B, N, H, d_k) and
     beta (B, N, H) in fp32 -> W, Q e^gamma, K e^{gamma_C - gamma} (B, N, H, d_k), U (B, N, H, d_v),
     A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) in fp32.
 
-    N must be a multiple of chunk_size (the wrapper pads), chunk_size a multiple of SUB_BLOCK.
+    The score GEMMs sum over d_k in `channel_passes` passes, so their operands hold d_k /
+    channel_passes channels: at C = 64, d_k = 128, two passes bring shared memory to 105 KiB, two
+    blocks per SM. N must be a multiple of chunk_size (the wrapper pads), chunk_size of SUB_BLOCK,
+    d_k of 16 * channel_passes. threads=None takes default_prepare_threads(chunk_size).
     """
     import tilelang.language as T
 
+    threads = threads or default_prepare_threads(chunk_size)
     C, sub = chunk_size, SUB_BLOCK
     accum_dtype = "float32"
     num_chunks = N // C
+    d_pass = d_k // channel_passes
 
     @T.prim_func
     def kda_prepare(
@@ -63,19 +69,17 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             t0 = i_c * C
 
             Q_s = T.alloc_shared((C, d_k), dtype)
-            K_s = T.alloc_shared((C, d_k), dtype)
-            V_s = T.alloc_shared((C, d_v), dtype)
+            K_s = T.alloc_shared((C, d_k), dtype)  # becomes K e^gamma once the scores are done
             gamma_s = T.alloc_shared((C, d_k), accum_dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
-            Q_row_s = T.alloc_shared((C, d_k), dtype)  # GEMM operands: decay from the anchor to the row
-            K_row_s = T.alloc_shared((C, d_k), dtype)
-            K_col_s = T.alloc_shared((C, d_k), dtype)  # ... and from the column to the anchor
+            Q_row_s = T.alloc_shared((C, d_pass), dtype)  # GEMM operands: decay from the anchor to the row
+            K_row_s = T.alloc_shared((C, d_pass), dtype)
+            K_col_s = T.alloc_shared((C, d_pass), dtype)  # ... and from the column to the anchor
             L_s = T.alloc_shared((C, C), accum_dtype)  # L = beta_i A_kk, strictly lower
-            A_qk_s = T.alloc_shared((C, C), accum_dtype)
             T_s = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}
             merge_s = T.alloc_shared((sub, C), accum_dtype)  # L[P, :P] T[:P, :P] of one block row
             A_hat_s = T.alloc_shared((C, C), dtype)  # diag(beta) T
-            K_plus_s = T.alloc_shared((C, d_k), dtype)  # K e^gamma
+            V_s = T.alloc_shared((C, d_v), dtype)
 
             kk_f = T.alloc_fragment((C, C), accum_dtype)
             qk_f = T.alloc_fragment((C, C), accum_dtype)
@@ -86,60 +90,83 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
 
             T.copy(Q[b, t0:t0 + C, h, :], Q_s)
             T.copy(K[b, t0:t0 + C, h, :], K_s)
-            T.copy(V[b, t0:t0 + C, h, :], V_s)
             T.copy(Beta[b, t0:t0 + C, h], beta_s)
+            T.copy(G[b, t0:t0 + C, h, :], gamma_s)  # all loads in flight at once, then the sum on chip
             # gamma[r] = g[0] + ... + g[r]: one thread per channel walks the rows in a register
             # (T.cumsum lowers to one warp per column, whose strided reads all hit one smem bank)
             for d in T.Parallel(d_k):
                 running = T.alloc_var(accum_dtype)
                 running = 0
-                for r in T.serial(C):
-                    running += G[b, t0 + r, h, d]
+                for r in T.unroll(C):
+                    running += gamma_s[r, d]
                     gamma_s[r, d] = running
 
             # --8<-- [end:prepare_setup]
 
             # --8<-- [start:prepare_scores]
             # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block
-            for r, d in T.Parallel(C, d_k):
-                middle = gamma_s[(r // sub) * sub + sub // 2, d]
-                Q_row_s[r, d] = Q_s[r, d] * T.exp2((gamma_s[r, d] - middle) * LOG2_E)
-                K_row_s[r, d] = K_s[r, d] * T.exp2((gamma_s[r, d] - middle) * LOG2_E)
-                K_col_s[r, d] = K_s[r, d] * T.exp2((middle - gamma_s[r, d]) * LOG2_E)
-            T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=True)
-            T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=True)
+            for part in range(channel_passes):
+                d0 = part * d_pass
+                for r, d in T.Parallel(C, d_pass):
+                    middle = gamma_s[(r // sub) * sub + sub // 2, d0 + d]
+                    Q_row_s[r, d] = Q_s[r, d0 + d] * T.exp2((gamma_s[r, d0 + d] - middle) * LOG2_E)
+                    K_row_s[r, d] = K_s[r, d0 + d] * T.exp2((gamma_s[r, d0 + d] - middle) * LOG2_E)
+                    K_col_s[r, d] = K_s[r, d0 + d] * T.exp2((middle - gamma_s[r, d0 + d]) * LOG2_E)
+                T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=part == 0)
+                T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=part == 0)
             for r, j in T.Parallel(C, C):
                 same_block = r // sub == j // sub
                 L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
-                A_qk_s[r, j] = T.if_then_else(same_block and j <= r, qk_f[r, j], 0)
+                if j // sub >= r // sub:  # the diagonal blocks and the zeros right of them; the slabs fill the rest
+                    A_qk[b, t0 + r, h, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
 
-            # off-diagonal: one slab of sub columns at a time, anchored at the first row below it
+            # off-diagonal: one slab of sub columns at a time, anchored at the first row below it;
+            # rows above the slab keep stale operands: their GEMM rows are computed and never stored
             for s0 in range(sub, C, sub):
-                for r, d in T.Parallel(C, d_k):
-                    below = r >= s0
-                    to_row = T.exp2(T.min(gamma_s[r, d] - gamma_s[s0, d], 0) * LOG2_E)  # <= 1
-                    Q_row_s[r, d] = T.if_then_else(below, Q_s[r, d] * to_row, 0)
-                    K_row_s[r, d] = T.if_then_else(below, K_s[r, d] * to_row, 0)
-                for j, d in T.Parallel(sub, d_k):
-                    col = s0 - sub + j
-                    K_col_s[j, d] = K_s[col, d] * T.exp2((gamma_s[s0, d] - gamma_s[col, d]) * LOG2_E)  # <= 1
-                T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=True)
-                T.gemm(Q_row_s, K_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=True)
+                for part in range(channel_passes):
+                    d0 = part * d_pass
+                    for r, d in T.Parallel(C - s0, d_pass):
+                        to_row = T.exp2((gamma_s[s0 + r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E)  # <= 1
+                        Q_row_s[s0 + r, d] = Q_s[s0 + r, d0 + d] * to_row
+                        K_row_s[s0 + r, d] = K_s[s0 + r, d0 + d] * to_row
+                    for j, d in T.Parallel(sub, d_pass):
+                        col = s0 - sub + j
+                        K_col_s[j, d] = K_s[col, d0 + d] * T.exp2((gamma_s[s0, d0 + d] - gamma_s[col, d0 + d]) * LOG2_E)
+                    T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=part == 0)
+                    T.gemm(Q_row_s, K_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=part == 0)
                 for r, j in T.Parallel(C, sub):
                     if r >= s0:
                         L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
-                        A_qk_s[r, s0 - sub + j] = qk_slab_f[r, j]
+                        A_qk[b, t0 + r, h, s0 - sub + j] = qk_slab_f[r, j]
             # --8<-- [end:prepare_scores]
 
+            # --8<-- [start:prepare_decayed]
+            # the last reads of gamma and Q: the recurrence's decayed operands, and K e^gamma in place
+            for r, d in T.Parallel(C, d_k):
+                decay_from_start = T.exp2(gamma_s[r, d] * LOG2_E)
+                Q_decayed[b, t0 + r, h, d] = Q_s[r, d] * decay_from_start
+                K_to_chunk_end[b, t0 + r, h, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
+                K_s[r, d] = K_s[r, d] * decay_from_start
+            for d in T.Parallel(d_k):
+                Chunk_decay[b, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
+            # V_s and T_s reuse the bytes of Q_s and gamma_s; TileLang's sync pass sees different
+            # buffers there and inserts no barrier, so this one keeps the last reads before the writes
+            T.sync_threads()
+            T.copy(V[b, t0:t0 + C, h, :], V_s)
+            # --8<-- [end:prepare_decayed]
+
             # --8<-- [start:prepare_inverse]
-            # diagonal blocks of T = (I + L)^{-1}: forward substitution, one lane per (block, column)
+            # diagonal blocks of T = (I + L)^{-1}: forward substitution, one lane per (block, column);
+            # each lane reads back only the rows it wrote itself, and sums in a register
             T.clear(T_s)
             for r in T.serial(sub):
                 for blk, col in T.Parallel(C // sub, sub):
                     i = blk * sub + r
-                    T_s[i, blk * sub + col] = T.if_then_else(col == r, 1, 0)
+                    solved = T.alloc_var(accum_dtype)
+                    solved = T.if_then_else(col == r, 1, 0)
                     for j in T.serial(r):
-                        T_s[i, blk * sub + col] -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
+                        solved -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
+                    T_s[i, blk * sub + col] = solved
             # block row P from the rows above it: T[P, :P] = -T[P, P] (L[P, :P] T[:P, :P])
             # (loops over all C columns with a test: TileLang 0.1.15 finds no layout for (sub, p0))
             for p0 in range(sub, C, sub):
@@ -162,18 +189,10 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             # --8<-- [start:prepare_outputs]
             for r, c in T.Parallel(C, C):
                 A_hat_s[r, c] = T_s[r, c] * beta_s[r]  # diag(beta) T, after the inverse
-            for r, d in T.Parallel(C, d_k):
-                K_plus_s[r, d] = K_s[r, d] * T.exp2(gamma_s[r, d] * LOG2_E)
-            T.gemm(A_hat_s, K_plus_s, w_f, clear_accum=True)
+            T.gemm(A_hat_s, K_s, w_f, clear_accum=True)  # K_s holds K e^gamma
             T.gemm(A_hat_s, V_s, u_f, clear_accum=True)
             T.copy(w_f, W[b, t0:t0 + C, h, :])
             T.copy(u_f, U[b, t0:t0 + C, h, :])
-            T.copy(A_qk_s, A_qk[b, t0:t0 + C, h, :])
-            for r, d in T.Parallel(C, d_k):
-                Q_decayed[b, t0 + r, h, d] = Q_s[r, d] * T.exp2(gamma_s[r, d] * LOG2_E)
-                K_to_chunk_end[b, t0 + r, h, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
-            for d in T.Parallel(d_k):
-                Chunk_decay[b, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
 
     return kda_prepare
 # --8<-- [end:prepare_outputs]
@@ -272,7 +291,7 @@ def _compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_sta
 
 # --8<-- [start:forward]
 def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, num_stages=2, threads=128,
-            prepare_threads=128, initial_state=None, output_final_state=False):
+            prepare_threads=None, initial_state=None, output_final_state=False):
     """Run both kernels on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16),
     g: (B, N, H, d_k) fp32 log gates (<= 0), beta: (B, N, H) fp32 in [0, 1].
 
@@ -325,10 +344,21 @@ def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BL
 
 
 def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):
-    """The tensor cores' tile sizes (stages.common), and chunks of 2 or 4 sub-blocks for the block inverse."""
+    """The tensor cores' tile sizes (stages.common), chunks of 2 or 4 sub-blocks for the block inverse,
+    and d_k in two channel passes of whole 16-wide GEMM steps."""
     if chunk_size not in (2 * SUB_BLOCK, 4 * SUB_BLOCK):
         raise ValueError(f"chunk_size must be {2 * SUB_BLOCK} or {4 * SUB_BLOCK}, got {chunk_size}")
+    if d_k % (2 * 16):
+        raise ValueError(f"d_k must be a multiple of 32 (two channel passes of the score GEMMs), got {d_k}")
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+
+
+def default_prepare_threads(chunk_size):
+    """As many warps as the C x 16 slab GEMMs can share (one per 16 x 8 tile): 256 threads at C = 64.
+
+    The prepare kernel's elementwise passes and merges are most of its work; more warps split them.
+    """
+    return 32 * (chunk_size // 16) * (SUB_BLOCK // 8)
 
 
 def _check_gate_and_beta_values(g, beta):
@@ -388,7 +418,7 @@ def _time_each_kernel(B=1, N=16384, H=32, D=128):
     from benchmarks.bench import STAGES, make_inputs
 
     q, k, v, g, beta = make_inputs(STAGES["s05"], B, N, H, D, torch.bfloat16)
-    prepare = _compiled_prepare(B, N, H, D, D, DEFAULT_CHUNK_SIZE, "bfloat16", 128)
+    prepare = _compiled_prepare(B, N, H, D, D, DEFAULT_CHUNK_SIZE, "bfloat16", None)
     recurrence = _compiled_recurrence(B, N, H, D, D, DEFAULT_CHUNK_SIZE, DEFAULT_BLOCK_DV, "bfloat16", 2, 128)
     prepared = prepare(q, k, v, g, beta)
     initial_state = q.new_zeros((B, H, D, D), dtype=torch.float32)
