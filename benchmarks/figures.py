@@ -1,7 +1,8 @@
 """The benchmarks page's tables and plots, made from the committed results on any machine.
 
 Reads benchmarks/results/{bench.csv, precision.csv, meta.json}, written on a GPU by
-`python -m benchmarks.bench --out benchmarks/results`, and writes docs/generated/bench_*.
+`python -m benchmarks.bench --out RUN_DIR` and folded in by `python -m benchmarks.merge RUN_DIR`,
+and writes docs/generated/bench_*.
 """
 
 import csv
@@ -43,13 +44,24 @@ def _ms(row):
 
 
 def write_meta(path):
+    """One table of what every run shares (machine, versions), one row per run: which stages it measured."""
     meta_path = RESULTS / "meta.json"
     if not meta_path.exists():
         path.write_text("No benchmark results are committed yet.\n")
         return
-    meta = json.loads(meta_path.read_text())
-    rows = [(key, f"`{value}`" if key == "command" else value) for key, value in meta.items()]
-    path.write_text(markdown_table(["what", "value"], rows))
+    runs = json.loads(meta_path.read_text())["runs"]
+    shared = [key for key in ("device", "torch", "cuda", "triton", "tilelang", "fla", "python")
+              if len({run.get(key) for run in runs}) == 1]
+    machine = markdown_table(["what", "value"], [(key, runs[0][key]) for key in shared])
+
+    def stages(run, key):
+        return ", ".join(STAGE_LABELS.get(stage, stage) for stage in run.get(key, [])) or "–"
+
+    per_run = markdown_table(
+        ["run", "date", "timings of", "precision of", "seconds", "command"],
+        [(index, run["date"], stages(run, "timed"), stages(run, "precision"), run["seconds"], f"`{run['command']}`")
+         for index, run in enumerate(runs, 1)])
+    path.write_text(machine + "\n" + per_run)
 
 
 def write_timing_table(path):
