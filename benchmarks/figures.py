@@ -9,10 +9,12 @@ import csv
 import json
 from collections import defaultdict
 
+from benchmarks.bench import STAGES
 from kdacourse import REPO_ROOT
 from kdacourse.generated import markdown_table, save_svg
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
+GATED_STAGES = {stage.name for stage in STAGES.values() if stage.gate != "none"}
 STAGE_LABELS = {
     "s01_linear_attention": "s01 linear attention",
     "s02_scalar_decay": "s02 scalar decay",
@@ -95,7 +97,8 @@ def write_correctness_table(path):
 def write_precision_table(path):
     table = defaultdict(dict)
     for row in _rows("precision.csv"):
-        key = (row["stage"], f"[{row['gate_lower']}, {row['gate_upper']}]", row["dtype"], row["impl"])
+        gates = f"[{row['gate_lower']}, {row['gate_upper']}]" if row["stage"] in GATED_STAGES else "no gates"
+        key = (row["stage"], gates, row["dtype"], row["impl"])
         table[key][int(row["N"])] = row.get("rel_l2_vs_float64") or "failed"
     lengths = sorted({n for values in table.values() for n in values})
     rows = [(STAGE_LABELS.get(s, s), gates, dtype, impl, *(values.get(n, "–") for n in lengths))
