@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's work in one command: every stage's gpu and compile tests, then the benchmark.
 # Usage on a CUDA machine, from the repository root:  bash benchmarks/gpu_session.sh OUT_DIR [STAGES]
-# Writes OUT_DIR/gpu_tests.log, OUT_DIR/bench.log and the benchmark's bench.csv, precision.csv, meta.json.
+# Writes OUT_DIR/gpu_tests.log, OUT_DIR/bench.log and the benchmark's bench.csv, precision.csv, meta.json;
+# back on the course machine, `python -m benchmarks.merge OUT_DIR && course regenerate` puts them on the pages.
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [s01,s02,...]}
 stages=${2:-s01,s02,s03,s04,s05}
