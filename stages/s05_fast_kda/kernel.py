@@ -149,9 +149,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                 K_s[r, d] = K_s[r, d] * decay_from_start
             for d in T.Parallel(d_k):
                 Chunk_decay[b, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
-            # V_s and T_s reuse the bytes of Q_s and gamma_s; TileLang's sync pass sees different
-            # buffers there and inserts no barrier, so this one keeps the last reads before the writes
-            T.sync_threads()
+            # loaded this late, V_s can take the bytes of Q_s (TileLang plans shared memory by lifetime)
             T.copy(V[b, t0:t0 + C, h, :], V_s)
             # --8<-- [end:prepare_decayed]
 
