@@ -224,8 +224,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated: s01,s02,...")
     parser.add_argument("--quick", action="store_true", help="two shapes instead of four")
-    parser.add_argument("--no-precision", action="store_true", help="skip the precision study")
-    parser.add_argument("--no-timings", action="store_true", help="only the precision study")
+    halves = parser.add_mutually_exclusive_group()
+    halves.add_argument("--no-precision", action="store_true", help="skip the precision study")
+    halves.add_argument("--no-timings", action="store_true", help="only the precision study")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the CSVs")
     parser.add_argument("--precision-lengths", default=",".join(map(str, PRECISION_LENGTHS)),
                         help="sequence lengths of the precision study")

@@ -51,6 +51,8 @@ def load_runs():
 def merge(run_dirs):
     runs = load_runs()
     for run_dir in map(Path, run_dirs):
+        if not (run_dir / "meta.json").exists():
+            raise SystemExit(f"{run_dir} holds no meta.json: give the --out folder of `python -m benchmarks.bench`")
         run = json.loads((run_dir / "meta.json").read_text())
         for name, key in TABLES.items():
             fields, new_rows = read_rows(run_dir / name)
@@ -60,7 +62,8 @@ def merge(run_dirs):
                 continue
             old_fields, old_rows = read_rows(RESULTS / name)
             kept = [row for row in old_rows if row["stage"] not in new_stages]
-            write_rows(RESULTS / name, old_fields or fields, kept + new_rows)
+            all_fields = (old_fields or []) + [field for field in fields if field not in (old_fields or [])]
+            write_rows(RESULTS / name, all_fields, kept + new_rows)
             for earlier in runs:
                 earlier[key] = [stage for stage in earlier.get(key, []) if stage not in new_stages]
         runs.append(run)

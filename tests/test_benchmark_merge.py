@@ -3,6 +3,8 @@
 import csv
 import json
 
+import pytest
+
 from benchmarks import merge
 
 FIELDS = ["stage", "impl", "time_ms"]
@@ -40,12 +42,20 @@ def test_a_run_whose_stages_were_all_replaced_is_dropped(tmp_path, monkeypatch):
     results = tmp_path / "results"
     monkeypatch.setattr(merge, "RESULTS", results)
     write_run(results, [dict(stage="a", impl="ours", time_ms="1")], dict(date="d0", command="old", seconds=1))
-    write_run(tmp_path / "timings", [dict(stage="a", impl="ours", time_ms="2")], dict(date="d1", command="t", seconds=1))
-    write_run(tmp_path / "precision", [dict(stage="a", impl="ours", time_ms="")], dict(date="d2", command="p", seconds=1),
-              name="precision.csv")
+    write_run(tmp_path / "timings", [dict(stage="a", impl="ours", time_ms="2")],
+              dict(date="d1", command="t", seconds=1))
+    write_run(tmp_path / "precision", [dict(stage="a", impl="ours", time_ms="")],
+              dict(date="d2", command="p", seconds=1), name="precision.csv")
 
     runs = merge.merge([tmp_path / "timings", tmp_path / "precision"])
 
     assert [(run["command"], run["timed"], run["precision"]) for run in runs] == [("t", ["a"], []), ("p", [], ["a"])]
     assert read(results / "bench.csv") == [("a", "ours", "2")]
     assert read(results / "precision.csv") == [("a", "ours", "")]
+
+
+def test_a_folder_without_meta_is_refused_with_what_to_give(tmp_path, monkeypatch):
+    monkeypatch.setattr(merge, "RESULTS", tmp_path / "results")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="holds no meta.json"):
+        merge.merge([tmp_path / "empty"])

@@ -28,11 +28,12 @@ from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
 SUB_BLOCK = 16  # rows of a sub-block of the chunk: anchors and the block inverse work on these
+CHANNEL_PASSES = 2  # the score GEMMs sum over d_k in this many passes (their operands hold d_k / 2 channels)
 
 
 # --8<-- [start:prepare_setup]
 def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
-                          channel_passes=2):
+                          channel_passes=CHANNEL_PASSES):
     """The prepare kernel: q, k (B, N, H, d_k), v (B, N, H, d_v) in `dtype`, g (B, N, H, d_k) and
     beta (B, N, H) in fp32 -> W, Q e^gamma, K e^{gamma_C - gamma} (B, N, H, d_k), U (B, N, H, d_v),
     A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) in fp32.
@@ -48,7 +49,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     C, sub = chunk_size, SUB_BLOCK
     accum_dtype = "float32"
     num_chunks = N // C
-    d_pass = d_k // channel_passes
+    channels_per_pass = d_k // channel_passes
 
     @T.prim_func
     def kda_prepare(
@@ -72,9 +73,9 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             K_s = T.alloc_shared((C, d_k), dtype)  # becomes K e^gamma once the scores are done
             gamma_s = T.alloc_shared((C, d_k), accum_dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
-            Q_row_s = T.alloc_shared((C, d_pass), dtype)  # GEMM operands: decay from the anchor to the row
-            K_row_s = T.alloc_shared((C, d_pass), dtype)
-            K_col_s = T.alloc_shared((C, d_pass), dtype)  # ... and from the column to the anchor
+            Q_row_s = T.alloc_shared((C, channels_per_pass), dtype)  # GEMM operands: decay from the anchor to the row
+            K_row_s = T.alloc_shared((C, channels_per_pass), dtype)
+            K_col_s = T.alloc_shared((C, channels_per_pass), dtype)  # ... and from the column to the anchor
             L_s = T.alloc_shared((C, C), accum_dtype)  # L = beta_i A_kk, strictly lower
             T_s = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}
             merge_s = T.alloc_shared((sub, C), accum_dtype)  # L[P, :P] T[:P, :P] of one block row
@@ -105,15 +106,15 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
 
             # --8<-- [start:prepare_scores]
             # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block
-            for part in range(channel_passes):
-                d0 = part * d_pass
-                for r, d in T.Parallel(C, d_pass):
+            for channel_pass in range(channel_passes):
+                d0 = channel_pass * channels_per_pass
+                for r, d in T.Parallel(C, channels_per_pass):
                     middle = gamma_s[(r // sub) * sub + sub // 2, d0 + d]
                     Q_row_s[r, d] = Q_s[r, d0 + d] * T.exp2((gamma_s[r, d0 + d] - middle) * LOG2_E)
                     K_row_s[r, d] = K_s[r, d0 + d] * T.exp2((gamma_s[r, d0 + d] - middle) * LOG2_E)
                     K_col_s[r, d] = K_s[r, d0 + d] * T.exp2((middle - gamma_s[r, d0 + d]) * LOG2_E)
-                T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=part == 0)
-                T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=part == 0)
+                T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=channel_pass == 0)
+                T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=channel_pass == 0)
             for r, j in T.Parallel(C, C):
                 same_block = r // sub == j // sub
                 L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
@@ -123,17 +124,19 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             # off-diagonal: one slab of sub columns at a time, anchored at the first row below it;
             # rows above the slab keep stale operands: their GEMM rows are computed and never stored
             for s0 in range(sub, C, sub):
-                for part in range(channel_passes):
-                    d0 = part * d_pass
-                    for r, d in T.Parallel(C - s0, d_pass):
+                for channel_pass in range(channel_passes):
+                    d0 = channel_pass * channels_per_pass
+                    for r, d in T.Parallel(C - s0, channels_per_pass):
                         to_row = T.exp2((gamma_s[s0 + r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E)  # <= 1
                         Q_row_s[s0 + r, d] = Q_s[s0 + r, d0 + d] * to_row
                         K_row_s[s0 + r, d] = K_s[s0 + r, d0 + d] * to_row
-                    for j, d in T.Parallel(sub, d_pass):
+                    for j, d in T.Parallel(sub, channels_per_pass):
                         col = s0 - sub + j
-                        K_col_s[j, d] = K_s[col, d0 + d] * T.exp2((gamma_s[s0, d0 + d] - gamma_s[col, d0 + d]) * LOG2_E)
-                    T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=part == 0)
-                    T.gemm(Q_row_s, K_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=part == 0)
+                        to_anchor = T.exp2((gamma_s[s0, d0 + d] - gamma_s[col, d0 + d]) * LOG2_E)  # <= 1
+                        K_col_s[j, d] = K_s[col, d0 + d] * to_anchor
+                    first = channel_pass == 0
+                    T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
+                    T.gemm(Q_row_s, K_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
                 for r, j in T.Parallel(C, sub):
                     if r >= s0:
                         L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
@@ -343,11 +346,12 @@ def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BL
 
 def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):
     """The tensor cores' tile sizes (stages.common), chunks of 2 or 4 sub-blocks for the block inverse,
-    and d_k in two channel passes of whole 16-wide GEMM steps."""
+    and d_k in CHANNEL_PASSES channel passes of whole 16-wide GEMM steps."""
     if chunk_size not in (2 * SUB_BLOCK, 4 * SUB_BLOCK):
         raise ValueError(f"chunk_size must be {2 * SUB_BLOCK} or {4 * SUB_BLOCK}, got {chunk_size}")
-    if d_k % (2 * 16):
-        raise ValueError(f"d_k must be a multiple of 32 (two channel passes of the score GEMMs), got {d_k}")
+    if d_k % (16 * CHANNEL_PASSES):
+        raise ValueError(f"d_k must be a multiple of {16 * CHANNEL_PASSES} ({CHANNEL_PASSES} channel passes "
+                         f"of the score GEMMs), got {d_k}")
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
 
 
@@ -365,7 +369,8 @@ def _check_gate_and_beta_values(g, beta):
 
     gate_grows, beta_outside = torch.stack([(g > 0).any(), ((beta < 0) | (beta > 1)).any()]).tolist()
     if gate_grows:
-        raise ValueError(f"g must be <= 0 everywhere (log of a decay in (0, 1]); its largest entry is {g.max().item():.3g}")
+        raise ValueError("g must be <= 0 everywhere (log of a decay in (0, 1]); "
+                         f"its largest entry is {g.max().item():.3g}")
     if beta_outside:
         raise ValueError(f"beta must lie in [0, 1]; its range is [{beta.min().item():.3g}, {beta.max().item():.3g}]")
 
@@ -404,7 +409,8 @@ def main():
             from fla.ops import chunk_kda
         except ImportError:
             continue
-        print(f"{dtype} FLA chunk_kda vs reference A:", error_report(chunk_kda(q, k, v, g, beta, scale=1.0)[0], expected))
+        fla_output = chunk_kda(q, k, v, g, beta, scale=1.0)[0]
+        print(f"{dtype} FLA chunk_kda vs reference A:", error_report(fla_output, expected))
     _time_each_kernel()
 
 
