@@ -95,6 +95,7 @@ def write_correctness_table(path):
 
 
 def write_precision_table(path):
+    """Stage by stage (each stage's rows in the order its run wrote them): one column per N."""
     table = defaultdict(dict)
     for row in _rows("precision.csv"):
         gates = f"[{row['gate_lower']}, {row['gate_upper']}]" if row["stage"] in GATED_STAGES else "no gates"
@@ -102,7 +103,7 @@ def write_precision_table(path):
         table[key][int(row["N"])] = row.get("rel_l2_vs_float64") or "failed"
     lengths = sorted({n for values in table.values() for n in values})
     rows = [(STAGE_LABELS.get(s, s), gates, dtype, impl, *(values.get(n, "–") for n in lengths))
-            for (s, gates, dtype, impl), values in table.items()]
+            for (s, gates, dtype, impl), values in sorted(table.items(), key=lambda item: item[0][0])]
     path.write_text(markdown_table(["stage", "gates a in", "inputs", "kernel", *(f"N = {n}" for n in lengths)], rows)
                     if rows else "No precision results are committed yet.\n")
 
