@@ -5,7 +5,8 @@ prepare: one program per (chunk, batch x head), thousands of them, no state. Per
     A_kk, A_qk from GEMMs on 16-row sub-blocks with anchored exponents (every factor <= 1 off the
     diagonal blocks), written as A_qk (input dtype) and L = diag(beta) A_kk (fp32, on chip);
     Q e^gamma, K e^{gamma_C - gamma} (input dtype) and e^{gamma_C} (fp32) written;
-    T = (I + L)^{-1} by blocks in fp32, then the GEMMs W = diag(beta) T (K e^gamma), U = diag(beta) T V.
+    T = (I + L)^{-1} by blocks in fp32 (merges as TF32 GEMMs), then the GEMMs W = diag(beta) T (K e^gamma),
+    U = diag(beta) T V.
 
 recurrence: one program per (block of d_v columns, batch x head), the state S^T (d_k x block_dv)
 in registers as an fp32 fragment for the whole sequence, a pipelined chunk loop (stage 1's
@@ -78,7 +79,8 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             K_col_s = T.alloc_shared((C, channels_per_pass), dtype)  # ... and from the column to the anchor
             L_s = T.alloc_shared((C, C), accum_dtype)  # L = beta_i A_kk, strictly lower
             T_s = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}
-            merge_s = T.alloc_shared((sub, C), accum_dtype)  # L[P, :P] T[:P, :P] of one block row
+            T_diag_s = T.alloc_shared((C, sub), accum_dtype)  # the diagonal blocks T[P, P], stacked
+            merge_s = T.alloc_shared((sub, C), accum_dtype)  # L[P, :] T of one block row
             A_hat_s = T.alloc_shared((C, C), dtype)  # diag(beta) T
             V_s = T.alloc_shared((C, d_v), dtype)
 
@@ -88,6 +90,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             qk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
             w_f = T.alloc_fragment((C, d_k), accum_dtype)
             u_f = T.alloc_fragment((C, d_v), accum_dtype)
+            block_row_f = T.alloc_fragment((sub, C), accum_dtype)
 
             T.copy(Q[b, t0:t0 + C, h, :], Q_s)
             T.copy(K[b, t0:t0 + C, h, :], K_s)
@@ -168,23 +171,18 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                     for j in T.serial(r):
                         solved -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
                     T_s[i, blk * sub + col] = solved
-            # block row P from the rows above it: T[P, :P] = -T[P, P] (L[P, :P] T[:P, :P])
-            # (loops over all C columns with a test: TileLang 0.1.15 finds no layout for (sub, p0))
+                    T_diag_s[i, col] = solved
+            # block row P from the rows above it: T[P, :P] = -T[P, P] (L[P, :P] T[:P, :P]), as two TF32
+            # tensor-core GEMMs over all C columns (a GEMM's sizes must be static; P is a loop variable).
+            # Only the columns left of P are kept: there L[P, :] T = L[P, :P] T[:P, :P], because block
+            # row P of T_s is still zero left of its diagonal block when the first GEMM reads it
             for p0 in range(sub, C, sub):
+                T.gemm(L_s[p0:p0 + sub, :], T_s, block_row_f, clear_accum=True)
+                T.copy(block_row_f, merge_s)
+                T.gemm(T_diag_s[p0:p0 + sub, :], merge_s, block_row_f, clear_accum=True)
                 for r, c in T.Parallel(sub, C):
                     if c < p0:
-                        partial = T.alloc_var(accum_dtype)
-                        partial = 0
-                        for j in T.serial((c // sub) * sub, p0):  # T[:P, :P] is block lower triangular
-                            partial += L_s[p0 + r, j] * T_s[j, c]
-                        merge_s[r, c] = partial
-                for r, c in T.Parallel(sub, C):
-                    if c < p0:
-                        product = T.alloc_var(accum_dtype)
-                        product = 0
-                        for j in T.serial(sub):
-                            product += T_s[p0 + r, p0 + j] * merge_s[j, c]
-                        T_s[p0 + r, c] = -product
+                        T_s[p0 + r, c] = -block_row_f[r, c]
             # --8<-- [end:prepare_inverse]
 
             # --8<-- [start:prepare_outputs]
