@@ -21,7 +21,8 @@ def test_precision_table_is_in_stage_order_with_gaps_and_failures_shown(tmp_path
             precision_row("s03_gated_deltanet", 4096, "5e-04"),
             precision_row("s03_gated_deltanet", 65536, "", error="RuntimeError: out of memory"),
             precision_row("s01_linear_attention", 4096, "4e-04"),
-            precision_row("s01_linear_attention", 65536, "4e-04"),
+            precision_row("s01_linear_attention", 16384, "4e-04"),  # a length the s03 run did not reach
+            precision_row("s01_linear_attention", 65536, "5e-04"),
         ])
 
     figures.write_precision_table(tmp_path / "table.md")
@@ -29,6 +30,6 @@ def test_precision_table_is_in_stage_order_with_gaps_and_failures_shown(tmp_path
     body = [line.split("|")[1:-1] for line in (tmp_path / "table.md").read_text().splitlines()[2:]]
     cells = [[cell.strip() for cell in line] for line in body]
     assert cells == [
-        ["s01 linear attention", "no gates", "float16", "ours", "4e-04", "4e-04"],
-        ["s03 Gated DeltaNet", "[0.9, 0.999]", "float16", "ours", "5e-04", "failed"],
+        ["s01 linear attention", "no gates", "float16", "ours", "4e-04", "4e-04", "5e-04"],
+        ["s03 Gated DeltaNet", "[0.9, 0.999]", "float16", "ours", "5e-04", "–", "failed"],
     ]
