@@ -9,13 +9,17 @@ then the median of repeats); compute the bytes the forward must move and the tim
 alone takes at 4.3 TB/s. Then the precision study: fp16 and bf16 against float64 as N grows.
 A shape that fails is recorded with its error and the run goes on.
 
-Writes DIR/bench.csv, DIR/precision.csv and DIR/meta.json. `course regenerate` turns the committed
-CSVs into the tables and plots of the benchmarks page (benchmarks/figures.py), on any machine.
+Writes DIR/bench.csv, DIR/precision.csv and DIR/meta.json (versions, the command, and a digest of
+each measured kernel's source, so that the page can flag results of a kernel that has changed since).
+`course regenerate` turns the committed CSVs into the tables and plots of the benchmarks page
+(benchmarks/figures.py), on any machine.
 """
 
 import argparse
 import csv
+import hashlib
 import importlib
+import importlib.util
 import json
 import math
 import platform
@@ -54,6 +58,11 @@ class Stage:
         moved += {"none": 0, "head": 4 * H / tokens, "token": 4, "channel": 4 * D}[self.gate] * tokens
         moved += 4 * tokens if self.has_beta else 0
         return moved
+
+    def kernel_digest(self):
+        """The first 12 hex digits of the SHA-256 of our kernel's source file: which kernel a run measured."""
+        source = Path(importlib.util.find_spec(self.kernel_module).origin)
+        return hashlib.sha256(source.read_bytes()).hexdigest()[:12]
 
 
 STAGES = {
@@ -278,7 +287,8 @@ def main(argv=None):
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
                 triton=triton.__version__, tilelang=tilelang.__version__, fla=getattr(fla, "__version__", "?"),
                 python=platform.python_version(), command="python -m benchmarks.bench " + " ".join(argv or sys.argv[1:]),
-                date=time.strftime("%Y-%m-%d"), seconds=round(time.monotonic() - started))
+                date=time.strftime("%Y-%m-%d"), seconds=round(time.monotonic() - started),
+                kernels={stage.name: stage.kernel_digest() for stage in selected})
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     log(f"done: {out}/bench.csv, precision.csv, meta.json")
     return 0

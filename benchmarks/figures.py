@@ -46,23 +46,34 @@ def _ms(row):
 
 
 def write_meta(path):
-    """One table of what every run shares (machine, versions), one row per run: which stages it measured."""
+    """One table of what every run shares (machine, versions), one row per run: which stages it measured,
+    and whether their kernels are still the committed ones (bench records a digest of each kernel's source)."""
     meta_path = RESULTS / "meta.json"
     if not meta_path.exists():
         path.write_text("No benchmark results are committed yet.\n")
         return
     runs = json.loads(meta_path.read_text())["runs"]
     shared = [key for key in ("device", "torch", "cuda", "triton", "tilelang", "fla", "python")
-              if len({run.get(key) for run in runs}) == 1]
+              if len({run.get(key) for run in runs}) == 1 and key in runs[0]]
     machine = markdown_table(["what", "value"], [(key, runs[0][key]) for key in shared])
+    current = {stage.name: stage.kernel_digest() for stage in STAGES.values()}
 
     def stages(run, key):
         return ", ".join(STAGE_LABELS.get(stage, stage) for stage in run.get(key, [])) or "–"
 
+    def kernels(run):
+        measured = sorted(set(run.get("timed", [])) | set(run.get("precision", [])))
+        if "kernels" not in run:
+            return "not recorded"
+        changed = [stage for stage in measured if run["kernels"].get(stage) != current.get(stage)]
+        if not changed:
+            return "as committed"
+        return "changed since: " + ", ".join(STAGE_LABELS.get(stage, stage) for stage in changed)
+
     per_run = markdown_table(
-        ["run", "date", "timings of", "precision of", "seconds", "command"],
-        [(index, run["date"], stages(run, "timed"), stages(run, "precision"), run["seconds"], f"`{run['command']}`")
-         for index, run in enumerate(runs, 1)])
+        ["run", "date", "timings of", "precision of", "kernels", "seconds", "command"],
+        [(index, run["date"], stages(run, "timed"), stages(run, "precision"), kernels(run), run["seconds"],
+          f"`{run['command']}`") for index, run in enumerate(runs, 1)])
     path.write_text(machine + "\n" + per_run)
 
 

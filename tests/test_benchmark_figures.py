@@ -1,8 +1,13 @@
-"""benchmarks.figures: the precision table reads stage by stage, whatever order the runs were merged in."""
+"""benchmarks.figures: the precision table reads stage by stage, whatever order the runs were merged in;
+the runs table says which runs measured a kernel that has changed since."""
 
 import csv
+import dataclasses
+import hashlib
+import json
 
 from benchmarks import figures
+from benchmarks.bench import STAGES
 
 FIELDS = ["stage", "N", "dtype", "impl", "gate_lower", "gate_upper", "rel_l2_vs_float64", "error"]
 
@@ -33,3 +38,27 @@ def test_precision_table_is_in_stage_order_with_gaps_and_failures_shown(tmp_path
         ["s01 linear attention", "no gates", "float16", "ours", "4e-04", "4e-04", "5e-04"],
         ["s03 Gated DeltaNet", "[0.9, 0.999]", "float16", "ours", "5e-04", "–", "failed"],
     ]
+
+
+def test_runs_table_flags_results_of_a_kernel_changed_since(tmp_path, monkeypatch):
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+    current = STAGES["s05"].kernel_digest()
+    run = dict(device="H200", date="d", seconds=1, command="bench", timed=["s05_fast_kda"], precision=[])
+    runs = [dict(run, kernels={"s05_fast_kda": current}), dict(run, kernels={"s05_fast_kda": "0" * 12}), run]
+    (tmp_path / "meta.json").write_text(json.dumps({"runs": runs}))
+
+    figures.write_meta(tmp_path / "meta.md")
+
+    rows = [line for line in (tmp_path / "meta.md").read_text().splitlines() if line.startswith("| ") and "bench" in line]
+    assert [row.split("|")[5].strip() for row in rows] == [
+        "as committed", "changed since: s05 fast KDA", "not recorded"]
+
+
+def test_kernel_digest_follows_the_source(tmp_path, monkeypatch):
+    (tmp_path / "probe_kernel.py").write_text("WIDTH = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stage = dataclasses.replace(STAGES["s05"], kernel_module="probe_kernel")
+    before = stage.kernel_digest()
+    assert before == hashlib.sha256(b"WIDTH = 1\n").hexdigest()[:12]
+    (tmp_path / "probe_kernel.py").write_text("WIDTH = 2\n")
+    assert stage.kernel_digest() != before
