@@ -9,12 +9,15 @@ import csv
 import json
 from collections import defaultdict
 
+from benchmarks import profile_s05
 from benchmarks.bench import STAGES
 from kdacourse import REPO_ROOT
 from kdacourse.generated import markdown_table, save_svg
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 GATED_STAGES = {stage.name for stage in STAGES.values() if stage.gate != "none"}
+TARGETED_STAGES = {"s01_linear_attention", "s02_scalar_decay"}  # fused kernels held to FLA's time (issue 6)
+TARGET_VS_FLA = 1.5
 STAGE_LABELS = {
     "s01_linear_attention": "s01 linear attention",
     "s02_scalar_decay": "s02 scalar decay",
@@ -98,6 +101,35 @@ def write_timing_table(path):
          "of bound", "rel L2 ours vs FLA"], rows) if rows else "No timings are committed yet.\n")
 
 
+def write_ratio_summary(path):
+    """Per stage, the range over the benchmark shapes of FLA / ours, plain torch / ours and the memory bound
+    fraction, and for the stages with a target (1 and 2: ours / FLA <= TARGET_VS_FLA) whether it is met."""
+    by_stage = defaultdict(list)
+    for (stage, *_), by_impl in sorted(_timings().items()):
+        t_ours, t_fla, t_plain = (_ms(by_impl.get(impl)) for impl in ("ours", "fla", "torch"))
+        if t_ours:
+            bound = float(by_impl["ours"]["memory_bound_ms"])
+            by_stage[stage].append((t_fla / t_ours if t_fla else None, t_plain / t_ours if t_plain else None,
+                                    bound / t_ours))
+
+    def span(values, form):
+        values = [v for v in values if v is not None]
+        return f"{form(min(values))} to {form(max(values))}" if values else "–"
+
+    def target(stage, rows):
+        if stage not in TARGETED_STAGES:
+            return "not targeted"
+        met = all(vs_fla is not None and 1 / vs_fla <= TARGET_VS_FLA for vs_fla, _, _ in rows)
+        return f"{'met' if met else 'missed'} at {len(rows)} shapes"
+
+    rows = [(STAGE_LABELS.get(stage, stage), span([r[0] for r in rows], "{:.2f}x".format),
+             span([r[1] for r in rows], "{:.1f}x".format), span([r[2] for r in rows], "{:.1%}".format),
+             target(stage, rows)) for stage, rows in by_stage.items()]
+    path.write_text(markdown_table(
+        ["stage", "FLA / ours", "plain torch / ours", "of memory bound", f"ours / FLA <= {TARGET_VS_FLA}"], rows)
+        if rows else "No timings are committed yet.\n")
+
+
 def write_correctness_table(path):
     rows = [(STAGE_LABELS.get(r["stage"], r["stage"]), f"{r['B']}, {r['N']}, {r['H']}, {r['D']}", r["dtype"],
              r["rel_l2_vs_float64"]) for r in _rows("bench.csv") if r["rel_l2_vs_float64"]]
@@ -174,6 +206,8 @@ def generated_files():
     return {
         "docs/generated/bench_meta.md": write_meta,
         "docs/generated/bench_timings.md": write_timing_table,
+        "docs/generated/bench_summary.md": write_ratio_summary,
+        "docs/generated/s05_prepare_profile.md": profile_s05.write_profile_table,
         "docs/generated/bench_correctness.md": write_correctness_table,
         "docs/generated/bench_precision.md": write_precision_table,
         "docs/generated/bench_plots.svg": write_plots,

@@ -1,12 +1,13 @@
-"""benchmarks.figures: the precision table reads stage by stage, whatever order the runs were merged in;
-the runs table says which runs measured a kernel that has changed since."""
+"""benchmarks.figures and profile_s05: the tables of the benchmarks page and the stage 5 profile, made from
+small results written here (the precision table in stage order, the runs table's kernel check, the ratio
+summary's target, the ncu reader)."""
 
 import csv
 import dataclasses
 import hashlib
 import json
 
-from benchmarks import figures
+from benchmarks import figures, profile_s05
 from benchmarks.bench import STAGES
 
 FIELDS = ["stage", "N", "dtype", "impl", "gate_lower", "gate_upper", "rel_l2_vs_float64", "error"]
@@ -62,3 +63,60 @@ def test_kernel_digest_follows_the_source(tmp_path, monkeypatch):
     assert before == hashlib.sha256(b"WIDTH = 1\n").hexdigest()[:12]
     (tmp_path / "probe_kernel.py").write_text("WIDTH = 2\n")
     assert stage.kernel_digest() != before
+
+
+BENCH_FIELDS = ["stage", "B", "N", "H", "D", "dtype", "impl", "time_ms", "memory_bound_ms"]
+
+
+def timing(stage, N, impl, ms):
+    return dict(stage=stage, B=1, N=N, H=32, D=128, dtype="bfloat16", impl=impl, time_ms=ms, memory_bound_ms="0.1")
+
+
+def test_ratio_summary_checks_the_target_at_every_shape(tmp_path, monkeypatch):
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+    with open(tmp_path / "bench.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, BENCH_FIELDS)
+        writer.writeheader()
+        writer.writerows([
+            timing("s02_scalar_decay", 4096, "fla", "1.0"), timing("s02_scalar_decay", 4096, "ours", "0.5"),
+            timing("s02_scalar_decay", 16384, "fla", "1.0"), timing("s02_scalar_decay", 16384, "ours", "2.0"),
+            timing("s04_kda", 4096, "fla", "1.0"), timing("s04_kda", 4096, "ours", "10.0"),
+            timing("s04_kda", 4096, "torch", "50.0"),
+        ])
+
+    figures.write_ratio_summary(tmp_path / "summary.md")
+
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]]
+            for line in (tmp_path / "summary.md").read_text().splitlines()[2:]]
+    assert rows == [
+        ["s02 scalar decay", "0.50x to 2.00x", "–", "5.0% to 20.0%", "missed at 2 shapes"],
+        ["s04 KDA", "0.10x to 0.10x", "5.0x to 5.0x", "1.0% to 1.0%", "not targeted"],
+    ]
+
+
+NCU_TEXT = """\
+==PROF== Connected to process 1
+  kda_prepare_kernel (256, 32, 1)x(256, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    Metric Name             Metric Unit Metric Value
+    Elapsed Cycles                cycle    2,000,000
+    Memory Throughput                 %        50.00
+    Duration                         ms         1.25
+    Block Size                                                   256
+    Block Limit Registers                 block            2
+    Block Limit Shared Mem                block            1
+    Memory Throughput                 %        99.00
+"""
+
+
+def test_ncu_text_is_read_metric_by_metric(tmp_path):
+    (tmp_path / "ncu.txt").write_text(NCU_TEXT)
+    metrics = profile_s05.read_ncu(tmp_path / "ncu.txt")
+    assert metrics[("Elapsed Cycles", "cycle")] == 2_000_000
+    assert metrics[("Block Size", "")] == 256
+    assert metrics[("Memory Throughput", "%")] == 50  # the first value of a metric printed twice
+    rows = dict((row[0], row[1]) for row in profile_s05.profile_rows([metrics]))
+    assert rows["blocks per SM"] == 1  # the tightest of the block limits
+    assert rows["duration"] == "1.25 ms"
+    assert rows["shared-memory pipe busy"] == "–"  # a profile without the L1 breakdown
