@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One GPU session's work in one command: every stage's gpu and compile tests, then the benchmark.
+# One GPU session's work in one command: every stage's gpu and compile tests, the benchmark, and with
+# stage 5 its kernels timed alone and the prepare kernel's ncu profile.
 # Usage on a CUDA machine, from the repository root:  bash benchmarks/gpu_session.sh OUT_DIR [STAGES]
 # Writes OUT_DIR/gpu_tests.log, OUT_DIR/bench.log and the benchmark's bench.csv, precision.csv, meta.json;
 # back on the course machine, `python -m benchmarks.merge OUT_DIR && course regenerate` puts them on the pages.
+# OUT_DIR/s05_kernel_parts.txt and s05_prepare_ncu.txt replace those in benchmarks/results (keep the
+# ncu output of the version they replace under a new name in benchmarks/profile_s05.PROFILES).
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [s01,s02,...]}
 stages=${2:-s01,s02,s03,s04,s05}
@@ -18,3 +21,13 @@ done
 python -m pytest tests/exercises -m gpu -v -s --target=solutions -p no:cacheprovider 2>&1 \
   | grep -v "TileLang begins\|TileLang completes" | tee -a "$out/gpu_tests.log" | tail -3
 python -m benchmarks.bench --stages "$stages" --out "$out" 2>&1 | grep -v "TileLang begins\|TileLang completes" | tee "$out/bench.log" | tail -40
+if [[ ",$stages," == *",s05,"* ]]; then
+  python -c "from stages.s05_fast_kda.kernel import _time_each_kernel; _time_each_kernel()" 2>&1 \
+    | grep -v "TileLang begins\|TileLang completes" | tee "$out/s05_kernel_parts.txt"
+  if command -v ncu >/dev/null; then
+    $(python -c "from benchmarks.profile_s05 import NCU_COMMAND; print(NCU_COMMAND)") 2>&1 \
+      | grep -v "^==PROF==" > "$out/s05_prepare_ncu.txt"
+  else
+    echo "ncu not found: no profile" | tee -a "$out/gpu_tests.log"
+  fi
+fi

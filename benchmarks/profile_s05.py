@@ -1,13 +1,11 @@
 """Run stage 5's prepare kernel at a benchmark shape, for a profiler to watch; and read what ncu said.
 
-    ncu --clock-control none -k regex:kda_prepare -s 2 -c 1 --section SpeedOfLight --section Occupancy \\
-        --section WarpStateStats --section SchedulerStats --section LaunchStats --print-details all \\
-        python -m benchmarks.profile_s05
-
-Three launches at B=1, N=16384, H=32, D=128, bf16; ncu skips two and profiles the third.
-benchmarks/results/s05_prepare_ncu.txt is that command's output on the H200 for the committed kernel;
-PROFILES lists it with the outputs for the earlier versions, which `course regenerate` turns into the
-stage 5 page's profile table.
+NCU_COMMAND runs this module under Nsight Compute (benchmarks/gpu_session.sh runs it, or print it with
+`python -c "from benchmarks.profile_s05 import NCU_COMMAND; print(NCU_COMMAND)"`): three launches at
+B=1, N=16384, H=32, D=128, bf16; ncu skips two and profiles the third.
+benchmarks/results/s05_prepare_ncu.txt is its output on the H200 for the committed kernel; PROFILES
+lists it with the outputs for the earlier versions, which `course regenerate` turns into the stage 5
+page's profile table.
 """
 
 import re
@@ -16,6 +14,9 @@ from kdacourse import REPO_ROOT
 from kdacourse.generated import markdown_table
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
+NCU_COMMAND = ("ncu --clock-control none -k regex:kda_prepare -s 2 -c 1 --section SpeedOfLight --section Occupancy "
+               "--section WarpStateStats --section SchedulerStats --section LaunchStats --print-details all "
+               "python -m benchmarks.profile_s05")
 PROFILES = [  # (version, ncu output), oldest first
     ("first version", "s05_prepare_ncu_before.txt"),
     ("scalar merges", "s05_prepare_ncu_scalar_merges.txt"),

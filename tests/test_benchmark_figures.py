@@ -6,9 +6,11 @@ import csv
 import dataclasses
 import hashlib
 import json
+import re
 
 from benchmarks import figures, profile_s05
 from benchmarks.bench import STAGES
+from stages.s05_fast_kda.kernel import build_prepare_program
 
 FIELDS = ["stage", "N", "dtype", "impl", "gate_lower", "gate_upper", "rel_l2_vs_float64", "error"]
 
@@ -120,3 +122,10 @@ def test_ncu_text_is_read_metric_by_metric(tmp_path):
     assert rows["blocks per SM"] == 1  # the tightest of the block limits
     assert rows["duration"] == "1.25 ms"
     assert rows["shared-memory pipe busy"] == "–"  # a profile without the L1 breakdown
+
+
+def test_ncu_command_filters_on_the_prepare_kernels_name():
+    """ncu profiles the kernel whose name matches -k: renaming the prim_func must not leave it profiling nothing."""
+    kernel_filter = re.search(r"-k regex:(\S+)", profile_s05.NCU_COMMAND).group(1)
+    assert re.search(kernel_filter, str(build_prepare_program(1, 128, 1, 64, 64).attrs["global_symbol"]))
+    assert profile_s05.NCU_COMMAND.endswith("python -m benchmarks.profile_s05")
