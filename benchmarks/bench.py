@@ -18,7 +18,6 @@ each measured kernel's source, so that the page can flag results of a kernel tha
 import argparse
 import csv
 import hashlib
-import importlib
 import importlib.util
 import json
 import math

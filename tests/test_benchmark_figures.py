@@ -2,7 +2,6 @@
 small results written here (the precision table in stage order, the runs table's kernel check, the ratio
 summary's target, the ncu reader)."""
 
-import csv
 import dataclasses
 import hashlib
 import json
@@ -10,6 +9,7 @@ import re
 
 from benchmarks import figures, profile_s05
 from benchmarks.bench import STAGES
+from benchmarks.merge import write_rows
 from stages.s05_fast_kda.kernel import build_prepare_program
 
 FIELDS = ["stage", "N", "dtype", "impl", "gate_lower", "gate_upper", "rel_l2_vs_float64", "error"]
@@ -22,16 +22,13 @@ def precision_row(stage, N, value, error=""):
 
 def test_precision_table_is_in_stage_order_with_gaps_and_failures_shown(tmp_path, monkeypatch):
     monkeypatch.setattr(figures, "RESULTS", tmp_path)
-    with open(tmp_path / "precision.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS)
-        writer.writeheader()
-        writer.writerows([
-            precision_row("s03_gated_deltanet", 4096, "5e-04"),
-            precision_row("s03_gated_deltanet", 65536, "", error="RuntimeError: out of memory"),
-            precision_row("s01_linear_attention", 4096, "4e-04"),
-            precision_row("s01_linear_attention", 16384, "4e-04"),  # a length the s03 run did not reach
-            precision_row("s01_linear_attention", 65536, "5e-04"),
-        ])
+    write_rows(tmp_path / "precision.csv", FIELDS, [
+        precision_row("s03_gated_deltanet", 4096, "5e-04"),
+        precision_row("s03_gated_deltanet", 65536, "", error="RuntimeError: out of memory"),
+        precision_row("s01_linear_attention", 4096, "4e-04"),
+        precision_row("s01_linear_attention", 16384, "4e-04"),  # a length the s03 run did not reach
+        precision_row("s01_linear_attention", 65536, "5e-04"),
+    ])
 
     figures.write_precision_table(tmp_path / "table.md")
 
@@ -76,15 +73,12 @@ def timing(stage, N, impl, ms):
 
 def test_ratio_summary_checks_the_target_at_every_shape(tmp_path, monkeypatch):
     monkeypatch.setattr(figures, "RESULTS", tmp_path)
-    with open(tmp_path / "bench.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, BENCH_FIELDS)
-        writer.writeheader()
-        writer.writerows([
-            timing("s02_scalar_decay", 4096, "fla", "1.0"), timing("s02_scalar_decay", 4096, "ours", "0.5"),
-            timing("s02_scalar_decay", 16384, "fla", "1.0"), timing("s02_scalar_decay", 16384, "ours", "2.0"),
-            timing("s04_kda", 4096, "fla", "1.0"), timing("s04_kda", 4096, "ours", "10.0"),
-            timing("s04_kda", 4096, "torch", "50.0"),
-        ])
+    write_rows(tmp_path / "bench.csv", BENCH_FIELDS, [
+        timing("s02_scalar_decay", 4096, "fla", "1.0"), timing("s02_scalar_decay", 4096, "ours", "0.5"),
+        timing("s02_scalar_decay", 16384, "fla", "1.0"), timing("s02_scalar_decay", 16384, "ours", "2.0"),
+        timing("s04_kda", 4096, "fla", "1.0"), timing("s04_kda", 4096, "ours", "10.0"),
+        timing("s04_kda", 4096, "torch", "50.0"),
+    ])
 
     figures.write_ratio_summary(tmp_path / "summary.md")
 

@@ -167,21 +167,24 @@ def bytes_per_token(D=128, C=64, element=2, block_dv=32):
 # --8<-- [end:bytes]
 
 
-BENCH_SHAPES = [(1, 16384, 32, 128), (1, 65536, 32, 128), (8, 4096, 16, 128)]
-
-
 def write_bytes_table(path):
+    from benchmarks.bench import MEMORY_BANDWIDTH, SHAPES, STAGES
+
     per_token = bytes_per_token()
     ours = sum(list(per_token.values())[:4])
-    bound = 3 * 128 * 2 + 4 * 128 + 4 + 128 * 2  # q, k, v, g, beta in, o out: benchmarks.bench's bound
+    bound = STAGES["s05"].inputs_bytes(1, 1, 1, 128, 2)  # q, k, v, g, beta in, o out: the benchmark's bound
     rows = [(name, f"{value:.0f}") for name, value in per_token.items()]
     rows += [("**both kernels**", f"**{ours:.0f}**"), ("the forward's least traffic (inputs once, output once)", f"{bound:.0f}")]
-    shapes = [(f"B={B}, N={N}, H={H}", f"{B * N * H * ours / 4.3e12 * 1e3:.3f}", f"{B * N * H * bound / 4.3e12 * 1e3:.3f}")
-              for B, N, H, _ in BENCH_SHAPES]
+
+    def milliseconds(B, N, H, bytes_per_token_and_head):
+        return f"{B * N * H * bytes_per_token_and_head / MEMORY_BANDWIDTH * 1e3:.3f}"
+
+    shapes = [(f"B={B}, N={N}, H={H}", milliseconds(B, N, H, ours), milliseconds(B, N, H, bound))
+              for B, N, H, _ in SHAPES]
     path.write_text(
         _banner() + "Per token and head, d_k = d_v = 128, C = 64, bf16 tensors, fp32 gates.\n\n"
         + markdown_table(["traffic", "bytes per token"], rows)
-        + "\nAt 4.3 TB/s (the H200's HBM3e), the time that traffic alone takes:\n\n"
+        + f"\nAt {MEMORY_BANDWIDTH / 1e12:.1f} TB/s (the H200's HBM3e), the time that traffic alone takes:\n\n"
         + markdown_table(["shape", "both kernels (ms)", "least traffic (ms)"], shapes))
 
 
