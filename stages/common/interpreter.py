@@ -1,0 +1,823 @@
+"""A tile interpreter: runs a TileLang program on the CPU with NumPy, so a kernel's values are checked
+without a GPU.
+
+TileLang parses a `@T.prim_func` into TIR *before* lowering it for a GPU: the grid as loops bound to
+blockIdx, buffers with a scope (global, `shared.dyn`, `local.fragment`, `local.var`), tile operations
+as calls (`tl.tileop.copy`, `tl.tileop.gemm`, `tl.tileop.fill`, `tl.tileop.reduce`,
+`tl.tileop.cumsum`) on regions, and `T.Parallel` loops as parallel `For` nodes. That program is what
+the author wrote, before any layout, pipeline or thread is chosen; this module runs it:
+
+- the grid is a loop over blocks, one block at a time;
+- every buffer is a NumPy array; shared and fragment buffers start as NaN, so a read before any write
+  shows in the result; `T.alloc_var` is one value per lane;
+- a `T.Parallel` nest runs once, vectorized: its loop variables are index arrays that broadcast
+  against each other, stores are fancy-index assignments, `if` and `T.if_then_else` are masks;
+- serial, pipelined and unrolled loops run in order (a pipelined loop's stages overlap on the GPU,
+  not in meaning);
+- `T.copy` moves a region with bounds (reads outside the source give 0, writes outside the destination
+  are dropped) and casts to the destination's dtype;
+- `T.gemm` reads its operands as stored, multiplies them exactly, sums in float32 (fp32 operands are
+  rounded to TF32 first, as Hopper's tensor cores take them) and adds into the accumulator unless
+  `clear_accum`;
+- every arithmetic node computes in its own dtype: fp16 through NumPy's float16, bf16 by rounding a
+  float32 to 8 significant bits (round to nearest even), so casts round as the GPU rounds.
+
+What it cannot show: races between threads, missing or misplaced barriers, the pipeline's overlap,
+layouts, registers, spills and shared-memory limits (the compile-only path, stages.common.tilelang_tools,
+reports those), and the last bits of exp2 and of the GEMM's summation order.
+
+    kernel = interpret(build_program(1, 256, 2, 64, 64), out_idx=[3])
+    o = kernel(q, k, v)               # NumPy arrays in, NumPy arrays out
+
+A construct it does not run raises `UnsupportedConstruct`, naming the construct and its line in the
+program as TileLang parsed it (`prim_func.script()`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["interpret", "run", "InterpreterError", "UnsupportedConstruct", "round_to_dtype", "NUMPY_DTYPES"]
+
+
+class InterpreterError(RuntimeError):
+    """The program did something the GPU would not do sensibly: an out-of-bounds read, mismatched
+    shapes in a tile operation, a wrong number of arguments."""
+
+
+class UnsupportedConstruct(InterpreterError):
+    """The interpreter has no meaning for this construct; the message names it and its line."""
+
+
+# ------------------------------------------------------------------------------------------ dtypes
+
+# How each TIR dtype is held in NumPy. bf16 has no NumPy type: a float32 whose value is on bf16's grid.
+NUMPY_DTYPES = {
+    "float16": np.float16, "bfloat16": np.float32, "float32": np.float32, "float64": np.float64,
+    "int8": np.int64, "int16": np.int64, "int32": np.int64, "int64": np.int64,
+    "uint8": np.int64, "uint16": np.int64, "uint32": np.int64, "uint64": np.int64, "bool": np.bool_,
+}
+
+
+def _round_float32_bits(x, kept_mantissa_bits):
+    """Round float32 values to `kept_mantissa_bits` explicit mantissa bits, to nearest even."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32).astype(np.uint64)
+    dropped = 23 - kept_mantissa_bits
+    half = np.uint64(1 << (dropped - 1))
+    lowest_kept = (bits >> np.uint64(dropped)) & np.uint64(1)
+    rounded = (bits + half - np.uint64(1) + lowest_kept) & ~np.uint64((1 << dropped) - 1)
+    rounded = np.where(np.isfinite(x), rounded, bits)  # inf and NaN keep their bits
+    return rounded.astype(np.uint32).view(np.float32).reshape(x.shape)
+
+
+def round_to_dtype(x, dtype):
+    """x rounded to `dtype` (a TIR dtype string) and held as NUMPY_DTYPES[dtype]."""
+    if dtype == "bfloat16":
+        return _round_float32_bits(np.asarray(x, dtype=np.float32), 7)
+    if dtype not in NUMPY_DTYPES:
+        raise UnsupportedConstruct(f"dtype {dtype!r} (the interpreter knows {', '.join(NUMPY_DTYPES)})")
+    target = NUMPY_DTYPES[dtype]
+    if target is np.int64 and np.issubdtype(np.asarray(x).dtype, np.floating):
+        x = np.trunc(x)  # a float cast to an integer truncates, as in C
+    return np.asarray(x, dtype=target)
+
+
+def _to_tf32(x):
+    """Hopper's tensor cores read fp32 GEMM operands as TF32: 10 explicit mantissa bits."""
+    return _round_float32_bits(x, 10)
+
+
+# ------------------------------------------------------------------------------------------ public API
+
+
+def interpret(prim_func, out_idx=None):
+    """A callable that runs `prim_func` on NumPy arrays, as `tilelang.compile(prim_func, out_idx)` runs
+    it on a GPU: called with the inputs, it allocates the outputs (the parameters listed in `out_idx`)
+    and returns them (one array, or a list for several); without `out_idx` it takes every parameter
+    and writes the outputs in place. Inputs are rounded to their parameter's dtype."""
+    program = _Program(prim_func)
+    return program.bind(out_idx)
+
+
+def run(prim_func, *arrays):
+    """Run `prim_func` once on `arrays`, one per parameter, writing into them in place (each must
+    already have its parameter's NumPy dtype, see NUMPY_DTYPES)."""
+    _Program(prim_func).launch(list(arrays))
+
+
+# ------------------------------------------------------------------------------------------ the program
+
+
+class _Frame:
+    """The interpreter's state while it runs: values of variables and buffers by slot, and the lanes.
+
+    `mask` is True outside T.Parallel; inside, a boolean array (broadcastable against the lanes) that
+    says which lanes execute the current statement. `lane_depth` counts the parallel loops entered.
+    """
+
+    __slots__ = ("values", "mask", "lane_depth")
+
+    def __init__(self, size):
+        self.values = [None] * size
+        self.mask = True
+        self.lane_depth = 0
+
+
+def _tirx():
+    import tilelang  # noqa: F401  (registers TileLang's ops with TVM)
+    from tvm import tirx
+
+    return tirx
+
+
+class _Program:
+    """`prim_func` compiled once into nested Python closures over a _Frame."""
+
+    def __init__(self, prim_func):
+        self.tirx = _tirx()
+        self.func = prim_func
+        self._script_lines = None
+        self.slots = {}  # id-independent: TIR Vars and Buffers hash by their node
+        self.buffers = {}  # slot -> tirx.Buffer
+        self.params = [prim_func.buffer_map[p] if p in prim_func.buffer_map else p for p in prim_func.params]
+        for buffer in self.params:
+            if not isinstance(buffer, self.tirx.Buffer):
+                raise UnsupportedConstruct(f"scalar parameter {buffer} (only tensor parameters are supported)")
+            self._slot(buffer)
+        self.body = self._stmt(prim_func.body)
+
+    # ---- slots ----------------------------------------------------------------------------------
+
+    def _slot(self, node):
+        key = node.__chandle__()  # the node's address: every Python wrapper of one node shares it
+        if key not in self.slots:
+            self.slots[key] = len(self.slots)
+            if isinstance(node, self.tirx.Buffer):
+                self.buffers[self.slots[key]] = node
+        return self.slots[key]
+
+    # ---- errors ---------------------------------------------------------------------------------
+
+    def _line_of(self, node):
+        """The line of `node` in the program as TileLang parsed it, and that line's text."""
+        if self._script_lines is None:
+            self._script_lines = self.func.script().splitlines()
+        first = str(node).strip().splitlines()[0].strip() if str(node).strip() else ""
+        for number, line in enumerate(self._script_lines, start=1):
+            if first and first in line:
+                return number, line.strip()
+        return None, first
+
+    def _unsupported(self, construct, node):
+        number, text = self._line_of(node)
+        where = f"line {number} of {self.func.attrs['global_symbol'] if self.func.attrs and 'global_symbol' in self.func.attrs else 'the program'}.script()" if number else "the program"
+        return UnsupportedConstruct(f"the tile interpreter does not run {construct}, at {where}: {text}")
+
+    # ---- launching ------------------------------------------------------------------------------
+
+    def bind(self, out_idx):
+        if out_idx is None:
+            return lambda *arrays: self.launch([self._as_param(i, a) for i, a in enumerate(arrays)])
+        outputs = [out_idx] if isinstance(out_idx, int) else list(out_idx)
+        outputs = [i % len(self.params) for i in outputs]
+
+        def kernel(*inputs):
+            expected = len(self.params) - len(outputs)
+            if len(inputs) != expected:
+                raise InterpreterError(f"{self._name()} takes {expected} inputs, got {len(inputs)}")
+            supplied = iter(inputs)
+            arrays = []
+            for index, buffer in enumerate(self.params):
+                if index in outputs:
+                    arrays.append(self._empty(buffer))
+                else:
+                    arrays.append(self._as_param(index, next(supplied)))
+            self.launch(arrays)
+            results = [arrays[i] for i in outputs]
+            return results[0] if len(results) == 1 else results
+
+        return kernel
+
+    def _name(self):
+        attrs = self.func.attrs
+        return str(attrs["global_symbol"]) if attrs is not None and "global_symbol" in attrs else "the program"
+
+    def _empty(self, buffer):
+        shape = _static_shape(buffer)
+        dtype = str(buffer.dtype)
+        fill = np.nan if NUMPY_DTYPES.get(dtype, np.float32) in (np.float16, np.float32, np.float64) else 0
+        return np.full(shape, fill, dtype=NUMPY_DTYPES[dtype])
+
+    def _as_param(self, index, array):
+        buffer = self.params[index]
+        if hasattr(array, "detach"):  # a torch tensor
+            array = array.detach().cpu().float().numpy() if str(array.dtype) == "torch.bfloat16" else array.detach().cpu().numpy()
+        array = np.asarray(array)
+        shape = _static_shape(buffer)
+        if array.shape != shape:
+            raise InterpreterError(f"argument {index} ({buffer.name}) must have shape {shape}, got {array.shape}")
+        return round_to_dtype(array, str(buffer.dtype)).copy()
+
+    def launch(self, arrays):
+        if len(arrays) != len(self.params):
+            raise InterpreterError(f"{self._name()} takes {len(self.params)} arrays, got {len(arrays)}")
+        frame = _Frame(len(self.slots))
+        for buffer, array in zip(self.params, arrays):
+            shape = _static_shape(buffer)
+            if array.shape != shape or array.dtype != NUMPY_DTYPES[str(buffer.dtype)]:
+                raise InterpreterError(
+                    f"{buffer.name} must be a {NUMPY_DTYPES[str(buffer.dtype)].__name__} array of shape {shape}, "
+                    f"got {array.dtype} {array.shape}")
+            frame.values[self._slot(buffer)] = array
+        self.body(frame)
+
+    # ---- statements -----------------------------------------------------------------------------
+
+    def _stmt(self, node):
+        t = self.tirx
+        handler = {
+            t.SeqStmt: self._seq,
+            t.SBlockRealize: self._block_realize,
+            t.For: self._for,
+            t.Bind: self._bind,
+            t.BufferStore: self._store,
+            t.IfThenElse: self._if,
+            t.Evaluate: self._evaluate,
+            t.AttrStmt: self._attr,
+        }.get(type(node))
+        if handler is None:
+            if hasattr(t, "LetStmt") and isinstance(node, t.LetStmt):
+                return self._let(node)
+            raise self._unsupported(f"the statement {type(node).__name__}", node)
+        return handler(node)
+
+    def _seq(self, node):
+        parts = [self._stmt(s) for s in node.seq]
+
+        def run_seq(frame):
+            for part in parts:
+                part(frame)
+
+        return run_seq
+
+    def _attr(self, node):
+        return self._stmt(node.body)
+
+    def _block_realize(self, node):
+        block = node.block
+        allocations = [(self._slot(b), b) for b in block.alloc_buffers]
+        for buffer in (b for _, b in allocations):
+            _static_shape(buffer)  # raises for a symbolic shape
+        init = self._stmt(block.init) if block.init is not None else None
+        body = self._stmt(block.body)
+        empty = self._empty
+
+        def run_block(frame):
+            for slot, buffer in allocations:
+                frame.values[slot] = np.zeros((), NUMPY_DTYPES[str(buffer.dtype)]) if _is_var(buffer) else empty(buffer)
+            if init is not None:
+                init(frame)
+            body(frame)
+
+        return run_block
+
+    def _bind(self, node):
+        slot = self._slot(node.var)
+        value = node.value
+        if isinstance(value, self.tirx.Call) and str(value.op.name) == "tl.launch_thread_idx":
+            self._thread_index_slots = getattr(self, "_thread_index_slots", set()) | {slot}
+
+            def run_thread_index(frame):
+                frame.values[slot] = None
+
+            return run_thread_index
+        evaluate = self._expr(value)
+
+        def run_bind(frame):
+            frame.values[slot] = evaluate(frame)
+
+        return run_bind
+
+    def _let(self, node):
+        slot = self._slot(node.var)
+        evaluate, body = self._expr(node.value), self._stmt(node.body)
+
+        def run_let(frame):
+            frame.values[slot] = evaluate(frame)
+            body(frame)
+
+        return run_let
+
+    def _for(self, node):
+        kind = int(node.kind)
+        # ForKind: 0 serial, 1 parallel, 2 vectorized, 3 unrolled, 4 thread binding
+        if kind == 4:
+            return self._grid_loop(node)
+        if kind in (1, 2):
+            return self._parallel_loop(node)
+        if kind in (0, 3):
+            return self._serial_loop(node)
+        raise self._unsupported(f"a loop of kind {kind}", node)
+
+    def _grid_loop(self, node):
+        tag = str(node.thread_binding.thread_tag)
+        if not tag.startswith("blockIdx"):
+            raise self._unsupported(f"a loop bound to {tag} (the interpreter runs tile-level programs)", node)
+        slot, extent, body = self._slot(node.loop_var), self._expr(node.extent), self._stmt(node.body)
+        start = self._expr(node.min)
+
+        def run_grid(frame):
+            first = int(start(frame))
+            for block_index in range(first, first + int(extent(frame))):
+                frame.values[slot] = block_index
+                body(frame)
+
+        return run_grid
+
+    def _serial_loop(self, node):
+        slot, body = self._slot(node.loop_var), self._stmt(node.body)
+        start, extent = self._expr(node.min), self._expr(node.extent)
+
+        def run_serial(frame):
+            first, count = start(frame), extent(frame)
+            if np.ndim(first) == 0 and np.ndim(count) == 0:
+                for i in range(int(first), int(first) + int(count)):
+                    frame.values[slot] = i
+                    body(frame)
+                return
+            # inside T.Parallel, a loop whose bounds differ per lane: each lane runs its own range
+            first = np.asarray(first)
+            end = first + np.asarray(count)
+            outer_mask = frame.mask
+            for i in range(int(np.min(first)), int(np.max(end))):
+                active = outer_mask & (first <= i) & (i < end)
+                if not np.any(active):
+                    continue
+                frame.mask = active
+                frame.values[slot] = i
+                body(frame)
+            frame.mask = outer_mask
+
+        return run_serial
+
+    def _parallel_loop(self, node):
+        slot, body = self._slot(node.loop_var), self._stmt(node.body)
+        start, extent = self._expr(node.min), self._expr(node.extent)
+
+        def run_parallel(frame):
+            first, count = start(frame), extent(frame)
+            if np.ndim(first) or np.ndim(count):
+                raise InterpreterError(f"T.Parallel over {node.loop_var}: its extent differs between lanes")
+            depth = frame.lane_depth
+            lanes = np.arange(int(first), int(first) + int(count), dtype=np.int64).reshape((int(count),) + (1,) * depth)
+            frame.values[slot] = lanes
+            frame.lane_depth = depth + 1
+            outer_mask = frame.mask
+            body(frame)
+            frame.mask = outer_mask
+            frame.lane_depth = depth
+
+        return run_parallel
+
+    def _if(self, node):
+        condition = self._expr(node.condition)
+        then_case = self._stmt(node.then_case)
+        else_case = self._stmt(node.else_case) if node.else_case is not None else None
+
+        def run_if(frame):
+            taken = condition(frame)
+            if np.ndim(taken) == 0 and frame.mask is True:
+                if taken:
+                    then_case(frame)
+                elif else_case is not None:
+                    else_case(frame)
+                return
+            outer_mask = frame.mask
+            frame.mask = outer_mask & taken
+            if np.any(frame.mask):
+                then_case(frame)
+            if else_case is not None:
+                frame.mask = outer_mask & ~np.asarray(taken, dtype=bool)
+                if np.any(frame.mask):
+                    else_case(frame)
+            frame.mask = outer_mask
+
+        return run_if
+
+    def _store(self, node):
+        buffer = node.buffer
+        slot, dtype = self._slot(buffer), str(buffer.dtype)
+        value = self._expr(node.value)
+        if _is_var(buffer):
+            def run_var_store(frame):
+                new = round_to_dtype(value(frame), dtype)
+                if frame.mask is not True:
+                    new = np.where(frame.mask, new, frame.values[slot])
+                frame.values[slot] = new
+
+            return run_var_store
+        indices = [self._expr(i) for i in node.indices]
+        name = buffer.name
+
+        def run_store(frame):
+            target = frame.values[slot]
+            where = [i(frame) for i in indices]
+            new = round_to_dtype(value(frame), dtype)
+            mask = frame.mask
+            if mask is True and all(np.ndim(i) == 0 for i in where):
+                _check_bounds(name, target.shape, where, True)
+                target[tuple(int(i) for i in where)] = new
+                return
+            *where, new, mask = np.broadcast_arrays(*where, new, mask)
+            where = [i[mask] for i in where]
+            _check_bounds(name, target.shape, where, True)
+            target[tuple(where)] = new[mask]
+
+        return run_store
+
+    def _evaluate(self, node):
+        call = node.value
+        if not isinstance(call, self.tirx.Call):
+            return lambda frame: None
+        op = str(call.op.name) if hasattr(call.op, "name") else str(call.op)
+        handler = {
+            "tl.tileop.copy": self._copy,
+            "tl.tileop.gemm": self._gemm,
+            "tl.tileop.fill": self._fill,
+            "tl.tileop.reduce": self._reduce,
+            "tl.tileop.cumsum": self._cumsum,
+        }.get(op)
+        if handler is None:
+            raise self._unsupported(f"the operation {op}", node)
+        return handler(call, node)
+
+    # ---- tile operations ------------------------------------------------------------------------
+
+    def _region(self, arg, node):
+        """A `tl.region(load, access, *extents)` argument -> (slot, buffer, start closures, extents)."""
+        t = self.tirx
+        if isinstance(arg, t.Call) and str(arg.op.name) == "tl.region":
+            load, extents = arg.args[0], arg.args[2:]
+        elif isinstance(arg, t.BufferLoad):
+            load, extents = arg, [1] * len(arg.indices)
+        else:
+            raise self._unsupported(f"a tile operand of type {type(arg).__name__}", node)
+        buffer = load.buffer
+        starts = [self._expr(i) for i in load.indices]
+        sizes = [_as_int(e) for e in extents]
+        if any(s is None for s in sizes):
+            raise self._unsupported("a tile region of symbolic size", node)
+        return self._slot(buffer), buffer, starts, sizes
+
+    def _tile_guard(self, frame, what):
+        if frame.lane_depth:
+            raise InterpreterError(f"{what} inside T.Parallel: tile operations run once per block")
+
+    def _copy(self, call, node):
+        src_slot, src, src_starts, src_sizes = self._region(call.args[0], node)
+        dst_slot, dst, dst_starts, dst_sizes = self._region(call.args[1], node)
+        src_tile, dst_tile = [s for s in src_sizes if s != 1], [s for s in dst_sizes if s != 1]
+        if src_tile != dst_tile:
+            raise self._unsupported(
+                f"T.copy between regions of shapes {src_sizes} ({src.name}) and {dst_sizes} ({dst.name})", node)
+        dtype = str(dst.dtype)
+
+        def run_copy(frame):
+            self._tile_guard(frame, "T.copy")
+            tile = _read_window(frame.values[src_slot], [int(s(frame)) for s in src_starts], src_sizes)
+            tile = round_to_dtype(tile.reshape(dst_sizes), dtype)
+            _write_window(frame.values[dst_slot], [int(s(frame)) for s in dst_starts], tile)
+
+        return run_copy
+
+    def _fill(self, call, node):
+        slot, buffer, starts, sizes = self._region(call.args[0], node)
+        value, dtype = self._expr(call.args[1]), str(buffer.dtype)
+
+        def run_fill(frame):
+            self._tile_guard(frame, "T.fill")
+            if _is_var(buffer):
+                frame.values[slot] = round_to_dtype(value(frame), dtype)
+                return
+            tile = np.full(sizes, round_to_dtype(value(frame), dtype), dtype=NUMPY_DTYPES[dtype])
+            _write_window(frame.values[slot], [int(s(frame)) for s in starts], tile)
+
+        return run_fill
+
+    def _matrix(self, frame, slot, starts, sizes):
+        tile = _read_window(frame.values[slot], [int(s(frame)) for s in starts], sizes)
+        return tile.reshape(sizes[-2:])
+
+    def _gemm(self, call, node):
+        args = call.args
+        a_slot, a, a_starts, a_sizes = self._region(args[0], node)
+        b_slot, b, b_starts, b_sizes = self._region(args[1], node)
+        c_slot, c, c_starts, c_sizes = self._region(args[2], node)
+        transpose_a, transpose_b = bool(_as_int(args[3])), bool(_as_int(args[4]))
+        clear_accum = self._expr(args[9])
+        operand_dtypes = {str(a.dtype), str(b.dtype)}
+        c_dtype = str(c.dtype)
+
+        def operand(tile, dtype):
+            if dtype == "float32":
+                return _to_tf32(tile)
+            return tile.astype(np.float64 if dtype == "float64" else np.float32)
+
+        def run_gemm(frame):
+            self._tile_guard(frame, "T.gemm")
+            lhs = operand(self._matrix(frame, a_slot, a_starts, a_sizes), str(a.dtype))
+            rhs = operand(self._matrix(frame, b_slot, b_starts, b_sizes), str(b.dtype))
+            lhs = lhs.T if transpose_a else lhs
+            rhs = rhs.T if transpose_b else rhs
+            if lhs.shape[1] != rhs.shape[0] or (lhs.shape[0], rhs.shape[1]) != tuple(c_sizes[-2:]):
+                raise InterpreterError(f"T.gemm shapes: {a.name} {lhs.shape} x {b.name} {rhs.shape} -> {c.name} {c_sizes}")
+            product = lhs @ rhs
+            starts = [int(s(frame)) for s in c_starts]
+            if not clear_accum(frame):
+                product = product + self._matrix(frame, c_slot, c_starts, c_sizes).astype(product.dtype)
+            _write_window(frame.values[c_slot], starts, round_to_dtype(product, c_dtype).reshape(c_sizes))
+
+        if operand_dtypes - {"float16", "bfloat16", "float32", "float64"}:
+            raise self._unsupported(f"T.gemm on {sorted(operand_dtypes)} operands", node)
+        return run_gemm
+
+    def _reduce(self, call, node):
+        src_slot, src, src_starts, src_sizes = self._region(call.args[0], node)
+        dst_slot, dst, dst_starts, dst_sizes = self._region(call.args[1], node)
+        kind = str(call.args[2].value) if hasattr(call.args[2], "value") else str(call.args[2])
+        dim = _as_int(call.args[3])
+        clear = self._expr(call.args[4])
+        reducers = {
+            "sum": (np.sum, np.add), "max": (np.max, np.maximum), "min": (np.min, np.minimum),
+            "abssum": (lambda x, axis: np.sum(np.abs(x), axis=axis), np.add),
+            "absmax": (lambda x, axis: np.max(np.abs(x), axis=axis), np.maximum),
+        }
+        if kind not in reducers:
+            raise self._unsupported(f"T.reduce of kind {kind!r}", node)
+        reduce_all, combine = reducers[kind]
+        dtype = str(dst.dtype)
+
+        def run_reduce(frame):
+            self._tile_guard(frame, f"T.reduce_{kind}")
+            tile = _read_window(frame.values[src_slot], [int(s(frame)) for s in src_starts], src_sizes)
+            reduced = reduce_all(tile.astype(np.float32 if tile.dtype == np.float16 else tile.dtype), axis=dim)
+            starts = [int(s(frame)) for s in dst_starts]
+            if _is_var(dst):
+                old = frame.values[dst_slot]
+                frame.values[dst_slot] = round_to_dtype(reduced if clear(frame) else combine(old, reduced), dtype)
+                return
+            reduced = reduced.reshape(dst_sizes)
+            if not clear(frame):
+                reduced = combine(_read_window(frame.values[dst_slot], starts, dst_sizes), reduced)
+            _write_window(frame.values[dst_slot], starts, round_to_dtype(reduced, dtype))
+
+        return run_reduce
+
+    def _cumsum(self, call, node):
+        src_slot, src, src_starts, src_sizes = self._region(call.args[0], node)
+        dst_slot, dst, dst_starts, dst_sizes = self._region(call.args[1], node)
+        dim, reverse = _as_int(call.args[2]), bool(_as_int(call.args[3]))
+        dtype = str(dst.dtype)
+
+        def run_cumsum(frame):
+            self._tile_guard(frame, "T.cumsum")
+            tile = _read_window(frame.values[src_slot], [int(s(frame)) for s in src_starts], src_sizes)
+            if reverse:
+                summed = np.flip(np.cumsum(np.flip(tile, dim), axis=dim, dtype=tile.dtype), dim)
+            else:
+                summed = np.cumsum(tile, axis=dim, dtype=tile.dtype)
+            _write_window(frame.values[dst_slot], [int(s(frame)) for s in dst_starts],
+                          round_to_dtype(summed.reshape(dst_sizes), dtype))
+
+        return run_cumsum
+
+    # ---- expressions ----------------------------------------------------------------------------
+
+    def _expr(self, node):
+        """`node` as a closure frame -> value (a NumPy scalar or an array over the lanes)."""
+        t = self.tirx
+        if isinstance(node, (int, float, bool)):
+            return lambda frame, value=node: value
+        if isinstance(node, t.IntImm):
+            value = bool(node.value) if str(node.dtype) == "bool" else int(node.value)
+            return lambda frame: value
+        if isinstance(node, t.FloatImm):
+            value = round_to_dtype(node.value, str(node.dtype))[()]
+            return lambda frame: value
+        if isinstance(node, t.StringImm):
+            value = node.value
+            return lambda frame: value
+        if isinstance(node, t.Var):
+            return self._var(node)
+        if isinstance(node, t.BufferLoad):
+            return self._load(node)
+        if isinstance(node, t.Cast):
+            inner, dtype = self._expr(node.value), str(node.dtype)
+            return lambda frame: round_to_dtype(inner(frame), dtype)
+        binary = _BINARY.get(type(node).__name__)
+        if binary is not None:
+            return self._binary(node, binary)
+        if isinstance(node, t.Not):
+            inner = self._expr(node.a)
+            return lambda frame: np.logical_not(inner(frame))
+        if isinstance(node, t.Select):
+            return self._select(node.condition, node.true_value, node.false_value)
+        if isinstance(node, t.Call):
+            return self._call(node)
+        if isinstance(node, t.Let):
+            slot, value, body = self._slot(node.var), self._expr(node.value), self._expr(node.body)
+
+            def run_let(frame):
+                frame.values[slot] = value(frame)
+                return body(frame)
+
+            return run_let
+        raise self._unsupported(f"the expression {type(node).__name__}", node)
+
+    def _var(self, node):
+        slot = self._slot(node)
+        if slot in getattr(self, "_thread_index_slots", ()):
+            raise self._unsupported(f"the thread index {node.name} (the interpreter runs tile-level programs)", node)
+        name = node.name
+
+        def read_var(frame):
+            value = frame.values[slot]
+            if value is None:
+                raise InterpreterError(f"variable {name} is read before it is bound")
+            return value
+
+        return read_var
+
+    def _load(self, node):
+        buffer = node.buffer
+        slot, name = self._slot(buffer), buffer.name
+        if _is_var(buffer):
+            return lambda frame: frame.values[slot]
+        indices = [self._expr(i) for i in node.indices]
+
+        def read(frame):
+            source = frame.values[slot]
+            where = [i(frame) for i in indices]
+            if all(np.ndim(i) == 0 for i in where):
+                _check_bounds(name, source.shape, where, frame.mask)
+                return source[tuple(int(i) for i in where)]
+            where = _check_bounds(name, source.shape, where, frame.mask)
+            return source[tuple(where)]
+
+        return read
+
+    def _binary(self, node, operator):
+        a, b, dtype = self._expr(node.a), self._expr(node.b), str(node.dtype)
+        if dtype == "bool":
+            return lambda frame: operator(a(frame), b(frame))
+        if dtype.startswith(("int", "uint")):
+            if type(node).__name__ == "Div":  # TIR's integer Div truncates toward zero
+                return lambda frame: _truncating_divide(a(frame), b(frame))
+            return lambda frame: operator(a(frame), b(frame))
+        return lambda frame: round_to_dtype(operator(a(frame), b(frame)), dtype)
+
+    def _select(self, condition, true_value, false_value):
+        condition, when_true, when_false = self._expr(condition), self._expr(true_value), self._expr(false_value)
+
+        def select(frame):
+            taken = condition(frame)
+            if np.ndim(taken) == 0:
+                return when_true(frame) if taken else when_false(frame)
+            outer_mask = frame.mask
+            frame.mask = outer_mask & taken  # each branch is read only where it is taken
+            yes = when_true(frame) if np.any(frame.mask) else 0
+            frame.mask = outer_mask & ~taken
+            no = when_false(frame) if np.any(frame.mask) else 0
+            frame.mask = outer_mask
+            return np.where(taken, yes, no)
+
+        return select
+
+    def _call(self, node):
+        op = str(node.op.name) if hasattr(node.op, "name") else str(node.op)
+        name = op.split(".")[-1]
+        dtype = str(node.dtype)
+        if name == "if_then_else":
+            return self._select(*node.args)
+        if name == "infinity":
+            value = round_to_dtype(np.inf, dtype)[()]
+            return lambda frame: value
+        if name in ("max_value", "min_value"):
+            value = np.finfo(NUMPY_DTYPES[dtype]).max if name == "max_value" else np.finfo(NUMPY_DTYPES[dtype]).min
+            value = round_to_dtype(value, dtype)[()]
+            return lambda frame: value
+        function = _MATH.get(name)
+        if function is None or op.startswith("tl."):
+            raise self._unsupported(f"the call {op}", node)
+        args = [self._expr(a) for a in node.args]
+
+        def call(frame):
+            # compute in float32 (fp16 and bf16 inputs too), then round to the call's dtype
+            values = [np.asarray(a(frame), dtype=np.float64 if dtype == "float64" else np.float32) for a in args]
+            with np.errstate(all="ignore"):
+                return round_to_dtype(function(*values), dtype)
+
+        return call
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _is_var(buffer):
+    return buffer.scope() == "local.var"
+
+
+def _as_int(value):
+    if isinstance(value, (int, bool)):
+        return int(value)
+    if hasattr(value, "value") and not isinstance(value.value, str):
+        return int(value.value)
+    return None
+
+
+def _static_shape(buffer):
+    shape = tuple(_as_int(s) for s in buffer.shape)
+    if any(s is None for s in shape):
+        raise UnsupportedConstruct(f"buffer {buffer.name} of symbolic shape {list(buffer.shape)}")
+    return shape
+
+
+def _truncating_divide(a, b):
+    quotient = np.abs(a) // np.abs(b)
+    return np.where((np.asarray(a) < 0) != (np.asarray(b) < 0), -quotient, quotient)
+
+
+def _check_bounds(name, shape, where, mask):
+    """Raise for an index outside `shape` on an active lane; return indices safe to gather with."""
+    safe = []
+    for axis, (index, size) in enumerate(zip(where, shape)):
+        if np.ndim(index) == 0:
+            if not 0 <= index < size and np.any(mask):
+                raise InterpreterError(f"{name}: index {int(index)} is outside axis {axis} of size {size}")
+            safe.append(index)
+            continue
+        if np.min(index, initial=0) < 0 or np.max(index, initial=0) >= size:
+            outside = (index < 0) | (index >= size)
+            if np.any(outside & mask):
+                bad = np.asarray(index)[np.broadcast_to(outside & mask, np.shape(index))][0]
+                raise InterpreterError(f"{name}: index {int(bad)} is outside axis {axis} of size {size}")
+            index = np.clip(index, 0, size - 1)  # lanes that do not execute read any valid element
+        safe.append(index)
+    return safe
+
+
+def _window_slices(shape, starts, sizes):
+    """The part of the window starts + [0, sizes) inside an array of `shape`, on both sides."""
+    inside, local = [], []
+    for start, size, length in zip(starts, sizes, shape):
+        lo, hi = max(start, 0), min(start + size, length)
+        if hi <= lo:
+            return None, None
+        inside.append(slice(lo, hi))
+        local.append(slice(lo - start, hi - start))
+    return tuple(inside), tuple(local)
+
+
+def _read_window(array, starts, sizes):
+    """array[starts : starts + sizes]; elements outside the array read as 0 (a guarded load)."""
+    if len(starts) != array.ndim:
+        raise InterpreterError(f"a region of rank {len(starts)} on a buffer of rank {array.ndim}")
+    inside, local = _window_slices(array.shape, starts, sizes)
+    if inside is not None and all(s.stop - s.start == n for s, n in zip(local, sizes)):
+        return array[inside].copy()
+    tile = np.zeros(sizes, dtype=array.dtype)
+    if inside is not None:
+        tile[local] = array[inside]
+    return tile
+
+
+def _write_window(array, starts, tile):
+    """array[starts : starts + tile.shape] = tile; elements outside the array are dropped."""
+    inside, local = _window_slices(array.shape, starts, tile.shape)
+    if inside is not None:
+        array[inside] = tile[local]
+
+
+def _rsqrt(x):
+    return 1.0 / np.sqrt(x)
+
+
+_BINARY = {
+    "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.true_divide,
+    "FloorDiv": np.floor_divide, "FloorMod": np.mod, "Mod": np.fmod,
+    "Min": np.minimum, "Max": np.maximum,
+    "EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal, "GT": np.greater, "GE": np.greater_equal,
+    "And": np.logical_and, "Or": np.logical_or,
+}
+
+_MATH = {
+    "exp": np.exp, "exp2": np.exp2, "exp10": lambda x: np.power(np.float32(10), x), "log": np.log,
+    "log2": np.log2, "log10": np.log10, "log1p": np.log1p, "expm1": np.expm1,
+    "sqrt": np.sqrt, "rsqrt": _rsqrt, "fabs": np.abs, "abs": np.abs,
+    "floor": np.floor, "ceil": np.ceil, "round": np.rint, "nearbyint": np.rint, "trunc": np.trunc,
+    "sin": np.sin, "cos": np.cos, "tan": np.tan, "tanh": np.tanh, "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+    "pow": np.power, "fmod": np.fmod, "erf": None, "isnan": np.isnan, "isinf": np.isinf,
+    "isfinite": np.isfinite,
+}
+_MATH = {name: f for name, f in _MATH.items() if f is not None}
