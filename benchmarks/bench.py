@@ -6,11 +6,13 @@ For each stage whose kernel exists: check it against the float64 reference at a 
 benchmark shape of DESIGN.md check it against FLA's chunk kernel and time ours, FLA's and the
 plain-torch chunked forward in this one process (CUDA events via triton.testing.do_bench: warm-up,
 then the median of repeats); compute the bytes the forward must move and the time that traffic
-alone takes at 4.3 TB/s. Then the precision study: fp16 and bf16 against float64 as N grows.
+alone takes at 4.3 TB/s (what a copy reaches; the specification says 4.8). Then the precision
+study: fp16 and bf16 against float64 as N grows.
 A shape that fails is recorded with its error and the run goes on.
 
-Writes DIR/bench.csv, DIR/precision.csv and DIR/meta.json (versions, the command, and a digest of
-each measured kernel's source, so that the page can flag results of a kernel that has changed since).
+Writes DIR/bench.csv, DIR/precision.csv and DIR/meta.json (versions, the command, a digest of each
+measured kernel's source, so that the page can flag results of a kernel that has changed since, and
+this machine's roofs from benchmarks/roofs.py).
 `course regenerate` turns the committed CSVs into the tables and plots of the benchmarks page
 (benchmarks/figures.py), on any machine.
 """
@@ -28,9 +30,9 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import plain_torch
+from benchmarks import plain_torch, roofs
 
-MEMORY_BANDWIDTH = 4.3e12  # bytes/s, the H200's HBM3e as DESIGN.md fixes it for the bound
+MEMORY_BANDWIDTH = 4.3e12  # bytes/s, what a device-to-device copy reached on an H200 (spec: 4.8; benchmarks/roofs.py)
 SHAPES = [(1, 4096, 32, 128), (1, 16384, 32, 128), (1, 65536, 32, 128), (8, 4096, 16, 128)]  # B, N, H, D
 QUICK_SHAPES = [(1, 4096, 32, 128), (8, 4096, 16, 128)]
 PRECISION_LENGTHS = [1024, 4096, 16384, 65536]
@@ -287,7 +289,8 @@ def main(argv=None):
                 triton=triton.__version__, tilelang=tilelang.__version__, fla=getattr(fla, "__version__", "?"),
                 python=platform.python_version(), command="python -m benchmarks.bench " + " ".join(argv or sys.argv[1:]),
                 date=time.strftime("%Y-%m-%d"), seconds=round(time.monotonic() - started),
-                kernels={stage.name: stage.kernel_digest() for stage in selected})
+                kernels={stage.name: stage.kernel_digest() for stage in selected},
+                roofs=roofs.measure_or_error())  # this machine's copy bandwidth and bf16 GEMM rate
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     log(f"done: {out}/bench.csv, precision.csv, meta.json")
     return 0
