@@ -1,12 +1,18 @@
-"""Tests of stages/common: the seeded inputs, the error measure, the shape and tile checks."""
+"""Tests of stages/common: the seeded inputs, the error measure, the shape and tile checks, and the
+references' input checks of every stage."""
 
 import numpy as np
 import pytest
 
-from stages.common.checks import check_chunking, check_qkv, padded_length
+from stages.common.checks import check_array, check_chunking, check_divisor, check_qkv, check_values, padded_length
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.common.torch_checks import check_tile_sizes
+from stages.s01_linear_attention import reference as s01
+from stages.s02_scalar_decay import reference as s02
+from stages.s03_gated_deltanet import reference as s03
+from stages.s04_kda import reference as s04
+from stages.s05_fast_kda import reference as s05
 
 
 def test_inputs_are_normalized_and_gates_stay_in_their_range():
@@ -66,3 +72,143 @@ def test_tile_sizes_the_tensor_cores_refuse(d_k, d_v, chunk_size, block_dv, mess
     with pytest.raises(ValueError, match=message):
         check_tile_sizes(d_k, d_v, chunk_size, block_dv)
     check_tile_sizes(128, 128, 64, 32)  # the default tiles pass
+
+
+# ----------------------------------------------------------------------------- the references' input checks
+
+# every public reference that takes (q, k, v[, g][, beta], ...): (function, gate, the arguments after them)
+REFERENCES = [
+    (s01.recurrent, "none", ()), (s01.chunkwise, "none", (4,)), (s01.kernel_mirror, "none", (4, 2)),
+    (s02.recurrent, "head", ()), (s02.chunkwise, "head", (4,)), (s02.kernel_mirror, "head", (4, 2)),
+    (s03.recurrent, "token", ()), (s03.chunkwise, "token", (4,)), (s03.kernel_mirror, "token", (4, 2)),
+    (s04.recurrent, "channel", ()), (s04.chunkwise, "channel", (4,)), (s04.kernel_mirror, "channel", (4, 2)),
+    (s05.chunkwise, "channel", (4,)), (s05.kernel_mirror, "channel", (4, 2, 2)), (s05.prepare, "channel", (4, 2)),
+]
+
+
+def _arguments(gate, extra, **changes):
+    """The reference's arguments as a dict in call order, valid unless `changes` replaces one."""
+    x = make_inputs(1, 8, 2, 4, 4, gate=gate, seed=5)
+    names = ("q", "k", "v") + (("g",) if gate != "none" else ()) + (("beta",) if x.beta is not None else ())
+    arguments = {name: getattr(x, name) for name in names}
+    arguments.update({f"extra{i}": value for i, value in enumerate(extra)})
+    unknown = set(changes) - set(arguments)
+    assert not unknown, f"no argument {unknown} here"
+    return {**arguments, **changes}
+
+
+def _with(array, index, value):
+    changed = array.copy()
+    changed[index] = value
+    return changed
+
+
+def _bad_inputs(gate):
+    """(argument, how to spoil it, error, message) for a reference of the given gate."""
+    x = make_inputs(1, 8, 2, 4, 4, gate=gate, seed=5)
+    cases = [
+        ("q", x.q.tolist(), TypeError, "q must be a numpy.ndarray, got list"),
+        ("k", x.k.astype(np.int64), TypeError, "k must have dtype float64, got int64"),
+        ("v", x.v.astype(np.float32), TypeError, "v must have dtype float64, got float32"),
+        ("q", _with(x.q, (0, 3, 1, 2), np.nan), ValueError, r"q must be finite, got nan at index \(0, 3, 1, 2\)"),
+        ("v", _with(x.v, (0, 7, 0, 1), -np.inf), ValueError, r"v must be finite, got -inf at index \(0, 7, 0, 1\)"),
+    ]
+    if gate != "none":
+        last = (-1,) * x.g.ndim
+        cases += [
+            ("g", _with(x.g, last, 0.25), ValueError,
+             r"g: log gates must be <= 0 \(g = log\(a\), 0 < a <= 1\); its entries span \[.*, 0.25\]"),
+            ("g", _with(x.g, last, -np.inf), ValueError, "g must be finite, got -inf"),
+            ("g", x.g.astype(np.float32), TypeError, "g must have dtype float64, got float32"),
+            ("g", x.g.tolist(), TypeError, "g must be a numpy.ndarray, got list"),
+        ]
+    if x.beta is not None:
+        cases += [
+            ("beta", _with(x.beta, (0, 2, 1), 1.5), ValueError, r"beta must lie in \[0, 1\]; its entries span \[.*, 1.5\]"),
+            ("beta", _with(x.beta, (0, 2, 1), -0.5), ValueError, r"beta must lie in \[0, 1\]; its entries span \[-0.5, "),
+            ("beta", _with(x.beta, (0, 2, 1), np.nan), ValueError, r"beta must be finite, got nan at index \(0, 2, 1\)"),
+            ("beta", x.beta.astype(np.int64), TypeError, "beta must have dtype float64, got int64"),
+        ]
+    return cases
+
+
+REFERENCE_IDS = [f"{function.__module__.split('.')[1][:3]}.{function.__name__}" for function, _, _ in REFERENCES]
+
+
+@pytest.mark.parametrize("function, gate, extra", REFERENCES, ids=REFERENCE_IDS)
+def test_references_refuse_bad_values_and_types(function, gate, extra):
+    for name, spoiled, error, message in _bad_inputs(gate):
+        with pytest.raises(error, match=message):
+            function(*_arguments(gate, extra, **{name: spoiled}).values())
+
+
+@pytest.mark.parametrize("function, gate, extra", REFERENCES, ids=REFERENCE_IDS)
+def test_references_take_the_ends_of_the_ranges(function, gate, extra):
+    """g = 0 (a = 1, no decay) and beta = 0 or 1 are gates and write strengths, not errors."""
+    x = make_inputs(1, 8, 2, 4, 4, gate=gate, seed=5)
+    edges = {}
+    if gate != "none":
+        edges["g"] = np.zeros_like(x.g)
+    if x.beta is not None:
+        edges["beta"] = np.where(np.arange(8)[None, :, None] % 2 == 0, 0.0, 1.0) + np.zeros_like(x.beta)
+    function(*_arguments(gate, extra, **edges).values())
+
+
+@pytest.mark.parametrize("function, gate, extra", [r for r in REFERENCES if r[2]],
+                         ids=[i for i, r in zip(REFERENCE_IDS, REFERENCES) if r[2]])
+@pytest.mark.parametrize("chunk_size", [0, -4, 4.0, True, None])
+def test_references_refuse_a_chunk_size_that_is_not_a_positive_integer(function, gate, extra, chunk_size):
+    with pytest.raises(ValueError, match=f"chunk_size must be a positive integer, got {chunk_size!r}"):
+        function(*_arguments(gate, extra, extra0=chunk_size).values())
+
+
+def test_the_references_other_public_functions_check_their_inputs():
+    x = make_inputs(1, 8, 1, 4, 4, gate="channel", seed=6)
+    with pytest.raises(ValueError, match=r"g_head: log gates must be <= 0 .*; its entries span \[0.1, 0.1\]"):
+        s02.decay_table(0.1, 4)
+    with pytest.raises(ValueError, match="g_head must be finite, got nan"):
+        s02.decay_table(np.nan, 4)
+    with pytest.raises(TypeError, match="g_head must be a real number or a numpy.ndarray, got str"):
+        s02.decay_table("-0.1", 4)
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer, got 4.0"):
+        s02.decay_table(-0.1, 4.0)
+    with pytest.raises(ValueError, match="sub_chunk_size must be a positive divisor of chunk_size = 4, got 2.0"):
+        s04.kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 4, 2, sub_chunk_size=2.0)
+    with pytest.raises(ValueError, match="sub_block must be a positive divisor of chunk_size = 8, got 0"):
+        s05.prepare(x.q, x.k, x.v, x.g, x.beta, 8, 0)
+    Q, K, gamma = x.q[0, :, 0], x.k[0, :, 0], np.cumsum(x.g[0, :, 0], axis=0)
+    with pytest.raises(ValueError, match=r"gamma must have shape K's \(C, d_k\) = \(8, 4\), got \(8, 3\)"):
+        s05.intra_chunk_scores(Q, K, gamma[:, :3], 4)
+    with pytest.raises(ValueError, match=r"Q must be finite, got nan at index \(2, 1\)"):
+        s05.intra_chunk_scores(_with(Q, (2, 1), np.nan), K, gamma, 4)
+    with pytest.raises(ValueError, match="sub_block must be a positive divisor of C = 8, got 3"):
+        s05.intra_chunk_scores(Q, K, gamma, 3)
+    with pytest.raises(ValueError, match=r"L must have shape \(C, C\) = \(8, 8\), got \(8, 4\)"):
+        s05.block_inverse(np.zeros((8, 4)), 4)
+    with pytest.raises(ValueError, match="block must be a positive divisor of C = 8, got 3"):
+        s05.block_inverse(np.zeros((8, 8)), 3)
+    tensors = s05.prepare(x.q, x.k, x.v, x.g, x.beta, 4, 2)
+    with pytest.raises(ValueError, match=r"initial_state must have shape \(B, H, d_k, d_v\) = \(1, 1, 4, 4\), got \(1, 4, 4\)"):
+        s05.recurrence(tensors, 2, initial_state=np.zeros((1, 4, 4)))
+    with pytest.raises(TypeError, match="initial_state must have dtype float64, got float32"):
+        s05.recurrence(tensors, 2, initial_state=np.zeros((1, 1, 4, 4), np.float32))
+
+
+def test_checks_name_the_argument_and_pass_empty_arrays():
+    check_array("x", np.zeros((2, 0)), 2)  # nothing to check: no minimum, no error
+    with pytest.raises(ValueError, match=r"x must have rank 3 \(B, N, H\), got shape \(2, 0\)"):
+        check_array("x", np.zeros((2, 0)), 3, "(B, N, H)")
+    with pytest.raises(ValueError, match=r"y must lie in \[0.0, 1.0\]; its entries span \[0.5, 2\]"):
+        check_values("y", np.array([0.5, 2.0]), 0.0, 1.0)
+    check_divisor("block_dv", np.int64(2), "d_v", 4)  # NumPy integers are integers
+    with pytest.raises(ValueError, match="block_dv must be a positive divisor of d_v = 4, got True"):
+        check_divisor("block_dv", True, "d_v", 4)
+
+
+@pytest.mark.parametrize("gate, has_beta", [("none", False), ("head", False), ("token", True), ("channel", True)])
+def test_inputs_draw_beta_for_the_gates_that_take_it(gate, has_beta):
+    x = make_inputs(1, 8, 2, 4, 4, gate=gate, seed=0)
+    assert (x.beta is not None) == has_beta
+    if has_beta:
+        assert x.beta.shape == (1, 8, 2) and np.all((x.beta >= 0.1) & (x.beta <= 0.9))
+        assert np.array_equal(x.beta, make_inputs(1, 8, 2, 4, 4, gate=gate, beta_range=(0.1, 0.9), seed=0).beta)

@@ -11,7 +11,7 @@ Read: docs, stage 4, "Reference C: the kernel's control flow".  Check: course ch
 
 import numpy as np
 
-from stages.common.checks import check_chunking, check_gate_and_beta, check_qkv, padded_length
+from stages.common.checks import check_chunking, check_divisor, check_gate_and_beta, check_qkv, padded_length
 
 
 def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv, sub_chunk_size=None):
@@ -27,7 +27,8 @@ def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv, sub_chunk_size=None):
     check_gate_and_beta(g, beta, B, N, H, d_k, gate="channel")
     check_chunking(N, d_v, chunk_size, block_dv)
     C = chunk_size
-    sub = _check_sub_chunk_size(C, sub_chunk_size)
+    sub = C if sub_chunk_size is None else sub_chunk_size
+    check_divisor("sub_chunk_size", sub, "chunk_size", C)
     q, k, v, g = (_pad_tokens(x, padded_length(N, C)) for x in (q, k, v, g))
     beta = _pad_tokens(beta[..., None], padded_length(N, C))[..., 0]
     o = np.zeros((B, q.shape[1], H, d_v))
@@ -69,15 +70,6 @@ def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv, sub_chunk_size=None):
                 S_T += (K * np.exp(gamma[-1] - gamma)).T @ V_new  # ... then takes the chunk (GEMM)
             # EXERCISE END
     return o[:, :N]
-
-
-def _check_sub_chunk_size(chunk_size, sub_chunk_size):
-    """sub_chunk_size, or chunk_size when None; it must divide chunk_size."""
-    if sub_chunk_size is None:
-        return chunk_size
-    if int(sub_chunk_size) != sub_chunk_size or sub_chunk_size < 1 or chunk_size % sub_chunk_size:
-        raise ValueError(f"sub_chunk_size must be a positive divisor of chunk_size = {chunk_size}, got {sub_chunk_size!r}")
-    return int(sub_chunk_size)
 
 
 def _pad_tokens(x, length):

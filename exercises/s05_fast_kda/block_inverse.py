@@ -10,6 +10,8 @@ Read: docs, stage 5, "The inverse by blocks".  Check: course check s05
 
 import numpy as np
 
+from stages.common.checks import check_divisor, check_shaped
+
 
 def block_inverse(L, block):
     """(I + L)^{-1} for L strictly lower triangular (C x C), by sub-blocks of `block` rows.
@@ -19,6 +21,8 @@ def block_inverse(L, block):
         T[P, :P] = -T[P, P] (L[P, :P] T[:P, :P])       from (I + L) T = I, block row P.
     """
     C = len(L)
+    check_shaped("L", L, (C, C), f"(C, C) = {(C, C)}")
+    check_divisor("block", block, "C", C)
     T = np.zeros((C, C))
     # EXERCISE BEGIN
     raise NotImplementedError("s05.block_inverse: fill this region; see the docstring and the page")

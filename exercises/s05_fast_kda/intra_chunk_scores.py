@@ -11,6 +11,8 @@ Read: docs, stage 5, "Anchored exponents".  Check: course check s05
 
 import numpy as np
 
+from stages.common.checks import check_array, check_divisor, check_shaped
+
 
 def intra_chunk_scores(Q, K, gamma, sub_block, operand_dtype=np.float64):
     """A_kk (C x C, strictly lower) and A_qk (C x C, lower with the diagonal) of one chunk, as GEMMs.
@@ -19,7 +21,11 @@ def intra_chunk_scores(Q, K, gamma, sub_block, operand_dtype=np.float64):
     e^{gamma_c - gamma_i} = e^{gamma_c - gamma_a} e^{gamma_a - gamma_i} for any anchor row a: each
     factor goes into one GEMM operand, and the anchor is chosen so that neither factor is large.
     """
+    check_array("K", K, 2, "(C, d_k)")
+    check_shaped("Q", Q, K.shape, f"K's (C, d_k) = {K.shape}")
+    check_shaped("gamma", gamma, K.shape, f"K's (C, d_k) = {K.shape}")
     C = len(K)
+    check_divisor("sub_block", sub_block, "C", C)
 
     def operand(x):  # the cast to the GEMM's input type
         return x.astype(operand_dtype).astype(np.float64)

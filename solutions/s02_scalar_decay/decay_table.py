@@ -11,6 +11,8 @@ Read: docs, stage 2, "Numerics".  Check: course check s02
 
 import numpy as np
 
+from stages.common.checks import check_log_gates, check_positive_integer
+
 
 def decay_table(g_head, chunk_size, dtype=np.float64):
     """Gamma (C x C) of one head: Gamma[i, j] = alpha^(i - j) for j <= i, 0 above the diagonal.
@@ -19,6 +21,8 @@ def decay_table(g_head, chunk_size, dtype=np.float64):
     is formed first, so every entry is e^{<= 0}, at most 1, and fits any dtype. Gamma depends on
     i - j only, so one table serves every chunk.
     """
+    check_log_gates("g_head", g_head)
+    check_positive_integer("chunk_size", chunk_size)
     C = chunk_size
     gamma = g_head * np.arange(1, C + 1)  # log alpha^r, r counted from the chunk start
     lower = np.tril(np.ones((C, C), dtype=bool))  # j <= i

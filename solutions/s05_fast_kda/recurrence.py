@@ -10,7 +10,7 @@ Read: docs, stage 5, "Reference C: the two kernels' control flow".  Check: cours
 
 import numpy as np
 
-from stages.common.checks import check_chunking
+from stages.common.checks import check_chunking, check_shaped
 
 
 def recurrence(tensors, block_dv, initial_state=None):
@@ -22,6 +22,8 @@ def recurrence(tensors, block_dv, initial_state=None):
     B, N_padded, H, d_k = tensors.w.shape
     d_v, C = tensors.u.shape[3], tensors.a_qk.shape[3]
     check_chunking(N_padded, d_v, C, block_dv)
+    if initial_state is not None:
+        check_shaped("initial_state", initial_state, (B, H, d_k, d_v), f"(B, H, d_k, d_v) = {(B, H, d_k, d_v)}")
     o = np.zeros((B, N_padded, H, d_v))
     final_state = np.zeros((B, H, d_k, d_v))
     for i_v in range(d_v // block_dv):  # grid.x: one program per block of value columns

@@ -1,1 +1,1 @@
-"""What every stage shares: seeded inputs, the error measure, shape checks and TileLang helpers."""
+"""What every stage shares: seeded inputs, the error measure, input checks and TileLang helpers."""

@@ -16,6 +16,8 @@ GATE_SHAPES = {
     "token": lambda B, N, H, d_k: (B, N, H),  # s03: a scalar per token and head
     "channel": lambda B, N, H, d_k: (B, N, H, d_k),  # s04, s05: a vector per token and head
 }
+GATES_WITH_BETA = ("token", "channel")  # the delta-rule stages, s03 to s05, also take beta
+DEFAULT_BETA_RANGE = (0.1, 0.9)
 
 
 @dataclass
@@ -49,7 +51,8 @@ def make_inputs(
     """Draw float64 inputs from a seeded generator.
 
     gate: one of GATE_SHAPES' keys; gate_range: (lower, upper) bounds on a = exp(g);
-    beta_range: (lower, upper) for beta ~ U(lower, upper), or None for no beta.
+    beta_range: (lower, upper) for beta ~ U(lower, upper); None draws beta from DEFAULT_BETA_RANGE
+    for the gates whose stages take beta (GATES_WITH_BETA) and leaves it None for the others.
     """
     if gate not in GATE_SHAPES:
         raise ValueError(f"gate must be one of {sorted(GATE_SHAPES)}, got {gate!r}")
@@ -63,6 +66,8 @@ def make_inputs(
     g = None
     if gate != "none":
         g = np.log(rng.uniform(lower, upper, GATE_SHAPES[gate](B, N, H, d_k)))
+    if beta_range is None and gate in GATES_WITH_BETA:
+        beta_range = DEFAULT_BETA_RANGE
     beta = None
     if beta_range is not None:
         beta_lower, beta_upper = beta_range

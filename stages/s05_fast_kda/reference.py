@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stages.common.checks import check_chunking, check_gate_and_beta, check_qkv, padded_length
+from stages.common.checks import (check_array, check_chunking, check_divisor, check_gate_and_beta, check_qkv, check_shaped,
+                                  padded_length)
 from stages.s04_kda.reference import recurrent  # noqa: F401  reference A is stage 4's
 
 SUB_BLOCK = 16  # rows of a sub-block: the tensor cores' M and K granularity
@@ -96,6 +97,7 @@ def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv, sub_block=SUB_BLOCK):
     a padded token has k = v = 0, beta = 0 and g = 0 (no decay), so it leaves the state as it was.
     """
     B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate_and_beta(g, beta, B, N, H, d_k, gate="channel")
     check_chunking(N, d_v, chunk_size, block_dv)
     o, _ = recurrence(prepare(q, k, v, g, beta, chunk_size, sub_block), block_dv)
     return o[:, :N]
@@ -113,7 +115,7 @@ def prepare(q, k, v, g, beta, chunk_size, sub_block=SUB_BLOCK, operand_dtype=np.
     check_gate_and_beta(g, beta, B, N, H, d_k, gate="channel")
     check_chunking(N, d_v, chunk_size)
     C = chunk_size
-    _check_sub_block(C, sub_block)
+    check_divisor("sub_block", sub_block, "chunk_size", C)
     q, k, v, g = (_pad_tokens(x, padded_length(N, C)) for x in (q, k, v, g))
     beta = _pad_tokens(beta[..., None], padded_length(N, C))[..., 0]
     N_padded = q.shape[1]
@@ -151,7 +153,11 @@ def intra_chunk_scores(Q, K, gamma, sub_block, operand_dtype=np.float64):
     e^{gamma_c - gamma_i} = e^{gamma_c - gamma_a} e^{gamma_a - gamma_i} for any anchor row a: each
     factor goes into one GEMM operand, and the anchor is chosen so that neither factor is large.
     """
+    check_array("K", K, 2, "(C, d_k)")
+    check_shaped("Q", Q, K.shape, f"K's (C, d_k) = {K.shape}")
+    check_shaped("gamma", gamma, K.shape, f"K's (C, d_k) = {K.shape}")
     C = len(K)
+    check_divisor("sub_block", sub_block, "C", C)
 
     def operand(x):  # the cast to the GEMM's input type
         return x.astype(operand_dtype).astype(np.float64)
@@ -191,6 +197,8 @@ def block_inverse(L, block):
         T[P, :P] = -T[P, P] (L[P, :P] T[:P, :P])       from (I + L) T = I, block row P.
     """
     C = len(L)
+    check_shaped("L", L, (C, C), f"(C, C) = {(C, C)}")
+    check_divisor("block", block, "C", C)
     T = np.zeros((C, C))
     # EXERCISE BEGIN
     for r in range(block):  # forward substitution, row r of every diagonal block
@@ -216,6 +224,8 @@ def recurrence(tensors, block_dv, initial_state=None):
     B, N_padded, H, d_k = tensors.w.shape
     d_v, C = tensors.u.shape[3], tensors.a_qk.shape[3]
     check_chunking(N_padded, d_v, C, block_dv)
+    if initial_state is not None:
+        check_shaped("initial_state", initial_state, (B, H, d_k, d_v), f"(B, H, d_k, d_v) = {(B, H, d_k, d_v)}")
     o = np.zeros((B, N_padded, H, d_v))
     final_state = np.zeros((B, H, d_k, d_v))
     for i_v in range(d_v // block_dv):  # grid.x: one program per block of value columns
@@ -237,12 +247,6 @@ def recurrence(tensors, block_dv, initial_state=None):
             final_state[b, h, :, cols] = S_T
     return o, final_state
 # --8<-- [end:recurrence]
-
-
-def _check_sub_block(chunk_size, sub_block):
-    """sub_block divides chunk_size."""
-    if int(sub_block) != sub_block or sub_block < 1 or chunk_size % sub_block:
-        raise ValueError(f"sub_block must be a positive divisor of chunk_size = {chunk_size}, got {sub_block!r}")
 
 
 def _pad_tokens(x, length):
