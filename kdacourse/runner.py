@@ -36,13 +36,18 @@ class RunResult:
         return bool(self.outcomes) and not self.timed_out and all(o != "failed" for o in self.outcomes.values())
 
 
-def run_tests(target, test_paths, timeout_per_test=30, timeout_total=300, extra_args=()):
-    """Run pytest on `test_paths` (relative to the repository) with --target=`target`."""
+def run_tests(target, test_paths, timeout_per_test=30, timeout_total=300, extra_args=(), cpu_timeout_per_test=0):
+    """Run pytest on `test_paths` (relative to the repository) with --target=`target`.
+
+    timeout_per_test is wall-clock (pytest-timeout); cpu_timeout_per_test, if not 0, limits the CPU
+    time of each test (tests/conftest.py), which load on the machine does not stretch.
+    """
     with tempfile.TemporaryDirectory(prefix="course-run-") as workdir:
         junit = Path(workdir) / "junit.xml"
         command = [
             sys.executable, "-m", "pytest", *map(str, test_paths),
-            f"--target={target}", f"--timeout={timeout_per_test}", f"--junitxml={junit}",
+            f"--target={target}", f"--timeout={timeout_per_test}", f"--cpu-timeout={cpu_timeout_per_test}",
+            f"--junitxml={junit}",
             "-p", "no:cacheprovider", "-q", "--no-header", "-rN", *extra_args,
         ]
         environment = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")

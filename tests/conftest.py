@@ -6,8 +6,13 @@ exercises/.
 """
 
 import os
+import signal
 
 import pytest
+
+# A compile-only test lowers a kernel and runs nvcc: 10 s alone, a minute on a loaded 2-core
+# machine. Its limits (wall-clock and CPU) are this, whatever the run's limit per test.
+COMPILE_TEST_LIMIT_S = 600
 
 
 def pytest_addoption(parser):
@@ -16,10 +21,20 @@ def pytest_addoption(parser):
         default="exercises",
         help="code under test for tests/exercises: exercises | solutions | bug:<id> | <folder>",
     )
+    parser.addoption(
+        "--cpu-timeout",
+        type=float,
+        default=0,
+        help="fail a test that uses more than this many seconds of CPU time (0: no limit); unlike "
+        "pytest-timeout's wall-clock --timeout, a loaded machine cannot make a correct test hit it",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     _skip_compile_tests_without_nvcc(items)
+    for item in items:
+        if "compile" in item.keywords:
+            item.add_marker(pytest.mark.timeout(COMPILE_TEST_LIMIT_S))
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:  # torch costs a second to import: the exercise tests' subprocesses skip it
         return
@@ -45,3 +60,29 @@ def _skip_compile_tests_without_nvcc(items):
     except NvccMissing as missing:
         for item in compile_items:
             item.add_marker(pytest.mark.skip(reason=str(missing)))
+
+
+class CpuTimeLimit(Exception):
+    """A test used more CPU time than --cpu-timeout allows."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """--cpu-timeout: a limit on the CPU time the test's call uses, through ITIMER_PROF (SIGPROF)."""
+    limit = item.config.getoption("--cpu-timeout")
+    if not limit or not hasattr(signal, "setitimer"):
+        yield
+        return
+    if "compile" in item.keywords:
+        limit = max(limit, COMPILE_TEST_LIMIT_S)
+
+    def stop(signum, frame):
+        raise CpuTimeLimit(f"the test used more than {limit:g} s of CPU time and was stopped (an endless loop?)")
+
+    previous = signal.signal(signal.SIGPROF, stop)
+    signal.setitimer(signal.ITIMER_PROF, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
