@@ -1,0 +1,87 @@
+"""What every kernel exercise's tests do with the program a student wrote, in three places:
+
+- `run_on_cpu`: through the course's tile interpreter (stages.common.interpreter), on any machine;
+- `compile_for_sm90a`: lowered and compiled with nvcc for Hopper, where nvcc exists (marked compile);
+- `run_on_gpu`: JIT-compiled and run by TileLang where torch sees a CUDA device (marked gpu).
+
+Each turns a failure of the student's program (it does not build, the interpreter meets something it
+does not run, it spills) into one short message, never a TileLang traceback.
+"""
+
+import contextlib
+import logging
+
+import numpy as np
+import pytest
+
+# The dtypes a kernel exercise is checked in, with the unit roundoff u of each. fp16 and bf16 are the
+# kernel's; float64 runs the same program with exact operands, so only the fp32 accumulators round.
+UNIT_ROUNDOFF = {"float64": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def build(build_program, *args, **kwargs):
+    """build_program(*args, **kwargs), or a test failure that says why it did not build."""
+    __tracebackhide__ = True
+    try:
+        with _quiet_tilelang():
+            return build_program(*args, **kwargs)
+    except NotImplementedError as todo:
+        problem = f"build_program raised NotImplementedError: {todo}"
+    except Exception as error:  # TileLang's parser names the construct it could not build
+        lines = str(error).strip().splitlines()
+        problem = f"the program does not build: {type(error).__name__}: {lines[-1] if lines else ''}"
+    pytest.fail(problem, pytrace=False)  # outside the except: no chained traceback
+
+
+@contextlib.contextmanager
+def _quiet_tilelang():
+    """TileLang logs the whole generated builder source when a program fails to build: the failure
+    message below says what a student needs, so its logger is silenced for the build."""
+    logger = logging.getLogger("tilelang.language.eager.builder")
+    was_disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = was_disabled
+
+
+def run_on_cpu(program, inputs, out_idx):
+    """Run `program` through the tile interpreter on NumPy `inputs`; returns its outputs."""
+    __tracebackhide__ = True
+    from stages.common.interpreter import InterpreterError, interpret
+
+    try:
+        return interpret(program, out_idx=out_idx)(*inputs)
+    except InterpreterError as error:
+        pytest.fail(f"the tile interpreter stopped: {error}", pytrace=False)
+
+
+def compile_for_sm90a(program, pass_configs=None):
+    """Lower and compile `program` for sm_90a; fails if it spills or asks for too much shared memory."""
+    __tracebackhide__ = True
+    from tilelang.transform import PassContext
+
+    from stages.common.tilelang_tools import compile_report
+
+    with PassContext(config=pass_configs or {}):
+        report = compile_report(program)
+    if report.spill_stores or report.spill_loads:
+        pytest.fail(f"the kernel spills registers to local memory: {report.summary()}", pytrace=False)
+    if report.shared_memory > 227 * 1024:
+        pytest.fail(f"the kernel asks for more shared memory than an H200 block has (227 KiB): "
+                    f"{report.summary()}", pytrace=False)
+    return report
+
+
+def run_on_gpu(program, inputs, out_idx, dtypes, pass_configs=None):
+    """JIT-compile `program` for the GPU and run it on `inputs` (NumPy) cast to `dtypes`; returns
+    its outputs as float64 NumPy arrays."""
+    import tilelang
+    import torch
+
+    kernel = tilelang.compile(program, out_idx=out_idx, target="cuda", pass_configs=pass_configs or {})
+    tensors = [torch.tensor(np.asarray(x), dtype=getattr(torch, dtype), device="cuda") for x, dtype in zip(inputs, dtypes)]
+    outputs = kernel(*tensors)
+    outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    results = [output.double().cpu().numpy() for output in outputs]
+    return results[0] if len(results) == 1 else results
