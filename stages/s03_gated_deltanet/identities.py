@@ -151,7 +151,8 @@ def scalar_decay_factors_out():
     gamma = [sum(g[:r + 1]) for r in range(C)]
     K_plus = sp.diag(*[sp.exp(x) for x in gamma]) * K
     K_minus = sp.diag(*[sp.exp(-x) for x in gamma]) * K
-    Gamma = sp.Matrix(C, C, lambda c, i: sp.exp(gamma[c] - gamma[i]))
+    # from the gates between the two tokens, not from gamma: e^{g_{i+1} + ... + g_c}, or its reciprocal for i > c
+    Gamma = sp.Matrix(C, C, lambda c, i: sp.exp(sum(g[i + 1:c + 1]) - sum(g[c + 1:i + 1])))
     return Identity(
         "the scalar decay factors out of K K^T",
         "(K ⊙ e^{gamma}) (K ⊙ e^{-gamma})^T = (K K^T) ⊙ Gamma with Gamma[c, i] = e^{gamma_c - gamma_i}: "

@@ -31,6 +31,14 @@ def _decay_from_start(gates):
     return sp.Matrix(gates.rows, gates.cols, lambda r, d: sp.Mul(*[gates[t, d] for t in range(r + 1)]))
 
 
+def _decay(gates, r, s, d):
+    """e^{gamma_r[d] - gamma_s[d]} = a_{s+1,d} ... a_{r,d} for s <= r, and its reciprocal for s > r:
+    the gates between the two tokens, not a ratio of decays from the chunk start."""
+    if s <= r:
+        return sp.Mul(*[gates[t, d] for t in range(s + 1, r + 1)])
+    return 1 / _decay(gates, s, r, d)
+
+
 def _householder(k_row, beta):
     return sp.eye(k_row.cols) - beta * k_row.T * k_row
 
@@ -70,8 +78,7 @@ def _chunked(Q, K, V, gates, betas, S0_T):
 def exponent_split():
     _, K, _, gates, _, _ = _symbols()
     E_plus = _decay_from_start(gates)
-    direct = sp.Matrix(C, C, lambda c, i: sum(
-        K[c, d] * (E_plus[c, d] / E_plus[i, d]) * K[i, d] for d in range(d_k)))
+    direct = sp.Matrix(C, C, lambda c, i: sum(K[c, d] * _decay(gates, c, i, d) * K[i, d] for d in range(d_k)))
     K_plus = K.multiply_elementwise(E_plus)
     K_minus = K.multiply_elementwise(E_plus.applyfunc(lambda x: 1 / x))
     return Identity(
