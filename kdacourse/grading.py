@@ -17,7 +17,6 @@ import os
 import re
 import sys
 import time
-import unicodedata
 import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from pathlib import Path
 from kdacourse import REPO_ROOT
 from kdacourse.catalog import Exercise, exercises, resolve_stage, stages
 from kdacourse.runner import RunResult, run_tests
+from kdacourse.sitelinks import read_location, read_url  # the page and section on the site
 from kdacourse.targets import TargetError, target_folder
 
 # Exercise runs at a time: one pytest process per core, at most 8 (each holds numpy and torch).
@@ -347,6 +347,7 @@ def check(stage=None, target="exercises"):
             return
         print(f"FAIL  {result.exercise.id}: {result.failures()[0]}", flush=True)
         print(f"      read: {read_location(result.exercise.read)}", flush=True)
+        print(f"            {read_url(result.exercise.read)} (with `course serve` running)", flush=True)
         rerun = f"pytest {result.exercise.test_path.relative_to(REPO_ROOT)}"
         if run_target != "exercises":
             rerun += f" --target={run_target}"
@@ -359,33 +360,3 @@ def check(stage=None, target="exercises"):
     print(f"{len(passed)} of {len(results)} exercises pass "
           f"({points}/{sum(result.exercise.points for result in results)} points)", flush=True)
     return 0 if len(passed) == len(results) else 1
-
-
-def read_location(read, docs=REPO_ROOT / "docs"):
-    """A catalog `read` field as a page and section: "docs/<page>, section '<heading>'".
-
-    'page.md#anchor' names the heading of docs/page.md whose anchor (as the site makes it) is
-    `anchor`; where the page has no such heading, the section is named by its anchor.
-    """
-    page, _, anchor = read.partition("#")
-    location = f"docs/{page}"
-    if not anchor:
-        return location
-    return f"{location}, section '{_heading_with_anchor(docs / page, anchor)}'"
-
-
-def _heading_with_anchor(page_path, anchor):
-    if page_path.is_file():
-        for line in page_path.read_text(encoding="utf-8").splitlines():
-            if line.startswith("#"):
-                heading = re.sub(r"\s*\{[^}]*\}\s*$", "", line.lstrip("#").strip())  # drop an {#id} suffix
-                if _anchor_of(heading) == anchor:
-                    return heading
-    return f"#{anchor}"
-
-
-def _anchor_of(heading):
-    """The anchor Python-Markdown's toc extension (and so MkDocs) gives a heading."""
-    text = unicodedata.normalize("NFKD", heading).encode("ascii", "ignore").decode("ascii")
-    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
-    return re.sub(r"[-\s]+", "-", text)

@@ -26,6 +26,7 @@ from kdacourse.catalog import exercises, exercises_of_stage, stages
 from kdacourse.grading import ExerciseResult, check, grade, junit_tree, read_location
 from kdacourse.runner import RunResult
 from kdacourse.shipped import shipped_source, split_region
+from kdacourse.sitelinks import read_url
 
 EXERCISES = exercises()
 # The broken folders use the first stage's exercises: its tests are small and fast.
@@ -301,6 +302,7 @@ def test_check_on_shipped_exercises_says_what_to_read(runs):
     for exercise in exercises_of_stage(BROKEN_STAGE):
         assert f"FAIL  {exercise.id}: " in run.stdout
         assert f"read: {read_location(exercise.read)}" in run.stdout
+        assert read_url(exercise.read) in run.stdout  # the section on the served site
         assert f"pytest tests/exercises/{exercise.stage}/test_{exercise.file}" in run.stdout
 
 
@@ -327,12 +329,13 @@ def test_grade_refuses_to_write_inside_the_graded_folder(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_read_location_names_the_heading_of_the_anchor(tmp_path):
+def test_read_location_names_the_page_and_heading_of_the_anchor(tmp_path):
+    """The site's page title and section, not a docs/*.md file (tests/test_sitelinks.py: the URL)."""
     (tmp_path / "page.md").write_text("# Page\n\n## Reference B: chunk by chunk\n\ntext\n")
     assert read_location("page.md#reference-b-chunk-by-chunk", tmp_path) == \
-        "docs/page.md, section 'Reference B: chunk by chunk'"
-    assert read_location("page.md#no-such-heading", tmp_path) == "docs/page.md, section '#no-such-heading'"
-    assert read_location("page.md", tmp_path) == "docs/page.md"
+        "page 'Page', section 'Reference B: chunk by chunk'"
+    assert read_location("page.md#no-such-heading", tmp_path) == "page 'Page', section '#no-such-heading'"
+    assert read_location("page.md", tmp_path) == "page 'Page'"
 
 
 def test_junit_survives_a_run_that_gave_no_result():
