@@ -7,10 +7,11 @@ and writes docs/generated/bench_*.
 
 import csv
 import json
+import re
 from collections import defaultdict
 
-from benchmarks import profile_s05
-from benchmarks.bench import STAGES
+from benchmarks import profile_s05, roofs
+from benchmarks.bench import MEMORY_BANDWIDTH, STAGES
 from kdacourse import REPO_ROOT
 from kdacourse.generated import markdown_table, save_svg
 
@@ -76,8 +77,21 @@ def write_meta(path):
     per_run = markdown_table(
         ["run", "date", "timings of", "precision of", "kernels", "seconds", "command"],
         [(index, run["date"], stages(run, "timed"), stages(run, "precision"), kernels(run), run["seconds"],
-          f"`{run['command']}`") for index, run in enumerate(runs, 1)])
+          f"`{_shown_command(run['command'])}`") for index, run in enumerate(runs, 1)])
     path.write_text(machine + "\n" + per_run)
+
+
+def _shown_command(command):
+    """A run's command with its output folder, a path on the machine that ran it, written as DIR."""
+    return re.sub(r"(--out[ =])\S+", r"\1DIR", command)
+
+
+def write_roofs_table(path):
+    """The machine's roofs: as specified, as measured before the runs, as each run measured them."""
+    meta_path = RESULTS / "meta.json"
+    runs = json.loads(meta_path.read_text())["runs"] if meta_path.exists() else []
+    path.write_text(markdown_table(["", "memory bandwidth", "bf16 tensor cores", "from"],
+                                   roofs.table_rows(runs, MEMORY_BANDWIDTH)))
 
 
 def write_timing_table(path):
@@ -205,6 +219,7 @@ def write_plots(path):
 def generated_files():
     return {
         "docs/generated/bench_meta.md": write_meta,
+        "docs/generated/bench_roofs.md": write_roofs_table,
         "docs/generated/bench_timings.md": write_timing_table,
         "docs/generated/bench_summary.md": write_ratio_summary,
         "docs/generated/s05_prepare_profile.md": profile_s05.write_profile_table,
