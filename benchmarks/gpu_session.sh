@@ -22,7 +22,7 @@ python -m pytest tests/exercises -m gpu -v -s --target=solutions -p no:cacheprov
   | grep -v "TileLang begins\|TileLang completes" | tee -a "$out/gpu_tests.log" | tail -3
 python -m benchmarks.bench --stages "$stages" --out "$out" 2>&1 | grep -v "TileLang begins\|TileLang completes" | tee "$out/bench.log" | tail -40
 if [[ ",$stages," == *",s05,"* ]]; then
-  python -c "from stages.s05_fast_kda.kernel import _time_each_kernel; _time_each_kernel()" 2>&1 \
+  python -c "from benchmarks.profile_s05 import time_each_kernel; time_each_kernel()" 2>&1 \
     | grep -v "TileLang begins\|TileLang completes" | tee "$out/s05_kernel_parts.txt"
   if command -v ncu >/dev/null; then
     $(python -c "from benchmarks.profile_s05 import NCU_COMMAND; print(NCU_COMMAND)") 2>&1 \

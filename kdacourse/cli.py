@@ -19,6 +19,8 @@ def main(argv=None):
     check = commands.add_parser("check", help="run your exercises and say what to read next")
     check.add_argument("stage", nargs="?", help="s01, 1 or s01_linear_attention (default: every stage)")
     check.add_argument("--target", default="exercises", help="folder to check (default: exercises/)")
+    check.add_argument("--compile", action="store_true",
+                       help="also run the compile-only tests (lower the kernels for sm_90a with nvcc; slow)")
 
     grade = commands.add_parser("grade", help="grade a folder laid out like exercises/")
     grade.add_argument("folder", help="the submission: a folder with s01_linear_attention/... inside")
@@ -42,7 +44,7 @@ def main(argv=None):
     if args.command == "check":
         from kdacourse.grading import check
 
-        return check(args.stage, args.target)
+        return check(args.stage, args.target, compile=args.compile)
     if args.command == "grade":
         from kdacourse.grading import grade
 
@@ -56,7 +58,7 @@ def main(argv=None):
 
         return build()
     if args.command == "regenerate":
-        from kdacourse.generated import regenerate
+        from kdacourse.pages import regenerate
 
         return regenerate()
     parser.error(f"unknown command {args.command}")

@@ -11,7 +11,6 @@ the run. The folder is only read (kdacourse.targets compiles its files in memory
 An exercise is passed when every one of its tests passes; it then earns its points, else none.
 """
 
-import html
 import json
 import os
 import re
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from kdacourse import REPO_ROOT
 from kdacourse.catalog import Exercise, exercises, resolve_stage, stages
+from kdacourse.pages.tables import table_cell
 from kdacourse.runner import RunResult, run_tests
 from kdacourse.sitelinks import read_location, read_url  # the page and section on the site
 from kdacourse.targets import TargetError, target_folder
@@ -263,7 +263,7 @@ def markdown_report(report):
                 lines.append(f"| `{entry['id']}` | {entry['kind']} | {'yes' if entry['passed'] else '**no**'} "
                              f"| {entry['points']}/{entry['max_points']} "
                              f"| {_tests_cell(entry)} "
-                             f"| {_table_cell(entry['first_failure'])} |")
+                             f"| {table_cell(entry['first_failure'], untrusted=True)} |")
         lines.append("")
     lines += ["## Totals", "", "| stage | points | exercises passed |", "|---|---|---|"]
     for stage, totals in report["stages"].items():
@@ -277,11 +277,6 @@ def _tests_cell(entry):
     if entry["tests_total"] == 0:  # the run ended or was stopped before pytest reported
         return "no result"
     return f"{entry['tests_passed']}/{entry['tests_total']}"
-
-
-def _table_cell(text):
-    """Text as one Markdown table cell: HTML-escaped (student messages may hold < and |), lines as <br>."""
-    return "<br>".join(html.escape(line, quote=False).replace("|", "&#124;") for line in text.splitlines())
 
 
 def junit_tree(results):

@@ -1,4 +1,4 @@
-"""benchmarks.figures and profile_s05: the tables of the benchmarks page and the stage 5 profile, made from
+"""kdacourse.pages.benchmarks and profile_s05: the tables of the benchmarks page and the stage 5 profile, made from
 small results written here (the precision table in stage order, the runs table's kernel check, the ratio
 summary's target, the ncu reader)."""
 
@@ -7,9 +7,10 @@ import hashlib
 import json
 import re
 
-from benchmarks import figures, profile_s05
+from benchmarks import profile_s05
 from benchmarks.bench import STAGES
 from benchmarks.merge import write_rows
+from kdacourse.pages import benchmarks as figures
 from stages.s05_fast_kda.kernel import build_prepare_program
 
 FIELDS = ["stage", "N", "dtype", "impl", "gate_lower", "gate_upper", "rel_l2_vs_float64", "error"]
@@ -108,11 +109,11 @@ NCU_TEXT = """\
 
 def test_ncu_text_is_read_metric_by_metric(tmp_path):
     (tmp_path / "ncu.txt").write_text(NCU_TEXT)
-    metrics = profile_s05.read_ncu(tmp_path / "ncu.txt")
+    metrics = figures.read_ncu(tmp_path / "ncu.txt")
     assert metrics[("Elapsed Cycles", "cycle")] == 2_000_000
     assert metrics[("Block Size", "")] == 256
     assert metrics[("Memory Throughput", "%")] == 50  # the first value of a metric printed twice
-    rows = dict((row[0], row[1]) for row in profile_s05.profile_rows([metrics]))
+    rows = dict((row[0], row[1]) for row in figures.profile_rows([metrics]))
     assert rows["blocks per SM"] == 1  # the tightest of the block limits
     assert rows["duration"] == "1.25 ms"
     assert rows["shared-memory pipe busy"] == "–"  # a profile without the L1 breakdown

@@ -8,7 +8,7 @@ import torch
 from benchmarks import plain_torch
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
-from tests.oracles import causal_linear_attention, delta_rule, kda_delta_rule, scalar_decay_attention
+from stages.common.oracles import causal_linear_attention, delta_rule, kda_delta_rule, scalar_decay_attention
 
 B, N, H, D, C = 2, 48, 2, 8, 16
 

@@ -9,7 +9,7 @@ from markdown.extensions.toc import slugify
 
 from kdacourse import REPO_ROOT, site
 from kdacourse.catalog import exercises
-from kdacourse.generated import generators
+from kdacourse.pages import generators
 
 DOCS = REPO_ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
@@ -88,7 +88,7 @@ def test_generated_content_comes_from_a_generator(page):
     included = [path for path in INCLUDE.findall(text) if path.startswith("docs/generated/")]
     shown = ["docs/" + path for path in re.findall(r"\]\((generated/[^)#\s]+)\)", text)]
     for path in included + shown:
-        assert path in registered, f"{page.name} uses {path}, which no generator writes (kdacourse/generated.py)"
+        assert path in registered, f"{page.name} uses {path}, which no generator writes (kdacourse/pages/)"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)

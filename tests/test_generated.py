@@ -5,7 +5,7 @@ import os
 import pytest
 
 from kdacourse import REPO_ROOT
-from kdacourse.generated import generators, regenerate
+from kdacourse.pages import generators, regenerate
 from stages.common.tilelang_tools import NvccMissing
 
 GENERATED = sorted(generators())

@@ -11,7 +11,7 @@ from stages.common.inputs import make_inputs
 from stages.common.symbolic import Identity
 from stages.s01_linear_attention import reference as stage1
 from stages.s02_scalar_decay import identities, numerics, reference
-from tests.oracles import scalar_decay_attention
+from stages.common.oracles import scalar_decay_attention
 
 SHAPES = [
     # B, N, H, d_k, d_v, chunk_size, block_dv
@@ -156,7 +156,7 @@ def test_chunk_reset_bounds_the_cumulative_product():
 
 @pytest.mark.compile
 def test_kernel_compiles_for_sm90a_without_spills():
-    from stages.s02_scalar_decay.figures import COMPILE_SHAPE
+    from kdacourse.pages.s02_scalar_decay import COMPILE_SHAPE
     from stages.s02_scalar_decay.kernel import compile_report
 
     # called as the page's report calls it, so that one nvcc run (cached) serves both

@@ -10,7 +10,7 @@ from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.common.symbolic import Identity
 from stages.s03_gated_deltanet import identities, numerics, reference
-from tests.oracles import delta_rule, token_gated_linear_attention
+from stages.common.oracles import delta_rule, token_gated_linear_attention
 
 SHAPES = [
     # B, N, H, d_k, d_v, chunk_size, block_dv

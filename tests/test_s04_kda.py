@@ -11,7 +11,7 @@ import pytest
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.s04_kda import identities, numerics, reference
-from tests.oracles import channel_gated_linear_attention, delta_rule, kda_delta_rule
+from stages.common.oracles import channel_gated_linear_attention, delta_rule, kda_delta_rule
 
 SHAPES = [
     # B, N, H, d_k, d_v, chunk_size, block_dv

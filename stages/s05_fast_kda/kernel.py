@@ -409,25 +409,6 @@ def main():
             continue
         fla_output = chunk_kda(q, k, v, g, beta, scale=1.0)[0]
         print(f"{dtype} FLA chunk_kda vs reference A:", error_report(fla_output, expected))
-    _time_each_kernel()
-
-
-def _time_each_kernel(B=1, N=16384, H=32, D=128):
-    """Milliseconds of the prepare and the recurrence kernel alone, bf16, at a benchmark shape."""
-    import torch
-    from triton.testing import do_bench
-
-    from benchmarks.bench import STAGES, make_inputs
-
-    q, k, v, g, beta = make_inputs(STAGES["s05"], B, N, H, D, torch.bfloat16)
-    prepare = _compiled_prepare(B, N, H, D, D, DEFAULT_CHUNK_SIZE, "bfloat16", None)
-    recurrence = _compiled_recurrence(B, N, H, D, D, DEFAULT_CHUNK_SIZE, DEFAULT_BLOCK_DV, "bfloat16", 2, 128)
-    prepared = prepare(q, k, v, g, beta)
-    initial_state = q.new_zeros((B, H, D, D), dtype=torch.float32)
-    for name, run in (("prepare", lambda: prepare(q, k, v, g, beta)),
-                      ("recurrence", lambda: recurrence(*prepared, initial_state)),
-                      ("forward", lambda: forward(q, k, v, g, beta))):
-        print(f"B={B} N={N} H={H} D={D} bf16 {name}: {do_bench(run, warmup=25, rep=100, return_mode='median'):.4f} ms")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import pytest
 
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
-from tests.oracles import causal_linear_attention
+from stages.common.oracles import causal_linear_attention
 
 STAGE = "s01_linear_attention"
 

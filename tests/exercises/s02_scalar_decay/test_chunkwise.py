@@ -5,7 +5,7 @@ import pytest
 
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
-from tests.oracles import causal_linear_attention, scalar_decay_attention
+from stages.common.oracles import causal_linear_attention, scalar_decay_attention
 
 STAGE = "s02_scalar_decay"
 

@@ -5,7 +5,7 @@ import pytest
 
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
-from tests.oracles import delta_rule
+from stages.common.oracles import delta_rule
 
 STAGE = "s03_gated_deltanet"
 

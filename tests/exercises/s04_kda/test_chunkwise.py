@@ -1,10 +1,10 @@
-"""Tests of exercise s04.chunkwise: reference B against the delta-rule form of KDA (tests/oracles.py)."""
+"""Tests of exercise s04.chunkwise: reference B against the delta-rule form of KDA (stages/common/oracles.py)."""
 
 import pytest
 
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
-from tests.oracles import kda_delta_rule
+from stages.common.oracles import kda_delta_rule
 
 STAGE = "s04_kda"
 

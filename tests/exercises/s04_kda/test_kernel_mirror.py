@@ -1,12 +1,12 @@
 """Tests of exercise s04.kernel_mirror: reference C against the delta-rule form of KDA
-(tests/oracles.py), on inputs where no catalog bug hides: gates that differ by channel, random beta,
+(stages/common/oracles.py), on inputs where no catalog bug hides: gates that differ by channel, random beta,
 several chunks, several blocks of value columns."""
 
 import pytest
 
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
-from tests.oracles import kda_delta_rule
+from stages.common.oracles import kda_delta_rule
 
 STAGE = "s04_kda"
 

@@ -2,7 +2,7 @@
 
 Without a GPU: the program's TIR respects the ordering constraints that a right answer needs, and
 the program lowers and compiles for sm_90a without spills. On a GPU: its output matches the
-delta-rule form of KDA (tests/oracles.py) in float64.
+delta-rule form of KDA (stages/common/oracles.py) in float64.
 """
 
 import pytest
@@ -10,7 +10,7 @@ import pytest
 from kdacourse.catalog import load_catalog
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
-from tests.oracles import kda_delta_rule
+from stages.common.oracles import kda_delta_rule
 
 STAGE = "s04_kda"
 SHAPE = (1, 256, 2, 64, 64)  # B, N, H, d_k, d_v

@@ -1,11 +1,11 @@
-"""Tests of exercise s04.recurrent: reference A against the delta-rule form of KDA (tests/oracles.py)."""
+"""Tests of exercise s04.recurrent: reference A against the delta-rule form of KDA (stages/common/oracles.py)."""
 
 import numpy as np
 import pytest
 
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
-from tests.oracles import kda_delta_rule
+from stages.common.oracles import kda_delta_rule
 
 STAGE = "s04_kda"
 

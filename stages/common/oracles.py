@@ -1,4 +1,4 @@
-"""Independent oracles for the tests: closed forms that share no code with references A, B, C."""
+"""Independent oracles: closed forms that share no code with references A, B, C, for the tests and the pages."""
 
 import numpy as np
 

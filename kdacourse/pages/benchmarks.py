@@ -2,18 +2,20 @@
 
 Reads benchmarks/results/{bench.csv, precision.csv, meta.json}, written on a GPU by
 `python -m benchmarks.bench --out RUN_DIR` and folded in by `python -m benchmarks.merge RUN_DIR`,
-and writes docs/generated/bench_*.
+and writes docs/generated/bench_*; and stage 5's profile table from the committed ncu outputs
+(benchmarks/profile_s05.py).
 """
 
 import csv
 import json
+import re
 import re
 from collections import defaultdict
 
 from benchmarks import profile_s05, roofs
 from benchmarks.bench import MEMORY_BANDWIDTH, STAGES
 from kdacourse import REPO_ROOT
-from kdacourse.generated import markdown_table, save_svg
+from kdacourse.pages.tables import markdown_table, save_svg
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 GATED_STAGES = {stage.name for stage in STAGES.values() if stage.gate != "none"}
@@ -216,13 +218,67 @@ def write_plots(path):
     plt.close(figure)
 
 
+def read_ncu(path):
+    """{(metric name, unit): value} from `ncu --print-details all` text, the first value of each metric.
+
+    A metric line is "name  unit  value" or "name  value" (no unit), columns two or more spaces apart.
+    """
+    metrics = {}
+    for line in path.read_text().splitlines():
+        columns = re.split(r"\s{2,}", line.strip())
+        if len(columns) not in (2, 3) or not re.fullmatch(r"[\d,]+(\.\d+)?", columns[-1]):
+            continue
+        name, unit = columns[0], columns[1] if len(columns) == 3 else ""
+        metrics.setdefault((name, unit), float(columns[-1].replace(",", "")))
+    return metrics
+
+
+def profile_rows(profiles):
+    """The table's rows: one per quantity, one column per profile ({(name, unit): value} each)."""
+    def value(metrics, name, unit, form):
+        return form(metrics[(name, unit)]) if (name, unit) in metrics else "–"
+
+    def blocks_per_sm(metrics):
+        return int(min(v for (name, _), v in metrics.items() if name.startswith("Block Limit ")))
+
+    def lsu_busy_cycles(metrics):  # the shared-memory pipe's busy cycles: its share of the kernel's cycles
+        share = metrics.get(("L1: Data Pipe Lsu Wavefronts", "%"))
+        return "–" if share is None else f"{share / 100 * metrics[('Elapsed Cycles', 'cycle')] / 1e6:.2f} M"
+
+    def cell(name, unit, form):
+        return lambda metrics: value(metrics, name, unit, form)
+
+    quantities = [
+        ("threads per block", cell("Block Size", "", lambda v: f"{v:.0f}")),
+        ("registers per thread", cell("Registers Per Thread", "register/thread", lambda v: f"{v:.0f}")),
+        ("shared memory per block", cell("Dynamic Shared Memory Per Block", "Kbyte/block",
+                                         lambda v: f"{v * 1000 / 1024:.0f} KiB")),
+        ("blocks per SM", blocks_per_sm),
+        ("active warps per scheduler", cell("Active Warps Per Scheduler", "warp", lambda v: f"{v:.2f}")),
+        ("instructions issued per scheduler and cycle", cell("Issued Warp Per Scheduler", "", lambda v: f"{v:.2f}")),
+        ("duration", cell("Duration", "ms", lambda v: f"{v:.2f} ms")),
+        ("cycles", cell("Elapsed Cycles", "cycle", lambda v: f"{v / 1e6:.2f} M")),
+        ("busiest memory unit (of its peak)", cell("Memory Throughput", "%", lambda v: f"{v:.1f} %")),
+        ("shared-memory pipe (L1 LSU wavefronts)", cell("L1: Data Pipe Lsu Wavefronts", "%", lambda v: f"{v:.1f} %")),
+        ("shared-memory pipe busy", lsu_busy_cycles),
+        ("DRAM throughput", cell("DRAM Throughput", "%", lambda v: f"{v:.1f} %")),
+    ]
+    return [(label, *(quantity(metrics) for metrics in profiles)) for label, quantity in quantities]
+
+
+def write_profile_table(path):
+    """Stage 5's prepare kernel as ncu saw it, one column per version (benchmarks.profile_s05.PROFILES)."""
+    profiles = [read_ncu(RESULTS / name) for _, name in profile_s05.PROFILES]
+    path.write_text(markdown_table(["", *(version for version, _ in profile_s05.PROFILES)], profile_rows(profiles)))
+
+
 def generated_files():
     return {
         "docs/generated/bench_meta.md": write_meta,
         "docs/generated/bench_roofs.md": write_roofs_table,
         "docs/generated/bench_timings.md": write_timing_table,
         "docs/generated/bench_summary.md": write_ratio_summary,
-        "docs/generated/s05_prepare_profile.md": profile_s05.write_profile_table,
+        "docs/generated/s05_prepare_profile.md": write_profile_table,
         "docs/generated/bench_correctness.md": write_correctness_table,
         "docs/generated/bench_precision.md": write_precision_table,
         "docs/generated/bench_plots.svg": write_plots,

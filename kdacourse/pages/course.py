@@ -1,0 +1,137 @@
+"""The course machinery's tables, generated from the code and the catalog rather than typed.
+
+docs/generated/course_commands.md lists the `course` subcommands (from kdacourse/cli.py's docstring),
+docs/generated/reference_modules.md the Reference page's sections, one per stage, and
+docs/generated/kill_matrix.md the kill matrix (computed by kdacourse/killmatrix.py). For every stage
+of the catalog, three files under docs/generated/catalog/ (a stage page includes them with
+`--8<-- "docs/generated/catalog/..."`):
+
+    <stage>_exercises.md      the stage's exercises: file, kind, points, the bug it ships with
+    <stage>_bugs.md           the stage's known bugs: the mistake, why it is easy, when it hides
+    <stage>_kill_matrix.md    the stage's rows of the kill matrix
+"""
+
+import ast
+import re
+import tempfile
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+from kdacourse import REPO_ROOT
+from kdacourse.catalog import bugs, exercises, stages
+from kdacourse.pages.tables import banner, markdown_table, table_cell
+
+CATALOG_TABLES_DIR = "docs/generated/catalog"
+KILL_MATRIX_PATH = "docs/generated/kill_matrix.md"
+
+
+# ------------------------------------------------------------------------------------- catalog
+
+
+def write_exercise_table(stage, path):
+    from kdacourse.sitelinks import read_location  # what `course check` prints: the section's heading
+
+    rows = []
+    for exercise in (e for e in exercises() if e.stage == stage):
+        section = re.search(r"section '(.*)'$", read_location(exercise.read))
+        rows.append((f"`{exercise.id}`", f"`exercises/{stage}/{exercise.file}`", exercise.kind,
+                     exercise.points, f"`{exercise.bug}`" if exercise.bug else "",
+                     f"[{section[1] if section else exercise.read}]({exercise.read})",
+                     f"`tests/exercises/{stage}/test_{exercise.file}`"))
+    path.write_text(banner("kdacourse/pages/course.py and the catalog") + markdown_table(
+        ["exercise", "file", "kind", "points", "ships with bug", "read", "tests"], rows))
+
+
+def write_bug_table(stage, path):
+    rows = [(f"`{bug.id}`", f"`{bug.file}`", bug.mistake, bug.why_easy, bug.hides_when)
+            for bug in bugs() if bug.stage == stage]
+    path.write_text(banner("kdacourse/pages/course.py and the catalog") + markdown_table(
+        ["bug", "file", "the mistake", "why it is easy to make", "when it hides"], rows))
+
+
+def kill_matrix_sections(text):
+    """{stage: its table} from the text of docs/generated/kill_matrix.md ('### <stage>' sections)."""
+    sections = re.split(r"^### (\S+)\n", text, flags=re.MULTILINE)
+    tables = {}
+    for stage, body in zip(sections[1::2], sections[2::2]):
+        tables[stage] = "\n".join(line for line in body.strip().splitlines() if line.startswith("|")) + "\n"
+    return tables
+
+
+def write_kill_matrix(path):
+    """Every stage's bugs against its exercise tests (kdacourse.killmatrix.compute, once per process)."""
+    from kdacourse.killmatrix import compute, test_function
+
+    results = compute()
+    by_stage = defaultdict(list)
+    for bug in bugs():
+        by_stage[bug.stage].append(bug)
+    lines = [banner("kdacourse/killmatrix.py").rstrip(), ""]
+    for stage, stage_bugs in by_stage.items():
+        functions = sorted({test_function(t) for bug in stage_bugs for t in results[bug.id].outcomes})
+        lines += [f"### {stage}", "", "| bug | hides when | " + " | ".join(f"`{f.split('::')[1]}`<br>{f.split('::')[0]}" for f in functions) + " |",
+                  "|---|---|" + "---|" * len(functions)]
+        for bug in stage_bugs:
+            outcomes = results[bug.id].outcomes
+            cells = []
+            for function in functions:
+                cases = [o for t, o in outcomes.items() if test_function(t) == function]
+                caught = sum(o == "failed" for o in cases)
+                cells.append(f"**{caught}/{len(cases)}**" if caught else f"0/{len(cases)}")
+            lines.append(f"| `{bug.id}` | {table_cell(bug.hides_when)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.append("A cell counts the cases of a test (its parameters) that fail with the bug in; "
+                 "**bold** cells catch it.")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_stage_kill_matrix(stage, path):
+    with tempfile.TemporaryDirectory() as folder:
+        full = Path(folder) / "kill_matrix.md"
+        write_kill_matrix(full)
+        tables = kill_matrix_sections(full.read_text())
+    if stage not in tables:
+        raise ValueError(f"the kill matrix has no section for {stage}")
+    path.write_text(banner("kdacourse/killmatrix.py (this stage's rows)") + tables[stage]
+                    + "\nA cell counts the cases of a test (its parameters) that fail with the bug in; "
+                      "**bold** cells catch it.\n")
+
+
+def generated_files():
+    table = {"docs/generated/course_commands.md": write_course_commands,
+             "docs/generated/reference_modules.md": write_reference_modules,
+             KILL_MATRIX_PATH: write_kill_matrix}
+    for stage in stages():
+        table[f"{CATALOG_TABLES_DIR}/{stage}_exercises.md"] = lambda path, s=stage: write_exercise_table(s, path)
+        table[f"{CATALOG_TABLES_DIR}/{stage}_bugs.md"] = lambda path, s=stage: write_bug_table(s, path)
+        table[f"{CATALOG_TABLES_DIR}/{stage}_kill_matrix.md"] = lambda path, s=stage: write_stage_kill_matrix(s, path)
+    return table
+
+
+def write_course_commands(path):
+    """The `course` subcommands and what each does, as kdacourse/cli.py's docstring lists them (read
+    from the source: the command line imports this package for `course regenerate`)."""
+    source = (REPO_ROOT / "kdacourse" / "cli.py").read_text(encoding="utf-8")
+    listing = ast.get_docstring(ast.parse(source), clean=False).split("\n\n")[1]
+    path.write_text(banner("kdacourse/cli.py's docstring") + "```text\n" + textwrap.dedent(listing).strip() + "\n```\n")
+
+
+REFERENCE_MODULES = ("reference", "kernel", "identities", "numerics")
+
+
+def write_reference_modules(path):
+    """The Reference page's stage sections: a mkdocstrings block per module of each stage that has it."""
+    lines = [banner("kdacourse/pages/course.py: every stage's reference, kernel, identities, numerics").rstrip(), ""]
+    for folder in sorted((REPO_ROOT / "stages").glob("s[0-9][0-9]_*")):
+        modules = [name for name in REFERENCE_MODULES if (folder / f"{name}.py").is_file()]
+        if not modules:
+            continue
+        title = folder.name
+        init = folder / "__init__.py"
+        if init.is_file():
+            match = re.match(r'\s*"""(Stage \d+: [^,.]+)', init.read_text(encoding="utf-8"))
+            title = match.group(1) if match else title
+        lines += [f"## {title}", ""]
+        lines += [line for name in modules for line in (f"::: stages.{folder.name}.{name}", "")]
+    path.write_text("\n".join(lines))
