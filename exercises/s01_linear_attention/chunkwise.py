@@ -10,10 +10,10 @@ Read: docs, stage 1, "Reference B: chunk by chunk".  Check: course check s01
 
 import numpy as np
 
-from stages.common.checks import check_chunking, check_qkv
+from stages.common.checks import Float64Array, check_chunking, check_qkv
 
 
-def chunkwise(q, k, v, chunk_size):
+def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, chunk_size: int) -> Float64Array:
     """Reference B: chunk by chunk with plain loops for the sums. State S^T: (d_k, d_v).
 
     The last chunk may be shorter than chunk_size: nothing in the math needs equal chunks.

@@ -10,11 +10,12 @@ Read: docs, stage 2, "Numerics".  Check: course check s02
 """
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from stages.common.checks import check_log_gates, check_positive_integer
 
 
-def decay_table(g_head, chunk_size, dtype=np.float64):
+def decay_table(g_head: float, chunk_size: int, dtype: DTypeLike = np.float64) -> np.ndarray:
     """Gamma (C x C) of one head: Gamma[i, j] = alpha^(i - j) for j <= i, 0 above the diagonal.
 
     g_head = log(alpha), a scalar. The ratio form: the exponent gamma_i - gamma_j = (i - j) g_head

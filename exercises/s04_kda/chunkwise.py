@@ -17,10 +17,11 @@ Read: docs, stage 4, "Reference B: chunk by chunk".  Check: course check s04
 
 import numpy as np
 
-from stages.common.checks import check_chunking, check_gate_and_beta, check_qkv
+from stages.common.checks import Float64Array, check_chunking, check_gate_and_beta, check_qkv
 
 
-def chunkwise(q, k, v, g, beta, chunk_size):
+def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+              chunk_size: int) -> Float64Array:
     """Reference B: chunk by chunk, plain loops for M and A_qk, the UT transform by inversion.
     State S^T: (d_k, d_v).
 

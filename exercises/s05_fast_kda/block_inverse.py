@@ -10,10 +10,10 @@ Read: docs, stage 5, "The inverse by blocks".  Check: course check s05
 
 import numpy as np
 
-from stages.common.checks import check_divisor, check_shaped
+from stages.common.checks import Float64Array, check_divisor, check_shaped
 
 
-def block_inverse(L, block):
+def block_inverse(L: Float64Array, block: int) -> Float64Array:
     """(I + L)^{-1} for L strictly lower triangular (C x C), by sub-blocks of `block` rows.
 
     The diagonal blocks are inverted by forward substitution, all at once (one lane per (block,

@@ -9,10 +9,10 @@ Read: docs, stage 1, "Reference C: the kernel's control flow".  Check: course ch
 
 import numpy as np
 
-from stages.common.checks import check_chunking, check_qkv, padded_length
+from stages.common.checks import Float64Array, check_chunking, check_qkv, padded_length
 
 
-def kernel_mirror(q, k, v, chunk_size, block_dv):
+def kernel_mirror(q: Float64Array, k: Float64Array, v: Float64Array, chunk_size: int, block_dv: int) -> Float64Array:
     """Reference C: the kernel's control flow. State S^T: (d_k, block_dv) per program.
 
     Like the kernel's wrapper, it zero-pads N up to a multiple of chunk_size. The padding is exact:

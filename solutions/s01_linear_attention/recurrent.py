@@ -8,10 +8,10 @@ Read: docs, stage 1, "Reference A: token by token".  Check: course check s01
 
 import numpy as np
 
-from stages.common.checks import check_qkv
+from stages.common.checks import Float64Array, check_qkv
 
 
-def recurrent(q, k, v):
+def recurrent(q: Float64Array, k: Float64Array, v: Float64Array) -> Float64Array:
     """Reference A: the recurrence token by token. State S: (d_v, d_k), the paper layout."""
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     o = np.zeros((B, N, H, d_v))

@@ -11,10 +11,10 @@ Read: docs, stage 3, "Reference A: token by token".  Check: course check s03
 
 import numpy as np
 
-from stages.common.checks import check_gate_and_beta, check_qkv
+from stages.common.checks import Float64Array, check_gate_and_beta, check_qkv
 
 
-def recurrent(q, k, v, g, beta):
+def recurrent(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array) -> Float64Array:
     """Reference A: the recurrence token by token. State S: (d_v, d_k), the paper layout."""
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate_and_beta(g, beta, B, N, H, d_k, gate="token")

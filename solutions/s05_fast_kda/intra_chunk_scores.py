@@ -10,11 +10,13 @@ Read: docs, stage 5, "Anchored exponents".  Check: course check s05
 """
 
 import numpy as np
+from numpy.typing import DTypeLike
 
-from stages.common.checks import check_array, check_divisor, check_shaped
+from stages.common.checks import Float64Array, check_array, check_divisor, check_shaped
 
 
-def intra_chunk_scores(Q, K, gamma, sub_block, operand_dtype=np.float64):
+def intra_chunk_scores(Q: Float64Array, K: Float64Array, gamma: Float64Array, sub_block: int,
+                       operand_dtype: DTypeLike = np.float64) -> tuple[Float64Array, Float64Array]:
     """A_kk (C x C, strictly lower) and A_qk (C x C, lower with the diagonal) of one chunk, as GEMMs.
 
     Q, K: (C, d_k) rows of the chunk; gamma: (C, d_k) cumulative log gates from the chunk start.

@@ -10,10 +10,11 @@ Read: docs, stage 5, "Reference C: the two kernels' control flow".  Check: cours
 
 import numpy as np
 
-from stages.common.checks import check_chunking, check_shaped
+from stages.common.checks import Float64Array, check_chunking, check_shaped
 
 
-def recurrence(tensors, block_dv, initial_state=None):
+def recurrence(tensors: "ChunkTensors", block_dv: int,
+               initial_state: Float64Array | None = None) -> tuple[Float64Array, Float64Array]:
     """The recurrence kernel's control flow: one program per (block of d_v columns, batch x head).
 
     tensors: ChunkTensors from `prepare`; initial_state: S_0^T (B, H, d_k, d_v) or None for zeros.

@@ -16,11 +16,11 @@ All three functions take q, k: (B, N, H, d_k) and v: (B, N, H, d_v) and return o
 
 import numpy as np
 
-from stages.common.checks import check_chunking, check_qkv, padded_length
+from stages.common.checks import Float64Array, check_chunking, check_qkv, padded_length
 
 
 # --8<-- [start:recurrent]
-def recurrent(q, k, v):
+def recurrent(q: Float64Array, k: Float64Array, v: Float64Array) -> Float64Array:
     """Reference A: the recurrence token by token. State S: (d_v, d_k), the paper layout."""
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     o = np.zeros((B, N, H, d_v))
@@ -35,7 +35,7 @@ def recurrent(q, k, v):
 
 
 # --8<-- [start:chunkwise]
-def chunkwise(q, k, v, chunk_size):
+def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, chunk_size: int) -> Float64Array:
     """Reference B: chunk by chunk with plain loops for the sums. State S^T: (d_k, d_v).
 
     The last chunk may be shorter than chunk_size: nothing in the math needs equal chunks.
@@ -59,7 +59,7 @@ def chunkwise(q, k, v, chunk_size):
 
 
 # --8<-- [start:kernel_mirror]
-def kernel_mirror(q, k, v, chunk_size, block_dv):
+def kernel_mirror(q: Float64Array, k: Float64Array, v: Float64Array, chunk_size: int, block_dv: int) -> Float64Array:
     """Reference C: the kernel's control flow. State S^T: (d_k, block_dv) per program.
 
     Like the kernel's wrapper, it zero-pads N up to a multiple of chunk_size. The padding is exact:

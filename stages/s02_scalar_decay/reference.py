@@ -19,12 +19,14 @@ decay per head, and return o: (B, N, H, d_v).
 """
 
 import numpy as np
+from numpy.typing import DTypeLike
 
-from stages.common.checks import check_chunking, check_gate, check_log_gates, check_positive_integer, check_qkv, padded_length
+from stages.common.checks import (Float64Array, check_chunking, check_gate, check_log_gates, check_positive_integer, check_qkv,
+                                  padded_length)
 
 
 # --8<-- [start:recurrent]
-def recurrent(q, k, v, g):
+def recurrent(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array) -> Float64Array:
     """Reference A: the recurrence token by token. State S: (d_v, d_k), the paper layout."""
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate(g, B, N, H, d_k, gate="head")
@@ -41,7 +43,7 @@ def recurrent(q, k, v, g):
 
 
 # --8<-- [start:chunkwise]
-def chunkwise(q, k, v, g, chunk_size):
+def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, chunk_size: int) -> Float64Array:
     """Reference B: chunk by chunk with plain loops for the sums. State S^T: (d_k, d_v).
 
     The last chunk may be shorter than chunk_size: its decays run to its own last row.
@@ -69,7 +71,8 @@ def chunkwise(q, k, v, g, chunk_size):
 
 
 # --8<-- [start:kernel_mirror]
-def kernel_mirror(q, k, v, g, chunk_size, block_dv):
+def kernel_mirror(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array,
+                  chunk_size: int, block_dv: int) -> Float64Array:
     """Reference C: the kernel's control flow. State S^T: (d_k, block_dv) per program.
 
     Like the kernel's wrapper, it zero-pads N up to a multiple of chunk_size. The padding is exact:
@@ -110,7 +113,7 @@ def kernel_mirror(q, k, v, g, chunk_size, block_dv):
 
 
 # --8<-- [start:decay_table]
-def decay_table(g_head, chunk_size, dtype=np.float64):
+def decay_table(g_head: float, chunk_size: int, dtype: DTypeLike = np.float64) -> np.ndarray:
     """Gamma (C x C) of one head: Gamma[i, j] = alpha^(i - j) for j <= i, 0 above the diagonal.
 
     g_head = log(alpha), a scalar. The ratio form: the exponent gamma_i - gamma_j = (i - j) g_head

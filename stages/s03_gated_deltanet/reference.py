@@ -24,11 +24,11 @@ beta: (B, N, H), the write strength in [0, 1]. Every function returns o: (B, N, 
 
 import numpy as np
 
-from stages.common.checks import check_chunking, check_gate_and_beta, check_qkv, padded_length
+from stages.common.checks import Float64Array, check_chunking, check_gate_and_beta, check_qkv, padded_length
 
 
 # --8<-- [start:recurrent]
-def recurrent(q, k, v, g, beta):
+def recurrent(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array) -> Float64Array:
     """Reference A: the recurrence token by token. State S: (d_v, d_k), the paper layout."""
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate_and_beta(g, beta, B, N, H, d_k, gate="token")
@@ -48,7 +48,8 @@ def recurrent(q, k, v, g, beta):
 
 
 # --8<-- [start:chunkwise]
-def chunkwise(q, k, v, g, beta, chunk_size):
+def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+              chunk_size: int) -> Float64Array:
     """Reference B: chunk by chunk, plain loops for M and A_qk, the UT transform by inversion.
     State S^T: (d_k, d_v).
 
@@ -89,7 +90,8 @@ def chunkwise(q, k, v, g, beta, chunk_size):
 
 
 # --8<-- [start:kernel_mirror]
-def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv):
+def kernel_mirror(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+                  chunk_size: int, block_dv: int) -> Float64Array:
     """Reference C: the kernel's control flow. State S^T: (d_k, block_dv) per program.
 
     Like the kernel's wrapper, it zero-pads N up to a multiple of chunk_size. The padding is exact:

@@ -26,16 +26,18 @@ the state is left in the chunk loop (the recurrence kernel). For chunk [t] with 
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import DTypeLike
 
-from stages.common.checks import (check_array, check_chunking, check_divisor, check_gate_and_beta, check_qkv, check_shaped,
-                                  padded_length)
+from stages.common.checks import (Float64Array, check_array, check_chunking, check_divisor, check_gate_and_beta, check_qkv,
+                                  check_shaped, padded_length)
 from stages.s04_kda.reference import recurrent  # noqa: F401  reference A is stage 4's
 
 SUB_BLOCK = 16  # rows of a sub-block: the tensor cores' M and K granularity
 
 
 # --8<-- [start:chunkwise]
-def chunkwise(q, k, v, g, beta, chunk_size):
+def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+              chunk_size: int) -> Float64Array:
     """Reference B: every chunk's tensors first (no state read), then the state loop. State S^T: (d_k, d_v).
 
     The last chunk may be shorter than chunk_size: nothing in the math needs equal chunks.
@@ -90,7 +92,8 @@ class ChunkTensors:
 
 
 # --8<-- [start:kernel_mirror]
-def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv, sub_block=SUB_BLOCK):
+def kernel_mirror(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+                  chunk_size: int, block_dv: int, sub_block: int = SUB_BLOCK) -> Float64Array:
     """Reference C: the prepare kernel, then the recurrence kernel. State S^T: (d_k, block_dv) per program.
 
     Like the kernel's wrapper, it zero-pads N up to a multiple of chunk_size. The padding is exact:
@@ -105,7 +108,8 @@ def kernel_mirror(q, k, v, g, beta, chunk_size, block_dv, sub_block=SUB_BLOCK):
 
 
 # --8<-- [start:prepare]
-def prepare(q, k, v, g, beta, chunk_size, sub_block=SUB_BLOCK, operand_dtype=np.float64):
+def prepare(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+            chunk_size: int, sub_block: int = SUB_BLOCK, operand_dtype: DTypeLike = np.float64) -> ChunkTensors:
     """The prepare kernel's control flow: one program per (chunk, batch x head). Returns ChunkTensors.
 
     operand_dtype is the type the kernel casts GEMM operands and stored tensors to (np.float16
@@ -146,7 +150,8 @@ def prepare(q, k, v, g, beta, chunk_size, sub_block=SUB_BLOCK, operand_dtype=np.
 
 
 # --8<-- [start:intra_chunk_scores]
-def intra_chunk_scores(Q, K, gamma, sub_block, operand_dtype=np.float64):
+def intra_chunk_scores(Q: Float64Array, K: Float64Array, gamma: Float64Array, sub_block: int,
+                       operand_dtype: DTypeLike = np.float64) -> tuple[Float64Array, Float64Array]:
     """A_kk (C x C, strictly lower) and A_qk (C x C, lower with the diagonal) of one chunk, as GEMMs.
 
     Q, K: (C, d_k) rows of the chunk; gamma: (C, d_k) cumulative log gates from the chunk start.
@@ -189,7 +194,7 @@ def intra_chunk_scores(Q, K, gamma, sub_block, operand_dtype=np.float64):
 
 
 # --8<-- [start:block_inverse]
-def block_inverse(L, block):
+def block_inverse(L: Float64Array, block: int) -> Float64Array:
     """(I + L)^{-1} for L strictly lower triangular (C x C), by sub-blocks of `block` rows.
 
     The diagonal blocks are inverted by forward substitution, all at once (one lane per (block,
@@ -215,7 +220,8 @@ def block_inverse(L, block):
 
 
 # --8<-- [start:recurrence]
-def recurrence(tensors, block_dv, initial_state=None):
+def recurrence(tensors: "ChunkTensors", block_dv: int,
+               initial_state: Float64Array | None = None) -> tuple[Float64Array, Float64Array]:
     """The recurrence kernel's control flow: one program per (block of d_v columns, batch x head).
 
     tensors: ChunkTensors from `prepare`; initial_state: S_0^T (B, H, d_k, d_v) or None for zeros.
