@@ -23,13 +23,14 @@ PAGES = Path(__file__).parent
 
 def generators():
     """{relative path: writer}, from every page module."""
-    from kdacourse.pages import benchmarks, course
+    from kdacourse.pages import benchmarks, course, layouts
 
     table = {}
     for page in sorted(PAGES.glob("s[0-9][0-9]_*.py")):
         table.update(importlib.import_module(f"kdacourse.pages.{page.stem}").generated_files())
     table.update(benchmarks.generated_files())
     table.update(course.generated_files())
+    table.update(layouts.generated_files())
     return table
 
 

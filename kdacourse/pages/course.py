@@ -35,19 +35,35 @@ def write_exercise_table(stage, path):
     rows = []
     for exercise in (e for e in exercises() if e.stage == stage):
         section = re.search(r"section '(.*)'$", read_location(exercise.read))
+        # The table sits above the exercises: it says what a fix exercise ships with (one seeded
+        # bug), never which one; the bug table below names it, collapsed.
         rows.append((f"`{exercise.id}`", f"`exercises/{stage}/{exercise.file}`", exercise.kind,
-                     exercise.points, f"`{exercise.bug}`" if exercise.bug else "",
+                     exercise.points, "a TODO to fill" if exercise.kind == "fill" else "one seeded bug",
                      f"[{section[1] if section else exercise.read}]({exercise.read})",
                      f"`tests/exercises/{stage}/test_{exercise.file}`"))
     path.write_text(banner("kdacourse/pages/course.py and the catalog") + markdown_table(
-        ["exercise", "file", "kind", "points", "ships with bug", "read", "tests"], rows))
+        ["exercise", "file", "kind", "points", "ships with", "read", "tests"], rows))
 
 
 def write_bug_table(stage, path):
-    rows = [(f"`{bug.id}`", f"`{bug.file}`", bug.mistake, bug.why_easy, bug.hides_when)
-            for bug in bugs() if bug.stage == stage]
-    path.write_text(banner("kdacourse/pages/course.py and the catalog") + markdown_table(
-        ["bug", "file", "the mistake", "why it is easy to make", "when it hides"], rows))
+    """The stage's known bugs: those no exercise ships in full; those an exercise ships, collapsed.
+
+    A bug an exercise ships with is that exercise's answer, so its row (the mistake, why it is easy,
+    when it hides) sits in a block the reader opens, after the exercises, like a solution.
+    """
+    header = ["bug", "file", "the mistake", "why it is easy to make", "when it hides"]
+    shipped = {exercise.bug: exercise.id for exercise in exercises() if exercise.bug}
+    stage_bugs = [bug for bug in bugs() if bug.stage == stage]
+    open_rows = [(f"`{bug.id}`", f"`{bug.file}`", bug.mistake, bug.why_easy, bug.hides_when)
+                 for bug in stage_bugs if bug.id not in shipped]
+    shipped_rows = [(f"`{bug.id}` (exercise `{shipped[bug.id]}`)", f"`{bug.file}`", bug.mistake,
+                     bug.why_easy, bug.hides_when) for bug in stage_bugs if bug.id in shipped]
+    text = banner("kdacourse/pages/course.py and the catalog") + markdown_table(header, open_rows)
+    if shipped_rows:
+        block = markdown_table(header, shipped_rows)
+        text += ('\n??? success "The bugs the exercises ship with (open after your checks pass)"\n'
+                 + "".join(f"    {line}\n" if line else "\n" for line in block.splitlines()))
+    path.write_text(text)
 
 
 def kill_matrix_sections(text):
