@@ -13,19 +13,24 @@ Run `python -m stages.s01_linear_attention.kernel` to compile it for sm_90a and 
 report (no GPU needed), or to check it against reference A on a GPU.
 """
 
-import functools
+from __future__ import annotations
 
-import numpy as np
+import functools
+from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same, check_tile_sizes
+from stages.common.torch_checks import check_on_cuda, check_qkv, check_tile_sizes, dtype_name, pad_tokens
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
 
 
 # --8<-- [start:program]
+# --8<-- [start:program_head]
 def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
                   dtype="float16", num_stages=2, threads=128):
     """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v) -> o: (B, N, H, d_v).
@@ -65,6 +70,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 T.copy(Q[b, t0:t0 + C, h, :], Q_s)
                 T.copy(K[b, t0:t0 + C, h, :], K_s)
                 T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
+# --8<-- [end:program_head]
 
                 # intra-chunk scores Q K^T, causally masked with the diagonal included
                 T.gemm(Q_s, K_s, scores, transpose_B=True, clear_accum=True)
@@ -84,7 +90,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
 # --8<-- [end:program]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads):
     import tilelang
 
@@ -93,42 +99,30 @@ def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, thread
 
 
 # --8<-- [start:forward]
-def forward(q, k, v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, num_stages=2, threads=128):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE,
+            block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2, threads: int = 128) -> torch.Tensor:
     """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16.
 
     Returns o: (B, N, H, d_v) in the input dtype. N need not be a multiple of chunk_size: the
     sequence is zero-padded, which is exact (see reference.kernel_mirror).
     """
-    import torch
-
-    check_kernel_tensor("q", q, rank=4)
-    check_kernel_tensor("k", k, rank=4)
-    check_kernel_tensor("v", v, rank=4)
-    check_same("k", k, "q", q, "shape")
-    B, N, H, d_k = q.shape
-    if tuple(v.shape[:3]) != (B, N, H):
-        raise ValueError(f"v must be (B, N, H, d_v) = ({B}, {N}, {H}, d_v), got {tuple(v.shape)}")
-    check_same("k", k, "q", q, "dtype")
-    check_same("v", v, "q", q, "dtype")
-    d_v = v.shape[3]
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
     check_on_cuda({"q": q, "k": k, "v": v})
 
     N_padded = padded_length(N, chunk_size)
-    if N_padded != N:
-        pad = (0, 0, 0, 0, 0, N_padded - N)  # torch pads from the last axis backwards
-        q, k, v = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
-    dtype = str(q.dtype).removeprefix("torch.")
-    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
+    q, k, v = pad_tokens(N_padded, q, k, v)
+    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages, threads)
     return kernel(q, k, v)[:, :N]
 # --8<-- [end:forward]
 
 
+@functools.cache  # the page's report and the compile test share one nvcc run
 def compile_report(B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
-                   block_dv=DEFAULT_BLOCK_DV, dtype="float16"):
+                   block_dv=DEFAULT_BLOCK_DV, dtype="float16", num_stages=2, threads=128):
     """Lower and compile the kernel for sm_90a without a GPU; see stages.common.tilelang_tools."""
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-    return _compile_report(build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype))
+    return _compile_report(build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads))
 
 
 def main():
