@@ -45,7 +45,7 @@ def main(argv=None):
             if not error < 1e-2:
                 print(f"{config}: disagrees with FLA, rel L2 {error:.2e}", flush=True)
                 continue
-            elapsed = time_ms(lambda *a: forward(*a, **config), inputs)
+            elapsed = time_ms(lambda *a, config=config: forward(*a, **config), inputs)
         except Exception as failure:
             print(f"{config}: {type(failure).__name__}: {str(failure).splitlines()[0][:160]}", flush=True)
             continue

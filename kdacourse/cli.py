@@ -5,7 +5,7 @@
     course serve                    build the site and serve it on http://127.0.0.1:8000
     course build                    build the site into site/ (mkdocs build --strict)
     course regenerate               rewrite every generated table, plot and report under docs/
-    course test [PYTEST ARGS]       run the whole test suite on the solutions (what CI runs)
+    course test [PYTEST ARGS]       lint with ruff, then run the test suite on the solutions (what CI runs)
 """
 
 import argparse
@@ -67,9 +67,26 @@ def main(argv=None):
 def _test(pytest_args):
     import pytest
 
+    lint = _lint()
+    if lint:
+        return lint
     # The exercise tests check the solutions here; the student's copy is checked by `course check`,
     # and tests/test_exercise_model.py checks that the shipped exercises fail and every bug is caught.
     return int(pytest.main(["-p", "no:cacheprovider", "--target=solutions", *pytest_args]))
+
+
+def _lint():
+    """ruff over the repository, with the rules of pyproject.toml's [tool.ruff]; its exit code (0: clean)."""
+    import importlib.util
+    import subprocess
+
+    from kdacourse import REPO_ROOT
+
+    if importlib.util.find_spec("ruff") is None:
+        print("course test lints with ruff, which is not installed: pip install -e '.[test]'", file=sys.stderr)
+        return 2
+    print("ruff check (pyproject.toml's [tool.ruff])", flush=True)
+    return subprocess.run([sys.executable, "-m", "ruff", "check", str(REPO_ROOT)], cwd=REPO_ROOT).returncode
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 # The CPU build of torch first and pinned: left to the resolver, torch would arrive as a CUDA build
 # of several GB. Kernels run on a GPU machine, which brings its own CUDA torch.
 "$venv/bin/python" -m pip install -q "torch==2.13.0"
-"$venv/bin/python" -m pip install -q -e .
+# with the extras the site (MkDocs, matplotlib) and the tests (Playwright's driver, ruff) need
+"$venv/bin/python" -m pip install -q -e ".[site,test]"
 # MathJax for the site, from the npm registry into docs/javascripts/vendor/ (needs npm; silent when done)
 "$venv/bin/python" -m kdacourse.site vendor
 echo "course environment ready in $venv"

@@ -1,7 +1,6 @@
 """The benchmark's plain-torch forwards equal each stage's reference A (they are the float64
 reference of the precision study), and accept the half-precision inputs the benchmark times."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -6,7 +6,6 @@
 3. every catalog bug is caught by at least one test (the kill matrix).
 """
 
-import shutil
 
 import pytest
 

@@ -322,7 +322,7 @@ def test_kernel_wrapper_rejects_bad_input():
         ((q, q, q, g, beta[..., None]), {}, ValueError, "beta must have rank 3"),
         ((q, q[:, :32], q, g, beta), {}, ValueError, r"k must have the shape of q, \(1, 64, 2, 64\)"),
         ((q, q, q[:, :32], g, beta), {}, ValueError, r"v must be \(B, N, H, d_v\) = \(1, 64, 2, d_v\)"),
-        ((q, q, q, g[:, :32], beta), {}, ValueError, r"g must have the shape of q, \(1, 64, 2, 64\)"),
+        ((q, q, q, g[:, :32], beta), {}, ValueError, r"g must have shape \(B, N, H, d_k\) = \(1, 64, 2, 64\)"),
         ((q, q, q, g, beta[:, :, :1].contiguous()), {}, ValueError, r"beta must have shape \(B, N, H\) = \(1, 64, 2\)"),
         ((q, q, q.bfloat16(), g, beta), {}, ValueError, "v must have the dtype of q"),
         ((q.transpose(1, 2).contiguous().transpose(1, 2), q, q, g, beta), {}, ValueError, "q must be contiguous"),

@@ -54,3 +54,71 @@ def check_tile_sizes(d_k, d_v, chunk_size, block_dv):
         raise ValueError(f"d_k must be a multiple of 16, got {d_k}")
     if block_dv < 16 or block_dv % 16 or d_v % block_dv:
         raise ValueError(f"block_dv must be a multiple of 16 that divides d_v = {d_v}, got {block_dv}")
+
+
+# ------------------------------------------------------------------ what every stage's forward checks
+
+GATE_DTYPES = ("float32",)
+
+
+def dtype_name(x):
+    """'float16' for a torch.float16 tensor: the name the kernels are built for."""
+    return str(x.dtype).removeprefix("torch.")
+
+
+def check_qkv(q, k, v):
+    """q, k: (B, N, H, d_k) and v: (B, N, H, d_v), contiguous, of one dtype, fp16 or bf16.
+
+    Returns (B, N, H, d_k, d_v). Types, ranks and dtypes first, then shapes, then dtypes between tensors.
+    """
+    check_kernel_tensor("q", q, rank=4)
+    check_kernel_tensor("k", k, rank=4)
+    check_kernel_tensor("v", v, rank=4)
+    check_same("k", k, "q", q, "shape")
+    B, N, H, d_k = q.shape
+    if tuple(v.shape[:3]) != (B, N, H):
+        raise ValueError(f"v must be (B, N, H, d_v) = ({B}, {N}, {H}, d_v), got {tuple(v.shape)}")
+    check_same("k", k, "q", q, "dtype")
+    check_same("v", v, "q", q, "dtype")
+    return B, N, H, d_k, v.shape[3]
+
+
+def check_gate(name, x, shape, axes):
+    """x is a contiguous float32 tensor of the given shape; `axes` names its axes, "(B, N, H)" say."""
+    check_kernel_tensor(name, x, rank=len(shape), dtypes=GATE_DTYPES)
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {axes} = {tuple(shape)}, got {tuple(x.shape)}")
+
+
+# --8<-- [start:gate_values]
+def check_gate_values(g, beta=None):
+    """g = log(a) finite and <= 0 (a decay, never a growth), beta (if given) in [0, 1]: one read of
+    both to the host, one device sync.
+
+    g > 0 is a growth, not a decay: a^(r - j) > 1 grows without bound along the sequence.
+    g = -inf (a = 0) is a valid limit of the math (the state keeps the current token only) but not of
+    the kernels: a decay table's diagonal is exp2(0 * -inf) = NaN. A large negative g, -1e4 say,
+    gives a = 0 exactly in float32 and the same outputs.
+    """
+    import torch
+
+    flags = [~((g <= 0) & g.isfinite()).all()]
+    if beta is not None:
+        flags.append(((beta < 0) | (beta > 1)).any())
+    bad_gate, *bad_beta = torch.stack(flags).tolist()
+    if bad_gate:
+        raise ValueError(f"g must be finite and <= 0 (g = log(a), 0 < a <= 1; for a = 0 use a large negative g "
+                         f"such as -1e4, since g = -inf makes exp2(0 * -inf) = NaN); its largest entry is "
+                         f"{g.max().item():.3g}")
+    if any(bad_beta):
+        raise ValueError(f"beta must lie in [0, 1]; its entries span [{beta.min().item():.3g}, {beta.max().item():.3g}]")
+# --8<-- [end:gate_values]
+
+
+def pad_tokens(N_padded, *tensors):
+    """The tensors zero-padded along their token axis (axis 1) to N_padded tokens. Exact for the
+    course's kernels: a padded token has q = k = v = 0, g = 0 and beta = 0, and its outputs are cut off."""
+    import torch
+
+    return [x if x.shape[1] == N_padded else
+            torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, N_padded - x.shape[1])) for x in tensors]

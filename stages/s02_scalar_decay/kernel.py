@@ -21,12 +21,19 @@ Every exp is exp2(x * log2(e)). Run `python -m stages.s02_scalar_decay.kernel` t
 sm_90a and print its ptxas report (no GPU needed), or to check it against reference A on a GPU.
 """
 
+from __future__ import annotations
+
 import functools
+from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same, check_tile_sizes
+from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
+                                        dtype_name, pad_tokens)
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
@@ -115,7 +122,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
 # --8<-- [end:program]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads):
     import tilelang
 
@@ -124,60 +131,28 @@ def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, thread
 
 
 # --8<-- [start:forward]
-def forward(q, k, v, g, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, num_stages=2, threads=128):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE,
+            block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2, threads: int = 128) -> torch.Tensor:
     """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16, and
     g = log(alpha): (H,) float32, finite and <= 0.
 
     Returns o: (B, N, H, d_v) in the input dtype. N need not be a multiple of chunk_size: the
     sequence is zero-padded, which is exact (see reference.kernel_mirror).
     """
-    import torch
-
-    check_kernel_tensor("q", q, rank=4)
-    check_kernel_tensor("k", k, rank=4)
-    check_kernel_tensor("v", v, rank=4)
-    check_kernel_tensor("g", g, rank=1, dtypes=("float32",))
-    check_same("k", k, "q", q, "shape")
-    B, N, H, d_k = q.shape
-    if tuple(v.shape[:3]) != (B, N, H):
-        raise ValueError(f"v must be (B, N, H, d_v) = ({B}, {N}, {H}, d_v), got {tuple(v.shape)}")
-    if tuple(g.shape) != (H,):
-        raise ValueError(f"g must have shape (H,) = ({H},), one log decay per head; got {tuple(g.shape)}")
-    check_same("k", k, "q", q, "dtype")
-    check_same("v", v, "q", q, "dtype")
-    _check_log_decay(g)
-    d_v = v.shape[3]
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate("g", g, (H,), "(H,)")
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    check_gate_values(g)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g})
 
     N_padded = padded_length(N, chunk_size)
-    if N_padded != N:
-        pad = (0, 0, 0, 0, 0, N_padded - N)  # torch pads from the last axis backwards
-        q, k, v = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
-    dtype = str(q.dtype).removeprefix("torch.")
-    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
+    q, k, v = pad_tokens(N_padded, q, k, v)
+    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages, threads)
     return kernel(q, k, v, g)[:, :N]
 # --8<-- [end:forward]
 
 
-# --8<-- [start:check_log_decay]
-def _check_log_decay(g):
-    """g = log(alpha) must be finite and <= 0 (one read of g to the host, a device sync).
-
-    g > 0 is a growth, not a decay: alpha^(r - j) > 1 grows without bound along the sequence.
-    g = -inf (alpha = 0) is a valid limit of the math (S_t = v_t k_t^T) but not of the kernel: the
-    diagonal of the table is exp2((r - j) * log2(alpha)) = exp2(0 * -inf) = NaN. A large negative
-    g, -1e4 say, gives alpha^1 = 0 exactly in float32 and the same outputs.
-    """
-    if not bool(g.isfinite().all()):
-        raise ValueError("g must be finite: alpha = 0 (g = -inf) makes the decay table's diagonal "
-                         "exp2(0 * -inf) = NaN; use a large negative g such as -1e4 instead")
-    if bool((g > 0).any()):
-        raise ValueError(f"g = log(alpha) must be <= 0 (a decay, 0 < alpha <= 1), got max {float(g.max()):.3g}")
-# --8<-- [end:check_log_decay]
-
-
-@functools.lru_cache(maxsize=None)  # the page's report and the compile test share one nvcc run
+@functools.cache  # the page's report and the compile test share one nvcc run
 def compile_report(B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
                    block_dv=DEFAULT_BLOCK_DV, dtype="float16", num_stages=2, threads=128):
     """Lower and compile the kernel for sm_90a without a GPU; see stages.common.tilelang_tools."""

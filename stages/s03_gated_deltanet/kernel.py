@@ -19,16 +19,22 @@ Run `python -m stages.s03_gated_deltanet.kernel` to compile it for sm_90a and pr
 report (no GPU needed), or to check it against reference A on a GPU.
 """
 
+from __future__ import annotations
+
 import functools
+from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same, check_tile_sizes
+from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
+                                        dtype_name, pad_tokens)
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
-GATE_DTYPES = ("float32",)
 
 
 # --8<-- [start:program]
@@ -139,7 +145,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
 # --8<-- [end:program]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads):
     import tilelang
 
@@ -148,59 +154,35 @@ def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, thread
 
 
 # --8<-- [start:forward]
-def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, num_stages=2,
-            threads=128):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2,
+            threads: int = 128) -> torch.Tensor:
     """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16, and
     g = log(alpha), beta: (B, N, H), float32, with g <= 0 and 0 <= beta <= 1.
 
     Returns o: (B, N, H, d_v) in the input dtype. N need not be a multiple of chunk_size: the
     sequence is zero-padded, which is exact (see reference.kernel_mirror).
     """
-    import torch
-
-    check_kernel_tensor("q", q, rank=4)
-    check_kernel_tensor("k", k, rank=4)
-    check_kernel_tensor("v", v, rank=4)
-    check_kernel_tensor("g", g, rank=3, dtypes=GATE_DTYPES)
-    check_kernel_tensor("beta", beta, rank=3, dtypes=GATE_DTYPES)
-    check_same("k", k, "q", q, "shape")
-    B, N, H, d_k = q.shape
-    if tuple(v.shape[:3]) != (B, N, H):
-        raise ValueError(f"v must be (B, N, H, d_v) = ({B}, {N}, {H}, d_v), got {tuple(v.shape)}")
-    for name, x in (("g", g), ("beta", beta)):
-        if tuple(x.shape) != (B, N, H):
-            raise ValueError(f"{name} must have shape (B, N, H) = {(B, N, H)}, got {tuple(x.shape)}")
-    check_same("k", k, "q", q, "dtype")
-    check_same("v", v, "q", q, "dtype")
-    d_v = v.shape[3]
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate("g", g, (B, N, H), "(B, N, H)")
+    check_gate("beta", beta, (B, N, H), "(B, N, H)")
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-    _check_gate_values(g, beta)
+    check_gate_values(g, beta)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta})
 
     N_padded = padded_length(N, chunk_size)
-    if N_padded != N:
-        pad = N_padded - N  # torch pads from the last axis backwards
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (g, beta))
-    dtype = str(q.dtype).removeprefix("torch.")
-    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
+    q, k, v, g, beta = pad_tokens(N_padded, q, k, v, g, beta)
+    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages, threads)
     return kernel(q, k, v, g, beta)[:, :N]
 # --8<-- [end:forward]
 
 
-def _check_gate_values(g, beta):
-    """g = log(alpha) finite and <= 0 (a gate that grows the state is not a gate); beta in [0, 1]."""
-    if not bool(((g <= 0) & g.isfinite()).all()):
-        raise ValueError(f"g must be finite and <= 0 (g = log(alpha), 0 < alpha <= 1); its largest entry is {g.max().item()}")
-    if not bool(((beta >= 0) & (beta <= 1)).all()):
-        raise ValueError(f"beta must lie in [0, 1]; its entries span [{beta.min().item()}, {beta.max().item()}]")
-
-
+@functools.cache  # the page's report and the compile test share one nvcc run
 def compile_report(B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
-                   block_dv=DEFAULT_BLOCK_DV, dtype="float16"):
+                   block_dv=DEFAULT_BLOCK_DV, dtype="float16", num_stages=2, threads=128):
     """Lower and compile the kernel for sm_90a without a GPU; see stages.common.tilelang_tools."""
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-    return _compile_report(build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype))
+    return _compile_report(build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads))
 
 
 def main():

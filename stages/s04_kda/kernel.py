@@ -19,13 +19,20 @@ or "shared" (shared memory). Run `python -m stages.s04_kda.kernel` to compile it
 print its ptxas report (no GPU needed), or to check it against reference A on a GPU.
 """
 
+from __future__ import annotations
+
 import functools
 import math
+from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same, check_tile_sizes
+from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
+                                        dtype_name, pad_tokens)
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
@@ -38,7 +45,6 @@ DEFAULT_LAYOUT = (("e_plus_gamma", "registers"), ("e_minus_gamma", "registers"),
 PASS_CONFIGS = {"tl.disable_warp_specialized": True}
 # The largest chunk-local log decay -gamma the fp16 and bf16 kernels accept (see _check_gate_range).
 MAX_LOG_DECAY = {"float16": 14 * math.log(2), "bfloat16": 126 * math.log(2)}
-GATE_DTYPES = ("float32",)
 
 
 # --8<-- [start:program]
@@ -168,7 +174,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
 # --8<-- [end:program]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads):
     import tilelang
 
@@ -177,8 +183,9 @@ def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, thread
 
 
 # --8<-- [start:forward]
-def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, num_stages=1,
-            threads=128, max_log_decay=None):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 1,
+            threads: int = 128, max_log_decay: float | None = None) -> torch.Tensor:
     """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16, and
     g = log(a): (B, N, H, d_k), beta: (B, N, H), float32, with g <= 0 and 0 <= beta <= 1.
 
@@ -187,45 +194,19 @@ def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BL
     ValueError instead of returning garbage; math.inf runs anyway. N need not be a multiple of
     chunk_size: the sequence is zero-padded, which is exact (see reference.kernel_mirror).
     """
-    import torch
-
-    check_kernel_tensor("q", q, rank=4)
-    check_kernel_tensor("k", k, rank=4)
-    check_kernel_tensor("v", v, rank=4)
-    check_kernel_tensor("g", g, rank=4, dtypes=GATE_DTYPES)
-    check_kernel_tensor("beta", beta, rank=3, dtypes=GATE_DTYPES)
-    check_same("k", k, "q", q, "shape")
-    B, N, H, d_k = q.shape
-    if tuple(v.shape[:3]) != (B, N, H):
-        raise ValueError(f"v must be (B, N, H, d_v) = ({B}, {N}, {H}, d_v), got {tuple(v.shape)}")
-    check_same("g", g, "q", q, "shape")
-    if tuple(beta.shape) != (B, N, H):
-        raise ValueError(f"beta must have shape (B, N, H) = {(B, N, H)}, got {tuple(beta.shape)}")
-    check_same("k", k, "q", q, "dtype")
-    check_same("v", v, "q", q, "dtype")
-    d_v = v.shape[3]
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate("g", g, (B, N, H, d_k), "(B, N, H, d_k)")
+    check_gate("beta", beta, (B, N, H), "(B, N, H)")
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-    dtype = str(q.dtype).removeprefix("torch.")
-    _check_gate_values(g, beta)
-    _check_gate_range(g, chunk_size, MAX_LOG_DECAY[dtype] if max_log_decay is None else max_log_decay)
+    check_gate_values(g, beta)
+    _check_gate_range(g, chunk_size, MAX_LOG_DECAY[dtype_name(q)] if max_log_decay is None else max_log_decay)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta})
 
     N_padded = padded_length(N, chunk_size)
-    if N_padded != N:
-        pad = N_padded - N  # torch pads from the last axis backwards
-        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-        beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
-    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
+    q, k, v, g, beta = pad_tokens(N_padded, q, k, v, g, beta)
+    kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages, threads)
     return kernel(q, k, v, g, beta)[:, :N]
 # --8<-- [end:forward]
-
-
-def _check_gate_values(g, beta):
-    """g = log(a) finite and <= 0 (a gate that grows the state is not a gate); beta in [0, 1]."""
-    if not bool(((g <= 0) & g.isfinite()).all()):
-        raise ValueError(f"g must be finite and <= 0 (g = log(a), 0 < a <= 1); its largest entry is {g.max().item()}")
-    if not bool(((beta >= 0) & (beta <= 1)).all()):
-        raise ValueError(f"beta must lie in [0, 1]; its entries span [{beta.min().item()}, {beta.max().item()}]")
 
 
 # --8<-- [start:gate_check]
@@ -336,14 +317,16 @@ def _region_buffer(region):
 # --8<-- [end:ordering]
 
 
+@functools.cache  # the page's report and the compile test share one nvcc run
 def compile_report(B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
-                   block_dv=DEFAULT_BLOCK_DV, dtype="float16", layout=DEFAULT_LAYOUT):
+                   block_dv=DEFAULT_BLOCK_DV, dtype="float16", num_stages=1, threads=128, layout=DEFAULT_LAYOUT):
     """Lower and compile the kernel for sm_90a without a GPU; see stages.common.tilelang_tools."""
     from tilelang.transform import PassContext
 
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
     with PassContext(config=PASS_CONFIGS):
-        return _compile_report(build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, layout=layout))
+        return _compile_report(build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads,
+                                             layout))
 
 
 def main():

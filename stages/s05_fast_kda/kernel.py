@@ -19,12 +19,19 @@ Run `python -m stages.s05_fast_kda.kernel` to compile both for sm_90a and print 
 (no GPU needed), or to check them against the float64 references (and FLA, if installed) on a GPU.
 """
 
+from __future__ import annotations
+
 import functools
+from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.torch_checks import check_kernel_tensor, check_on_cuda, check_same, check_tile_sizes
+from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
+                                        dtype_name, pad_tokens)
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
@@ -272,7 +279,7 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
 # --8<-- [end:recurrence_program]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
     import tilelang
 
@@ -280,7 +287,7 @@ def _compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
     return tilelang.compile(program, out_idx=[5, 6, 7, 8, 9, 10], target="cuda")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads):
     import tilelang
 
@@ -289,8 +296,10 @@ def _compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_sta
 
 
 # --8<-- [start:forward]
-def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV, num_stages=2, threads=128,
-            prepare_threads=None, initial_state=None, output_final_state=False):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2,
+            threads: int = 128, prepare_threads: int | None = None, initial_state: torch.Tensor | None = None,
+            output_final_state: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run both kernels on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16),
     g: (B, N, H, d_k) fp32 log gates (<= 0), beta: (B, N, H) fp32 in [0, 1].
 
@@ -301,41 +310,23 @@ def forward(q, k, v, g, beta, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BL
     """
     import torch
 
-    check_kernel_tensor("q", q, rank=4)
-    check_kernel_tensor("k", k, rank=4)
-    check_kernel_tensor("v", v, rank=4)
-    check_same("k", k, "q", q, "shape")
-    B, N, H, d_k = q.shape
-    if tuple(v.shape[:3]) != (B, N, H):
-        raise ValueError(f"v must be (B, N, H, d_v) = ({B}, {N}, {H}, d_v), got {tuple(v.shape)}")
-    check_same("k", k, "q", q, "dtype")
-    check_same("v", v, "q", q, "dtype")
-    d_v = v.shape[3]
-    check_kernel_tensor("g", g, rank=4, dtypes=("float32",))
-    check_same("g", g, "q", q, "shape")
-    check_kernel_tensor("beta", beta, rank=3, dtypes=("float32",))
-    if tuple(beta.shape) != (B, N, H):
-        raise ValueError(f"beta must be (B, N, H) = ({B}, {N}, {H}), got {tuple(beta.shape)}")
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate("g", g, (B, N, H, d_k), "(B, N, H, d_k)")
+    check_gate("beta", beta, (B, N, H), "(B, N, H)")
     if initial_state is not None:
-        check_kernel_tensor("initial_state", initial_state, rank=4, dtypes=("float32",))
-        if tuple(initial_state.shape) != (B, H, d_k, d_v):
-            raise ValueError(f"initial_state must be (B, H, d_k, d_v) = ({B}, {H}, {d_k}, {d_v}), "
-                             f"got {tuple(initial_state.shape)}")
+        check_gate("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-    _check_gate_and_beta_values(g, beta)
+    check_gate_values(g, beta)
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
 
     N_padded = padded_length(N, chunk_size)
-    if N_padded != N:
-        pad = (0, 0, 0, 0, 0, N_padded - N)  # torch pads from the last axis backwards
-        q, k, v, g = (torch.nn.functional.pad(x, pad) for x in (q, k, v, g))
-        beta = torch.nn.functional.pad(beta, (0, 0, 0, N_padded - N))
+    q, k, v, g, beta = pad_tokens(N_padded, q, k, v, g, beta)
     if initial_state is None:
         initial_state = q.new_zeros((B, H, d_k, d_v), dtype=torch.float32)
-    dtype = str(q.dtype).removeprefix("torch.")
-    prepare = _compiled_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype, prepare_threads)
-    recurrence = _compiled_recurrence(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
+    prepare = _compiled_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype_name(q), prepare_threads)
+    recurrence = _compiled_recurrence(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages,
+                                      threads)
     o, final_state = recurrence(*prepare(q, k, v, g, beta), initial_state)
     o = o[:, :N]
     return (o, final_state) if output_final_state else o
@@ -361,18 +352,7 @@ def default_prepare_threads(chunk_size):
     return 32 * (chunk_size // 16) * (SUB_BLOCK // 8)
 
 
-def _check_gate_and_beta_values(g, beta):
-    """g <= 0 (a decay, never a growth) and 0 <= beta <= 1; one device sync for both."""
-    import torch
-
-    gate_grows, beta_outside = torch.stack([(g > 0).any(), ((beta < 0) | (beta > 1)).any()]).tolist()
-    if gate_grows:
-        raise ValueError("g must be <= 0 everywhere (log of a decay in (0, 1]); "
-                         f"its largest entry is {g.max().item():.3g}")
-    if beta_outside:
-        raise ValueError(f"beta must lie in [0, 1]; its range is [{beta.min().item():.3g}, {beta.max().item():.3g}]")
-
-
+@functools.cache  # the page's report and the compile test share one nvcc run
 def compile_report(kernel="recurrence", B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
                    block_dv=DEFAULT_BLOCK_DV, dtype="float16"):
     """Lower and compile one kernel ("prepare" or "recurrence") for sm_90a without a GPU."""
