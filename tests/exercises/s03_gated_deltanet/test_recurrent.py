@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from stages.common.errors import error_report
+from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.oracles import delta_rule
 
@@ -23,20 +23,20 @@ def test_first_token(recurrent):
     """From a zero state the first token writes beta v k^T, undecayed: o_0 = beta (q . k) v."""
     x = _inputs(1, 1, 1, 4, 3, seed=1)
     expected = x.beta[0, 0, 0] * (x.q[0, 0, 0] @ x.k[0, 0, 0]) * x.v[0, 0, 0]
-    np.testing.assert_allclose(recurrent(x.q, x.k, x.v, x.g, x.beta)[0, 0, 0], expected, rtol=1e-12)
+    assert_close(recurrent(x.q, x.k, x.v, x.g, x.beta)[0, 0, 0], expected, rtol=1e-12, name="o of the first token", axes=("channel",))
 
 
 @pytest.mark.parametrize("B, N, H, d_k, d_v", [(1, 5, 1, 4, 4), (2, 17, 3, 8, 5)])
 def test_matches_delta_rule(recurrent, B, N, H, d_k, d_v):
     x = _inputs(B, N, H, d_k, d_v, seed=2)
     expected = delta_rule(x.q, x.k, x.v, x.beta, x.g)
-    assert error_report(recurrent(x.q, x.k, x.v, x.g, x.beta), expected).rel_l2 <= 1e-12
+    assert_close(recurrent(x.q, x.k, x.v, x.g, x.beta), expected, rel_l2=1e-12)
 
 
 def test_g_zero_is_deltanet(recurrent):
     x = _inputs(2, 12, 2, 6, 4, seed=3)
     expected = delta_rule(x.q, x.k, x.v, x.beta)
-    assert error_report(recurrent(x.q, x.k, x.v, np.zeros_like(x.g), x.beta), expected).rel_l2 <= 1e-12
+    assert_close(recurrent(x.q, x.k, x.v, np.zeros_like(x.g), x.beta), expected, rel_l2=1e-12)
 
 
 def test_rejects_mismatched_shapes(recurrent):

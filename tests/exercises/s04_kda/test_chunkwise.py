@@ -2,7 +2,7 @@
 
 import pytest
 
-from stages.common.errors import error_report
+from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.oracles import kda_delta_rule
 
@@ -27,7 +27,7 @@ def chunkwise(target_module):
 def test_matches_delta_rule_form(chunkwise, N, chunk_size):
     x = make_inputs(2, N, 2, 6, 5, gate="channel", gate_range=(0.5, 0.999), beta_range=(0.1, 0.9), seed=N)
     actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, chunk_size)
-    assert error_report(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)).rel_l2 <= 1e-12
+    assert_close(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta), rel_l2=1e-12, chunk_size=chunk_size)
 
 
 def test_rejects_bad_chunk_size(chunkwise):

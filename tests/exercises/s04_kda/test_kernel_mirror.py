@@ -4,7 +4,7 @@ several chunks, several blocks of value columns."""
 
 import pytest
 
-from stages.common.errors import error_report
+from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.oracles import kda_delta_rule
 
@@ -32,21 +32,21 @@ def _inputs(N, seed):
 def test_matches_delta_rule_form(kernel_mirror, N, chunk_size, block_dv):
     x = _inputs(N, seed=N + block_dv)
     actual = kernel_mirror(x.q, x.k, x.v, x.g, x.beta, chunk_size, block_dv)
-    assert error_report(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)).rel_l2 <= 1e-12
+    assert_close(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta), rel_l2=1e-12, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("sub_chunk_size", [1, 2, 4])
 def test_sub_chunks_match_delta_rule_form(kernel_mirror, sub_chunk_size):
     x = _inputs(24, seed=5)
     actual = kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 8, 3, sub_chunk_size=sub_chunk_size)
-    assert error_report(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)).rel_l2 <= 1e-12
+    assert_close(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta), rel_l2=1e-12, chunk_size=8)
 
 
 def test_independent_of_block_dv(kernel_mirror):
     x = _inputs(24, seed=6)
     by_block = [kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 8, block_dv) for block_dv in (1, 2, 3, 6)]
     for other in by_block[1:]:
-        assert error_report(other, by_block[0]).rel_l2 <= 1e-14
+        assert_close(other, by_block[0], rel_l2=1e-14, chunk_size=8, name="the output with another block_dv")
 
 
 def test_rejects_block_dv_that_does_not_divide_d_v(kernel_mirror):

@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from stages.common.compare import assert_close, assert_rule
+
 STAGE = "s05_fast_kda"
 
 
@@ -25,8 +27,25 @@ def test_equals_numpy_inverse(block_inverse, C, block):
     L = np.tril(rng.uniform(-0.5, 0.5, (C, C)), -1)
     expected = np.linalg.inv(np.eye(C) + L)
     actual = block_inverse(L, block)
-    assert np.max(np.abs(actual - expected)) <= 1e-12 * np.max(np.abs(expected))
+    assert_close(actual, expected, max_abs=1e-12 * np.max(np.abs(expected)), name="T = (I + L)^{-1}",
+                 axes=("row", "column"))
 
 
 def test_identity_for_zero_l(block_inverse):
-    np.testing.assert_array_equal(block_inverse(np.zeros((8, 8)), 4), np.eye(8))
+    assert_close(block_inverse(np.zeros((8, 8)), 4), np.eye(8), max_abs=0.0, name="T for L = 0", axes=("row", "column"))
+
+
+LIBRARY_SOLVERS = ("inv", "pinv", "solve", "tensorinv", "tensorsolve", "lstsq")
+
+
+def test_builds_the_inverse_without_a_library_solver(block_inverse, monkeypatch):
+    """The kernel has no inverse to call: the exercise builds T from substitutions and products."""
+    called = []
+    for name in LIBRARY_SOLVERS:
+        library_function = getattr(np.linalg, name)
+        monkeypatch.setattr(np.linalg, name, lambda *args, _f=library_function, _n=name, **kwargs: (
+            called.append(_n), _f(*args, **kwargs))[1])
+    L = np.tril(np.random.default_rng(3).uniform(-0.5, 0.5, (8, 8)), -1)
+    block_inverse(L, 4)
+    assert_rule(not called, "block_inverse builds T by forward substitution and GEMM-shaped merges, "
+                "without a library inverse or solver", f"it called np.linalg.{', np.linalg.'.join(sorted(set(called)))}")
