@@ -18,9 +18,7 @@ from stages.common.checks import check_log_gates, check_positive_integer
 def decay_table(g_head: float, chunk_size: int, dtype: DTypeLike = np.float64) -> np.ndarray:
     """Gamma (C x C) of one head: Gamma[i, j] = alpha^(i - j) for j <= i, 0 above the diagonal.
 
-    g_head = log(alpha), a scalar. The ratio form: the exponent gamma_i - gamma_j = (i - j) g_head
-    is formed first, so every entry is e^{<= 0}, at most 1, and fits any dtype. Gamma depends on
-    i - j only, so one table serves every chunk.
+    g_head = log(alpha), a scalar. Gamma depends on i - j only, so one table serves every chunk.
     """
     check_log_gates("g_head", g_head)
     check_positive_integer("chunk_size", chunk_size)

@@ -3,7 +3,8 @@
 The loops are the kernel's: grid.x over blocks of value columns, grid.y over (batch, head), then
 the pipelined loop over chunks, with the state S^T (d_k x block_dv) kept for the whole program.
 Per chunk: the exponent split makes M and A_qk two GEMMs, one forward substitution solves
-(I + L) X = [K ⊙ e^{gamma} | V], beta comes after it, and the state decays row by row.
+(I + L) X = [K ⊙ e^{gamma} | V] for W = diag(beta) T (K ⊙ e^{gamma}) and U = diag(beta) T V, and the
+state decays row by row.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
 Read: docs, stage 4, "Reference C: the kernel's control flow".  Check: course check s04
@@ -59,7 +60,7 @@ def kernel_mirror(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64A
                 A_qk = np.tril(A_qk)  # inclusive: j <= c
                 # one forward substitution (I + L) X = [K ⊙ e^{gamma} | V], row by row
                 X = np.concatenate([K * np.exp(gamma), V], axis=1)
-                X *= beta_c[:, None]  # beta after the solve: diag(beta) T
+                X *= beta_c[:, None]  # the write strengths
                 for r in range(1, C):
                     X[r] -= L[r, :r] @ X[:r]
                 W, U = X[:, :d_k], X[:, d_k:]

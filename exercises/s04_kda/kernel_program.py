@@ -130,8 +130,8 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 T.gemm(A_qk_s, V_new_s, acc_o)
                 T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
 
-                # constraint 1: the state moves only after the chunk's output is written;
-                # constraint 2: its rows decay (one rate per key channel) before the GEMM adds to it
+                # the state moves past the chunk (constraints 1 and 2): its rows decay, one rate per
+                # key channel, and the GEMM adds the chunk's keys and pseudo-values
                 for r, d in T.Parallel(C, d_k):
                     K_plus_s[r, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
                 T.gemm(K_plus_s, V_new_s, S_f, transpose_A=True)

@@ -27,7 +27,6 @@ def recurrent(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array
                 k_t, beta_t = k[b, t, h], beta[b, t, h]
                 decay = np.diag(np.exp(g[b, t, h]))  # Diag(a_t): one rate per key channel
                 householder = np.eye(d_k) - beta_t * np.outer(k_t, k_t)
-                # Diag(a_t) sits between S_{t-1} and the Householder factor
                 S = S @ householder @ decay + beta_t * np.outer(v[b, t, h], k_t)
                 o[b, t, h] = S @ q[b, t, h]
                 # EXERCISE END

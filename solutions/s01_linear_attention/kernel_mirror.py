@@ -1,7 +1,7 @@
 """Exercise s01.kernel_mirror (fix): reference C, the kernel's control flow in NumPy.
 
 The loops are the kernel's: grid.x over blocks of value columns, grid.y over (batch, head), then
-the pipelined loop over chunks, with the state S^T (d_k x block_dv) kept for the whole program.
+the pipelined loop over chunks; the state S^T (d_k x block_dv) lives on chip.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
 Read: docs, stage 1, "Reference C: the kernel's control flow".  Check: course check s01
@@ -30,7 +30,7 @@ def kernel_mirror(q: Float64Array, k: Float64Array, v: Float64Array, chunk_size:
         for i_bh in range(B * H):  # grid.y: one program per (batch, head)
             b, h = divmod(i_bh, H)
             # EXERCISE BEGIN
-            S_T = np.zeros((d_k, block_dv))  # the state, on chip for the whole program
+            S_T = np.zeros((d_k, block_dv))  # the state, in registers
             for i_c in range(q.shape[1] // C):  # the pipelined chunk loop
                 rows = slice(i_c * C, (i_c + 1) * C)
                 Q, K, V = q[b, rows, h], k[b, rows, h], v[b, rows, h, cols]

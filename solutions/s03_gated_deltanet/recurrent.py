@@ -27,7 +27,6 @@ def recurrent(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array
                 k_t, beta_t = k[b, t, h], beta[b, t, h]
                 alpha_t = np.exp(g[b, t, h])  # one decay for the whole state
                 householder = np.eye(d_k) - beta_t * np.outer(k_t, k_t)
-                # the old state decays and loses its component along k_t; the new write does not decay
                 S = alpha_t * S @ householder + beta_t * np.outer(v[b, t, h], k_t)
                 o[b, t, h] = S @ q[b, t, h]
                 # EXERCISE END

@@ -130,8 +130,8 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 T.gemm(A_qk_s, V_new_s, acc_o)
                 T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
 
-                # constraint 1: the state moves only after the chunk's output is written;
-                # constraint 2: its rows decay (one rate per key channel) before the GEMM adds to it
+                # the state moves past the chunk (constraints 1 and 2): its rows decay, one rate per
+                # key channel, and the GEMM adds the chunk's keys and pseudo-values
                 for d, j in T.Parallel(d_k, block_dv):
                     S_f[d, j] *= T.exp2(gamma_s[C - 1, d] * LOG2_E)
                 for r, d in T.Parallel(C, d_k):
