@@ -8,7 +8,7 @@ import pytest
 from markdown.extensions.toc import slugify
 
 from kdacourse import REPO_ROOT, site
-from kdacourse.catalog import exercises
+from kdacourse.catalog import exercises, load_catalog
 from kdacourse.pages import generators
 
 DOCS = REPO_ROOT / "docs"
@@ -26,6 +26,7 @@ STAGE_SECTIONS = [
     "Numerics",
     "Exercises",
     "Known bugs",
+    "What comes next",
 ]
 INCLUDE = re.compile(r'^\s*--8<--\s+"([^"]+)"', re.MULTILINE)
 
@@ -164,3 +165,92 @@ def test_headings_hold_no_math(page):
         elif line.startswith("#") and not in_code:
             headings.append(line)
     assert not [h for h in headings if "$" in h or "\\(" in h], f"{page}: math in a heading"
+
+
+# A page never shows the answer to an exercise before the exercise (DESIGN.md, "Exercises"): the
+# code of a function that is an exercise appears after its subsection, collapsed, or in another form.
+SECTION_MARKER = re.compile(r"--8<--\s*\[(start|end):[^\]]*\]")
+COLLAPSED = re.compile(r"^(\s*)\?\?\?(?!\+)\s")  # `??? kind "title"`; `???+` opens expanded
+
+
+def included_lines(include):
+    """The lines `--8<-- "file"` or `--8<-- "file:section"` puts on the page, markers stripped."""
+    path, _, section = include.partition(":")
+    lines = (REPO_ROOT / path).read_text(encoding="utf-8").splitlines()
+    if section and not section.replace(":", "").isdigit():
+        start, end = f"--8<-- [start:{section}]", f"--8<-- [end:{section}]"
+        first = next(i for i, line in enumerate(lines) if start in line)
+        last = next(i for i, line in enumerate(lines) if end in line and i > first)
+        lines = lines[first + 1:last]
+    return [line for line in lines if not SECTION_MARKER.search(line)]
+
+
+def shown_lines(lines):
+    """What a reader sees without opening anything: collapsed blocks dropped, includes expanded."""
+    shown, collapsed_at = [], None
+    for line in lines:
+        indent = len(line) - len(line.lstrip())
+        if collapsed_at is not None and (not line.strip() or indent > collapsed_at):
+            continue
+        collapsed_at = None
+        match = COLLAPSED.match(line)
+        if match:
+            collapsed_at = len(match.group(1))
+            continue
+        include = INCLUDE.match(line)
+        shown.extend(included_lines(include.group(1)) if include else [line])
+    return shown
+
+
+def code_lines(lines):
+    """Lines as code compares them: comments and surrounding blanks dropped, empty lines skipped."""
+    stripped = (re.sub(r"\s+#.*$", "", line).strip() for line in lines)
+    return [line for line in stripped if line and not line.startswith("#")]
+
+
+def region_lines(exercise):
+    """The lines of the solution's EXERCISE region: the answer of a fill exercise."""
+    text = (REPO_ROOT / "solutions" / exercise.stage / exercise.file).read_text(encoding="utf-8")
+    return code_lines(text.split("# EXERCISE BEGIN", 1)[1].split("# EXERCISE END", 1)[0].splitlines())
+
+
+def above_exercise(exercise):
+    """The page's lines a reader meets before the exercise's own subsection (the whole page if none)."""
+    page = DOCS / exercise.read.partition("#")[0]
+    lines = page.read_text(encoding="utf-8").splitlines()
+    heading = re.compile(rf"^###\s+`{re.escape(exercise.id)}`")
+    end = next((i for i, line in enumerate(lines) if heading.match(line)), len(lines))
+    return page, code_lines(shown_lines(lines[:end]))
+
+
+def runs_in(needle, haystack):
+    return any(haystack[i:i + len(needle)] == needle for i in range(len(haystack) - len(needle) + 1))
+
+
+@pytest.mark.parametrize("exercise", exercises(), ids=lambda exercise: exercise.id)
+def test_page_shows_no_solution_before_the_exercise(exercise):
+    """A fill exercise's answer lines, or a fix exercise's fixed lines, are not shown above it."""
+    page, shown = above_exercise(exercise)
+    if exercise.kind == "fill":
+        answer = set(line for line in region_lines(exercise) if len(line) >= 16)
+        seen = sorted(answer & set(shown))
+        assert len(seen) < max(3, len(answer) / 2), (
+            f"docs/{page.name} shows {len(seen)} of the {len(answer)} lines of {exercise.id}'s solution above "
+            f"its subsection (outside a collapsed block), e.g. {seen[:3]}: move that code into a "
+            f'`??? success "Solution (open after your check passes)"` block after the exercise')
+    else:
+        fixed = code_lines(load_catalog()[1][exercise.bug].find.splitlines())
+        assert not runs_in(fixed, shown), (
+            f"docs/{page.name} shows the fixed line(s) of {exercise.id} above its subsection (outside a "
+            f"collapsed block): {fixed}")
+
+
+@pytest.mark.parametrize("page", STAGE_PAGES, ids=lambda page: page.name)
+def test_no_prose_above_known_bugs_names_a_shipped_bug(page):
+    """The bug an exercise ships with is not named above "Known bugs" (included tables too)."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    end = next((i for i, line in enumerate(lines) if line.strip() == "## Known bugs"), len(lines))
+    text = "\n".join(shown_lines(lines[:end]))
+    shipped = sorted(exercise.bug for exercise in exercises() if exercise.bug)
+    named = [bug for bug in shipped if re.search(rf"(?<![\w-]){re.escape(bug)}(?![\w-])", text)]
+    assert not named, f"{page.name} names shipped bug(s) {named} above its Known bugs section"
