@@ -53,6 +53,7 @@ def vendor_mathjax():
             "`brew install node`), then run `make setup` or `course build` again.")
     command = [npm, "install", "--prefix", str(NPM_PREFIX), "--no-audit", "--no-fund", "--silent",
                f"mathjax@{MATHJAX_VERSION}"]
+    print(f"fetching MathJax {MATHJAX_VERSION} from the npm registry (once)", flush=True)
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise SetupError(f"`{' '.join(command)}` failed ({result.returncode}):\n{result.stderr[-2000:]}")
@@ -68,6 +69,11 @@ def vendor_mathjax():
             shutil.copy2(source / name, destination)
     (VENDOR_DIR / "VERSION").write_text(MATHJAX_VERSION + "\n")
     print(f"MathJax {MATHJAX_VERSION} copied into {VENDOR_DIR.relative_to(REPO_ROOT)}", flush=True)
+
+
+def _shown(path):
+    path = Path(path)
+    return str(path.relative_to(REPO_ROOT)) + "/" if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 def site_url(port):
@@ -88,6 +94,8 @@ def build(site_dir=SITE_DIR, quiet=False, port=8000):
     command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)]
     if quiet:
         command.append("--quiet")
+    else:
+        print(f"building the site into {_shown(site_dir)} (mkdocs build --strict; a few seconds)", flush=True)
     environment = dict(os.environ, COURSE_SITE_URL=site_url(port),
                        NO_MKDOCS_2_WARNING="1")  # Material's banner about its successor
     return subprocess.run(command, cwd=REPO_ROOT, env=environment).returncode

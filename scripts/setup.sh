@@ -5,13 +5,18 @@ set -euo pipefail
 python=${1:-python3}
 venv=${2:-.venv}
 cd "$(dirname "$0")/.."
+echo "setup [1/5]: a virtual environment in $venv"
 "$python" -m venv "$venv"
+echo "setup [2/5]: the latest pip"
 "$venv/bin/python" -m pip install -q --upgrade pip
 # The CPU build of torch first and pinned: left to the resolver, torch would arrive as a CUDA build
 # of several GB. Kernels run on a GPU machine, which brings its own CUDA torch.
+echo "setup [3/5]: torch, CPU build (the largest download)"
 "$venv/bin/python" -m pip install -q "torch==2.13.0"
+echo "setup [4/5]: the course and its dependencies (pyproject.toml: NumPy, SymPy, TileLang, pytest; MkDocs, matplotlib, Playwright, ruff)"
 # with the extras the site (MkDocs, matplotlib) and the tests (Playwright's driver, ruff) need
 "$venv/bin/python" -m pip install -q -e ".[site,test]"
-# MathJax for the site, from the npm registry into docs/javascripts/vendor/ (needs npm; silent when done)
+# MathJax for the site, from the npm registry into docs/javascripts/vendor/ (needs npm; nothing to do when done)
+echo "setup [5/5]: MathJax for the site, from npm"
 "$venv/bin/python" -m kdacourse.site vendor
 echo "course environment ready in $venv"
