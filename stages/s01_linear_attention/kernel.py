@@ -13,8 +13,6 @@ Run `python -m stages.s01_linear_attention.kernel` to compile it for sm_90a and 
 report (no GPU needed), or to check it against reference A on a GPU.
 """
 
-from __future__ import annotations
-
 import functools
 from typing import TYPE_CHECKING
 
@@ -70,7 +68,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 T.copy(Q[b, t0:t0 + C, h, :], Q_s)
                 T.copy(K[b, t0:t0 + C, h, :], K_s)
                 T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
-# --8<-- [end:program_head]
+                # --8<-- [end:program_head]
 
                 # intra-chunk scores Q K^T, causally masked with the diagonal included
                 T.gemm(Q_s, K_s, scores, transpose_B=True, clear_accum=True)
@@ -99,8 +97,8 @@ def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, thread
 
 
 # --8<-- [start:forward]
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE,
-            block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2, threads: int = 128) -> torch.Tensor:
+def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", chunk_size: int = DEFAULT_CHUNK_SIZE,
+            block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2, threads: int = 128) -> "torch.Tensor":
     """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16.
 
     Returns o: (B, N, H, d_v) in the input dtype. N need not be a multiple of chunk_size: the
