@@ -21,8 +21,6 @@ Every exp is exp2(x * log2(e)). Run `python -m stages.s02_scalar_decay.kernel` t
 sm_90a and print its ptxas report (no GPU needed), or to check it against reference A on a GPU.
 """
 
-from __future__ import annotations
-
 import functools
 from typing import TYPE_CHECKING
 
@@ -131,8 +129,8 @@ def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, thread
 
 
 # --8<-- [start:forward]
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE,
-            block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2, threads: int = 128) -> torch.Tensor:
+def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", chunk_size: int = DEFAULT_CHUNK_SIZE,
+            block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2, threads: int = 128) -> "torch.Tensor":
     """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16, and
     g = log(alpha): (H,) float32, finite and <= 0.
 

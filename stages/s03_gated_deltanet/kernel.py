@@ -19,8 +19,6 @@ Run `python -m stages.s03_gated_deltanet.kernel` to compile it for sm_90a and pr
 report (no GPU needed), or to check it against reference A on a GPU.
 """
 
-from __future__ import annotations
-
 import functools
 from typing import TYPE_CHECKING
 
@@ -154,9 +152,9 @@ def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, thread
 
 
 # --8<-- [start:forward]
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
             chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2,
-            threads: int = 128) -> torch.Tensor:
+            threads: int = 128) -> "torch.Tensor":
     """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16, and
     g = log(alpha), beta: (B, N, H), float32, with g <= 0 and 0 <= beta <= 1.
 

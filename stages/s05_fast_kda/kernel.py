@@ -19,8 +19,6 @@ Run `python -m stages.s05_fast_kda.kernel` to compile both for sm_90a and print 
 (no GPU needed), or to check them against the float64 references (and FLA, if installed) on a GPU.
 """
 
-from __future__ import annotations
-
 import functools
 from typing import TYPE_CHECKING
 
@@ -296,10 +294,10 @@ def _compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_sta
 
 
 # --8<-- [start:forward]
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
             chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2,
-            threads: int = 128, prepare_threads: int | None = None, initial_state: torch.Tensor | None = None,
-            output_final_state: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            threads: int = 128, prepare_threads: int | None = None, initial_state: "torch.Tensor | None" = None,
+            output_final_state: bool = False) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
     """Run both kernels on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16),
     g: (B, N, H, d_k) fp32 log gates (<= 0), beta: (B, N, H) fp32 in [0, 1].
 
