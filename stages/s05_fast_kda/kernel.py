@@ -297,31 +297,32 @@ def _compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_sta
 def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
             chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2,
             threads: int = 128, prepare_threads: int | None = None, initial_state: "torch.Tensor | None" = None,
-            output_final_state: bool = False) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+            output_final_state: bool = False,
+            check_values: bool = True) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
     """Run both kernels on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16),
     g: (B, N, H, d_k) fp32 log gates (<= 0), beta: (B, N, H) fp32 in [0, 1].
 
     initial_state: S_0^T (B, H, d_k, d_v) fp32 or None (zeros). Returns o: (B, N, H, d_v) in the
     input dtype, and with output_final_state also the final state S^T (B, H, d_k, d_v) fp32.
     N need not be a multiple of chunk_size: the sequence is zero-padded, which is exact (see
-    reference.kernel_mirror).
+    reference.kernel_mirror). check_values=False skips the check of g's and beta's values (a pass over
+    both and a device sync): the caller vouches for them, and the call has no host sync left.
     """
-    import torch
-
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate("g", g, (B, N, H, d_k), "(B, N, H, d_k)")
     check_gate("beta", beta, (B, N, H), "(B, N, H)")
     if initial_state is not None:
         check_gate("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-    check_gate_values(g, beta)
+    if check_values:
+        check_gate_values(g, beta)
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
 
     N_padded = padded_length(N, chunk_size)
     q, k, v, g, beta = pad_tokens(N_padded, q, k, v, g, beta)
     if initial_state is None:
-        initial_state = q.new_zeros((B, H, d_k, d_v), dtype=torch.float32)
+        initial_state = zero_state(B, H, d_k, d_v, q.device)
     prepare = _compiled_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype_name(q), prepare_threads)
     recurrence = _compiled_recurrence(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages,
                                       threads)
@@ -329,6 +330,28 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     o = o[:, :N]
     return (o, final_state) if output_final_state else o
 # --8<-- [end:forward]
+
+
+def zero_state(B: int, H: int, d_k: int, d_v: int, device: "torch.device") -> "torch.Tensor":
+    """S_0^T = 0 (B, H, d_k, d_v) fp32 on `device`: one tensor per shape and device, made once.
+
+    Shared safely because it never leaves forward and nothing writes it: the recurrence kernel only
+    reads Initial_state. While a CUDA graph is being captured a fresh tensor is made instead (one
+    made then would live in the graph's private memory pool, not beside the others).
+    """
+    import torch
+
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros((B, H, d_k, d_v), dtype=torch.float32, device=device)
+    return _cached_zero_state(B, H, d_k, d_v, device)
+
+
+@functools.lru_cache(maxsize=8)  # a few shapes: a long-lived caller with many batch sizes holds at most 8
+def _cached_zero_state(B, H, d_k, d_v, device):
+    import torch
+
+    with torch.inference_mode(False):  # a normal tensor even when first made under inference_mode
+        return torch.zeros((B, H, d_k, d_v), dtype=torch.float32, device=device)
 
 
 def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):

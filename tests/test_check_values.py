@@ -1,0 +1,45 @@
+"""check_values=False in every gated stage's forward: the value checks are skipped, nothing else.
+
+On a CPU the device check comes after the value checks, so a forward given bad gate values on CPU
+tensors fails on the values with the checks on, and on the device with them off.
+"""
+
+import pytest
+
+STAGES = ["s02_scalar_decay", "s03_gated_deltanet", "s04_kda", "s05_fast_kda"]
+
+
+def _inputs(stage, torch):
+    q = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
+    beta = torch.full((1, 64, 2), 0.5)
+    gate_shape = {"s02_scalar_decay": (2,), "s03_gated_deltanet": (1, 64, 2)}.get(stage, (1, 64, 2, 64))
+    growing = torch.full(gate_shape, 0.2)  # g > 0: a growth, refused by the value check
+    return (q, q, q, growing) if stage == "s02_scalar_decay" else (q, q, q, growing, beta + 1)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_check_values_false_skips_only_the_value_checks(stage):
+    torch = pytest.importorskip("torch")
+    import importlib
+
+    forward = importlib.import_module(f"stages.{stage}.kernel").forward
+    args = _inputs(stage, torch)
+    with pytest.raises(ValueError, match="g must be finite and <= 0"):
+        forward(*args)
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):
+        forward(*args, check_values=False)
+    with pytest.raises(TypeError, match="g must have dtype float32"):  # the other checks stay
+        forward(*args[:3], args[3].double(), *args[4:], check_values=False)
+
+
+def test_s05_zero_state_is_made_once_per_shape_and_device():
+    torch = pytest.importorskip("torch")
+    from stages.s05_fast_kda.kernel import zero_state
+
+    first = zero_state(1, 2, 16, 32, torch.device("cpu"))
+    assert first.shape == (1, 2, 16, 32) and first.dtype == torch.float32 and not first.any()
+    assert zero_state(1, 2, 16, 32, torch.device("cpu")) is first
+    assert zero_state(2, 2, 16, 32, torch.device("cpu")) is not first
+    with torch.inference_mode():
+        made_under_inference = zero_state(3, 2, 16, 32, torch.device("cpu"))
+    assert not made_under_inference.is_inference()
