@@ -35,6 +35,8 @@ program as TileLang parsed it (`prim_func.script()`).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 __all__ = ["interpret", "run", "InterpreterError", "UnsupportedConstruct", "round_to_dtype", "NUMPY_DTYPES"]
@@ -138,6 +140,8 @@ class _Program:
         self.tirx = _tirx()
         self.func = prim_func
         self._script_lines = None
+        self._statement = None  # the statement being compiled, for error messages
+        self.written = set()  # slots of the buffers the program writes (copied back when out_idx is None)
         self.slots = {}  # id-independent: TIR Vars and Buffers hash by their node
         self.buffers = {}  # slot -> tirx.Buffer
         self.params = [prim_func.buffer_map[p] if p in prim_func.buffer_map else p for p in prim_func.params]
@@ -163,7 +167,10 @@ class _Program:
         """The line of `node` in the program as TileLang parsed it, and that line's text."""
         if self._script_lines is None:
             self._script_lines = self.func.script().splitlines()
-        first = str(node).strip().splitlines()[0].strip() if str(node).strip() else ""
+        # str(stmt) prints a declaration for every buffer the statement touches before the statement
+        text = [line.strip() for line in str(node).splitlines()
+                if line.strip() and not _DECLARATION.match(line.strip()) and not line.strip().startswith("#")]
+        first = text[0] if text else ""
         for number, line in enumerate(self._script_lines, start=1):
             if first and first in line:
                 return number, line.strip()
@@ -171,14 +178,34 @@ class _Program:
 
     def _unsupported(self, construct, node):
         number, text = self._line_of(node)
-        where = f"line {number} of {self.func.attrs['global_symbol'] if self.func.attrs and 'global_symbol' in self.func.attrs else 'the program'}.script()" if number else "the program"
-        return UnsupportedConstruct(f"the tile interpreter does not run {construct}, at {where}: {text}")
+        if number is None and self._statement is not None:  # an expression: name its statement's line
+            number, text = self._line_of(self._statement)
+        where = f"line {number} of {self._name()}.script()" if number else "the program"
+        source = self._source_line(node if isinstance(node, self.tirx.Stmt) else self._statement)
+        return UnsupportedConstruct(f"the tile interpreter does not run {construct}, at {source}{where}: {text}")
+
+    def _source_line(self, stmt):
+        """'file.py:12 (the line), ' where TileLang recorded the Python line of `stmt` (it stamps
+        statements with their source span by default), else ''."""
+        try:
+            from tilelang.ir import get_stmt_span
+
+            span = get_stmt_span(stmt) if stmt is not None else None
+        except (ImportError, AttributeError, TypeError):  # an older TileLang, or a node without a span
+            return ""
+        if span is None or not span.line:
+            return ""
+        import linecache
+
+        name = str(span.source_name.name)
+        code = linecache.getline(name, int(span.line)).strip()
+        return f"{name}:{span.line} ({code}), " if code else f"{name}:{span.line}, "
 
     # ---- launching ------------------------------------------------------------------------------
 
     def bind(self, out_idx):
         if out_idx is None:
-            return lambda *arrays: self.launch([self._as_param(i, a) for i, a in enumerate(arrays)])
+            return self._in_place
         outputs = [out_idx] if isinstance(out_idx, int) else list(out_idx)
         outputs = [i % len(self.params) for i in outputs]
 
@@ -198,6 +225,23 @@ class _Program:
             return results[0] if len(results) == 1 else results
 
         return kernel
+
+    def _in_place(self, *arrays):
+        """Run on every parameter, then write what the program wrote back into the caller's arrays
+        (the parameters it only reads are left as given, not replaced by their rounded copies)."""
+        if len(arrays) != len(self.params):
+            raise InterpreterError(f"{self._name()} takes {len(self.params)} arrays, got {len(arrays)}")
+        copies = [self._as_param(i, a) for i, a in enumerate(arrays)]
+        self.launch(copies)
+        for buffer, given, result in zip(self.params, arrays, copies):
+            if self._slot(buffer) not in self.written:
+                continue
+            if hasattr(given, "copy_"):  # a torch tensor
+                import torch
+
+                given.copy_(torch.from_numpy(result))
+            else:
+                given[...] = result
 
     def _name(self):
         attrs = self.func.attrs
@@ -230,11 +274,21 @@ class _Program:
                     f"{buffer.name} must be a {NUMPY_DTYPES[str(buffer.dtype)].__name__} array of shape {shape}, "
                     f"got {array.dtype} {array.shape}")
             frame.values[self._slot(buffer)] = array
-        self.body(frame)
+        # lanes masked off still compute (vectorized) and may divide by zero; a GPU does not warn
+        # either: inf and NaN show in the outputs where they matter
+        with np.errstate(all="ignore"):
+            self.body(frame)
 
     # ---- statements -----------------------------------------------------------------------------
 
     def _stmt(self, node):
+        outer, self._statement = self._statement, node
+        try:
+            return self._compile_stmt(node)
+        finally:
+            self._statement = outer
+
+    def _compile_stmt(self, node):
         t = self.tirx
         handler = {
             t.SeqStmt: self._seq,
@@ -311,6 +365,9 @@ class _Program:
 
     def _for(self, node):
         kind = int(node.kind)
+        step = getattr(node, "step", None)  # TileLang's frontend rewrites T.serial(a, b, s) to a unit step
+        if step is not None and _as_int(step) != 1:
+            raise self._unsupported(f"a loop with step {step}", node)
         # ForKind: 0 serial, 1 parallel, 2 vectorized, 3 unrolled, 4 thread binding
         if kind == 4:
             return self._grid_loop(node)
@@ -409,6 +466,7 @@ class _Program:
         buffer = node.buffer
         slot, dtype = self._slot(buffer), str(buffer.dtype)
         value = self._expr(node.value)
+        self.written.add(slot)
         if _is_var(buffer):
             def run_var_store(frame):
                 new = round_to_dtype(value(frame), dtype)
@@ -441,6 +499,10 @@ class _Program:
         if not isinstance(call, self.tirx.Call):
             return lambda frame: None
         op = str(call.op.name) if hasattr(call.op, "name") else str(call.op)
+        if op == "tirx.tvm_storage_sync":
+            # T.sync_threads(): every statement here finishes before the next starts, so a barrier
+            # changes nothing (and a missing one cannot show: see the module docstring)
+            return lambda frame: None
         handler = {
             "tl.tileop.copy": self._copy,
             "tl.tileop.gemm": self._gemm,
@@ -482,6 +544,7 @@ class _Program:
             raise self._unsupported(
                 f"T.copy between regions of shapes {src_sizes} ({src.name}) and {dst_sizes} ({dst.name})", node)
         dtype = str(dst.dtype)
+        self.written.add(dst_slot)
 
         def run_copy(frame):
             self._tile_guard(frame, "T.copy")
@@ -494,6 +557,7 @@ class _Program:
     def _fill(self, call, node):
         slot, buffer, starts, sizes = self._region(call.args[0], node)
         value, dtype = self._expr(call.args[1]), str(buffer.dtype)
+        self.written.add(slot)
 
         def run_fill(frame):
             self._tile_guard(frame, "T.fill")
@@ -505,9 +569,11 @@ class _Program:
 
         return run_fill
 
-    def _matrix(self, frame, slot, starts, sizes):
+    def _matrix(self, frame, slot, starts, sizes, shape):
         tile = _read_window(frame.values[slot], [int(s(frame)) for s in starts], sizes)
-        return tile.reshape(sizes[-2:])
+        if tile.size != shape[0] * shape[1]:
+            raise InterpreterError(f"T.gemm: a region of sizes {sizes} is not a {shape[0]} x {shape[1]} operand")
+        return tile.reshape(shape)
 
     def _gemm(self, call, node):
         args = call.args
@@ -515,9 +581,15 @@ class _Program:
         b_slot, b, b_starts, b_sizes = self._region(args[1], node)
         c_slot, c, c_starts, c_sizes = self._region(args[2], node)
         transpose_a, transpose_b = bool(_as_int(args[3])), bool(_as_int(args[4]))
+        # the operands' 2-D shapes from the call's M, N, K (a region may carry unit axes anywhere)
+        M, N, K = (_as_int(x) for x in args[5:8])
+        if None in (M, N, K):
+            raise self._unsupported("T.gemm of symbolic M, N, K", node)
+        a_shape, b_shape = ((K, M) if transpose_a else (M, K)), ((N, K) if transpose_b else (K, N))
         clear_accum = self._expr(args[9])
         operand_dtypes = {str(a.dtype), str(b.dtype)}
         c_dtype = str(c.dtype)
+        self.written.add(c_slot)
 
         def operand(tile, dtype):
             if dtype == "float32":
@@ -526,16 +598,16 @@ class _Program:
 
         def run_gemm(frame):
             self._tile_guard(frame, "T.gemm")
-            lhs = operand(self._matrix(frame, a_slot, a_starts, a_sizes), str(a.dtype))
-            rhs = operand(self._matrix(frame, b_slot, b_starts, b_sizes), str(b.dtype))
+            lhs = operand(self._matrix(frame, a_slot, a_starts, a_sizes, a_shape), str(a.dtype))
+            rhs = operand(self._matrix(frame, b_slot, b_starts, b_sizes, b_shape), str(b.dtype))
             lhs = lhs.T if transpose_a else lhs
             rhs = rhs.T if transpose_b else rhs
-            if lhs.shape[1] != rhs.shape[0] or (lhs.shape[0], rhs.shape[1]) != tuple(c_sizes[-2:]):
+            if int(np.prod(c_sizes)) != M * N:
                 raise InterpreterError(f"T.gemm shapes: {a.name} {lhs.shape} x {b.name} {rhs.shape} -> {c.name} {c_sizes}")
             product = lhs @ rhs
             starts = [int(s(frame)) for s in c_starts]
             if not clear_accum(frame):
-                product = product + self._matrix(frame, c_slot, c_starts, c_sizes).astype(product.dtype)
+                product = product + self._matrix(frame, c_slot, c_starts, c_sizes, (M, N)).astype(product.dtype)
             _write_window(frame.values[c_slot], starts, round_to_dtype(product, c_dtype).reshape(c_sizes))
 
         if operand_dtypes - {"float16", "bfloat16", "float32", "float64"}:
@@ -557,6 +629,7 @@ class _Program:
             raise self._unsupported(f"T.reduce of kind {kind!r}", node)
         reduce_all, combine = reducers[kind]
         dtype = str(dst.dtype)
+        self.written.add(dst_slot)
 
         def run_reduce(frame):
             self._tile_guard(frame, f"T.reduce_{kind}")
@@ -579,6 +652,7 @@ class _Program:
         dst_slot, dst, dst_starts, dst_sizes = self._region(call.args[1], node)
         dim, reverse = _as_int(call.args[2]), bool(_as_int(call.args[3]))
         dtype = str(dst.dtype)
+        self.written.add(dst_slot)
 
         def run_cumsum(frame):
             self._tile_guard(frame, "T.cumsum")
@@ -638,7 +712,8 @@ class _Program:
     def _var(self, node):
         slot = self._slot(node)
         if slot in getattr(self, "_thread_index_slots", ()):
-            raise self._unsupported(f"the thread index {node.name} (the interpreter runs tile-level programs)", node)
+            raise self._unsupported(f"the thread index {node.name} (the interpreter runs tile-level programs)",
+                                    self._statement or node)
         name = node.name
 
         def read_var(frame):
@@ -760,7 +835,9 @@ def _check_bounds(name, shape, where, mask):
         if np.min(index, initial=0) < 0 or np.max(index, initial=0) >= size:
             outside = (index < 0) | (index >= size)
             if np.any(outside & mask):
-                bad = np.asarray(index)[np.broadcast_to(outside & mask, np.shape(index))][0]
+                # the mask may span more lanes than this index varies over: broadcast both
+                index_b, bad_b = np.broadcast_arrays(index, outside & mask)
+                bad = index_b[bad_b][0]
                 raise InterpreterError(f"{name}: index {int(bad)} is outside axis {axis} of size {size}")
             index = np.clip(index, 0, size - 1)  # lanes that do not execute read any valid element
         safe.append(index)
@@ -802,6 +879,10 @@ def _write_window(array, starts, tile):
 def _rsqrt(x):
     return 1.0 / np.sqrt(x)
 
+
+# `X = T.Buffer(...)`, `tx = T.int32()`: the declarations str(stmt) prints above a statement (a statement
+# itself prints as `X[i] = ...`, `x: T.int32 = ...` or a call, never as `name = T.`)
+_DECLARATION = re.compile(r"^[A-Za-z_][A-Za-z0-9_]* = T\.")
 
 _BINARY = {
     "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.true_divide,

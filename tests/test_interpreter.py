@@ -1,0 +1,742 @@
+"""The tile interpreter (stages.common.interpreter): every stage kernel against its references, each
+construct on a tiny program, and three programs written the way TileLang's own examples write them.
+
+Everything here runs on the CPU: TileLang only parses the programs, the interpreter runs them.
+
+Bounds. A float64 program still accumulates in its fp32 fragments, so against reference C it meets
+fp32's unit roundoff u = 2^-24 a few times over (8u); stage 5's block-inverse merges are TF32 GEMMs
+(10 explicit mantissa bits, u = 2^-11) that touch only part of the result, so there 2^-13.
+An fp16 or bf16 program rounds each output through a handful of casts to the dtype (the inputs, the
+decayed or masked GEMM operands, the state as an operand, the output), each at most u relative
+(fp16: 2^-11, bf16: 2^-8); with errors of independent sign these add in quadrature, so its rel L2
+error against reference A stays within ROUNDING_WINDOW = [u / 4, 4u]. The lower end checks that
+the casts round at all: without them the error is fp32's, hundreds of times smaller than bf16's u.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from stages.common.compare import assert_close
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from stages.common.interpreter import InterpreterError, UnsupportedConstruct, interpret, round_to_dtype
+
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24}
+FP32_FLOOR = 8 * UNIT_ROUNDOFF["float32"]  # a float64 program against reference C
+TF32_FLOOR = 2.0**-13  # stage 5's float64 programs: their merges run as TF32 GEMMs
+ROUNDING_WINDOW = (0.25, 4.0)  # the rel L2 error of an fp16 / bf16 program, in units of u
+
+
+def _tilelang():
+    import tilelang.language as T
+
+    return T
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+# ------------------------------------------------------------------------------------------ stage kernels
+
+# B * H = 2 programs per value block, two blocks of d_v columns, several chunks. Stage 5's chunks are
+# 32 or 64 tokens (two or four 16-row sub-blocks), so it runs three chunks of 32.
+B, H, D, BLOCK_DV = 1, 2, 32, 16
+STAGE_SHAPES = {1: (64, 16), 2: (64, 16), 3: (64, 16), 4: (64, 16), 5: (96, 32)}  # N, chunk size
+GATES = {1: "none", 2: "head", 3: "token", 4: "channel", 5: "channel"}
+
+
+def _stage_inputs(stage, dtype, seed=1):
+    """Inputs with strong gates (a down to 0.5, or as low as the stage's fp16 wrapper accepts) and,
+    where the stage has beta, beta drawn from [0, 1] with some entries exactly 0 and exactly 1."""
+    N, C = STAGE_SHAPES[stage]
+    lower = 0.5
+    if stage == 4 and dtype == "float16":
+        from stages.s04_kda.kernel import MAX_LOG_DECAY
+
+        lower = 0.01 + math.exp(-MAX_LOG_DECAY["float16"] / C)  # the wrapper's "always passes" bound
+    x = make_inputs(B, N, H, D, D, gate=GATES[stage], gate_range=(lower, 1.0),
+                    beta_range=(0.0, 1.0) if stage >= 3 else None, seed=seed)
+    if x.beta is not None:
+        x.beta[:, 3::7] = 0.0
+        x.beta[:, 5::7] = 1.0
+    return x
+
+
+def _run_stage(stage, dtype, x):
+    """The stage's kernel(s) through the interpreter, as its wrapper calls them (N a multiple of C)."""
+    N, C = STAGE_SHAPES[stage]
+    if stage == 1:
+        from stages.s01_linear_attention.kernel import build_program
+
+        return interpret(build_program(B, N, H, D, D, C, BLOCK_DV, dtype=dtype), out_idx=[3])(x.q, x.k, x.v)
+    if stage == 2:
+        from stages.s02_scalar_decay.kernel import build_program
+
+        return interpret(build_program(B, N, H, D, D, C, BLOCK_DV, dtype=dtype), out_idx=[4])(x.q, x.k, x.v, x.g)
+    if stage in (3, 4):
+        if stage == 3:
+            from stages.s03_gated_deltanet.kernel import build_program
+        else:
+            from stages.s04_kda.kernel import build_program
+        program = build_program(B, N, H, D, D, C, BLOCK_DV, dtype=dtype)
+        return interpret(program, out_idx=[5])(x.q, x.k, x.v, x.g, x.beta)
+    from stages.s05_fast_kda.kernel import build_prepare_program, build_recurrence_program
+
+    prepare = interpret(build_prepare_program(B, N, H, D, D, C, dtype=dtype), out_idx=[5, 6, 7, 8, 9, 10])
+    recurrence = interpret(build_recurrence_program(B, N, H, D, D, C, BLOCK_DV, dtype=dtype), out_idx=[7, 8])
+    o, _ = recurrence(*prepare(x.q, x.k, x.v, x.g, x.beta), np.zeros((B, H, D, D)))
+    return o
+
+
+def _references(stage):
+    import importlib
+
+    name = {1: "s01_linear_attention", 2: "s02_scalar_decay", 3: "s03_gated_deltanet", 4: "s04_kda",
+            5: "s05_fast_kda"}[stage]
+    return importlib.import_module(f"stages.{name}.reference")
+
+
+def _arguments(x):
+    return [a for a in (x.q, x.k, x.v, x.g, x.beta) if a is not None]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3, 4, 5])
+def test_float64_program_matches_reference_c(stage):
+    N, C = STAGE_SHAPES[stage]
+    x = _stage_inputs(stage, "float64")
+    expected = _references(stage).kernel_mirror(*_arguments(x), C, BLOCK_DV)
+    assert_close(_run_stage(stage, "float64", x), expected, rel_l2=TF32_FLOOR if stage == 5 else FP32_FLOOR,
+                 chunk_size=C)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("stage", [1, 2, 3, 4, 5])
+def test_low_precision_program_rounds_like_its_dtype(stage, dtype):
+    """Against reference A: within [u/4, 4u]; the inputs are unchanged; a second call agrees."""
+    N, C = STAGE_SHAPES[stage]
+    x = _stage_inputs(stage, dtype)
+    if stage == 4 and dtype == "float16":  # the wrapper would accept these gates
+        import torch
+
+        from stages.s04_kda.kernel import MAX_LOG_DECAY, max_chunk_log_decay
+
+        assert max_chunk_log_decay(torch.tensor(x.g), C) <= MAX_LOG_DECAY["float16"]
+    before = [a.copy() for a in _arguments(x)]
+    reference = _references(stage if stage != 5 else 4)  # stage 5 has no reference A of its own
+    expected = reference.recurrent(*_arguments(x))
+    u = UNIT_ROUNDOFF[dtype]
+    actual = _run_stage(stage, dtype, x)
+    assert_close(actual, expected, rel_l2=ROUNDING_WINDOW[1] * u, chunk_size=C)
+    rel_l2 = error_report(actual, expected).rel_l2
+    assert rel_l2 >= ROUNDING_WINDOW[0] * u, f"rel L2 {rel_l2:.2e} is below u/4 = {u / 4:.2e}: {dtype} does not round"
+    for given, kept in zip(_arguments(x), before):
+        assert np.array_equal(given, kept), "the interpreter changed an input array"
+    assert np.array_equal(_run_stage(stage, dtype, x), actual), "a second call gave another answer"
+
+
+def test_stage5_kernels_each_match_their_reference():
+    """prepare's six outputs against reference.prepare, and recurrence from a nonzero initial state
+    against reference.recurrence fed the same tensors (its final state too)."""
+    from stages.s05_fast_kda import reference
+    from stages.s05_fast_kda.kernel import build_prepare_program, build_recurrence_program
+
+    N, C = STAGE_SHAPES[5]
+    x = _stage_inputs(5, "float64")
+    outputs = interpret(build_prepare_program(B, N, H, D, D, C, dtype="float64"), out_idx=[5, 6, 7, 8, 9, 10])(
+        x.q, x.k, x.v, x.g, x.beta)
+    expected = reference.prepare(x.q, x.k, x.v, x.g, x.beta, C)
+    names = ("w", "u", "q_decayed", "k_to_chunk_end", "a_qk", "chunk_decay")
+    for name, actual in zip(names, outputs):
+        assert_close(actual, getattr(expected, name), rel_l2=TF32_FLOOR, name=name)
+    initial_state = _rng(5).standard_normal((B, H, D, D)) * 0.1
+    o, final_state = interpret(build_recurrence_program(B, N, H, D, D, C, BLOCK_DV, dtype="float64"),
+                               out_idx=[7, 8])(*expected.__dict__.values(), initial_state)
+    expected_o, expected_state = reference.recurrence(expected, BLOCK_DV, initial_state)
+    assert_close(o, expected_o, rel_l2=FP32_FLOOR, chunk_size=C)
+    assert_close(final_state, expected_state, rel_l2=FP32_FLOOR, name="the final state", axes=("batch", "head", "d_k", "d_v"))
+
+
+# ------------------------------------------------------------------------------------------ constructs
+
+
+def test_copy_with_bounds_reads_zero_outside_and_drops_writes_outside():
+    """A 10 x 7 tensor in 4 x 4 tiles: the last row and column of tiles hang over its end."""
+    T = _tilelang()
+    M, N, tile = 10, 7, 4
+
+    @T.prim_func
+    def tiles(A: T.Tensor((M, N), "float32"), O: T.Tensor((M, N), "float32"),
+              Padded: T.Tensor((12, 8), "float32")):
+        with T.Kernel(T.ceildiv(N, tile), T.ceildiv(M, tile), threads=32) as (bx, by):
+            A_s = T.alloc_shared((tile, tile), "float32")
+            T.copy(A[by * tile:(by + 1) * tile, bx * tile:(bx + 1) * tile], A_s)  # slices past the end
+            T.copy(A_s, O[by * tile, bx * tile])  # the start-index form
+            T.copy(A_s, Padded[by * tile:(by + 1) * tile, bx * tile:(bx + 1) * tile])
+
+    a = _rng().standard_normal((M, N)).astype(np.float32)
+    o, padded = interpret(tiles, out_idx=[1, 2])(a)
+    assert np.array_equal(o, a)  # the overhanging writes went nowhere, the rest arrived
+    assert np.array_equal(padded[:M, :N], a)
+    assert np.all(padded[M:, :] == 0) and np.all(padded[:, N:] == 0), "reads outside A must give 0"
+
+
+def test_copy_start_index_form_takes_the_destination_shape():
+    T = _tilelang()
+
+    @T.prim_func
+    def window(A: T.Tensor((8, 8), "float16"), O: T.Tensor((3, 5), "float16")):
+        with T.Kernel(1, threads=32) as bx:
+            A_s = T.alloc_shared((3, 5), "float16")
+            T.copy(A[2, 1], A_s)
+            T.copy(A_s, O)
+
+    a = _rng().standard_normal((8, 8)).astype(np.float16)
+    assert np.array_equal(interpret(window, out_idx=[1])(a), a[2:5, 1:6])
+
+
+def _gemm_program(transpose_A, transpose_B, clear_accum, dtype="float16", M=16, N=24, K=32):
+    T = _tilelang()
+    a_shape, b_shape = ((K, M) if transpose_A else (M, K)), ((N, K) if transpose_B else (K, N))
+
+    @T.prim_func
+    def gemm(A: T.Tensor(a_shape, dtype), Bm: T.Tensor(b_shape, dtype), C0: T.Tensor((M, N), "float32"),
+             C: T.Tensor((M, N), "float32")):
+        with T.Kernel(1, threads=128) as bx:
+            A_s = T.alloc_shared(a_shape, dtype)
+            B_s = T.alloc_shared(b_shape, dtype)
+            C_f = T.alloc_fragment((M, N), "float32")
+            T.copy(A, A_s)
+            T.copy(Bm, B_s)
+            T.copy(C0, C_f)
+            T.gemm(A_s, B_s, C_f, transpose_A=transpose_A, transpose_B=transpose_B, clear_accum=clear_accum)
+            T.copy(C_f, C)
+
+    return gemm, a_shape, b_shape
+
+
+@pytest.mark.parametrize("clear_accum", [False, True])
+@pytest.mark.parametrize("transpose_A, transpose_B", [(False, False), (False, True), (True, False), (True, True)])
+def test_gemm_transposes_and_accumulates(transpose_A, transpose_B, clear_accum):
+    program, a_shape, b_shape = _gemm_program(transpose_A, transpose_B, clear_accum)
+    rng = _rng(3)
+    a, b = rng.standard_normal(a_shape).astype(np.float16), rng.standard_normal(b_shape).astype(np.float16)
+    c0 = rng.standard_normal((16, 24)).astype(np.float32)
+    lhs, rhs = a.astype(np.float64), b.astype(np.float64)
+    expected = (lhs.T if transpose_A else lhs) @ (rhs.T if transpose_B else rhs) + (0 if clear_accum else c0)
+    assert_close(interpret(program, out_idx=[3])(a, b, c0), expected, rel_l2=FP32_FLOOR, axes=("row", "column"))
+
+
+def _round_significand(x, bits):
+    """x rounded to `bits` significant bits, half to even (np.round), by frexp: m in [0.5, 1)."""
+    m, e = np.frexp(np.asarray(x, dtype=np.float64))
+    return np.ldexp(np.round(m * 2.0**bits) / 2.0**bits, e)
+
+
+def test_gemm_reads_fp32_operands_as_tf32():
+    """Hopper's tensor cores read fp32 operands as TF32 (11 significant bits) and sum in fp32."""
+    program, a_shape, b_shape = _gemm_program(False, True, True, dtype="float32")
+    rng = _rng(4)
+    a, b = rng.standard_normal(a_shape).astype(np.float32), rng.standard_normal(b_shape).astype(np.float32)
+    actual = interpret(program, out_idx=[3])(a, b, np.zeros((16, 24), np.float32))
+    assert_close(actual, _round_significand(a, 11) @ _round_significand(b, 11).T, rel_l2=FP32_FLOOR,
+                 axes=("row", "column"))
+    assert error_report(actual, a.astype(np.float64) @ b.astype(np.float64).T).rel_l2 > 1e-5  # not fp32's
+
+
+def test_parallel_loops_with_if_and_if_then_else():
+    """A 2-D nest (M != N, so a swapped axis shows) with an `if`/`else` and T.if_then_else, and a
+    1-D nest with an `if` that leaves some lanes idle."""
+    T = _tilelang()
+    M, N = 6, 5
+
+    @T.prim_func
+    def lanes(A: T.Tensor((M, N), "float32"), O: T.Tensor((M, N), "float32"), P: T.Tensor((M,), "float32")):
+        with T.Kernel(1, threads=32) as bx:
+            for i, j in T.Parallel(M, N):
+                if (i + 2 * j) % 3 == 0:
+                    O[i, j] = A[i, j] * 2
+                else:
+                    O[i, j] = T.if_then_else(i > j, A[i, j], -A[i, j] - i * 10 - j)
+            for i in T.Parallel(M):
+                if i < 4:
+                    P[i] = A[i, N - 1] + i
+
+    a = _rng().standard_normal((M, N)).astype(np.float32)
+    o, p = interpret(lanes, out_idx=[1, 2])(a)
+    i, j = np.meshgrid(np.arange(M), np.arange(N), indexing="ij")
+    expected = np.where((i + 2 * j) % 3 == 0, a * 2.0, np.where(i > j, a, -a.astype(np.float64) - i * 10 - j))
+    assert_close(o, expected, rtol=2 * UNIT_ROUNDOFF["float32"], axes=("row", "column"))  # fp32 arithmetic
+    assert np.array_equal(p[:4], a[:4, N - 1] + np.arange(4))
+    assert np.all(np.isnan(p[4:])), "lanes the `if` skipped must not write"
+
+
+def test_serial_loop_of_lane_dependent_extent_with_a_var_per_lane():
+    """Row i sums A[i, :i + 1] in its own register: each lane's loop runs i + 1 times."""
+    T = _tilelang()
+    M = 7
+
+    @T.prim_func
+    def prefix(A: T.Tensor((M, M), "float32"), O: T.Tensor((M,), "float32")):
+        with T.Kernel(1, threads=32) as bx:
+            for i in T.Parallel(M):
+                running = T.alloc_var("float32")
+                running = 0
+                for j in T.serial(i + 1):
+                    running += A[i, j]
+                O[i] = running
+
+    a = _rng().standard_normal((M, M)).astype(np.float32)
+    expected = np.array([a[i, :i + 1].sum(dtype=np.float64) for i in range(M)])
+    assert_close(interpret(prefix, out_idx=[1])(a), expected, rel_l2=FP32_FLOOR, axes=("row",))
+
+
+@pytest.mark.parametrize("clear", [True, False])
+def test_reductions_with_and_without_clear(clear):
+    T = _tilelang()
+    M, N = 6, 9
+
+    @T.prim_func
+    def reduce(A: T.Tensor((M, N), "float32"), Init: T.Tensor((M,), "float32"), Row_max: T.Tensor((M,), "float32"),
+               Row_sum: T.Tensor((M,), "float32"), Col_sum: T.Tensor((N,), "float32")):
+        with T.Kernel(1, threads=128) as bx:
+            A_f = T.alloc_fragment((M, N), "float32")
+            row_max = T.alloc_fragment((M,), "float32")
+            row_sum = T.alloc_fragment((M,), "float32")
+            col_sum = T.alloc_fragment((N,), "float32")
+            T.copy(A, A_f)
+            T.copy(Init, row_max)
+            T.copy(Init, row_sum)
+            T.fill(col_sum, 1)
+            T.reduce_max(A_f, row_max, dim=1, clear=clear)
+            T.reduce_sum(A_f, row_sum, dim=1, clear=clear)
+            T.reduce_sum(A_f, col_sum, dim=0, clear=clear)
+            T.copy(row_max, Row_max)
+            T.copy(row_sum, Row_sum)
+            T.copy(col_sum, Col_sum)
+
+    rng = _rng(6)
+    a, init = rng.standard_normal((M, N)).astype(np.float32), rng.standard_normal(M).astype(np.float32) + 1
+    row_max, row_sum, col_sum = interpret(reduce, out_idx=[2, 3, 4])(a, init)
+    a64 = a.astype(np.float64)
+    assert np.array_equal(row_max, a.max(axis=1) if clear else np.maximum(a.max(axis=1), init))
+    assert_close(row_sum, a64.sum(axis=1) + (0 if clear else init), rel_l2=FP32_FLOOR, axes=("row",))
+    assert_close(col_sum, a64.sum(axis=0) + (0 if clear else 1), rel_l2=FP32_FLOOR, axes=("column",))
+
+
+def test_fill_and_clear():
+    T = _tilelang()
+
+    @T.prim_func
+    def fills(O: T.Tensor((4, 4), "float16"), Z: T.Tensor((4, 4), "float32")):
+        with T.Kernel(1, threads=32) as bx:
+            f = T.alloc_fragment((4, 4), "float16")
+            z = T.alloc_shared((4, 4), "float32")
+            T.fill(f, 1.0 / 3)
+            T.clear(z)
+            T.fill(f[1:3, 1:3], -2)  # a region: only its four elements
+            T.copy(f, O)
+            T.copy(z, Z)
+
+    o, z = interpret(fills, out_idx=[0, 1])()
+    expected = np.full((4, 4), np.float16(1.0 / 3))
+    expected[1:3, 1:3] = -2
+    assert np.array_equal(o, expected) and np.array_equal(z, np.zeros((4, 4)))
+
+
+@pytest.mark.parametrize("dim, reverse", [(0, False), (1, False), (0, True), (1, True)])
+def test_cumsum(dim, reverse):
+    T = _tilelang()
+    M, N = 5, 6
+
+    @T.prim_func
+    def scan(A: T.Tensor((M, N), "float32"), O: T.Tensor((M, N), "float32")):
+        with T.Kernel(1, threads=128) as bx:
+            A_s = T.alloc_shared((M, N), "float32")
+            T.copy(A, A_s)
+            T.cumsum(A_s, dim=dim, reverse=reverse)
+            T.copy(A_s, O)
+
+    a = _rng().standard_normal((M, N)).astype(np.float32)
+    flipped = np.flip(a, dim) if reverse else a
+    expected = np.cumsum(flipped.astype(np.float64), axis=dim)
+    expected = np.flip(expected, dim) if reverse else expected
+    assert_close(interpret(scan, out_idx=[1])(a), expected, rel_l2=FP32_FLOOR, axes=("row", "column"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_math_intrinsics(dtype):
+    T = _tilelang()
+    n = 64
+
+    @T.prim_func
+    def math_ops(A: T.Tensor((n,), dtype), Bv: T.Tensor((n,), dtype), O: T.Tensor((8, n), dtype)):
+        with T.Kernel(1, threads=64) as bx:
+            for i in T.Parallel(n):
+                O[0, i] = T.exp2(A[i])
+                O[1, i] = T.exp(A[i])
+                O[2, i] = T.log(T.abs(A[i]) + 1)
+                O[3, i] = T.sqrt(T.abs(A[i]))
+                O[4, i] = T.rsqrt(T.abs(A[i]) + 1)
+                O[5, i] = T.max(A[i], Bv[i])
+                O[6, i] = T.min(A[i], Bv[i])
+                O[7, i] = T.abs(A[i] - Bv[i])
+
+    rng = _rng(7)
+    a, b = (rng.uniform(-3, 3, n).astype(np.float16).astype(np.float32) for _ in range(2))
+    x, y = a.astype(np.float64), b.astype(np.float64)
+
+    def rounded(z):  # an argument computed in the program's dtype is rounded to it before the call
+        return z.astype(np.float16).astype(np.float64) if dtype == "float16" else z
+
+    expected = [np.exp2(x), np.exp(x), np.log(rounded(np.abs(x) + 1)), np.sqrt(np.abs(x)),
+                1 / np.sqrt(rounded(np.abs(x) + 1)), np.maximum(x, y), np.minimum(x, y), np.abs(x - y)]
+    actual = interpret(math_ops, out_idx=[2])(a, b)
+    u = UNIT_ROUNDOFF[dtype]
+    for name, row, value in zip(("exp2", "exp", "log", "sqrt", "rsqrt", "max", "min", "abs"), actual, expected):
+        assert_close(row, value, rtol=4 * u, atol=0, name=f"T.{name}", axes=("lane",))
+        if dtype == "float16":  # the result is on fp16's grid: it was rounded to the call's dtype
+            assert np.array_equal(row, row.astype(np.float16)), f"T.{name} did not round to fp16"
+
+
+def _cast_program(dtype, n):
+    T = _tilelang()
+
+    @T.prim_func
+    def cast(A: T.Tensor((n,), "float32"), Copied: T.Tensor((n,), dtype), Cast: T.Tensor((n,), dtype)):
+        with T.Kernel(1, threads=128) as bx:
+            A_s = T.alloc_shared((n,), "float32")
+            T.copy(A, A_s)
+            T.copy(A_s, Copied)  # T.copy casts to the destination's dtype
+            for i in T.Parallel(n):
+                Cast[i] = T.Cast(dtype, A_s[i] * 1)  # an explicit cast of an expression
+
+    return cast
+
+
+def _float32_cases(grid_bits, rng, count=4000):
+    """float32 values that stress a rounding to `grid_bits` explicit mantissa bits: exact ties (with
+    even and odd neighbours, both signs), one float32 ulp either side of them, random bit patterns,
+    and the edges (subnormals, the largest finite values, +-inf, zeros)."""
+    grid = rng.standard_normal(count).astype(np.float32) * np.float32(2.0) ** rng.integers(-20, 20, count)
+    bits = grid.view(np.uint32) & ~np.uint32((1 << (23 - grid_bits)) - 1)
+    ties = (bits | np.uint32(1 << (22 - grid_bits))).view(np.float32)
+    ulp = np.float32(1) + np.finfo(np.float32).eps
+    random_bits = rng.integers(0, 2**32, count, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.array([0.0, -0.0, 1e-40, -3e-39, 6e-8, 65504, 65519, 65520, 3.0e38, np.finfo(np.float32).max,
+                      np.inf, -np.inf], dtype=np.float32)
+    values = np.concatenate([ties, ties * ulp, ties / ulp, random_bits, edges])
+    return values[np.isfinite(values) | np.isinf(values)]  # NaN patterns compare unequal: tested apart
+
+
+def test_bf16_casts_round_like_torch():
+    import torch
+
+    values = _float32_cases(7, _rng(8))
+    expected = torch.from_numpy(values).to(torch.bfloat16).float().numpy()
+    copied, cast = interpret(_cast_program("bfloat16", len(values)), out_idx=[1, 2])(values)
+    for name, actual in (("T.copy", copied), ("T.Cast", cast)):
+        differ = actual.view(np.uint32) != expected.view(np.uint32)
+        assert not differ.any(), f"{name} to bf16: {differ.sum()} values differ from torch, first {values[differ][:3]}"
+    assert np.isnan(round_to_dtype(np.float32(np.nan), "bfloat16"))
+
+
+def test_fp16_casts_round_like_numpy():
+    values = _float32_cases(10, _rng(9))
+    with np.errstate(over="ignore"):  # values beyond fp16's range become inf, as they should
+        expected = values.astype(np.float16)
+    copied, cast = interpret(_cast_program("float16", len(values)), out_idx=[1, 2])(values)
+    for name, actual in (("T.copy", copied), ("T.Cast", cast)):
+        differ = actual.view(np.uint16) != expected.view(np.uint16)
+        assert not differ.any(), f"{name} to fp16: {differ.sum()} values differ from NumPy, first {values[differ][:3]}"
+
+
+def test_buffers_read_before_any_write_are_nan():
+    T = _tilelang()
+
+    @T.prim_func
+    def unwritten(O: T.Tensor((4, 4), "float32"), P: T.Tensor((4, 4), "float32")):
+        with T.Kernel(1, threads=32) as bx:
+            s = T.alloc_shared((4, 4), "float32")
+            f = T.alloc_fragment((4, 4), "float32")
+            for i, j in T.Parallel(4, 4):
+                if j < 2:
+                    f[i, j] = 1
+            T.copy(s, O)
+            T.copy(f, P)
+
+    o, p = interpret(unwritten, out_idx=[0, 1])()
+    assert np.all(np.isnan(o)), "an unwritten shared buffer must read as NaN"
+    assert np.all(p[:, :2] == 1) and np.all(np.isnan(p[:, 2:])), "the unwritten half of a fragment must read as NaN"
+
+
+def test_out_of_bounds_load_raises_naming_the_buffer():
+    T = _tilelang()
+    M = 8
+
+    @T.prim_func
+    def shifted(A: T.Tensor((M, M), "float32"), O: T.Tensor((M, M), "float32")):
+        with T.Kernel(1, threads=32) as bx:
+            for i, j in T.Parallel(M, M):
+                if j > 2:  # a mask over both lanes: the faulting index varies over i only
+                    O[i, j] = A[i + 1, j]
+
+    @T.prim_func
+    def guarded(A: T.Tensor((M, M), "float32"), O: T.Tensor((M, M), "float32")):
+        with T.Kernel(1, threads=32) as bx:
+            for i, j in T.Parallel(M, M):
+                O[i, j] = T.if_then_else(i + 1 < M, A[T.min(i + 1, M), j], 0)
+
+    a = np.ones((M, M), np.float32)
+    with pytest.raises(InterpreterError, match=r"^A: index 8 is outside axis 0 of size 8"):
+        interpret(shifted, out_idx=[1])(a)
+    o = interpret(guarded, out_idx=[1])(a)  # the lanes that would read A[8] do not take that branch
+    assert np.array_equal(o[:-1], a[1:]) and np.all(o[-1] == 0)
+
+
+def test_out_idx_none_writes_outputs_in_place_and_leaves_inputs():
+    T = _tilelang()
+
+    @T.prim_func
+    def double(A: T.Tensor((4,), "float16"), O: T.Tensor((4,), "float32")):
+        with T.Kernel(1, threads=32) as bx:
+            for i in T.Parallel(4):
+                O[i] = A[i] * 2
+
+    a, o = np.array([0.1, 0.2, 0.3, 0.4]), np.zeros(4)
+    interpret(double)(a, o)
+    assert np.array_equal(o, 2 * a.astype(np.float16).astype(np.float64))
+    assert np.array_equal(a, [0.1, 0.2, 0.3, 0.4]), "an input the program only reads must stay as given"
+
+
+def test_barrier_is_accepted():
+    T = _tilelang()
+
+    @T.prim_func
+    def synced(A: T.Tensor((4,), "float32"), O: T.Tensor((4,), "float32")):
+        with T.Kernel(1, threads=32) as bx:
+            s = T.alloc_shared((4,), "float32")
+            T.copy(A, s)
+            T.sync_threads()
+            T.copy(s, O)
+
+    a = np.arange(4, dtype=np.float32)
+    assert np.array_equal(interpret(synced, out_idx=[1])(a), a)
+
+
+def test_unsupported_constructs_name_the_construct_and_the_line():
+    T = _tilelang()
+
+    @T.prim_func
+    def atomic(A: T.Tensor((8,), "float32"), O: T.Tensor((8,), "float32")):
+        with T.Kernel(1, threads=32) as bx:
+            s = T.alloc_fragment((8,), "float32")
+            T.copy(A, s)
+            T.atomic_add(O[0:8], s)
+
+    @T.prim_func
+    def threaded(A: T.Tensor((8,), "float32"), O: T.Tensor((8,), "float32")):
+        with T.Kernel(1, threads=32) as bx:
+            tx = T.get_thread_binding()
+            O[tx % 8] = A[0]
+
+    with pytest.raises(UnsupportedConstruct) as atomic_error:
+        interpret(atomic, out_idx=[1])
+    message = str(atomic_error.value)
+    assert "tl.tileop.atomicadd" in message
+    assert "test_interpreter.py:" in message and "T.atomic_add(O[0:8], s)" in message  # the Python line
+    assert "of atomic.script(): T.atomicadd(" in message  # and the line of the parsed program
+    with pytest.raises(UnsupportedConstruct) as thread_error:
+        interpret(threaded, out_idx=[1])
+    message = str(thread_error.value)
+    assert "the thread index tx" in message and "O[tx % 8] = A[0]" in message
+
+
+# ------------------------------------------------------------------------------------------ TileLang's style
+# Programs written the way TileLang's examples write them (examples/gemm, flash_attention,
+# linear_attention), not from the course's kernels, each against a NumPy reference.
+
+
+def _tiled_gemm(M, N, K, block_M, block_N, block_K, trans_B, dtype="float16", accum_dtype="float32"):
+    T = _tilelang()
+    B_shape = (N, K) if trans_B else (K, N)
+    B_tile = (block_N, block_K) if trans_B else (block_K, block_N)
+
+    @T.prim_func
+    def matmul(A: T.Tensor((M, K), dtype), Bm: T.Tensor(B_shape, dtype), C: T.Tensor((M, N), dtype)):
+        with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), threads=128) as (bx, by):
+            A_shared = T.alloc_shared((block_M, block_K), dtype)
+            B_shared = T.alloc_shared(B_tile, dtype)
+            C_local = T.alloc_fragment((block_M, block_N), accum_dtype)
+            T.clear(C_local)
+            for ko in T.Pipelined(T.ceildiv(K, block_K), num_stages=3):
+                T.copy(A[by * block_M, ko * block_K], A_shared)
+                if trans_B:
+                    T.copy(Bm[bx * block_N, ko * block_K], B_shared)
+                else:
+                    T.copy(Bm[ko * block_K, bx * block_N], B_shared)
+                T.gemm(A_shared, B_shared, C_local, transpose_B=trans_B)
+            T.copy(C_local, C[by * block_M, bx * block_N])
+
+    return matmul, B_shape
+
+
+@pytest.mark.parametrize("trans_B", [False, True])
+@pytest.mark.parametrize("M, N, K", [(64, 96, 64), (50, 40, 70)])  # tile multiples, and not
+def test_tiled_gemm(M, N, K, trans_B):
+    program, B_shape = _tiled_gemm(M, N, K, 32, 32, 32, trans_B)
+    rng = _rng(10)
+    a, b = rng.standard_normal((M, K)).astype(np.float16), rng.standard_normal(B_shape).astype(np.float16)
+    b64 = b.astype(np.float64)
+    expected = a.astype(np.float64) @ (b64.T if trans_B else b64)
+    assert_close(interpret(program, out_idx=[2])(a, b), expected, rel_l2=UNIT_ROUNDOFF["float16"], axes=("row", "column"))
+
+
+def _flash_attention(batch, heads, seq_len, dim, is_causal, block_M, block_N):
+    T = _tilelang()
+    scale = (1.0 / dim) ** 0.5 * 1.44269504  # softmax scale, times log2(e) for exp2
+    shape = (batch, seq_len, heads, dim)
+    dtype, accum_dtype = "float16", "float32"
+
+    @T.prim_func
+    def flash_fwd(Q: T.Tensor(shape, dtype), K: T.Tensor(shape, dtype), V: T.Tensor(shape, dtype),
+                  Output: T.Tensor(shape, dtype)):
+        with T.Kernel(T.ceildiv(seq_len, block_M), heads, batch, threads=128) as (bx, by, bz):
+            Q_shared = T.alloc_shared((block_M, dim), dtype)
+            K_shared = T.alloc_shared((block_N, dim), dtype)
+            V_shared = T.alloc_shared((block_N, dim), dtype)
+            acc_s = T.alloc_fragment((block_M, block_N), accum_dtype)
+            acc_s_cast = T.alloc_fragment((block_M, block_N), dtype)
+            acc_o = T.alloc_fragment((block_M, dim), accum_dtype)
+            m_i = T.alloc_fragment((block_M,), accum_dtype)
+            m_prev = T.alloc_fragment((block_M,), accum_dtype)
+            rescale = T.alloc_fragment((block_M,), accum_dtype)
+            row_sum = T.alloc_fragment((block_M,), accum_dtype)
+            l_i = T.alloc_fragment((block_M,), accum_dtype)
+
+            T.copy(Q[bz, bx * block_M:(bx + 1) * block_M, by, :], Q_shared)
+            T.fill(acc_o, 0)
+            T.fill(l_i, 0)
+            T.fill(m_i, -T.infinity(accum_dtype))
+            num_blocks = (T.min(T.ceildiv(seq_len, block_N), T.ceildiv((bx + 1) * block_M, block_N))
+                          if is_causal else T.ceildiv(seq_len, block_N))
+            for kb in T.Pipelined(num_blocks, num_stages=1):
+                T.copy(K[bz, kb * block_N:(kb + 1) * block_N, by, :], K_shared)
+                for i, j in T.Parallel(block_M, block_N):  # the mask as the accumulator's start
+                    if is_causal:
+                        acc_s[i, j] = T.if_then_else(bx * block_M + i >= kb * block_N + j, 0, -T.infinity(accum_dtype))
+                    else:
+                        acc_s[i, j] = T.if_then_else(kb * block_N + j >= seq_len, -T.infinity(accum_dtype), 0)
+                T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(m_i, m_prev)
+                T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                for i in T.Parallel(block_M):
+                    rescale[i] = T.exp2(m_prev[i] * scale - m_i[i] * scale)
+                for i, j in T.Parallel(block_M, block_N):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] * scale - m_i[i] * scale)
+                T.reduce_sum(acc_s, row_sum, dim=1)
+                for i in T.Parallel(block_M):
+                    l_i[i] = l_i[i] * rescale[i] + row_sum[i]
+                T.copy(acc_s, acc_s_cast)
+                for i, j in T.Parallel(block_M, dim):
+                    acc_o[i, j] *= rescale[i]
+                T.copy(V[bz, kb * block_N:(kb + 1) * block_N, by, :], V_shared)
+                T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(block_M, dim):
+                acc_o[i, j] /= l_i[i]
+            T.copy(acc_o, Output[bz, bx * block_M:(bx + 1) * block_M, by, :])
+
+    return flash_fwd
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("seq_len", [64, 40])  # a multiple of the blocks, and a ragged last block
+def test_flash_attention_forward(is_causal, seq_len):
+    batch, heads, dim = 2, 2, 32
+    program = _flash_attention(batch, heads, seq_len, dim, is_causal, block_M=16, block_N=16)
+    rng = _rng(11)
+    q, k, v = (rng.standard_normal((batch, seq_len, heads, dim)).astype(np.float16) for _ in range(3))
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    scores = np.einsum("bqhd,bkhd->bhqk", q64, k64) / math.sqrt(dim)
+    if is_causal:
+        scores = np.where(np.tril(np.ones((seq_len, seq_len), bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    expected = np.einsum("bhqk,bkhd->bqhd", weights / weights.sum(axis=-1, keepdims=True), v64)
+    # the probabilities are cast to fp16 for the second GEMM, the output to fp16: two roundings
+    assert_close(interpret(program, out_idx=[3])(q, k, v), expected, rel_l2=2 * UNIT_ROUNDOFF["float16"])
+
+
+def _chunked_linear_attention(B_, S, H_, DK, DV, chunk_size, BV, decay):
+    """A chunked (retention-style when `decay`: head h decays by 1 - 2^(-2 - h) per token) linear
+    attention forward, one program per (block of values, batch x head), the state in a fragment."""
+    T = _tilelang()
+    scale = DK**-0.5
+    dtype, accum_dtype = "float16", "float32"
+    NT = T.ceildiv(S, chunk_size)
+
+    @T.prim_func
+    def chunk_fwd(Q: T.Tensor((B_, S, H_, DK), dtype), K: T.Tensor((B_, S, H_, DK), dtype),
+                  V: T.Tensor((B_, S, H_, DV), dtype), O: T.Tensor((B_, S, H_, DV), dtype),
+                  final_state: T.Tensor((B_, H_, DK, DV), accum_dtype)):
+        with T.Kernel(DV // BV, B_ * H_) as (i_v, i_bh):
+            i_b = i_bh // H_
+            i_h = i_bh % H_
+            log_decay = T.alloc_var(accum_dtype)
+            log_decay = T.log2(1 - T.exp2(-2.0 - 1.0 * i_h)) if decay else 0.0
+            q = T.alloc_shared((chunk_size, DK), dtype)
+            k = T.alloc_shared((chunk_size, DK), dtype)
+            v = T.alloc_shared((chunk_size, BV), dtype)
+            h = T.alloc_fragment((DK, BV), accum_dtype)
+            h_shared = T.alloc_shared((DK, BV), dtype)
+            s = T.alloc_fragment((chunk_size, chunk_size), accum_dtype)
+            s_shared = T.alloc_shared((chunk_size, chunk_size), dtype)
+            o = T.alloc_fragment((chunk_size, BV), accum_dtype)
+            T.clear(h)
+            for i in T.Pipelined(0, NT):
+                for row, col in T.Parallel(chunk_size, DK):
+                    q[row, col] = Q[i_b, i * chunk_size + row, i_h, col] * scale
+                T.copy(K[i_b, i * chunk_size:(i + 1) * chunk_size, i_h, :], k)
+                T.copy(V[i_b, i * chunk_size:(i + 1) * chunk_size, i_h, i_v * BV:(i_v + 1) * BV], v)
+                T.gemm(q, k, s, clear_accum=True, transpose_B=True)
+                for row, col in T.Parallel(chunk_size, chunk_size):
+                    s_shared[row, col] = T.if_then_else(row >= col, s[row, col] * T.exp2((row - col) * log_decay), 0)
+                T.copy(h, h_shared)
+                T.gemm(q, h_shared, o, clear_accum=True)
+                for row, col in T.Parallel(chunk_size, BV):
+                    o[row, col] = T.exp2((row + 1) * log_decay) * o[row, col]
+                T.gemm(s_shared, v, o)
+                T.copy(o, O[i_b, i * chunk_size:(i + 1) * chunk_size, i_h, i_v * BV:(i_v + 1) * BV])
+                for row, col in T.Parallel(chunk_size, BV):
+                    v[row, col] = v[row, col] * T.exp2((chunk_size - row - 1) * log_decay)
+                for row, col in T.Parallel(DK, BV):
+                    h[row, col] = T.exp2(chunk_size * log_decay) * h[row, col]
+                T.gemm(k, v, h, transpose_A=True)
+            T.copy(h, final_state[i_b, i_h, :, i_v * BV:(i_v + 1) * BV])
+
+    return chunk_fwd
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_chunked_linear_attention_forward(decay):
+    B_, S, H_, DK, DV = 2, 64, 2, 32, 32
+    program = _chunked_linear_attention(B_, S, H_, DK, DV, chunk_size=16, BV=16, decay=decay)
+    rng = _rng(12)
+    q, k = (rng.standard_normal((B_, S, H_, DK)) / math.sqrt(DK) for _ in range(2))
+    v = rng.standard_normal((B_, S, H_, DV))
+    q, k, v = (x.astype(np.float16) for x in (q, k, v))
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    gammas = 1 - 2.0 ** (-2.0 - np.arange(H_)) if decay else np.ones(H_)
+    expected_o, expected_state = np.zeros((B_, S, H_, DV)), np.zeros((B_, H_, DK, DV))
+    for b in range(B_):
+        for h in range(H_):
+            state = np.zeros((DK, DV))  # S_t = gamma S_{t-1} + k_t v_t^T, o_t = scale q_t S_t
+            for t in range(S):
+                state = gammas[h] * state + np.outer(k64[b, t, h], v64[b, t, h])
+                expected_o[b, t, h] = DK**-0.5 * q64[b, t, h] @ state
+            expected_state[b, h] = state
+    o, final_state = interpret(program, out_idx=[3, 4])(q, k, v)
+    assert_close(o, expected_o, rel_l2=4 * UNIT_ROUNDOFF["float16"])
+    assert_close(final_state, expected_state, rel_l2=4 * UNIT_ROUNDOFF["float16"], name="the final state",
+                 axes=("batch", "head", "d_k", "d_v"))
