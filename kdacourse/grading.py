@@ -33,8 +33,17 @@ from kdacourse.targets import TargetError, target_folder
 JOBS = max(1, min(8, os.cpu_count() or 1))
 # The whole test run of one exercise may take this many times the limit of one test.
 EXERCISE_LIMIT_PER_TEST_LIMIT = 5
-# `course check` is the student's loop: a hang should cost half a minute, not the grader's minute.
-CHECK_TIMEOUT_PER_TEST = 30
+# `course check` is the student's loop: an endless loop should cost half a minute, and a correct
+# solution must never fail on time, however loaded the machine. So its limit per test is CPU time,
+# which load does not stretch (a test takes well under 5 s of it); the wall-clock limits are only a
+# backstop for code that hangs without computing (a sleep, a deadlock).
+CHECK_CPU_LIMIT_PER_TEST = 30
+CHECK_WALL_LIMIT_PER_TEST = 300
+CHECK_WALL_LIMIT_PER_EXERCISE = 600
+# Compile-only tests (marker `compile`: lower for sm_90a, run nvcc) take 10 s to a minute and need
+# no student change to pass once the program is right: `course check` runs them with --compile only.
+# tests/conftest.py gives each one 600 s, so the exercise may take that much longer.
+COMPILE_TEST_LIMIT = 600
 # How much of a failure message the reports quote.
 MESSAGE_LINES = 3
 MESSAGE_LINE_CHARS = 200
@@ -48,11 +57,13 @@ class ExerciseResult:
     run: RunResult
     seconds: float
     timeout_per_exercise: float
+    cheating: tuple = ()  # kdacourse.cheating's findings: the exercise scores zero, its tests unrun
 
     @property
     def passed(self):
         """Every test ran and passed (skipped ones aside, but not all of them), and pytest agrees."""
-        return self.run.all_passed() and self.run.returncode == 0 and self.tests_passed > 0
+        return (not self.cheating and self.run.all_passed() and self.run.returncode == 0
+                and self.tests_passed > 0)
 
     @property
     def points(self):
@@ -68,6 +79,8 @@ class ExerciseResult:
 
     def run_problem(self):
         """Why the run as a whole gave no verdict (time limit, process ended early), or None."""
+        if self.cheating:
+            return "scored zero, tests not run: " + "; ".join(str(finding) for finding in self.cheating)
         if self.run.timed_out:
             return (f"timed out: the whole test run was stopped after {self.timeout_per_exercise:g} s "
                     f"(the time limit per exercise; an endless loop?)")
@@ -80,6 +93,11 @@ class ExerciseResult:
         if self.tests_passed == 0 and not self.run.failed():
             return f"no test ran: all {self.tests_total} were skipped here"
         return None
+
+    def deselected(self):
+        """How many tests of the exercise the run left out (pytest's -m), from pytest's summary line."""
+        found = re.findall(r"(\d+) deselected", self.run.output)
+        return int(found[-1]) if found else 0
 
     def failure_messages(self):
         """The run's problem if any, then `test name: its failure message` per failed test."""
@@ -116,6 +134,7 @@ class ExerciseResult:
             "timed_out": self.run.timed_out,
             "seconds": round(self.seconds, 2),
             "failures": self.failures(),
+            "cheating": [str(finding) for finding in self.cheating],
         }
 
 
@@ -131,7 +150,8 @@ def _test_name(test_id):
     return test_id.split("::", 1)[-1]
 
 
-def run_exercises(target, selected, timeout_per_test, timeout_per_exercise, on_result):
+def run_exercises(target, selected, timeout_per_test, timeout_per_exercise, on_result, extra_args=(),
+                  cpu_timeout_per_test=0, cheating=None):
     """Run each exercise's tests against `target`, JOBS processes at a time.
 
     Calls on_result(position, result) in catalog order as results come in; returns the results.
@@ -139,8 +159,11 @@ def run_exercises(target, selected, timeout_per_test, timeout_per_exercise, on_r
 
     def run_one(exercise):
         started = time.monotonic()
+        if cheating and cheating.get(exercise.id):  # scores zero: its code is not run at all
+            return ExerciseResult(exercise, RunResult(), 0.0, timeout_per_exercise, tuple(cheating[exercise.id]))
         run = run_tests(target, [exercise.test_path.relative_to(REPO_ROOT)],
-                        timeout_per_test=timeout_per_test, timeout_total=timeout_per_exercise)
+                        timeout_per_test=timeout_per_test, timeout_total=timeout_per_exercise,
+                        extra_args=extra_args, cpu_timeout_per_test=cpu_timeout_per_test)
         return ExerciseResult(exercise, run, time.monotonic() - started, timeout_per_exercise)
 
     results = []
@@ -164,8 +187,13 @@ def _unknown_stage(name):
 # ---------------------------------------------------------------------------------------- grade
 
 
-def grade(folder, out, timeout_per_test=60):
+def grade(folder, out, timeout_per_test=60, trust=False):
     """Grade `folder` (laid out like exercises/) and write report.md, report.json, junit.xml to `out`.
+
+    The folder's code is untrusted: it runs only in the sandbox (kdacourse.sandbox, kdacourse.remote),
+    and grading refuses where there is none, unless trust=True (--trust: a student's own machine),
+    which runs it as `course check` does. Either way an exercise whose file shows cheating
+    (kdacourse.cheating) scores zero and its tests are not run.
 
     Grades every exercise of the stages whose folders `folder` has: a student who hands in stage 1
     only is graded on stage 1 (the report names the stages left out); a file missing from a stage
@@ -183,11 +211,21 @@ def grade(folder, out, timeout_per_test=60):
     if out_path == folder_path or folder_path in out_path.parents:
         return _error(f"the reports would go inside the graded folder {folder}; choose --out elsewhere")
     timeout_per_exercise = EXERCISE_LIMIT_PER_TEST_LIMIT * timeout_per_test
+    if not trust:
+        from kdacourse.sandbox import sandbox_problem
+
+        problem = sandbox_problem()
+        if problem:
+            return _error(f"cannot grade untrusted code here: {problem}")
 
     selected = [exercise for exercise in exercises() if exercise.stage in graded_stages]
+    from kdacourse.cheating import check_exercise
+
+    cheating = {exercise.id: check_exercise(str(folder_path), exercise) for exercise in selected}
     not_graded = [stage for stage in stages() if stage not in graded_stages]
     print(f"grading {folder_path}: {len(selected)} exercises of {', '.join(graded_stages)} "
-          f"({timeout_per_test:g} s per test, {timeout_per_exercise:g} s per exercise)", flush=True)
+          f"({timeout_per_test:g} s per test, {timeout_per_exercise:g} s per exercise; "
+          f"{'trusted: run as the grader' if trust else 'untrusted: in the sandbox'})", flush=True)
     if not_graded:
         print(f"not in the folder, not graded: {', '.join(not_graded)}", flush=True)
 
@@ -201,9 +239,11 @@ def grade(folder, out, timeout_per_test=60):
 
     started_at = datetime.now(timezone.utc)
     started = time.monotonic()
-    results = run_exercises(str(folder_path), selected, timeout_per_test, timeout_per_exercise, show_progress)
+    results = run_exercises(str(folder_path), selected, timeout_per_test, timeout_per_exercise, show_progress,
+                            extra_args=() if trust else ("--sandbox",), cheating=cheating)
     report = grade_report(folder_path, results, not_graded, started_at, time.monotonic() - started,
                           timeout_per_test, timeout_per_exercise)
+    report["sandbox"] = not trust
 
     out_path.mkdir(parents=True, exist_ok=True)
     (out_path / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -249,7 +289,11 @@ def markdown_report(report):
         f"Graded {report['graded_at']} in {report['seconds']:g} s; time limits "
         f"{report['timeout_per_test']:g} s per test, {report['timeout_per_exercise']:g} s per exercise.",
         "",
-        "An exercise earns its points when all of its tests pass, else none.",
+        "An exercise earns its points when all of its tests pass, else none; an exercise whose file "
+        "shows cheating (an import of the answers, a symlink, a forbidden call) scores zero.",
+        "",
+        ("The code ran in the sandbox (untrusted grading)." if report.get("sandbox", True)
+         else "The code ran as the grader (--trust)."),
         "",
     ]
     if report["stages_not_graded"]:
@@ -317,8 +361,13 @@ def _xml_text(text):
 # ---------------------------------------------------------------------------------------- check
 
 
-def check(stage=None, target="exercises"):
+def check(stage=None, target="exercises", compile=False):
     """Run the student's exercises of one stage (or all) and say what to read next.
+
+    For each failing exercise: the first failure's message in full (the tests' messages are a few
+    lines: shapes, the error, where it first appears), the page section to read, and a pytest
+    command that re-runs its tests with short tracebacks. compile=True also runs the compile-only
+    tests (lowering for sm_90a with nvcc), which are slow and left out otherwise.
 
     Returns the exit code: 0 when every exercise passes, 1 otherwise, 2 for an unknown stage or
     target.
@@ -337,21 +386,39 @@ def check(stage=None, target="exercises"):
     print(f"checking {len(selected)} exercises in {folder_path}", flush=True)
 
     def show_result(position, result):
-        if result.passed:
-            print(f"PASS  {result.exercise.id}", flush=True)
-            return
-        print(f"FAIL  {result.exercise.id}: {result.failures()[0]}", flush=True)
-        print(f"      read: {read_location(result.exercise.read)}", flush=True)
-        print(f"            {read_url(result.exercise.read)} (with `course serve` running)", flush=True)
-        rerun = f"pytest {result.exercise.test_path.relative_to(REPO_ROOT)}"
-        if run_target != "exercises":
-            rerun += f" --target={run_target}"
-        print(f"      re-run its tests: {rerun}", flush=True)
+        show_check_result(result, run_target)
 
-    results = run_exercises(run_target, selected, CHECK_TIMEOUT_PER_TEST,
-                            EXERCISE_LIMIT_PER_TEST_LIMIT * CHECK_TIMEOUT_PER_TEST, show_result)
+    extra_args = () if compile else ("-m", "not compile")
+    limit_per_exercise = CHECK_WALL_LIMIT_PER_EXERCISE + (COMPILE_TEST_LIMIT if compile else 0)
+    results = run_exercises(run_target, selected, CHECK_WALL_LIMIT_PER_TEST, limit_per_exercise, show_result,
+                            extra_args=extra_args, cpu_timeout_per_test=CHECK_CPU_LIMIT_PER_TEST)
     passed = [result for result in results if result.passed]
     points = sum(result.points for result in results)
     print(f"{len(passed)} of {len(results)} exercises pass "
           f"({points}/{sum(result.exercise.points for result in results)} points)", flush=True)
+    left_out = sum(result.deselected() for result in results)
+    if left_out:
+        print(f"{left_out} compile-only test{'s' if left_out > 1 else ''} left out (they lower the kernels "
+              f"for sm_90a with nvcc, a minute or more): add --compile to run them", flush=True)
     return 0 if len(passed) == len(results) else 1
+
+
+def show_check_result(result, run_target):
+    """PASS, or FAIL with the first failure's message in full, the section to read and how to re-run."""
+    if result.passed:
+        print(f"PASS  {result.exercise.id}", flush=True)
+        return
+    failed = len(result.run.failed())
+    tally = f" ({failed} of {result.tests_total} tests fail)" if failed else ""
+    first, *rest = result.failure_messages()[0].strip().splitlines() or ["(no message)"]
+    print(f"FAIL  {result.exercise.id}{tally}: {first}", flush=True)
+    for line in rest:
+        print(f"      {line}", flush=True)
+    print(f"      read: {read_location(result.exercise.read)}", flush=True)
+    print(f"            {read_url(result.exercise.read)} (with `course serve` running)", flush=True)
+    rerun = f"pytest {result.exercise.test_path.relative_to(REPO_ROOT)} -q --tb=short"
+    if result.deselected():
+        rerun += " -m 'not compile'"
+    if run_target != "exercises":
+        rerun += f" --target={run_target}"
+    print(f"      re-run its tests: {rerun}", flush=True)

@@ -10,6 +10,7 @@ the folders, which must be byte for byte as they were.
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -23,7 +24,7 @@ import pytest
 
 from kdacourse import REPO_ROOT
 from kdacourse.catalog import exercises, exercises_of_stage, stages
-from kdacourse.grading import ExerciseResult, check, grade, junit_tree, read_location
+from kdacourse.grading import ExerciseResult, check, grade, junit_tree, read_location, show_check_result
 from kdacourse.runner import RunResult
 from kdacourse.shipped import shipped_source, split_region
 from kdacourse.sitelinks import read_url
@@ -300,10 +301,26 @@ def test_check_on_shipped_exercises_says_what_to_read(runs):
     run = runs["check shipped"]
     assert run.returncode == 1, run.stdout + run.stderr
     for exercise in exercises_of_stage(BROKEN_STAGE):
-        assert f"FAIL  {exercise.id}: " in run.stdout
+        assert re.search(rf"^FAIL  {re.escape(exercise.id)} \(\d+ of \d+ tests fail\): ", run.stdout, re.M), run.stdout
         assert f"read: {read_location(exercise.read)}" in run.stdout
         assert read_url(exercise.read) in run.stdout  # the section on the served site
-        assert f"pytest tests/exercises/{exercise.stage}/test_{exercise.file}" in run.stdout
+        # short tracebacks: the tests' own messages, no screens of source and arrays
+        assert f"pytest tests/exercises/{exercise.stage}/test_{exercise.file} -q --tb=short" in run.stdout
+    # each first failure in full: no line cut off, and a numeric one says where the error first appears
+    assert "more lines" not in run.stdout and not re.search(r"\w\.\.\.$", run.stdout, re.M), run.stdout
+    assert "first wrong entry at batch" in run.stdout, run.stdout
+
+
+def test_check_prints_a_message_of_several_lines_in_full(capsys):
+    """A message of several lines (assert_close's) comes out whole, indented under its FAIL line."""
+    message = "AssertionError: the output, shape (batch=1)\nlargest error 1.00e+00 at batch 0\nfirst wrong entry at batch 0"
+    exercise = exercises_of_stage(BROKEN_STAGE)[0]
+    run = RunResult(outcomes={"t.py::test_a": "failed", "t.py::test_b": "passed"},
+                    summaries={"t.py::test_a": message}, returncode=1)
+    show_check_result(ExerciseResult(exercise, run, seconds=1.0, timeout_per_exercise=10), "exercises")
+    out = capsys.readouterr().out
+    assert f"FAIL  {exercise.id} (1 of 2 tests fail): test_a: AssertionError: the output, shape (batch=1)\n" in out
+    assert "\n      largest error 1.00e+00 at batch 0\n      first wrong entry at batch 0\n" in out
 
 
 def test_check_of_an_unknown_stage_lists_the_stages(capsys):
