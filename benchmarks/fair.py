@@ -1,0 +1,427 @@
+"""Stage 5 against FLA 0.6.0's chunk_kda, measured fairly: kernels alone and whole calls apart, in
+interleaved rounds, with the spread over the rounds.
+
+    python -m benchmarks.fair --out DIR [--quick] [--rounds 3] [--deadline SECONDS]
+
+At each shape (bench.SHAPES and B=4, N=8192, H=32; bf16, d_k = d_v = 128, the benchmark's inputs)
+it first compiles, autotunes, captures and checks (ours against FLA), then times, in each round:
+
+- ours `kernels`: the prepare and the recurrence kernel alone, on preallocated inputs, as one CUDA
+  graph replayed (no Python, no checks, no allocation of the inputs); `prepare` and `recurrence`
+  each alone the same way (the roofline's points); if a graph does not capture, CUDA events around
+  the launches instead (the row's `method` says which);
+- ours `call`: stage 5's forward as a caller runs it, value checks on (the default), and
+  `call_unchecked` with check_values=False; `value_check`: the check alone
+  (stages.common.torch_checks.check_gate_values);
+- FLA `call`: chunk_kda as a caller runs it, once per shape and round, and FLA `kernels`: the same
+  call captured as a CUDA graph, if it captures.
+
+Every time is the median of CUDA-event timings after warm-up (triton.testing.do_bench, which flushes
+the L2 cache before each repeat); the rounds alternate their order (ours first, then FLA first), and
+the page reports the median over rounds and the min-max. Round 1 of a shape runs right after its
+set-up, rounds 2 on after all shapes are set up, so a deadline still leaves every started shape
+timed once. The rows of the prepare and recurrence kernels carry their FLOPs and bytes, counted from
+their TileLang programs (stages.common.program_cost).
+
+Writes DIR/fair.csv (one row per round and measurement) and DIR/fair_meta.json (machine, versions,
+command, kernel digest, this machine's roofs from benchmarks/roofs.py, rel L2 of ours vs FLA per
+shape); named apart from bench.py's files so both can share one DIR. Commit them as
+benchmarks/results/fair.csv and fair_meta.json; `course regenerate` turns them into the fair
+timings and the roofline of the benchmarks page (kdacourse/pages/fair.py).
+"""
+
+import argparse
+import csv
+import inspect
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks import bench, roofs
+
+SHAPES = [*bench.SHAPES, (4, 8192, 32, 128)]  # B, N, H, D
+QUICK_SHAPES = [(1, 4096, 32, 128), (4, 8192, 32, 128)]
+ROUNDS = 3
+QUICK_ROUNDS = 2
+DTYPE = "bfloat16"
+# (impl, what) in the order of an odd round; even rounds run it backwards
+MEASUREMENTS = [("fla", "call"), ("ours", "call"), ("ours", "call_unchecked"), ("ours", "value_check"),
+                ("fla", "kernels"), ("ours", "kernels"), ("ours", "prepare"), ("ours", "recurrence")]
+KERNEL_PARTS = ("prepare", "recurrence")
+FIELDS = ["round", "B", "N", "H", "D", "dtype", "impl", "what", "method", "time_ms", "gemm_flops",
+          "elementwise_flops", "bytes_read", "bytes_written", "error"]
+CSV_NAME, META_NAME = "fair.csv", "fair_meta.json"
+
+
+# ------------------------------------------------------------------ arguments (no GPU)
+
+def parse_shapes(text):
+    """'1,4096,32,128;8,4096,16,128' -> [(1, 4096, 32, 128), (8, 4096, 16, 128)]."""
+    shapes = []
+    for part in text.split(";"):
+        values = tuple(int(x) for x in part.split(","))
+        if len(values) != 4 or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"a shape is four positive integers B,N,H,D; got {part!r}")
+        shapes.append(values)
+    return shapes
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for fair.csv and fair_meta.json")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{len(QUICK_SHAPES)} shapes, {QUICK_ROUNDS} rounds, shorter timings")
+    parser.add_argument("--rounds", type=int, default=None, help=f"rounds (default {ROUNDS}, quick {QUICK_ROUNDS})")
+    parser.add_argument("--shapes", type=parse_shapes, default=None,
+                        help="B,N,H,D;B,N,H,D;... instead of the benchmark shapes")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after which no new shape or round is started (what was measured is kept)")
+    args = parser.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    args.shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
+    args.rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
+    return args
+
+
+# ------------------------------------------------------------------ statistics (no GPU)
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of values over rounds, their min and max, and how many there were."""
+
+    median: float
+    low: float
+    high: float
+    count: int
+
+    @classmethod
+    def of(cls, values):
+        values = [v for v in values if v is not None]
+        if not values:
+            return None
+        return cls(statistics.median(values), min(values), max(values), len(values))
+
+    def text(self, form="{:.3f}"):
+        if self.count == 1:
+            return form.format(self.median)
+        return f"{form.format(self.median)} ({form.format(self.low)} to {form.format(self.high)})"
+
+
+def read_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def times(rows):
+    """{(B, N, H, D): {(impl, what): {round: ms}}} from the CSV's rows (rows without a time left out)."""
+    table = {}
+    for row in rows:
+        if not row.get("time_ms"):
+            continue
+        shape = tuple(int(row[key]) for key in ("B", "N", "H", "D"))
+        table.setdefault(shape, {}).setdefault((row["impl"], row["what"]), {})[int(row["round"])] = float(row["time_ms"])
+    return table
+
+
+def summarize(rows):
+    """{shape: {(impl, what): Spread of the time over rounds}}."""
+    return {shape: {key: Spread.of(by_round.values()) for key, by_round in measured.items()}
+            for shape, measured in times(rows).items()}
+
+
+def paired(measured, numerator, denominator, combine):
+    """Spread over rounds of combine(numerator's time, denominator's time), taken round by round (both
+    measured in the same round, minutes apart at most); None if no round has both."""
+    top, bottom = measured.get(numerator, {}), measured.get(denominator, {})
+    return Spread.of([combine(top[r], bottom[r]) for r in sorted(set(top) & set(bottom))])
+
+
+def comparisons(rows):
+    """{shape: {name: Spread}}: FLA / ours for the kernels alone and for the whole call (checks off and
+    on), and what the value check costs (call minus call_unchecked, and the check timed alone)."""
+    ratio, difference = (lambda a, b: a / b), (lambda a, b: a - b)
+    result = {}
+    for shape, measured in times(rows).items():
+        result[shape] = {
+            "kernels FLA / ours": paired(measured, ("fla", "kernels"), ("ours", "kernels"), ratio),
+            "call FLA / ours unchecked": paired(measured, ("fla", "call"), ("ours", "call_unchecked"), ratio),
+            "call FLA / ours checked": paired(measured, ("fla", "call"), ("ours", "call"), ratio),
+            "check cost (call - unchecked)": paired(measured, ("ours", "call"), ("ours", "call_unchecked"), difference),
+            "check alone": Spread.of(measured.get(("ours", "value_check"), {}).values()),
+        }
+    return result
+
+
+def kernel_costs(rows):
+    """{(shape, kernel): {gemm_flops, elementwise_flops, bytes_read, bytes_written}} from the rows that carry them."""
+    costs = {}
+    for row in rows:
+        if row.get("gemm_flops"):
+            shape = tuple(int(row[key]) for key in ("B", "N", "H", "D"))
+            costs[(shape, row["what"])] = {key: int(row[key]) for key in
+                                           ("gemm_flops", "elementwise_flops", "bytes_read", "bytes_written")}
+    return costs
+
+
+def open_writer(path):
+    """A csv.DictWriter over FIELDS on `path`, header written, every row flushed at once (a run stopped
+    from outside keeps its rows); returns (writer, file)."""
+    f = open(path, "w", newline="")
+    writer = bench._flushing(csv.DictWriter(f, FIELDS), f)
+    writer.writeheader()
+    return writer, f
+
+
+# ------------------------------------------------------------------ on the GPU
+
+def _forward_defaults():
+    """Stage 5's forward defaults: the kernels timed alone are the ones forward launches."""
+    from stages.s05_fast_kda import kernel
+
+    parameters = inspect.signature(kernel.forward).parameters
+    return {name: parameters[name].default
+            for name in ("chunk_size", "block_dv", "num_stages", "threads", "prepare_threads")}
+
+
+def program_costs(B, N, H, D):
+    """{kernel: Cost} of stage 5's two programs at this shape, as forward builds them."""
+    from stages.common.program_cost import program_cost
+    from stages.s05_fast_kda import kernel
+
+    o = _forward_defaults()
+    return {"prepare": program_cost(kernel.build_prepare_program(B, N, H, D, D, o["chunk_size"], DTYPE,
+                                                                 o["prepare_threads"])),
+            "recurrence": program_cost(kernel.build_recurrence_program(B, N, H, D, D, o["chunk_size"], o["block_dv"],
+                                                                       DTYPE, o["num_stages"], o["threads"]))}
+
+
+def capture(function):
+    """A CUDA graph of one call of `function` (warmed up on a side stream first, as torch asks)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            function()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        function()
+    torch.cuda.synchronize()
+    return graph
+
+
+class Shape:
+    """One shape's inputs, callables and captured graphs, kept for all rounds."""
+
+    def __init__(self, B, N, H, D, log):
+        import torch
+
+        from stages.common.torch_checks import check_gate_values
+        from stages.s05_fast_kda import kernel
+
+        self.B, self.N, self.H, self.D = B, N, H, D
+        self.label = f"B={B} N={N} H={H} D={D}"
+        self.errors, self.methods, self.functions = {}, {}, {}
+        q, k, v, g, beta = bench.make_inputs(bench.STAGES["s05"], B, N, H, D, torch.bfloat16)
+        o = _forward_defaults()
+        prepare = kernel._compiled_prepare(B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"])
+        recurrence = kernel._compiled_recurrence(B, N, H, D, D, o["chunk_size"], o["block_dv"], DTYPE,
+                                                 o["num_stages"], o["threads"])
+        state = torch.zeros(B, H, D, D, dtype=torch.float32, device="cuda")
+        prepared = prepare(q, k, v, g, beta)
+        self.costs = program_costs(B, N, H, D)
+        launches = {"kernels": lambda: recurrence(*prepare(q, k, v, g, beta), state),
+                    "prepare": lambda: prepare(q, k, v, g, beta),
+                    "recurrence": lambda: recurrence(*prepared, state)}
+        for what, launch in launches.items():
+            self._graph_or_events(("ours", what), launch, log)
+        self.functions[("ours", "call")] = lambda: kernel.forward(q, k, v, g, beta)
+        self.functions[("ours", "call_unchecked")] = lambda: kernel.forward(q, k, v, g, beta, check_values=False)
+        self.functions[("ours", "value_check")] = lambda: check_gate_values(g, beta)
+        for key in (("ours", "call"), ("ours", "call_unchecked"), ("ours", "value_check")):
+            self.methods[key] = "events"
+        ours_output = kernel.forward(q, k, v, g, beta, check_values=False)
+        self.rel_l2_vs_fla = None
+        try:
+            fla_call = bench.fla(bench.STAGES["s05"])
+            fla_output = fla_call(q, k, v, g, beta)  # compiles and autotunes FLA's kernels for this shape
+            self.rel_l2_vs_fla = bench.relative_l2(ours_output, fla_output)
+            del fla_output
+            self.functions[("fla", "call")], self.methods[("fla", "call")] = (lambda: fla_call(q, k, v, g, beta)), "events"
+            self._graph(("fla", "kernels"), lambda: fla_call(q, k, v, g, beta), log)
+        except Exception as failure:  # FLA missing or failing: ours is still measured
+            self.errors.setdefault(("fla", "call"), _error(failure))
+            self.errors.setdefault(("fla", "kernels"), _error(failure))
+            log(f"{self.label}: FLA failed: {_error(failure)}")
+        del ours_output
+        torch.cuda.synchronize()
+
+    def _graph(self, key, launch, log):
+        try:
+            graph = capture(launch)
+        except Exception as failure:
+            self.errors[key] = f"no CUDA graph: {_error(failure)}"
+            log(f"{self.label}: {key[0]} {key[1]} did not capture: {_error(failure)}")
+            _recover()
+            return False
+        self.functions[key], self.methods[key] = graph.replay, "graph"
+        return True
+
+    def _graph_or_events(self, key, launch, log):
+        if not self._graph(key, launch, log):  # CUDA events around the launches themselves instead
+            self.errors.pop(key)
+            self.functions[key], self.methods[key] = launch, "events"
+
+    def measure(self, round_number, writer, log, order, timer):
+        for key in order:
+            impl, what = key
+            row = dict(round=round_number, B=self.B, N=self.N, H=self.H, D=self.D, dtype=DTYPE, impl=impl,
+                       what=what, method=self.methods.get(key, ""))
+            if impl == "ours" and what in KERNEL_PARTS:
+                row.update(self.costs[what].as_row())
+            if key in self.errors:
+                row["error"] = self.errors[key]
+            elif key in self.functions:
+                try:
+                    row["time_ms"] = f"{timer(self.functions[key]):.4f}"
+                except Exception as failure:  # recorded, the run goes on
+                    row["error"] = _error(failure)
+                    traceback.print_exc()
+            else:
+                continue
+            writer.writerow(row)
+            log(f"round {round_number} {self.label} {impl} {what}: {row.get('time_ms', 'failed')} ms "
+                f"({row['method']}){' ' + row['error'] if row.get('error') else ''}")
+
+
+def _error(failure):
+    return f"{type(failure).__name__}: {str(failure)[:200]}"
+
+
+def _recover():
+    """After a failed capture: let the device finish what it can, so the next measurement starts clean."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - a sticky error shows in the next measurement's row
+        pass
+
+
+def make_timer(quick):
+    import torch
+    from triton.testing import do_bench
+
+    warmup, rep = (10, 40) if quick else (25, 100)
+
+    def timer(function):
+        with torch.no_grad():
+            return float(do_bench(function, warmup=warmup, rep=rep, return_mode="median"))
+
+    return timer
+
+
+def print_summary(rows, log):
+    for shape, named in sorted(comparisons(rows).items()):
+        parts = [f"{name} {spread.text('{:.2f}' if 'FLA' in name else '{:.4f} ms')}"
+                 for name, spread in named.items() if spread is not None]
+        log(f"B={shape[0]} N={shape[1]} H={shape[2]} D={shape[3]}: " + "; ".join(parts))
+
+
+def run(args, log, started):
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = None if args.deadline is None else started + args.deadline
+    timer = make_timer(args.quick)
+    shapes, setup_notes = [], {}
+    writer, f = open_writer(out / CSV_NAME)
+    try:
+        for B, N, H, D in args.shapes:  # set-up, then round 1 of the shape at once
+            bench.check_deadline(deadline)
+            log(f"B={B} N={N} H={H} D={D}: compile, autotune, capture, check")
+            try:
+                shape = Shape(B, N, H, D, log)
+            except Exception as failure:
+                traceback.print_exc()
+                setup_notes[f"B={B} N={N} H={H} D={D}"] = {"error": _error(failure)}
+                writer.writerow(dict(round=0, B=B, N=N, H=H, D=D, dtype=DTYPE, impl="ours", what="setup",
+                                     error=_error(failure)))
+                torch.cuda.empty_cache()
+                continue
+            setup_notes[shape.label] = {"rel_l2_ours_vs_fla": shape.rel_l2_vs_fla,
+                                        "methods": {f"{i} {w}": m for (i, w), m in shape.methods.items()}}
+            log(f"{shape.label}: rel L2 ours vs FLA {shape.rel_l2_vs_fla}")
+            shape.measure(1, writer, log, MEASUREMENTS, timer)
+            shapes.append(shape)
+        for round_number in range(2, args.rounds + 1):
+            order = MEASUREMENTS if round_number % 2 else MEASUREMENTS[::-1]
+            for shape in shapes:
+                bench.check_deadline(deadline)
+                shape.measure(round_number, writer, log, order, timer)
+    except bench.Deadline:
+        log("deadline reached: no new shape or round started")
+    finally:
+        f.close()
+    return setup_notes
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        print("benchmarks.fair needs a CUDA device (it times CUDA graphs and kernels); torch sees none",
+              file=sys.stderr)
+        return 2
+    started = time.monotonic()
+
+    def log(message):
+        print(f"[{time.monotonic() - started:6.0f} s] {message}", flush=True)
+
+    log(f"shapes {args.shapes}, {args.rounds} rounds, out {args.out}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    log("measuring the roofs (benchmarks/roofs.py)")
+    meta = run_meta(args, argv, torch)
+    meta["roofs"] = roofs.measure_or_error()
+    write_meta(args.out, meta, started, complete=False)  # kept if the run is stopped from outside
+    meta["shapes"] = run(args, log, started)
+    write_meta(args.out, meta, started, complete=True)
+    print_summary(read_rows(Path(args.out) / CSV_NAME), log)
+    log(f"done: {args.out}/{CSV_NAME}, {META_NAME}")
+    return 0
+
+
+def run_meta(args, argv, torch):
+    """What fair_meta.json records besides the roofs and the shapes' notes."""
+    versions = {}
+    for name in ("triton", "tilelang", "fla"):
+        try:
+            versions[name] = getattr(__import__(name), "__version__", "?")
+        except ImportError:
+            versions[name] = "not installed"
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda, **versions,
+                python=platform.python_version(),
+                command="python -m benchmarks.fair " + " ".join(sys.argv[1:] if argv is None else argv),
+                date=time.strftime("%Y-%m-%d"), rounds=args.rounds, quick=args.quick, dtype=DTYPE,
+                forward_defaults=_forward_defaults(), kernel=bench.STAGES["s05"].kernel_digest())
+
+
+def write_meta(out, meta, started, complete):
+    meta = dict(meta, seconds=round(time.monotonic() - started), complete=complete)
+    (Path(out) / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

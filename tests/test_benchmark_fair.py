@@ -1,0 +1,115 @@
+"""benchmarks/fair.py on a CPU: its arguments, the rows it writes, the statistics the page reads, and
+a clear refusal without CUDA."""
+
+import csv
+
+import pytest
+
+from benchmarks import fair
+
+
+def test_arguments_default_to_the_benchmark_shapes_and_three_rounds(tmp_path):
+    args = fair.parse_args(["--out", str(tmp_path)])
+    assert args.shapes == fair.SHAPES and (4, 8192, 32, 128) in args.shapes and args.rounds == 3
+    assert args.deadline is None and not args.quick
+    quick = fair.parse_args(["--out", str(tmp_path), "--quick", "--deadline", "300"])
+    assert quick.shapes == fair.QUICK_SHAPES and quick.rounds == fair.QUICK_ROUNDS and quick.deadline == 300
+    chosen = fair.parse_args(["--out", "x", "--shapes", "1,4096,32,128;2,1024,4,64", "--rounds", "5"])
+    assert chosen.shapes == [(1, 4096, 32, 128), (2, 1024, 4, 64)] and chosen.rounds == 5
+
+
+@pytest.mark.parametrize("argv", [[], ["--out", "x", "--shapes", "1,4096,32"], ["--out", "x", "--rounds", "0"]])
+def test_bad_arguments_are_refused(argv):
+    with pytest.raises(SystemExit):
+        fair.parse_args(argv)
+
+
+def test_without_cuda_it_says_so_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert fair.main(["--out", str(tmp_path / "run")]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_spread_is_median_min_max_over_rounds():
+    spread = fair.Spread.of([3.0, 1.0, 2.0, None])
+    assert (spread.median, spread.low, spread.high, spread.count) == (2.0, 1.0, 3.0, 3)
+    assert spread.text("{:.1f}") == "2.0 (1.0 to 3.0)"
+    assert fair.Spread.of([1.5]).text("{:.2f}") == "1.50"
+    assert fair.Spread.of([None]) is None
+
+
+def _row(round_number, impl, what, ms, shape=(1, 4096, 32, 128), **extra):
+    B, N, H, D = shape
+    return dict(round=round_number, B=B, N=N, H=H, D=D, dtype="bfloat16", impl=impl, what=what, method="graph",
+                time_ms=f"{ms:.4f}" if ms is not None else "", **extra)
+
+
+def test_ratios_are_taken_round_by_round(tmp_path):
+    rows = []
+    for r, (fla_kernels, ours_kernels, fla_call, checked, unchecked) in enumerate(
+            [(2.0, 1.0, 3.0, 2.0, 1.5), (2.2, 1.0, 3.3, 2.2, 1.5), (1.8, 1.2, 3.0, 2.5, 1.5)], 1):
+        rows += [_row(r, "fla", "kernels", fla_kernels), _row(r, "ours", "kernels", ours_kernels),
+                 _row(r, "fla", "call", fla_call), _row(r, "ours", "call", checked),
+                 _row(r, "ours", "call_unchecked", unchecked), _row(r, "ours", "value_check", 0.3)]
+    rows.append(_row(3, "ours", "prepare", None, error="RuntimeError: boom"))  # a failed row: no time
+    path = tmp_path / fair.CSV_NAME
+    writer, f = fair.open_writer(path)
+    for row in rows:
+        writer.writerow(row)
+    f.close()
+    back = fair.read_rows(path)
+    assert list(back[0]) == fair.FIELDS and len(back) == len(rows)
+    named = fair.comparisons(back)[(1, 4096, 32, 128)]
+    kernels = named["kernels FLA / ours"]
+    assert (kernels.median, kernels.low, kernels.high) == pytest.approx((2.0, 1.5, 2.2))
+    assert named["call FLA / ours unchecked"].median == pytest.approx(2.0)
+    assert named["call FLA / ours checked"].low == pytest.approx(3.0 / 2.5)
+    assert named["check cost (call - unchecked)"].median == pytest.approx(0.7)
+    assert named["check alone"].median == pytest.approx(0.3)
+    summary = fair.summarize(back)[(1, 4096, 32, 128)]
+    assert summary[("ours", "kernels")].high == 1.2 and ("ours", "prepare") not in summary
+
+
+def test_a_pair_without_a_common_round_has_no_ratio():
+    rows = [_row(1, "fla", "kernels", 2.0), _row(2, "ours", "kernels", 1.0)]
+    assert fair.comparisons(rows)[(1, 4096, 32, 128)]["kernels FLA / ours"] is None
+
+
+class _Shape(fair.Shape):
+    """A Shape without a GPU: fixed callables, no compile."""
+
+    def __init__(self):
+        from stages.common.program_cost import Cost
+
+        self.B, self.N, self.H, self.D, self.label = 1, 256, 2, 128, "B=1 N=256 H=2 D=128"
+        self.functions = {("ours", "kernels"): lambda: None, ("ours", "prepare"): lambda: None}
+        self.methods = {("ours", "kernels"): "graph", ("ours", "prepare"): "events", ("fla", "kernels"): "graph"}
+        self.errors = {("fla", "kernels"): "no CUDA graph: RuntimeError: capture"}
+        self.costs = {"prepare": Cost(gemm_flops=10, bytes_read=4, bytes_written=2),
+                      "recurrence": Cost(gemm_flops=20, bytes_read=8, bytes_written=2)}
+
+
+def test_a_round_writes_times_errors_and_the_kernels_costs(tmp_path):
+    path = tmp_path / fair.CSV_NAME
+    writer, f = fair.open_writer(path)
+    logged = []
+    _Shape().measure(1, writer, logged.append, fair.MEASUREMENTS, timer=lambda function: function() or 0.25)
+    f.close()
+    rows = {(row["impl"], row["what"]): row for row in csv.DictReader(open(path))}
+    assert set(rows) == {("ours", "kernels"), ("ours", "prepare"), ("fla", "kernels")}  # unmeasured keys skipped
+    assert rows[("ours", "kernels")]["time_ms"] == "0.2500" and rows[("ours", "kernels")]["method"] == "graph"
+    assert rows[("fla", "kernels")]["error"].startswith("no CUDA graph") and not rows[("fla", "kernels")]["time_ms"]
+    assert rows[("ours", "prepare")]["gemm_flops"] == "10" and rows[("ours", "prepare")]["bytes_written"] == "2"
+    assert fair.kernel_costs(list(rows.values())) == {
+        ((1, 256, 2, 128), "prepare"): dict(gemm_flops=10, elementwise_flops=0, bytes_read=4, bytes_written=2)}
+    assert len(logged) == 3 and "round 1 B=1 N=256 H=2 D=128 ours kernels: 0.2500 ms (graph)" in logged
+
+
+def test_program_costs_count_the_kernels_forward_launches():
+    pytest.importorskip("tilelang")
+    costs = fair.program_costs(1, 256, 2, 128)
+    tokens = 256 * 2
+    assert costs["prepare"].bytes_by_buffer["A_qk"] == tokens * 64 * 2  # bf16, chunk 64: forward's defaults
+    assert costs["recurrence"].bytes_by_buffer["O"] == tokens * 128 * 2
