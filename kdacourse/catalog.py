@@ -5,6 +5,7 @@
   "# EXERCISE END" lines. Its tests are tests/exercises/<stage>/test_<file>.
   kind = "fill": the region raises NotImplementedError; kind = "fix": the region is the solution's
   with the catalog bug named by `bug` applied. `read` is the page section that explains it.
+  `forbidden` (optional) lists what the exercise's text forbids, e.g. ["np.linalg.inv"].
 
 [[bug]]: one known mistake. Applied to solutions/<stage>/<file> by replacing the text `find`
   (which must occur exactly once) by `replace`. `hides_when` says on which inputs the bug gives
@@ -32,6 +33,12 @@ class Exercise:
     points: int
     read: str  # docs page and section that explain it
     bug: str | None = None  # for kind = "fix": the catalog bug it ships with
+    # what the exercise's text forbids, e.g. ("np.linalg.inv",): a submission that names one scores
+    # zero (kdacourse.cheating), and in the grading sandbox each raises when called
+    forbidden: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "forbidden", tuple(self.forbidden))
 
     @property
     def test_path(self):

@@ -2,7 +2,7 @@
 
 --target chooses the code that tests/exercises/ checks: "exercises" (the student's copy, the
 default), "solutions", "bug:<id>" (solutions with one catalog bug) or a folder laid out like
-exercises/.
+exercises/. --sandbox (what `course grade` passes) runs a folder's code in a sandbox only.
 """
 
 import os
@@ -27,6 +27,12 @@ def pytest_addoption(parser):
         default=0,
         help="fail a test that uses more than this many seconds of CPU time (0: no limit); unlike "
         "pytest-timeout's wall-clock --timeout, a loaded machine cannot make a correct test hit it",
+    )
+    parser.addoption(
+        "--sandbox",
+        action="store_true",
+        help="untrusted grading: a folder target's code runs only in a sandboxed child (kdacourse.remote); "
+        "this process never imports it",
     )
 
 

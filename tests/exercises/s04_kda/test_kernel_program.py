@@ -15,7 +15,7 @@ from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.common.oracles import kda_delta_rule
 from stages.s04_kda.reference import kernel_mirror, recurrent
-from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, run_on_cpu
+from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, run_on_cpu, tir_facts
 
 STAGE = "s04_kda"
 SHAPE = (1, 256, 2, 64, 64)  # B, N, H, d_k, d_v
@@ -66,7 +66,7 @@ def test_fp16_program_within_rounding(build_program):
 def test_respects_ordering_constraint(build_program, constraint):
     from stages.s04_kda.kernel import ordering_constraints
 
-    facts = {number: (statement, holds) for number, statement, holds in ordering_constraints(_program(build_program))}
+    facts = {number: (statement, holds) for number, statement, holds in tir_facts(ordering_constraints, _program(build_program))}
     statement, holds = facts[constraint]
     assert_rule(holds, f"ordering constraint {constraint}: {statement}")
 

@@ -1,0 +1,318 @@
+"""The sandbox that student code runs in when an instructor grades (bubblewrap, Linux).
+
+A sandboxed process (SandboxedProcess) is kdacourse/sandbox_child.py run by bwrap with:
+- no network and no other namespace shared (IPC, PID, UTS, cgroup): it sees only its own processes;
+- a filesystem of its own: read-only binds of the system (/usr, /lib...), of Python and its
+  packages, of the course library stages/ and of the child script; nothing else of the course
+  (no solutions/, tests/, kdacourse/, exercises/, no other submission); /tmp a private tmpfs
+  (its only writable place, size-capped), where the submission's file is copied;
+- when the grader is root: no user namespace, and the child drops to uid/gid 65534 (nobody) with
+  no groups before anything else runs; otherwise an unprivileged user namespace;
+- --cap-drop ALL (only setuid/setgid kept for that first step when root), no_new_privs,
+  --new-session, --die-with-parent;
+- resource limits set before bwrap starts, inherited by all of it: CPU time, address space,
+  processes, file size, open files (Limits);
+- a wall-clock limit per call, and the whole process killed at the end or on any failure: the
+  launcher asks the kernel to kill bwrap when its parent dies (PR_SET_PDEATHSIG), bwrap kills the
+  sandbox's PID namespace when it dies, so a process that started its own session dies too.
+
+Where bwrap is missing or fails its self-test, `sandbox_problem()` says why and how to get it.
+"""
+
+import collections
+import json
+import os
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+
+from kdacourse import REPO_ROOT
+
+NOBODY = 65534
+CHILD_SCRIPT = Path(__file__).with_name("sandbox_child.py")
+HOW_TO_GET = ("install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`, which `make setup` does when "
+              "run as root), or, on a machine where the code is trusted (a student's own), pass --trust")
+SELF_TEST_SECONDS = 60
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one sandboxed process may use. cpu_seconds, address_space, processes, file_size and
+    open_files are rlimits (RLIMIT_CPU, _AS, _NPROC, _FSIZE, _NOFILE); processes counts the threads
+    of every process of uid 65534 on the machine."""
+
+    cpu_seconds: int = 300
+    address_space: int = 16 * 2**30  # TileLang and torch map far more than they touch
+    processes: int = 512
+    file_size: int = 64 * 2**20
+    open_files: int = 256
+    scratch_bytes: int = 256 * 2**20  # the tmpfs at /tmp
+    call_seconds: float = 60.0  # wall clock, per call
+    reply_bytes: int = 64 * 2**20  # a longer reply fails the call
+    stderr_bytes: int = 16 * 2**10  # what is kept of the child's output (the end of it)
+
+    def rlimits(self):
+        return {"RLIMIT_CPU": self.cpu_seconds, "RLIMIT_AS": self.address_space, "RLIMIT_NPROC": self.processes,
+                "RLIMIT_FSIZE": self.file_size, "RLIMIT_NOFILE": self.open_files}
+
+
+class SandboxUnavailable(Exception):
+    """No sandbox here: untrusted grading refuses."""
+
+
+class ChildFailed(Exception):
+    """The sandboxed process timed out, ended, or sent more or other than a message."""
+
+
+# The launcher runs as the grader, sets the limits, asks to be killed with its parent, then becomes bwrap.
+_LAUNCHER = """
+import ctypes, json, os, resource, signal, sys
+for name, value in json.loads(sys.argv[1]).items():
+    resource.setrlimit(getattr(resource, name), (value, value))
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[2]):
+    os._exit(70)
+os.execv(sys.argv[3], sys.argv[3:])
+"""
+
+
+def bwrap_path():
+    return shutil.which("bwrap")
+
+
+def running_as_root():
+    return os.geteuid() == 0
+
+
+def bwrap_command(mode, limits, preload_tilelang=False):
+    """The argv that starts sandbox_child.py in `mode` inside bwrap, behind the launcher."""
+    bwrap = bwrap_path()
+    if bwrap is None:
+        raise SandboxUnavailable(f"bwrap (bubblewrap) is not installed: {HOW_TO_GET}")
+    root = running_as_root()
+    args = [bwrap, "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    if root:  # no user namespace: the child drops to nobody itself, first thing
+        args += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                 "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        args += ["--unshare-all"]
+    bound, made = [], set()
+
+    def make_parents(path):
+        for parent in reversed(Path(path).parents):
+            text = str(parent)
+            if text != "/" and text not in made and not _under(text, bound):
+                args.extend(["--perms", "0755", "--dir", text])
+                made.add(text)
+
+    def bind(path, dest=None):
+        path = str(path)
+        dest = str(dest or path)
+        if _under(dest, bound) or not os.path.exists(path):
+            return
+        make_parents(dest)
+        args.extend(["--ro-bind", path, dest])
+        bound.append(dest)
+
+    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args.extend(["--symlink", os.readlink(top), top])
+        elif os.path.isdir(top):
+            bind(top)
+    for path in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime"):
+        bind(path)
+    for prefix in sorted({sys.base_prefix, sys.prefix, os.path.dirname(os.path.dirname(sys.executable))}):
+        bind(os.path.realpath(prefix), prefix)
+        bind(prefix)
+    bind(REPO_ROOT / "stages")  # the library, read-only; nothing else of the course
+    bind(CHILD_SCRIPT, "/sandbox/child.py")
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--size", str(limits.scratch_bytes), "--perms", "01777", "--tmpfs", "/tmp",
+             "--clearenv", "--chdir", "/tmp"]
+    environment = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "USER": "nobody", "LANG": "C.UTF-8",
+                   "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
+                   "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TVM_NUM_THREADS": "1"}
+    if root:
+        environment["COURSE_SANDBOX_SETUID"] = str(NOBODY)
+    for name, value in environment.items():
+        args += ["--setenv", name, value]
+    child = [sys.executable, "-I", "-B", "/sandbox/child.py", mode]
+    if preload_tilelang:
+        child.append("--preload-tilelang")
+    launcher = [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(limits.rlimits()), str(os.getpid())]
+    return launcher + args + ["--"] + child
+
+
+def _under(path, roots):
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+class SandboxedProcess:
+    """One sandbox_child.py in bwrap, spoken to in messages (kdacourse.sandbox_child's format)."""
+
+    def __init__(self, mode="student", limits=None, preload_tilelang=False):
+        self.limits = limits = limits or Limits()
+        self._stderr = collections.deque()
+        self._stderr_size = 0
+        self._lock = threading.Lock()
+        self.process = subprocess.Popen(bwrap_command(mode, limits, preload_tilelang), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                        cwd="/")
+        self._reader = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._reader.start()
+        self.dead = False
+
+    def _drain_stderr(self):
+        """Keep the last limits.stderr_bytes of the child's output; read and drop the rest (a flood)."""
+        stream = self.process.stderr
+        while True:
+            chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+            if not chunk:
+                return
+            with self._lock:
+                self._stderr.append(chunk)
+                self._stderr_size += len(chunk)
+                while self._stderr_size - len(self._stderr[0]) >= self.limits.stderr_bytes:
+                    self._stderr_size -= len(self._stderr.popleft())
+
+    def output(self):
+        """The end of what the child wrote to stderr (its prints too), as text."""
+        with self._lock:
+            data = b"".join(self._stderr)[-self.limits.stderr_bytes:]
+        return data.decode(errors="replace")
+
+    def request(self, message, timeout=None):
+        """Send one encoded message, return the reply's body; ChildFailed (and the process killed)
+        on a timeout, an end, an oversized or cut reply."""
+        if self.dead:
+            raise ChildFailed("the sandboxed process has already ended")
+        deadline = time.monotonic() + (self.limits.call_seconds if timeout is None else timeout)
+        finished = False
+        try:
+            self._write(message, deadline)
+            head = self._read(8, deadline)
+            (length,) = struct.unpack(">Q", head)
+            if length > self.limits.reply_bytes:
+                raise ChildFailed(f"the sandboxed process sent a reply of {length} bytes, more than the "
+                                  f"{self.limits.reply_bytes} allowed")
+            body = self._read(length, deadline)
+            finished = True
+            return body
+        finally:
+            if not finished:
+                self.kill()
+
+    def _write(self, data, deadline):
+        fd = self.process.stdin.fileno()
+        os.set_blocking(fd, False)
+        view = memoryview(data)
+        while view:
+            self._check_time(deadline)
+            _, ready, _ = select.select([], [fd], [], max(0.0, min(1.0, deadline - time.monotonic())))
+            if ready:
+                try:
+                    view = view[os.write(fd, view[:1 << 20]):]
+                except BrokenPipeError:
+                    raise ChildFailed(self._ended()) from None
+
+    def _read(self, n, deadline):
+        fd = self.process.stdout.fileno()
+        chunks, left = [], n
+        while left:
+            self._check_time(deadline)
+            ready, _, _ = select.select([fd], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
+            if ready:
+                chunk = os.read(fd, min(left, 1 << 20))
+                if not chunk:
+                    raise ChildFailed(self._ended())
+                chunks.append(chunk)
+                left -= len(chunk)
+        return b"".join(chunks)
+
+    def _check_time(self, deadline):
+        if time.monotonic() >= deadline:
+            raise ChildFailed(f"the call did not return within {self.limits.call_seconds:g} s (wall clock) "
+                              f"and its sandboxed process was killed")
+
+    def _ended(self):
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        self._reader.join(timeout=2)
+        if code is not None and code < 0:
+            how = f"was killed by signal {signal.Signals(-code).name if -code in signal.valid_signals() else -code}"
+            if -code in (signal.SIGXCPU, signal.SIGKILL):
+                how += " (a CPU time or memory limit?)"
+        else:
+            how = f"ended with exit code {code}"
+        tail = "\n".join(self.output().strip().splitlines()[-5:])
+        return f"the sandboxed process {how} before replying" + (f"; its last output:\n{tail}" if tail else "")
+
+    def kill(self):
+        """Kill bwrap's process group; its death takes the sandbox's PID namespace with it."""
+        if self.dead:
+            return
+        self.dead = True
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for stream in (self.process.stdin, self.process.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._reader.join(timeout=2)
+
+    def close(self):
+        self.kill()
+
+
+@cache
+def sandbox_problem():
+    """None when the sandbox works here; else why not and how to get it."""
+    if not sys.platform.startswith("linux"):
+        return f"the sandbox needs Linux (bubblewrap); this is {sys.platform}: {HOW_TO_GET}"
+    if bwrap_path() is None:
+        return f"bwrap (bubblewrap) is not installed: {HOW_TO_GET}"
+    from kdacourse.sandbox_child import decode, encode
+
+    child = None
+    try:
+        child = SandboxedProcess("selftest", Limits(call_seconds=SELF_TEST_SECONDS))
+        facts = decode(child.request(encode({"op": "selftest"})))
+    except (ChildFailed, OSError, ValueError) as error:
+        output = child.output().strip() if child else ""
+        return f"bwrap fails its self-test ({error}{'; ' + output[-500:] if output else ''}): {HOW_TO_GET}"
+    finally:
+        if child:
+            child.kill()
+    if running_as_root() and (facts.get("uid"), facts.get("gid"), facts.get("groups")) != (NOBODY, NOBODY, []):
+        return f"bwrap's self-test: the child runs as {facts}, not as nobody: {HOW_TO_GET}"
+    return None
+
+
+def require_sandbox():
+    """Raise SandboxUnavailable (why, and how to get one) unless the sandbox works here."""
+    problem = sandbox_problem()
+    if problem:
+        raise SandboxUnavailable(problem)
+
+
+def describe(limits=None):
+    """One line on the sandbox, for reports."""
+    limits = limits or Limits()
+    return "bubblewrap sandbox, " + ", ".join(f"{key}={value}" for key, value in asdict(limits).items())
