@@ -5,6 +5,17 @@ set -euo pipefail
 python=${1:-python3}
 venv=${2:-.venv}
 cd "$(dirname "$0")/.."
+# bubblewrap: the sandbox `course grade` runs students' code in (kdacourse/sandbox.py); course check needs none
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: bubblewrap, the grading sandbox (apt-get)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null
+  else
+    echo "setup: bubblewrap is missing; course grade needs it to run untrusted code: sudo apt-get install bubblewrap" \
+         "(Fedora: dnf install bubblewrap; Arch: pacman -S bubblewrap), or grade your own code with --trust" >&2
+  fi
+fi
 echo "setup [1/5]: a virtual environment in $venv"
 "$python" -m venv "$venv"
 echo "setup [2/5]: the latest pip"
