@@ -113,3 +113,69 @@ def test_program_costs_count_the_kernels_forward_launches():
     tokens = 256 * 2
     assert costs["prepare"].bytes_by_buffer["A_qk"] == tokens * 64 * 2  # bf16, chunk 64: forward's defaults
     assert costs["recurrence"].bytes_by_buffer["O"] == tokens * 128 * 2
+
+
+def _committed_run(folder, complete=True):
+    """A fair run's files as committed: two rounds at one shape, the roofs of the run."""
+    import json
+
+    from benchmarks.bench import STAGES
+
+    writer, f = fair.open_writer(folder / fair.CSV_NAME)
+    costs = {"prepare": dict(gemm_flops=4 * 10 ** 9, elementwise_flops=10 ** 8, bytes_read=6 * 10 ** 7,
+                             bytes_written=4 * 10 ** 7),
+             "recurrence": dict(gemm_flops=10 ** 10, elementwise_flops=10 ** 7, bytes_read=3 * 10 ** 8,
+                                bytes_written=10 ** 8)}
+    for r in (1, 2):
+        for (impl, what), ms in {("fla", "call"): 2.0, ("ours", "call"): 1.6, ("ours", "call_unchecked"): 1.0,
+                                 ("ours", "value_check"): 0.5, ("fla", "kernels"): 1.8, ("ours", "kernels"): 0.9,
+                                 ("ours", "prepare"): 0.5, ("ours", "recurrence"): 0.4}.items():
+            writer.writerow(_row(r, impl, what, ms * (1 + 0.1 * r), **costs.get(what, {}) if impl == "ours" else {}))
+    f.close()
+    meta = dict(device="NVIDIA H200", date="2026-12-01", command="python -m benchmarks.fair --out /root/x",
+                rounds=2, seconds=100, kernel=STAGES["s05"].kernel_digest(), complete=complete,
+                roofs=dict(copy_bytes=1, copy_ms=1.0, bandwidth_bytes_per_s=4e12, gemm_size=8192, gemm_ms=1.0,
+                           bf16_flops_per_s=600e12))
+    (folder / fair.META_NAME).write_text(json.dumps(meta))
+
+
+def test_the_page_says_not_measured_yet_without_a_run(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from kdacourse.pages import fair as page
+
+    monkeypatch.setattr(page, "RESULTS", tmp_path)
+    for name, write in page.generated_files().items():
+        write(tmp_path / name.split("/")[-1])
+    assert (tmp_path / "fair_timings.md").read_text().startswith("Not measured yet")
+    assert (tmp_path / "fair_roofline.md").read_text().startswith("Not measured yet")
+    assert "not measured yet" in (tmp_path / "fair_roofline.svg").read_text()
+
+
+def test_the_page_shows_ratios_with_spread_and_each_kernel_on_the_roofline(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from kdacourse.pages import fair as page
+
+    _committed_run(tmp_path)
+    monkeypatch.setattr(page, "RESULTS", tmp_path)
+    for name, write in page.generated_files().items():
+        write(tmp_path / name.split("/")[-1])
+    timings = (tmp_path / "fair_timings.md").read_text()
+    assert "on the committed kernel" in timings and "`python -m benchmarks.fair --out DIR`" in timings
+    # kernels: FLA 1.98 / ours 0.99 and 2.16 / 1.08, both 2.00; call checks off: 2.2 / 1.1 and 2.4 / 1.2
+    assert "| 1, 4096, 32, 128 | 2.00 (2.00 to 2.00) | 2.00 (2.00 to 2.00) | 1.25 (1.25 to 1.25) |" in timings
+    roofline = (tmp_path / "fair_roofline.md").read_text()
+    assert "4.00 TB/s and 600 TFLOP/s bf16, measured by the run" in roofline and "150 FLOP/byte" in roofline
+    # prepare: 4 GFLOP over 100 MB is 40 FLOP/byte, at the median 0.575 ms (0.55, 0.6): 6.96 TFLOP/s, 0.17 TB/s;
+    # the memory roof at 40 FLOP/byte is 160 TFLOP/s, so 4 % of it
+    assert "| prepare | 1, 4096, 32, 128 | 0.575 | 4.0 | 0.10 | 100 | 40.0 | 7.0 | 0.17 | memory | 4% |" in roofline
+    svg = (tmp_path / "fair_roofline.svg").read_text()
+    assert "prepare" in svg and "recurrence" in svg and "B=1, N=4096, H=32" in svg
+
+
+def test_a_stopped_run_is_said_so(tmp_path, monkeypatch):
+    from kdacourse.pages import fair as page
+
+    _committed_run(tmp_path, complete=False)
+    monkeypatch.setattr(page, "RESULTS", tmp_path)
+    page.write_timings(tmp_path / "t.md")
+    assert "stopped before it finished" in (tmp_path / "t.md").read_text()

@@ -1,8 +1,9 @@
 """The site's page generators: every generated file under docs/, each made by code in the repository.
 
 One module per page that has generated content: kdacourse/pages/<stage>.py for each stage's page,
-benchmarks.py for the benchmarks page, course.py for the course machinery's tables (exercises, bugs,
-the kill matrix, the `course` commands, the Reference page's sections). Each defines
+benchmarks.py for the benchmarks page (and fair.py for its section on stage 5 measured fairly),
+course.py for the course machinery's tables (exercises, bugs, the kill matrix, the `course`
+commands, the Reference page's sections). Each defines
 `generated_files()` -> {path relative to the repository: function(path) that writes it}.
 tables.py makes the Markdown tables, table cells and SVG files they all write.
 
@@ -23,12 +24,13 @@ PAGES = Path(__file__).parent
 
 def generators():
     """{relative path: writer}, from every page module."""
-    from kdacourse.pages import benchmarks, course, layouts
+    from kdacourse.pages import benchmarks, course, fair, layouts
 
     table = {}
     for page in sorted(PAGES.glob("s[0-9][0-9]_*.py")):
         table.update(importlib.import_module(f"kdacourse.pages.{page.stem}").generated_files())
     table.update(benchmarks.generated_files())
+    table.update(fair.generated_files())
     table.update(course.generated_files())
     table.update(layouts.generated_files())
     return table
