@@ -483,10 +483,13 @@ class _Program:
             where = [i(frame) for i in indices]
             new = round_to_dtype(value(frame), dtype)
             mask = frame.mask
-            if mask is True and all(np.ndim(i) == 0 for i in where):
-                _check_bounds(name, target.shape, where, True)
-                target[tuple(int(i) for i in where)] = new
-                return
+            if mask is True:  # every lane stores: fancy assignment broadcasts indices and value
+                where = tuple(_check_bounds(name, target.shape, where, True))
+                try:
+                    target[where] = new
+                    return
+                except ValueError:  # the value varies over lanes the index does not (a race): fall through
+                    pass
             *where, new, mask = np.broadcast_arrays(*where, new, mask)
             where = [i[mask] for i in where]
             _check_bounds(name, target.shape, where, True)
@@ -733,11 +736,7 @@ class _Program:
 
         def read(frame):
             source = frame.values[slot]
-            where = [i(frame) for i in indices]
-            if all(np.ndim(i) == 0 for i in where):
-                _check_bounds(name, source.shape, where, frame.mask)
-                return source[tuple(int(i) for i in where)]
-            where = _check_bounds(name, source.shape, where, frame.mask)
+            where = _check_bounds(name, source.shape, [i(frame) for i in indices], frame.mask)
             return source[tuple(where)]
 
         return read
@@ -824,15 +823,19 @@ def _truncating_divide(a, b):
 
 
 def _check_bounds(name, shape, where, mask):
-    """Raise for an index outside `shape` on an active lane; return indices safe to gather with."""
+    """Raise for an index outside `shape` on an active lane; return indices safe to gather with.
+
+    The hottest function of the interpreter (every load and store): ndarray methods, not np.min."""
+    if len(where) != len(shape):
+        raise InterpreterError(f"{name}: {len(where)} indices for a buffer of rank {len(shape)}")
     safe = []
     for axis, (index, size) in enumerate(zip(where, shape)):
-        if np.ndim(index) == 0:
-            if not 0 <= index < size and np.any(mask):
+        if type(index) is not np.ndarray or index.ndim == 0:
+            if not 0 <= index < size and (mask is True or np.any(mask)):
                 raise InterpreterError(f"{name}: index {int(index)} is outside axis {axis} of size {size}")
-            safe.append(index)
+            safe.append(int(index))
             continue
-        if np.min(index, initial=0) < 0 or np.max(index, initial=0) >= size:
+        if index.size and (index.min() < 0 or index.max() >= size):
             outside = (index < 0) | (index >= size)
             if np.any(outside & mask):
                 # the mask may span more lanes than this index varies over: broadcast both
