@@ -24,7 +24,7 @@ PAGES = Path(__file__).parent
 
 def generators():
     """{relative path: writer}, from every page module."""
-    from kdacourse.pages import benchmarks, course, fair, layouts
+    from kdacourse.pages import benchmarks, course, fair, interpreter, layouts
 
     table = {}
     for page in sorted(PAGES.glob("s[0-9][0-9]_*.py")):
@@ -33,6 +33,7 @@ def generators():
     table.update(fair.generated_files())
     table.update(course.generated_files())
     table.update(layouts.generated_files())
+    table.update(interpreter.generated_files())
     return table
 
 
