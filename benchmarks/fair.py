@@ -25,7 +25,8 @@ their TileLang programs (stages.common.program_cost).
 
 Writes DIR/fair.csv (one row per round and measurement) and DIR/fair_meta.json (machine, versions,
 command, kernel digest, this machine's roofs from benchmarks/roofs.py, rel L2 of ours vs FLA per
-shape); named apart from bench.py's files so both can share one DIR. Commit them as
+shape; written first, with the roofs, and completed at the end: a run stopped from outside keeps
+"complete": false); named apart from bench.py's files so both can share one DIR. Commit them as
 benchmarks/results/fair.csv and fair_meta.json; `course regenerate` turns them into the fair
 timings and the roofline of the benchmarks page (kdacourse/pages/fair.py).
 """
@@ -235,7 +236,7 @@ class Shape:
         prepare = kernel._compiled_prepare(B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"])
         recurrence = kernel._compiled_recurrence(B, N, H, D, D, o["chunk_size"], o["block_dv"], DTYPE,
                                                  o["num_stages"], o["threads"])
-        state = torch.zeros(B, H, D, D, dtype=torch.float32, device="cuda")
+        state = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device)
         prepared = prepare(q, k, v, g, beta)
         self.costs = program_costs(B, N, H, D)
         launches = {"kernels": lambda: recurrence(*prepare(q, k, v, g, beta), state),

@@ -179,3 +179,51 @@ def test_a_stopped_run_is_said_so(tmp_path, monkeypatch):
     monkeypatch.setattr(page, "RESULTS", tmp_path)
     page.write_timings(tmp_path / "t.md")
     assert "stopped before it finished" in (tmp_path / "t.md").read_text()
+
+
+def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, capsys):
+    """main() end to end without a GPU: the tile interpreter stands in for the compiled kernels, a
+    fixed timer for do_bench; graphs cannot capture here (events instead) and FLA is missing or cannot
+    run: both are recorded, and the rest is measured."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("tilelang")
+    from benchmarks import bench
+    from stages.common.interpreter import interpret
+    from stages.s05_fast_kda import kernel
+
+    def on_cpu(stage, B, N, H, D, dtype):
+        generator = torch.Generator().manual_seed(0)
+        q, k = (torch.nn.functional.normalize(torch.randn(B, N, H, D, generator=generator), dim=-1).to(dtype)
+                for _ in range(2))
+        v = torch.randn(B, N, H, D, generator=generator).to(dtype)
+        g = torch.log(0.9 + 0.099 * torch.rand(B, N, H, D, generator=generator))
+        return [q, k, v, g, 0.1 + 0.8 * torch.rand(B, N, H, generator=generator)]
+
+    def interpreted(build, out_idx):
+        def compiled(*arguments):
+            run = interpret(build(*arguments), out_idx=out_idx)
+            return lambda *tensors: [torch.from_numpy(x) for x in run(*tensors)]
+        return compiled
+
+    for name, value in {"is_available": lambda: True, "get_device_name": lambda *a: "a CPU",
+                        "synchronize": lambda *a: None, "empty_cache": lambda: None}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(bench, "make_inputs", on_cpu)
+    monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(kernel, "_compiled_prepare", interpreted(kernel.build_prepare_program, [5, 6, 7, 8, 9, 10]))
+    monkeypatch.setattr(kernel, "_compiled_recurrence", interpreted(kernel.build_recurrence_program, [7, 8]))
+    monkeypatch.setattr(bench, "fla", lambda stage: (_ for _ in ()).throw(ImportError("no FLA here")))
+    monkeypatch.setattr(fair, "make_timer", lambda quick: lambda function: [function(), 1.0][1])
+    out = tmp_path / "run"
+    assert fair.main(["--out", str(out), "--shapes", "1,128,2,128", "--rounds", "2"]) == 0
+    rows = fair.read_rows(out / fair.CSV_NAME)
+    measured = {(row["round"], row["impl"], row["what"]): row for row in rows}
+    assert len(rows) == 2 * len(fair.MEASUREMENTS)
+    assert all(measured[("2", "ours", what)]["time_ms"] == "1.0000" for what in
+               ("kernels", "prepare", "recurrence", "call", "call_unchecked", "value_check"))
+    assert measured[("1", "ours", "kernels")]["method"] == "events"  # no graph without CUDA
+    assert measured[("1", "fla", "call")]["error"] == "ImportError: no FLA here"
+    assert int(measured[("1", "ours", "prepare")]["gemm_flops"]) > 0
+    meta = __import__("json").loads((out / fair.META_NAME).read_text())
+    assert meta["complete"] and meta["device"] == "a CPU" and "error" in meta["roofs"]
+    assert "B=1 N=128 H=2 D=128" in meta["shapes"] and "did not capture" in capsys.readouterr().out
