@@ -17,7 +17,7 @@ it first compiles, autotunes, captures and checks (ours against FLA), then times
   call captured as a CUDA graph, if it captures.
 
 Every time is the median of CUDA-event timings after warm-up (triton.testing.do_bench, which flushes
-the L2 cache before each repeat); the rounds alternate their order (ours first, then FLA first), and
+the L2 cache before each repeat); each round runs the measurements in the reverse order of the one before, and
 the page reports the median over rounds and the min-max. Round 1 of a shape runs right after its
 set-up, rounds 2 on after all shapes are set up, so a deadline still leaves every started shape
 timed once. The rows of the prepare and recurrence kernels carry their FLOPs and bytes, counted from
