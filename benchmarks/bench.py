@@ -61,9 +61,23 @@ class Stage:
         return moved
 
     def kernel_digest(self):
-        """The first 12 hex digits of the SHA-256 of our kernel's source file: which kernel a run measured."""
-        source = Path(importlib.util.find_spec(self.kernel_module).origin)
-        return hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+        """Which kernel a run measured: the first 12 hex digits of the SHA-256 of the syntax tree of the
+        kernel module's program builders (its top-level `build_*program` functions), so that an edit
+        of the wrapper, a comment or a snippet marker does not mark old results stale."""
+        source = Path(importlib.util.find_spec(self.kernel_module).origin).read_text()
+        return program_digest(source)
+
+
+def program_digest(source):
+    """Digest of the syntax trees of the `build_*program` functions in a kernel module's source text."""
+    import ast
+
+    builders = [node for node in ast.parse(source).body
+                if isinstance(node, ast.FunctionDef) and node.name.startswith("build_") and node.name.endswith("program")]
+    if not builders:
+        raise ValueError("the kernel module defines no build_*program function")
+    text = "\n".join(ast.dump(node) for node in builders)  # the code, without comments and layout
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 STAGES = {

@@ -3,9 +3,10 @@ small results written here (the precision table in stage order, the runs table's
 summary's target, the ncu reader)."""
 
 import dataclasses
-import hashlib
 import json
 import re
+
+import pytest
 
 from benchmarks import profile_s05
 from benchmarks.bench import STAGES
@@ -55,14 +56,22 @@ def test_runs_table_flags_results_of_a_kernel_changed_since(tmp_path, monkeypatc
         "as committed", "changed since: s05 fast KDA", "not recorded"]
 
 
-def test_kernel_digest_follows_the_source(tmp_path, monkeypatch):
-    (tmp_path / "probe_kernel.py").write_text("WIDTH = 1\n")
+def test_kernel_digest_follows_the_program_not_the_file(tmp_path, monkeypatch):
+    def write(program_line, elsewhere):
+        (tmp_path / "probe_kernel.py").write_text(
+            f"def build_program(n):\n    # a comment\n    {program_line}\n\n\ndef forward(x):\n    {elsewhere}\n")
+
     monkeypatch.syspath_prepend(str(tmp_path))
     stage = dataclasses.replace(STAGES["s05"], kernel_module="probe_kernel")
+    write("return n + 1", "return x")
     before = stage.kernel_digest()
-    assert before == hashlib.sha256(b"WIDTH = 1\n").hexdigest()[:12]
-    (tmp_path / "probe_kernel.py").write_text("WIDTH = 2\n")
+    write("return n + 1", "return 2 * x")  # the wrapper changes: the kernel is the same
+    assert stage.kernel_digest() == before
+    write("return n + 2", "return 2 * x")  # the program changes
     assert stage.kernel_digest() != before
+    (tmp_path / "probe_kernel.py").write_text("WIDTH = 1\n")
+    with pytest.raises(ValueError, match="build_"):
+        stage.kernel_digest()
 
 
 BENCH_FIELDS = ["stage", "B", "N", "H", "D", "dtype", "impl", "time_ms", "memory_bound_ms"]
