@@ -1,0 +1,173 @@
+"""Exercise s05.kernel_program (fill): the block inverse's merges in stage 5's prepare kernel.
+
+One program per (chunk, batch x head) computes the chunk's scores, then T = (I + L)^{-1} in fp32
+shared memory, then W and U. The diagonal 16 x 16 blocks of T are solved (forward substitution) just
+above the region; fill the region: for every block row P below the first, the entries left of its
+diagonal block,
+    T[P, :P] = -T[P, P] (L[P, :P] T[:P, :P])          (block row P of (I + L) T = I),
+on the tensor cores, with every other entry of T_s left as it is. The buffers it works with:
+    L_s          (C, C) fp32 shared: L = beta_i A_kk, strictly lower triangular;
+    T_s          (C, C) fp32 shared: T, its diagonal blocks solved, zero elsewhere; the region
+                 writes the blocks left of the diagonal, and the code after it reads the whole of T_s;
+    T_diag_s     (C, SUB_BLOCK) fp32 shared: the diagonal blocks T[P, P] stacked, rows p0:p0 + SUB_BLOCK
+                 hold block row P's;
+    merge_s      (SUB_BLOCK, C) fp32 shared: room for one block row of a product, as a GEMM operand;
+    block_row_f  (SUB_BLOCK, C) fp32 fragment: a GEMM accumulator of one block row.
+The sizes of a T.gemm must be known when the program is built; p0 is a loop variable.
+
+Without a GPU the tests run your program through the course's tile interpreter
+(stages.common.interpreter) and compare W, U and the other outputs with reference C
+(stages.s05_fast_kda.reference.prepare; its inverse is block_inverse); with nvcc they also compile
+it for sm_90a, and on a GPU they run it.
+Read: stage 5 page, "The inverse by blocks" and "The prepare kernel".  Check: course check s05
+"""
+
+from stages.common.tilelang_tools import LOG2_E
+from stages.s05_fast_kda.kernel import CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, default_prepare_threads
+
+
+def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+                          channel_passes=CHANNEL_PASSES):
+    """The prepare kernel: q, k (B, N, H, d_k), v (B, N, H, d_v) in `dtype`, g (B, N, H, d_k) and
+    beta (B, N, H) in fp32 -> W, Q e^gamma, K e^{gamma_C - gamma} (B, N, H, d_k), U (B, N, H, d_v),
+    A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) in fp32.
+
+    The score GEMMs sum over d_k in `channel_passes` passes, so their operands hold d_k /
+    channel_passes channels: at C = 64, d_k = 128, two passes bring shared memory to 105 KiB, two
+    blocks per SM. N must be a multiple of chunk_size (the wrapper pads), chunk_size of SUB_BLOCK,
+    d_k of 16 * channel_passes. threads=None takes default_prepare_threads(chunk_size).
+    """
+    import tilelang.language as T
+
+    threads = threads or default_prepare_threads(chunk_size)
+    C, sub = chunk_size, SUB_BLOCK
+    accum_dtype = "float32"
+    num_chunks = N // C
+    channels_per_pass = d_k // channel_passes
+
+    @T.prim_func
+    def kda_prepare(
+        Q: T.Tensor((B, N, H, d_k), dtype),
+        K: T.Tensor((B, N, H, d_k), dtype),
+        V: T.Tensor((B, N, H, d_v), dtype),
+        G: T.Tensor((B, N, H, d_k), accum_dtype),
+        Beta: T.Tensor((B, N, H), accum_dtype),
+        W: T.Tensor((B, N, H, d_k), dtype),
+        U: T.Tensor((B, N, H, d_v), dtype),
+        Q_decayed: T.Tensor((B, N, H, d_k), dtype),
+        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+        A_qk: T.Tensor((B, N, H, C), dtype),
+        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+    ):
+        with T.Kernel(num_chunks, B * H, threads=threads) as (i_c, i_bh):
+            b, h = i_bh // H, i_bh % H
+            t0 = i_c * C
+
+            Q_s = T.alloc_shared((C, d_k), dtype)
+            K_s = T.alloc_shared((C, d_k), dtype)  # becomes K e^gamma once the scores are done
+            gamma_s = T.alloc_shared((C, d_k), accum_dtype)
+            beta_s = T.alloc_shared((C,), accum_dtype)
+            Q_row_s = T.alloc_shared((C, channels_per_pass), dtype)  # GEMM operands: decay from the anchor to the row
+            K_row_s = T.alloc_shared((C, channels_per_pass), dtype)
+            K_col_s = T.alloc_shared((C, channels_per_pass), dtype)  # ... and from the column to the anchor
+            L_s = T.alloc_shared((C, C), accum_dtype)  # L = beta_i A_kk, strictly lower
+            T_s = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}
+            T_diag_s = T.alloc_shared((C, sub), accum_dtype)  # the diagonal blocks T[P, P], stacked
+            merge_s = T.alloc_shared((sub, C), accum_dtype)  # L[P, :] T of one block row
+            A_hat_s = T.alloc_shared((C, C), dtype)  # diag(beta) T
+            V_s = T.alloc_shared((C, d_v), dtype)
+
+            kk_f = T.alloc_fragment((C, C), accum_dtype)
+            qk_f = T.alloc_fragment((C, C), accum_dtype)
+            kk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
+            qk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
+            w_f = T.alloc_fragment((C, d_k), accum_dtype)
+            u_f = T.alloc_fragment((C, d_v), accum_dtype)
+            block_row_f = T.alloc_fragment((sub, C), accum_dtype)
+
+            T.copy(Q[b, t0:t0 + C, h, :], Q_s)
+            T.copy(K[b, t0:t0 + C, h, :], K_s)
+            T.copy(Beta[b, t0:t0 + C, h], beta_s)
+            T.copy(G[b, t0:t0 + C, h, :], gamma_s)  # all loads in flight at once, then the sum on chip
+            # gamma[r] = g[0] + ... + g[r]: one thread per channel walks the rows in a register
+            # (T.cumsum lowers to one warp per column, whose strided reads all hit one smem bank)
+            for d in T.Parallel(d_k):
+                running = T.alloc_var(accum_dtype)
+                running = 0
+                for r in T.unroll(C):
+                    running += gamma_s[r, d]
+                    gamma_s[r, d] = running
+
+
+            # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block
+            for channel_pass in range(channel_passes):
+                d0 = channel_pass * channels_per_pass
+                for r, d in T.Parallel(C, channels_per_pass):
+                    middle = gamma_s[(r // sub) * sub + sub // 2, d0 + d]
+                    Q_row_s[r, d] = Q_s[r, d0 + d] * T.exp2((gamma_s[r, d0 + d] - middle) * LOG2_E)
+                    K_row_s[r, d] = K_s[r, d0 + d] * T.exp2((gamma_s[r, d0 + d] - middle) * LOG2_E)
+                    K_col_s[r, d] = K_s[r, d0 + d] * T.exp2((middle - gamma_s[r, d0 + d]) * LOG2_E)
+                T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=channel_pass == 0)
+                T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=channel_pass == 0)
+            for r, j in T.Parallel(C, C):
+                same_block = r // sub == j // sub
+                L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
+                if j // sub >= r // sub:  # the diagonal blocks and the zeros right of them; the slabs fill the rest
+                    A_qk[b, t0 + r, h, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
+
+            # off-diagonal: one slab of sub columns at a time, anchored at the first row below it;
+            # rows above the slab keep stale operands: their GEMM rows are computed and never stored
+            for s0 in range(sub, C, sub):
+                for channel_pass in range(channel_passes):
+                    d0 = channel_pass * channels_per_pass
+                    for r, d in T.Parallel(C - s0, channels_per_pass):
+                        to_row = T.exp2((gamma_s[s0 + r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E)  # <= 1
+                        Q_row_s[s0 + r, d] = Q_s[s0 + r, d0 + d] * to_row
+                        K_row_s[s0 + r, d] = K_s[s0 + r, d0 + d] * to_row
+                    for j, d in T.Parallel(sub, channels_per_pass):
+                        col = s0 - sub + j
+                        to_anchor = T.exp2((gamma_s[s0, d0 + d] - gamma_s[col, d0 + d]) * LOG2_E)  # <= 1
+                        K_col_s[j, d] = K_s[col, d0 + d] * to_anchor
+                    first = channel_pass == 0
+                    T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
+                    T.gemm(Q_row_s, K_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
+                for r, j in T.Parallel(C, sub):
+                    if r >= s0:
+                        L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
+                        A_qk[b, t0 + r, h, s0 - sub + j] = qk_slab_f[r, j]
+
+            # the last reads of gamma and Q: the recurrence's decayed operands, and K e^gamma in place
+            for r, d in T.Parallel(C, d_k):
+                decay_from_start = T.exp2(gamma_s[r, d] * LOG2_E)
+                Q_decayed[b, t0 + r, h, d] = Q_s[r, d] * decay_from_start
+                K_to_chunk_end[b, t0 + r, h, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
+                K_s[r, d] = K_s[r, d] * decay_from_start
+            for d in T.Parallel(d_k):
+                Chunk_decay[b, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
+            # loaded this late, V_s can take the bytes of Q_s (TileLang plans shared memory by lifetime)
+            T.copy(V[b, t0:t0 + C, h, :], V_s)
+
+            # diagonal blocks of T = (I + L)^{-1}: forward substitution, one lane per (block, column);
+            # each lane reads back only the rows it wrote itself, and sums in a register
+            T.clear(T_s)
+            for r in T.serial(sub):
+                for blk, col in T.Parallel(C // sub, sub):
+                    i = blk * sub + r
+                    solved = T.alloc_var(accum_dtype)
+                    solved = T.if_then_else(col == r, 1, 0)
+                    for j in T.serial(r):
+                        solved -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
+                    T_s[i, blk * sub + col] = solved
+                    T_diag_s[i, col] = solved
+            # EXERCISE BEGIN
+            raise NotImplementedError("s05.kernel_program: fill this region; see the docstring and the page")
+            # EXERCISE END
+
+            for r, c in T.Parallel(C, C):
+                A_hat_s[r, c] = T_s[r, c] * beta_s[r]  # diag(beta) T, after the inverse
+            T.gemm(A_hat_s, K_s, w_f, clear_accum=True)  # K_s holds K e^gamma
+            T.gemm(A_hat_s, V_s, u_f, clear_accum=True)
+            T.copy(w_f, W[b, t0:t0 + C, h, :])
+            T.copy(u_f, U[b, t0:t0 + C, h, :])
+
+    return kda_prepare
