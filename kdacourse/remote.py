@@ -163,7 +163,7 @@ class _RemoteFile:
     def __init__(self, session, stage, file, source, forbidden):
         self.session, self.stage, self.file = session, stage, file
         self.source, self.forbidden = source, list(forbidden)
-        self.child = _Child(session, "student", preload_tilelang=file == "kernel_program.py")
+        self.child = _Child(session, "student")
         self.names = None
 
     def ensure_loaded(self):

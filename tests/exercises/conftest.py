@@ -36,7 +36,7 @@ def _remote_loader(config):
     session, problems = config.course_sandbox
 
     def load_remote(stage, file):
-        from kdacourse.remote import RemoteError, TargetRefused
+        from kdacourse.remote import TargetRefused
 
         problem = problems.get((stage, file))
         if problem is None and session is not None:
@@ -44,7 +44,7 @@ def _remote_loader(config):
                 return session.module(stage, file)
             except TargetRefused as refused:
                 problem = str(refused)
-            except RemoteError as error:
+            except Exception as error:  # a RemoteError, or a builtin exception raised by the file's import
                 problem = f"{stage}/{file} does not import: {type(error).__name__}: {error}"
         pytest.fail(problem or "no sandbox", pytrace=False)
 
@@ -67,7 +67,7 @@ def pytest_collection_finish(session):
     if not config.getoption("--sandbox"):
         return
     from kdacourse.catalog import exercises
-    from kdacourse.remote import RemoteError, RemoteSession, TargetRefused
+    from kdacourse.remote import RemoteSession, TargetRefused
     from kdacourse.sandbox import Limits, SandboxUnavailable
     from kdacourse.targets import target_folder
 
@@ -88,7 +88,7 @@ def pytest_collection_finish(session):
             remote.module(stage, file)
         except TargetRefused as refused:
             problems[(stage, file)] = str(refused)
-        except RemoteError as error:
+        except Exception as error:  # a RemoteError, or a builtin exception raised by the file's import
             problems[(stage, file)] = f"{stage}/{file} does not import: {type(error).__name__}: {error}"
 
 
