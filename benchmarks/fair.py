@@ -18,9 +18,9 @@ it first compiles, autotunes, captures and checks (ours against FLA), then times
 
 Every time is the median of CUDA-event timings after warm-up (triton.testing.do_bench, which flushes
 the L2 cache before each repeat); each round runs the measurements in the reverse order of the one before, and
-the page reports the median over rounds and the min-max. Round 1 of a shape runs right after its
-set-up, rounds 2 on after all shapes are set up, so a deadline still leaves every started shape
-timed once. The rows of the prepare and recurrence kernels carry their FLOPs and bytes, counted from
+the page reports the median over rounds and the min-max. All rounds of a shape run right after its
+set-up, and the shape is released before the next one is set up; a deadline stops new rounds and
+shapes, so every started shape is timed at least once. The rows of the prepare and recurrence kernels carry their FLOPs and bytes, counted from
 their TileLang programs (stages.common.program_cost).
 
 Writes DIR/fair.csv (one row per round and measurement) and DIR/fair_meta.json (machine, versions,
@@ -33,6 +33,7 @@ timings and the roofline of the benchmarks page (kdacourse/pages/fair.py).
 
 import argparse
 import csv
+import gc
 import inspect
 import json
 import platform
@@ -344,10 +345,13 @@ def run(args, log, started):
     out.mkdir(parents=True, exist_ok=True)
     deadline = None if args.deadline is None else started + args.deadline
     timer = make_timer(args.quick)
-    shapes, setup_notes = [], {}
+    setup_notes = {}
     writer, f = open_writer(out / CSV_NAME)
     try:
-        for B, N, H, D in args.shapes:  # set-up, then round 1 of the shape at once
+        # every round of a shape runs before the next shape is set up, and the shape is then released:
+        # a first version set all shapes up before rounds 2 and 3 and met an illegal memory access on
+        # returning to an earlier shape's graphs (H200, 2026-11-30), which this order never asks of them
+        for B, N, H, D in args.shapes:
             bench.check_deadline(deadline)
             log(f"B={B} N={N} H={H} D={D}: compile, autotune, capture, check")
             try:
@@ -362,13 +366,16 @@ def run(args, log, started):
             setup_notes[shape.label] = {"rel_l2_ours_vs_fla": shape.rel_l2_vs_fla,
                                         "methods": {f"{i} {w}": m for (i, w), m in shape.methods.items()}}
             log(f"{shape.label}: rel L2 ours vs FLA {shape.rel_l2_vs_fla}")
-            shape.measure(1, writer, log, MEASUREMENTS, timer)
-            shapes.append(shape)
-        for round_number in range(2, args.rounds + 1):
-            order = MEASUREMENTS if round_number % 2 else MEASUREMENTS[::-1]
-            for shape in shapes:
-                bench.check_deadline(deadline)
-                shape.measure(round_number, writer, log, order, timer)
+            try:
+                for round_number in range(1, args.rounds + 1):
+                    if round_number > 1:
+                        bench.check_deadline(deadline)
+                    order = MEASUREMENTS if round_number % 2 else MEASUREMENTS[::-1]
+                    shape.measure(round_number, writer, log, order, timer)
+            finally:
+                del shape  # its graphs and tensors, before the next shape allocates its own
+                gc.collect()
+                torch.cuda.empty_cache()
     except bench.Deadline:
         log("deadline reached: no new shape or round started")
     finally:

@@ -43,3 +43,22 @@ def test_s05_zero_state_is_made_once_per_shape_and_device():
     with torch.inference_mode():
         made_under_inference = zero_state(3, 2, 16, 32, torch.device("cpu"))
     assert not made_under_inference.is_inference()
+
+
+@pytest.mark.parametrize(
+    "name, index, value",
+    [("g", (0, 1, 0), float("nan")), ("g", (0, 2, 1), 0.5), ("g", (0, 0, 0), float("-inf")),
+     ("g", (0, 3, 1), float("inf")), ("beta", (0, 1, 0), float("nan")), ("beta", (0, 2, 1), -0.1),
+     ("beta", (0, 0, 1), 1.1)],
+)
+def test_value_check_refuses_each_bad_value(name, index, value):
+    """One pass per tensor (min and max): a single bad entry anywhere, NaN included, is refused."""
+    import torch
+
+    from stages.common.torch_checks import check_gate_values
+
+    tensors = {"g": torch.full((1, 4, 2), -0.1), "beta": torch.full((1, 4, 2), 0.5)}
+    check_gate_values(tensors["g"], tensors["beta"])  # the good ones pass
+    tensors[name][index] = value
+    with pytest.raises(ValueError, match=name):
+        check_gate_values(tensors["g"], tensors["beta"])

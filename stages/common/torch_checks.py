@@ -4,6 +4,8 @@ Every failure raises an error that names the argument and says what was expected
 wrong tensor otherwise reads out of bounds or returns garbage without a word.
 """
 
+import math
+
 KERNEL_DTYPES = ("float16", "bfloat16")
 
 
@@ -102,15 +104,18 @@ def check_gate_values(g, beta=None):
     """
     import torch
 
-    flags = [~((g <= 0) & g.isfinite()).all()]
-    if beta is not None:
-        flags.append(((beta < 0) | (beta > 1)).any())
-    bad_gate, *bad_beta = torch.stack(flags).tolist()
+    # one pass over each tensor (torch.aminmax) and one sync for all four numbers; a NaN makes its
+    # tensor's min and max NaN, and NaN fails every comparison below
+    extremes = [torch.aminmax(x.detach()) if x.numel() else (x.new_zeros(()), x.new_zeros(())) for x in (g, beta)
+                if x is not None]
+    g_min, g_max, *beta_span = torch.stack([value.float() for pair in extremes for value in pair]).tolist()
+    bad_gate = not (g_max <= 0 and g_min > -math.inf)
+    bad_beta = bool(beta_span) and not (beta_span[0] >= 0 and beta_span[1] <= 1)
     if bad_gate:
         raise ValueError(f"g must be finite and <= 0 (g = log(a), 0 < a <= 1; for a = 0 use a large negative g "
                          f"such as -1e4, since g = -inf makes exp2(0 * -inf) = NaN); its largest entry is "
                          f"{g.max().item():.3g}")
-    if any(bad_beta):
+    if bad_beta:
         raise ValueError(f"beta must lie in [0, 1]; its entries span [{beta.min().item():.3g}, {beta.max().item():.3g}]")
 # --8<-- [end:gate_values]
 
