@@ -109,9 +109,10 @@ def stages():
 
 
 def resolve_stage(name):
-    """'s01', '1' or 's01_linear_attention' -> 's01_linear_attention'."""
+    """'s01', 's1', '01', '1' or 's01_linear_attention' -> 's01_linear_attention'."""
     for stage in stages():
         prefix = stage.split("_")[0]  # "s01"
-        if name in (stage, prefix, prefix[1:], str(int(prefix[1:]))):
+        number = str(int(prefix[1:]))
+        if name in (stage, prefix, prefix[1:], number, f"s{number}"):
             return stage
     raise ValueError(f"unknown stage {name!r}; stages: {', '.join(stages())}")
