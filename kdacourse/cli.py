@@ -2,6 +2,7 @@
 
     course check [STAGE]            run your exercises, see what passes and what to read next
     course grade FOLDER --out DIR   grade a folder laid out like exercises/ (instructors)
+    course grade-all DIR --out DIR  grade a class, one folder per student: a gradebook CSV and each one's reports
     course serve                    build the site and serve it on http://127.0.0.1:8000
     course build                    build the site into site/ (mkdocs build --strict)
     course regenerate               rewrite every generated table, plot and report under docs/
@@ -29,6 +30,13 @@ def main(argv=None):
     grade.add_argument("--trust", action="store_true",
                        help="run the code as yourself, without the sandbox (only for code you trust: your own)")
 
+    grade_all = commands.add_parser("grade-all", help="grade every student folder of a folder, in parallel")
+    grade_all.add_argument("submissions", help="a folder with one folder per student, each laid out like exercises/")
+    grade_all.add_argument("--out", required=True, help="folder for gradebook.csv and each student's reports")
+    grade_all.add_argument("--timeout", type=float, default=60, help="seconds allowed per test (default 60)")
+    grade_all.add_argument("--trust", action="store_true",
+                           help="run the code as yourself, without the sandbox (only for code you trust)")
+
     serve = commands.add_parser("serve", help="build the course site and serve it locally")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--no-browser", action="store_true", help="do not open a browser")
@@ -51,6 +59,10 @@ def main(argv=None):
         from kdacourse.grading import grade
 
         return grade(args.folder, args.out, timeout_per_test=args.timeout, trust=args.trust)
+    if args.command == "grade-all":
+        from kdacourse.gradeall import grade_all
+
+        return grade_all(args.submissions, args.out, timeout_per_test=args.timeout, trust=args.trust)
     if args.command == "serve":
         from kdacourse.site import serve
 

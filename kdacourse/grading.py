@@ -150,6 +150,18 @@ def _test_name(test_id):
     return test_id.split("::", 1)[-1]
 
 
+def run_exercise(target, exercise, timeout_per_test, timeout_per_exercise, extra_args=(), cpu_timeout_per_test=0,
+                 cheating=None):
+    """Run one exercise's tests against `target`; with cheating findings, score zero without running them."""
+    started = time.monotonic()
+    if cheating:
+        return ExerciseResult(exercise, RunResult(), 0.0, timeout_per_exercise, tuple(cheating))
+    run = run_tests(target, [exercise.test_path.relative_to(REPO_ROOT)],
+                    timeout_per_test=timeout_per_test, timeout_total=timeout_per_exercise,
+                    extra_args=extra_args, cpu_timeout_per_test=cpu_timeout_per_test)
+    return ExerciseResult(exercise, run, time.monotonic() - started, timeout_per_exercise)
+
+
 def run_exercises(target, selected, timeout_per_test, timeout_per_exercise, on_result, extra_args=(),
                   cpu_timeout_per_test=0, cheating=None):
     """Run each exercise's tests against `target`, JOBS processes at a time.
@@ -158,13 +170,8 @@ def run_exercises(target, selected, timeout_per_test, timeout_per_exercise, on_r
     """
 
     def run_one(exercise):
-        started = time.monotonic()
-        if cheating and cheating.get(exercise.id):  # scores zero: its code is not run at all
-            return ExerciseResult(exercise, RunResult(), 0.0, timeout_per_exercise, tuple(cheating[exercise.id]))
-        run = run_tests(target, [exercise.test_path.relative_to(REPO_ROOT)],
-                        timeout_per_test=timeout_per_test, timeout_total=timeout_per_exercise,
-                        extra_args=extra_args, cpu_timeout_per_test=cpu_timeout_per_test)
-        return ExerciseResult(exercise, run, time.monotonic() - started, timeout_per_exercise)
+        return run_exercise(target, exercise, timeout_per_test, timeout_per_exercise, extra_args,
+                            cpu_timeout_per_test, (cheating or {}).get(exercise.id))
 
     results = []
     with ThreadPoolExecutor(max_workers=JOBS) as pool:
@@ -245,13 +252,18 @@ def grade(folder, out, timeout_per_test=60, trust=False):
                           timeout_per_test, timeout_per_exercise)
     report["sandbox"] = not trust
 
+    write_reports(out_path, report, results)
+    print(f"score: {report['score']}/{report['max_score']} points; "
+          f"{out_path / 'report.md'}, report.json, junit.xml", flush=True)
+    return 0
+
+
+def write_reports(out_path, report, results):
+    """report.json, report.md and junit.xml in out_path."""
     out_path.mkdir(parents=True, exist_ok=True)
     (out_path / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (out_path / "report.md").write_text(markdown_report(report), encoding="utf-8")
     junit_tree(results).write(out_path / "junit.xml", encoding="utf-8", xml_declaration=True)
-    print(f"score: {report['score']}/{report['max_score']} points; "
-          f"{out_path / 'report.md'}, report.json, junit.xml", flush=True)
-    return 0
 
 
 def grade_report(folder_path, results, not_graded, started_at, seconds, timeout_per_test, timeout_per_exercise):

@@ -239,8 +239,8 @@ class SandboxedProcess:
 
     def _check_time(self, deadline):
         if time.monotonic() >= deadline:
-            raise ChildFailed(f"the call did not return within {self.limits.call_seconds:g} s (wall clock) "
-                              f"and its sandboxed process was killed")
+            raise ChildFailed(f"timed out: the call did not return within {self.limits.call_seconds:g} s "
+                              f"(wall clock) and its sandboxed process was killed")
 
     def _ended(self):
         try:
