@@ -464,3 +464,30 @@ def test_grade_of_an_attacking_stage(tmp_path, capsys):
     assert 'tests="99"' not in (tmp_path / "out" / "junit.xml").read_text()
     assert _snapshot(tmp_path / "submission", *WATCHED) == watched
     print(f"graded one attacking stage in {seconds:.1f} s")
+
+
+def test_gradebook_has_one_row_per_student_and_one_column_per_exercise(tmp_path):
+    from kdacourse.gradeall import write_gradebook
+
+    catalog = exercises()
+    write_gradebook(tmp_path / "gradebook.csv", {"bob": {catalog[0].id: catalog[0].points}, "=cmd": {}})
+    import csv
+
+    rows = list(csv.reader((tmp_path / "gradebook.csv").open()))
+    assert rows[0] == ["student", *[exercise.id for exercise in catalog], "total", "max"]
+    assert [row[0] for row in rows[1:]] == ["'=cmd", "bob"]  # a formula is not left to a spreadsheet
+    assert rows[2][1:2] == [str(catalog[0].points)] and rows[2][-2] == str(catalog[0].points)
+    assert rows[2][-1] == str(sum(exercise.points for exercise in catalog))
+
+
+def test_grade_all_refuses_without_a_sandbox(tmp_path, monkeypatch, capsys):
+    from kdacourse.gradeall import grade_all
+
+    shutil.copytree(REPO_ROOT / "exercises" / STAGE, tmp_path / "class" / "alice" / STAGE)
+    monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: None)
+    sandbox_module.sandbox_problem.cache_clear()
+    try:
+        assert grade_all(tmp_path / "class", tmp_path / "out") == 2
+    finally:
+        sandbox_module.sandbox_problem.cache_clear()
+    assert "--trust" in capsys.readouterr().err and not (tmp_path / "out").exists()
