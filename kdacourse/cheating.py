@@ -2,7 +2,8 @@
 
 An exercise scores zero, whatever its tests say, when its file (or its stage folder) shows one of:
 
-- a symbolic link: the exercise's file, its stage folder, or anything inside that folder;
+- a symbolic link: the exercise's file, its stage folder, or anything inside that folder; a file
+  with other hard links;
 - an import of the course's answers or machinery: solutions, tests, kdacourse, exercises (another
   copy), benchmarks; a relative import (a file beside it);
 - an import from the course library stages/ that the shipped exercise does not make. The rule,
@@ -178,7 +179,10 @@ def check_exercise(folder, exercise):
     except OSError:
         return findings  # missing: its tests fail
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        status = os.fstat(f.fileno())
+        if not stat.S_ISREG(status.st_mode):
             return [Finding(path, 0, "not a regular file")]
+        if status.st_nlink > 1:
+            return [Finding(path, 0, "a file with other hard links: a submission holds its own files")]
         source = f.read(1 << 20).decode("utf-8", errors="replace")
     return check_source(source, path, exercise.stage, exercise.file, exercise.forbidden)

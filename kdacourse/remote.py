@@ -77,8 +77,11 @@ def read_submission_file(folder, stage, file):
     except OSError as error:
         raise TargetRefused(f"{path} cannot be read: {error}") from None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        status = os.fstat(f.fileno())
+        if not stat.S_ISREG(status.st_mode):
             raise TargetRefused(f"{path} is not a regular file")
+        if status.st_nlink > 1:  # it could be a file of the grader's that the student could not read
+            raise TargetRefused(f"{path} has other hard links: a submission holds its own files")
         data = f.read(MAX_SOURCE_BYTES + 1)
     if len(data) > MAX_SOURCE_BYTES:
         raise TargetRefused(f"{path} is larger than {MAX_SOURCE_BYTES} bytes")

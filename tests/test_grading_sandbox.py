@@ -491,3 +491,16 @@ def test_grade_all_refuses_without_a_sandbox(tmp_path, monkeypatch, capsys):
     finally:
         sandbox_module.sandbox_problem.cache_clear()
     assert "--trust" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_hard_link_is_refused_and_shows(tmp_path):
+    exercise = next(e for e in exercises() if e.id == "s01.chunkwise")
+    outside = tmp_path / "graders_file.py"
+    outside.write_text("SECRET = 1\n")
+    (tmp_path / "submission" / STAGE).mkdir(parents=True)
+    os.link(outside, tmp_path / "submission" / STAGE / "chunkwise.py")
+    session = RemoteSession(tmp_path / "submission")
+    with pytest.raises(TargetRefused, match="hard links"):
+        session.module(STAGE, "chunkwise.py")
+    session.close()
+    assert "hard links" in check_exercise(str(tmp_path / "submission"), exercise)[0].reason
