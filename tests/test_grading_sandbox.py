@@ -261,7 +261,7 @@ def test_fork_bomb_is_bounded(attack):
         session.close()
 
 
-def test_huge_output_fails_the_call_only(attack):
+def test_huge_output_and_memory_fail_the_call_only(attack):
     module = attack("""
         import sys, numpy as np
         def flood():
@@ -271,6 +271,8 @@ def test_huge_output_fails_the_call_only(attack):
             return 7
         def huge():
             return np.zeros((4, 1 << 20))
+        def memory():
+            return np.ones(10**10).sum()  # 80 GB
         def huge_file():
             with open("/tmp/big", "wb") as f:
                 f.write(b"z" * (256 << 20))
@@ -278,6 +280,8 @@ def test_huge_output_fails_the_call_only(attack):
     assert module.flood() == 7  # 200 MB of prints, read and dropped: the parent keeps 16 KiB
     with pytest.raises(SandboxCallFailed, match="more than"):
         module.huge()  # 32 MB > the 8 MB allowed a reply
+    with pytest.raises(MemoryError):
+        module.memory()  # RLIMIT_AS
     with pytest.raises(RemoteError):
         module.huge_file()  # RLIMIT_FSIZE: SIGXFSZ kills it, or the write fails
 
