@@ -25,17 +25,11 @@ def main(argv=None):
 
     grade = commands.add_parser("grade", help="grade a folder laid out like exercises/")
     grade.add_argument("folder", help="the submission: a folder with s01_linear_attention/... inside")
-    grade.add_argument("--out", required=True, help="folder for report.md, report.json and junit.xml")
-    grade.add_argument("--timeout", type=float, default=60, help="seconds allowed per test (default 60)")
-    grade.add_argument("--trust", action="store_true",
-                       help="run the code as yourself, without the sandbox (only for code you trust: your own)")
+    _grading_options(grade, "folder for report.md, report.json and junit.xml")
 
     grade_all = commands.add_parser("grade-all", help="grade every student folder of a folder, in parallel")
     grade_all.add_argument("submissions", help="a folder with one folder per student, each laid out like exercises/")
-    grade_all.add_argument("--out", required=True, help="folder for gradebook.csv and each student's reports")
-    grade_all.add_argument("--timeout", type=float, default=60, help="seconds allowed per test (default 60)")
-    grade_all.add_argument("--trust", action="store_true",
-                           help="run the code as yourself, without the sandbox (only for code you trust)")
+    _grading_options(grade_all, "folder for gradebook.csv and each student's reports")
 
     serve = commands.add_parser("serve", help="build the course site and serve it locally")
     serve.add_argument("--port", type=int, default=8000)
@@ -76,6 +70,13 @@ def main(argv=None):
 
         return regenerate()
     parser.error(f"unknown command {args.command}")
+
+
+def _grading_options(parser, out_help):
+    parser.add_argument("--out", required=True, help=out_help)
+    parser.add_argument("--timeout", type=float, default=60, help="seconds allowed per test (default 60)")
+    parser.add_argument("--trust", action="store_true",
+                        help="run the code as yourself, without the sandbox (only for code you trust: your own)")
 
 
 def _test(pytest_args):

@@ -399,14 +399,19 @@ def test_the_wire_refuses_pickles_and_objects():
     assert decoded["dtype"] is np.float16
 
 
-def test_grade_refuses_without_a_sandbox_and_names_trust(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("command", ["grade", "grade-all"])
+def test_grading_refuses_without_a_sandbox_and_names_trust(tmp_path, monkeypatch, capsys, command):
+    from kdacourse.gradeall import grade_all
     from kdacourse.grading import grade
 
-    shutil.copytree(REPO_ROOT / "exercises" / STAGE, tmp_path / "submission" / STAGE)
+    shutil.copytree(REPO_ROOT / "exercises" / STAGE, tmp_path / "class" / "alice" / STAGE)
     monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: None)
     sandbox_module.sandbox_problem.cache_clear()
     try:
-        assert grade(tmp_path / "submission", tmp_path / "out") == 2
+        if command == "grade":
+            assert grade(tmp_path / "class" / "alice", tmp_path / "out") == 2
+        else:
+            assert grade_all(tmp_path / "class", tmp_path / "out") == 2
     finally:
         sandbox_module.sandbox_problem.cache_clear()
     error = capsys.readouterr().err
@@ -482,19 +487,6 @@ def test_gradebook_has_one_row_per_student_and_one_column_per_exercise(tmp_path)
     assert [row[0] for row in rows[1:]] == ["'=cmd", "bob"]  # a formula is not left to a spreadsheet
     assert rows[2][1:2] == [str(catalog[0].points)] and rows[2][-2] == str(catalog[0].points)
     assert rows[2][-1] == str(sum(exercise.points for exercise in catalog))
-
-
-def test_grade_all_refuses_without_a_sandbox(tmp_path, monkeypatch, capsys):
-    from kdacourse.gradeall import grade_all
-
-    shutil.copytree(REPO_ROOT / "exercises" / STAGE, tmp_path / "class" / "alice" / STAGE)
-    monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: None)
-    sandbox_module.sandbox_problem.cache_clear()
-    try:
-        assert grade_all(tmp_path / "class", tmp_path / "out") == 2
-    finally:
-        sandbox_module.sandbox_problem.cache_clear()
-    assert "--trust" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_a_hard_link_is_refused_and_shows(tmp_path):
