@@ -500,3 +500,39 @@ def test_a_hard_link_is_refused_and_shows(tmp_path):
         session.module(STAGE, "chunkwise.py")
     session.close()
     assert "hard links" in check_exercise(str(tmp_path / "submission"), exercise)[0].reason
+
+
+def test_the_sandbox_dies_with_a_killed_grader(tmp_path):
+    """The grader's process killed outright (as the limit per exercise does to its pytest): the
+    launcher's parent-death signal takes bwrap, and bwrap the sandbox's whole PID namespace."""
+    import subprocess
+    import sys
+
+    marker = f"orphan-{os.getpid()}-{time.monotonic_ns()}"
+    (tmp_path / "submission" / STAGE).mkdir(parents=True)
+    (tmp_path / "submission" / STAGE / "chunkwise.py").write_text(textwrap.dedent(f"""
+        import subprocess, sys
+        def attack():
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)  # {marker}"], start_new_session=True)
+            return 1
+    """))
+    grader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from kdacourse.remote import RemoteSession
+        module = RemoteSession({str(tmp_path / "submission")!r}).module({STAGE!r}, "chunkwise.py")
+        print(module.attack(), flush=True)
+        time.sleep(600)
+    """)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert grader.stdout.readline().strip() == "1"
+        deadline = time.monotonic() + 20
+        while not _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _processes_with(marker)
+    finally:
+        grader.kill()
+        grader.wait()
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(marker) == []
