@@ -9,7 +9,6 @@ and writes docs/generated/bench_*; and stage 5's profile table from the committe
 import csv
 import json
 import re
-import re
 from collections import defaultdict
 
 from benchmarks import profile_s05, roofs
