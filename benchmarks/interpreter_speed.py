@@ -100,7 +100,7 @@ def measure(runs=5):
         build, module = _builder(package, name)
         x = make_inputs(B, N, H, d, d, gate=gate, seed=0)
         arguments = [a for a in (x.q, x.k, x.v, x.g, x.beta) if a is not None]
-        parse_s, _, program = _median_and_min(lambda: build(B, N, H, d, d, dtype=DTYPE), runs)
+        parse_s, _, program = _median_and_min(lambda f=build: f(B, N, H, d, d, dtype=DTYPE), runs)
         n_params = len(program.params)
         if name == "build_prepare_program":
             out_idx = list(range(5, n_params))
@@ -109,9 +109,9 @@ def measure(runs=5):
             arguments = list(prepared) + [np.zeros((B, H, d, d))]
         else:
             out_idx = [n_params - 1]
-        setup_s, _, kernel_function = _median_and_min(lambda: interpret(program, out_idx=out_idx), runs)
+        setup_s, _, kernel_function = _median_and_min(lambda p=program, o=out_idx: interpret(p, out_idx=o), runs)
         kernel_function(*arguments)  # a first call outside the timing (NumPy's first-use costs)
-        run_median, run_min, result = _median_and_min(lambda: kernel_function(*arguments), runs)
+        run_median, run_min, result = _median_and_min(lambda f=kernel_function, a=arguments: f(*a), runs)
         if name == "build_prepare_program":
             prepared, error = result, ""
         else:

@@ -188,7 +188,7 @@ def test_copy_start_index_form_takes_the_destination_shape():
 
     @T.prim_func
     def window(A: T.Tensor((8, 8), "float16"), O: T.Tensor((3, 5), "float16")):
-        with T.Kernel(1, threads=32) as bx:
+        with T.Kernel(1, threads=32) as _bx:
             A_s = T.alloc_shared((3, 5), "float16")
             T.copy(A[2, 1], A_s)
             T.copy(A_s, O)
@@ -204,7 +204,7 @@ def _gemm_program(transpose_A, transpose_B, clear_accum, dtype="float16", M=16, 
     @T.prim_func
     def gemm(A: T.Tensor(a_shape, dtype), Bm: T.Tensor(b_shape, dtype), C0: T.Tensor((M, N), "float32"),
              C: T.Tensor((M, N), "float32")):
-        with T.Kernel(1, threads=128) as bx:
+        with T.Kernel(1, threads=128) as _bx:
             A_s = T.alloc_shared(a_shape, dtype)
             B_s = T.alloc_shared(b_shape, dtype)
             C_f = T.alloc_fragment((M, N), "float32")
@@ -254,7 +254,7 @@ def test_parallel_loops_with_if_and_if_then_else():
 
     @T.prim_func
     def lanes(A: T.Tensor((M, N), "float32"), O: T.Tensor((M, N), "float32"), P: T.Tensor((M,), "float32")):
-        with T.Kernel(1, threads=32) as bx:
+        with T.Kernel(1, threads=32) as _bx:
             for i, j in T.Parallel(M, N):
                 if (i + 2 * j) % 3 == 0:
                     O[i, j] = A[i, j] * 2
@@ -280,7 +280,7 @@ def test_serial_loop_of_lane_dependent_extent_with_a_var_per_lane():
 
     @T.prim_func
     def prefix(A: T.Tensor((M, M), "float32"), O: T.Tensor((M,), "float32")):
-        with T.Kernel(1, threads=32) as bx:
+        with T.Kernel(1, threads=32) as _bx:
             for i in T.Parallel(M):
                 running = T.alloc_var("float32")
                 running = 0
@@ -301,7 +301,7 @@ def test_reductions_with_and_without_clear(clear):
     @T.prim_func
     def reduce(A: T.Tensor((M, N), "float32"), Init: T.Tensor((M,), "float32"), Row_max: T.Tensor((M,), "float32"),
                Row_sum: T.Tensor((M,), "float32"), Col_sum: T.Tensor((N,), "float32")):
-        with T.Kernel(1, threads=128) as bx:
+        with T.Kernel(1, threads=128) as _bx:
             A_f = T.alloc_fragment((M, N), "float32")
             row_max = T.alloc_fragment((M,), "float32")
             row_sum = T.alloc_fragment((M,), "float32")
@@ -331,7 +331,7 @@ def test_fill_and_clear():
 
     @T.prim_func
     def fills(O: T.Tensor((4, 4), "float16"), Z: T.Tensor((4, 4), "float32")):
-        with T.Kernel(1, threads=32) as bx:
+        with T.Kernel(1, threads=32) as _bx:
             f = T.alloc_fragment((4, 4), "float16")
             z = T.alloc_shared((4, 4), "float32")
             T.fill(f, 1.0 / 3)
@@ -353,7 +353,7 @@ def test_cumsum(dim, reverse):
 
     @T.prim_func
     def scan(A: T.Tensor((M, N), "float32"), O: T.Tensor((M, N), "float32")):
-        with T.Kernel(1, threads=128) as bx:
+        with T.Kernel(1, threads=128) as _bx:
             A_s = T.alloc_shared((M, N), "float32")
             T.copy(A, A_s)
             T.cumsum(A_s, dim=dim, reverse=reverse)
@@ -373,7 +373,7 @@ def test_math_intrinsics(dtype):
 
     @T.prim_func
     def math_ops(A: T.Tensor((n,), dtype), Bv: T.Tensor((n,), dtype), O: T.Tensor((8, n), dtype)):
-        with T.Kernel(1, threads=64) as bx:
+        with T.Kernel(1, threads=64) as _bx:
             for i in T.Parallel(n):
                 O[0, i] = T.exp2(A[i])
                 O[1, i] = T.exp(A[i])
@@ -406,7 +406,7 @@ def _cast_program(dtype, n):
 
     @T.prim_func
     def cast(A: T.Tensor((n,), "float32"), Copied: T.Tensor((n,), dtype), Cast: T.Tensor((n,), dtype)):
-        with T.Kernel(1, threads=128) as bx:
+        with T.Kernel(1, threads=128) as _bx:
             A_s = T.alloc_shared((n,), "float32")
             T.copy(A, A_s)
             T.copy(A_s, Copied)  # T.copy casts to the destination's dtype
@@ -458,7 +458,7 @@ def test_buffers_read_before_any_write_are_nan():
 
     @T.prim_func
     def unwritten(O: T.Tensor((4, 4), "float32"), P: T.Tensor((4, 4), "float32")):
-        with T.Kernel(1, threads=32) as bx:
+        with T.Kernel(1, threads=32) as _bx:
             s = T.alloc_shared((4, 4), "float32")
             f = T.alloc_fragment((4, 4), "float32")
             for i, j in T.Parallel(4, 4):
@@ -478,14 +478,14 @@ def test_out_of_bounds_load_raises_naming_the_buffer():
 
     @T.prim_func
     def shifted(A: T.Tensor((M, M), "float32"), O: T.Tensor((M, M), "float32")):
-        with T.Kernel(1, threads=32) as bx:
+        with T.Kernel(1, threads=32) as _bx:
             for i, j in T.Parallel(M, M):
                 if j > 2:  # a mask over both lanes: the faulting index varies over i only
                     O[i, j] = A[i + 1, j]
 
     @T.prim_func
     def guarded(A: T.Tensor((M, M), "float32"), O: T.Tensor((M, M), "float32")):
-        with T.Kernel(1, threads=32) as bx:
+        with T.Kernel(1, threads=32) as _bx:
             for i, j in T.Parallel(M, M):
                 O[i, j] = T.if_then_else(i + 1 < M, A[T.min(i + 1, M), j], 0)
 
@@ -501,7 +501,7 @@ def test_out_idx_none_writes_outputs_in_place_and_leaves_inputs():
 
     @T.prim_func
     def double(A: T.Tensor((4,), "float16"), O: T.Tensor((4,), "float32")):
-        with T.Kernel(1, threads=32) as bx:
+        with T.Kernel(1, threads=32) as _bx:
             for i in T.Parallel(4):
                 O[i] = A[i] * 2
 
@@ -516,7 +516,7 @@ def test_barrier_is_accepted():
 
     @T.prim_func
     def synced(A: T.Tensor((4,), "float32"), O: T.Tensor((4,), "float32")):
-        with T.Kernel(1, threads=32) as bx:
+        with T.Kernel(1, threads=32) as _bx:
             s = T.alloc_shared((4,), "float32")
             T.copy(A, s)
             T.sync_threads()
@@ -531,14 +531,14 @@ def test_unsupported_constructs_name_the_construct_and_the_line():
 
     @T.prim_func
     def atomic(A: T.Tensor((8,), "float32"), O: T.Tensor((8,), "float32")):
-        with T.Kernel(1, threads=32) as bx:
+        with T.Kernel(1, threads=32) as _bx:
             s = T.alloc_fragment((8,), "float32")
             T.copy(A, s)
             T.atomic_add(O[0:8], s)
 
     @T.prim_func
     def threaded(A: T.Tensor((8,), "float32"), O: T.Tensor((8,), "float32")):
-        with T.Kernel(1, threads=32) as bx:
+        with T.Kernel(1, threads=32) as _bx:
             tx = T.get_thread_binding()
             O[tx % 8] = A[0]
 
