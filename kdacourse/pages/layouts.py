@@ -98,7 +98,7 @@ def chunks_over_the_sequence():
 
 def grid_of_programs():
     """The grid: d_v / block_dv programs along x, B*H along y; each owns a d_k x block_dv state slice."""
-    d = Drawing(760, 330, "The grid of programs: d_v / block_dv by B*H, each with its own slice of the state")
+    d = Drawing(760, 360, "The grid of programs: d_v / block_dv by B*H, each with its own slice of the state")
     nx, ny, cw, ch, x0, y0 = 4, 3, 70, 46, 70, 62
     d.text(x0, 28, "T.Kernel(d_v / block_dv, B·H): one program (thread block) per cell; programs share nothing",
            anchor="start", size=13)
@@ -126,9 +126,9 @@ def grid_of_programs():
     d.text(sx + sw / 2, sy + sh + 54, "on chip for the whole chunk loop", size=12)
     d.line(x0 + 2 * cw, y0 + 1.5 * ch, sx + 1.5 * sw / blocks, sy + sh / 2, stroke=ORANGE, width=1.5,
            arrow=True, dash="5 4")
-    d.text(x0, 300, "Column c of the output needs column c of V and of the state only, so the value columns split",
+    d.text(x0, 330, "Column c of the output needs column c of V and of the state only, so the value columns split",
            anchor="start", size=12)
-    d.text(x0, 317, "across programs; the keys (d_k) do not: every program reads all of Q and K of its (batch, head).",
+    d.text(x0, 347, "across programs; the keys (d_k) do not: every program reads all of Q and K of its (batch, head).",
            anchor="start", size=12)
     return d.svg()
 
@@ -151,7 +151,7 @@ def wy_ut_blocks():
         d.text(x + size / 2, y0 - 28, label, size=14, weight="bold")
         d.text(x + size / 2, y0 - 10, note, size=11, fill=MUTED)
 
-    triangle(40, True, BLUE_LIGHT, BLUE, "L  (C × C)", "strictly lower: j < r")
+    triangle(40, True, BLUE_LIGHT, BLUE, "L  (C × C)", "strictly lower: i < c")
     d.text(40 + size / 2, y0 + size + 22, "L[c, i] = β_i A^kk[c, i], i < c", size=12)
     d.text(40 + size + 30, y0 + size / 2 + 5, "→", size=22)
     triangle(250, False, ORANGE_LIGHT, ORANGE, "T = (I + L)⁻¹", "unit lower, by substitution")
