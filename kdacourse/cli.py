@@ -7,6 +7,7 @@
     course build                    build the site into site/ (mkdocs build --strict)
     course regenerate               rewrite every generated table, plot and report under docs/
     course test [PYTEST ARGS]       lint with ruff, then run the test suite on the solutions (what CI runs)
+    course handout OUT              write what a student receives into OUT: no solutions, no solution code on the pages
 """
 
 import argparse
@@ -38,12 +39,17 @@ def main(argv=None):
     commands.add_parser("build", help="build the site into site/ with mkdocs --strict")
     commands.add_parser("regenerate", help="rewrite every generated file under docs/")
 
+    handout = commands.add_parser("handout", help="write a student handout: the course without its answers")
+    handout.add_argument("out", help="a new or empty folder outside the course")
+
     test = commands.add_parser("test", help="run the test suite (what .ci/run runs)")
     test.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed on to pytest")
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["test"]:  # everything after `test` belongs to pytest, options included
-        return _test(argv[1:])
+        from kdacourse.handout import refuse_in_handout
+
+        return refuse_in_handout("test") or _test(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "check":
         from kdacourse.grading import check
@@ -66,9 +72,18 @@ def main(argv=None):
 
         return build()
     if args.command == "regenerate":
+        from kdacourse.handout import refuse_in_handout
+
+        refused = refuse_in_handout("regenerate")
+        if refused:
+            return refused
         from kdacourse.pages import regenerate
 
         return regenerate()
+    if args.command == "handout":
+        from kdacourse.handout import make_handout
+
+        return make_handout(args.out)
     parser.error(f"unknown command {args.command}")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kdacourse import REPO_ROOT
 from kdacourse.catalog import load_catalog
+from kdacourse.handout import is_handout
 
 
 class TargetError(Exception):
@@ -28,6 +29,9 @@ def target_folder(target):
     if target == "exercises":
         return REPO_ROOT / "exercises"
     if target == "solutions" or target.startswith("bug:"):
+        if is_handout():
+            raise TargetError(f"target {target!r}: this is a student handout, which has no solutions/ and no bug "
+                              "catalog; check your own exercises (the default target)")
         return REPO_ROOT / "solutions"
     folder = Path(target).expanduser().resolve()
     if not folder.is_dir():

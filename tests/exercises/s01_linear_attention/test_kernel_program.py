@@ -11,6 +11,7 @@ from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.s01_linear_attention.reference import kernel_mirror, recurrent
 from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, compile_for_sm90a, run_on_cpu, run_on_gpu
+from tests.exercises.library_values import from_library
 
 STAGE = "s01_linear_attention"
 TILES = dict(chunk_size=16, block_dv=16)
@@ -32,7 +33,7 @@ def test_float64_program_equals_reference_c(build_program, B, N, H, d_k, d_v):
     x = make_inputs(B, N, H, d_k, d_v, seed=N + d_v)
     program = build(build_program, B, N, H, d_k, d_v, dtype="float64", **TILES)
     actual = run_on_cpu(program, [x.q, x.k, x.v], out_idx=[3])
-    expected = kernel_mirror(x.q, x.k, x.v, TILES["chunk_size"], TILES["block_dv"])
+    expected = from_library(kernel_mirror, x.q, x.k, x.v, TILES["chunk_size"], TILES["block_dv"])
     # fp32 accumulators: each output sums O(C + d_k) products, each rounded to 2^-24
     assert_close(actual, expected, rel_l2=64 * UNIT_ROUNDOFF["float64"], chunk_size=TILES["chunk_size"],
                  name="the interpreted float64 program")
@@ -44,7 +45,7 @@ def test_fp16_program_within_rounding(build_program):
     program = build(build_program, B, N, H, d_k, d_v, dtype="float16", **TILES)
     actual = run_on_cpu(program, [x.q, x.k, x.v], out_idx=[3])
     # q, k, v, the masked scores and the state are each rounded to fp16 once: a few units of 2^-11
-    assert_close(actual, recurrent(x.q, x.k, x.v), rel_l2=4 * UNIT_ROUNDOFF["float16"],
+    assert_close(actual, from_library(recurrent, x.q, x.k, x.v), rel_l2=4 * UNIT_ROUNDOFF["float16"],
                  chunk_size=TILES["chunk_size"], name="the interpreted fp16 program")
 
 
@@ -58,5 +59,5 @@ def test_runs_on_gpu(build_program):
     B, N, H, d_k, d_v = 2, 1024, 4, 128, 128
     x = make_inputs(B, N, H, d_k, d_v, seed=8)
     actual = run_on_gpu(build(build_program, B, N, H, d_k, d_v), [x.q, x.k, x.v], [3], ["float16"] * 3)
-    assert_close(actual, recurrent(x.q, x.k, x.v), rel_l2=4 * UNIT_ROUNDOFF["float16"], chunk_size=64,
+    assert_close(actual, from_library(recurrent, x.q, x.k, x.v), rel_l2=4 * UNIT_ROUNDOFF["float16"], chunk_size=64,
                  name="the fp16 kernel on the GPU")

@@ -14,6 +14,7 @@ from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.s02_scalar_decay.reference import kernel_mirror, recurrent
 from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, compile_for_sm90a, run_on_cpu, run_on_gpu
+from tests.exercises.library_values import from_library
 
 STAGE = "s02_scalar_decay"
 TILES = dict(chunk_size=16, block_dv=16)
@@ -36,7 +37,7 @@ def test_float64_program_equals_reference_c(build_program, B, N, H, d_k, d_v):
     x = make_inputs(B, N, H, d_k, d_v, gate="head", gate_range=GATE_RANGE, seed=N + d_v)
     program = build(build_program, B, N, H, d_k, d_v, dtype="float64", **TILES)
     actual = run_on_cpu(program, [x.q, x.k, x.v, x.g], out_idx=[4])
-    expected = kernel_mirror(x.q, x.k, x.v, x.g, TILES["chunk_size"], TILES["block_dv"])
+    expected = from_library(kernel_mirror, x.q, x.k, x.v, x.g, TILES["chunk_size"], TILES["block_dv"])
     # fp32 accumulators: each output sums O(C + d_k) products, each rounded to 2^-24; each decay is
     # one fp32 exp2 of a product of fp32 numbers, a few units of 2^-24 more
     assert_close(actual, expected, rel_l2=64 * UNIT_ROUNDOFF["float64"], chunk_size=TILES["chunk_size"],
@@ -50,7 +51,7 @@ def test_fp16_program_within_rounding(build_program):
     actual = run_on_cpu(program, [x.q, x.k, x.v, x.g], out_idx=[4])
     # q, k, v, the decayed scores, key_decay ⊙ V and the state are each rounded to fp16 once: at most
     # u/2 each, 3u if they all added up; the decays are <= 1 and amplify none of them
-    assert_close(actual, recurrent(x.q, x.k, x.v, x.g), rel_l2=4 * UNIT_ROUNDOFF["float16"],
+    assert_close(actual, from_library(recurrent, x.q, x.k, x.v, x.g), rel_l2=4 * UNIT_ROUNDOFF["float16"],
                  chunk_size=TILES["chunk_size"], name="the interpreted fp16 program")
 
 
@@ -65,5 +66,5 @@ def test_runs_on_gpu(build_program):
     x = make_inputs(B, N, H, d_k, d_v, gate="head", gate_range=GATE_RANGE, seed=8)
     actual = run_on_gpu(build(build_program, B, N, H, d_k, d_v), [x.q, x.k, x.v, x.g], [4],
                         ["float16"] * 3 + ["float32"])
-    assert_close(actual, recurrent(x.q, x.k, x.v, x.g), rel_l2=4 * UNIT_ROUNDOFF["float16"], chunk_size=64,
+    assert_close(actual, from_library(recurrent, x.q, x.k, x.v, x.g), rel_l2=4 * UNIT_ROUNDOFF["float16"], chunk_size=64,
                  name="the fp16 kernel on the GPU")

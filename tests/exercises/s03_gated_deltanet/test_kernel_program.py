@@ -16,6 +16,7 @@ from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.s03_gated_deltanet.reference import kernel_mirror, recurrent
 from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, compile_for_sm90a, run_on_cpu, run_on_gpu
+from tests.exercises.library_values import from_library
 
 STAGE = "s03_gated_deltanet"
 TILES = dict(chunk_size=16, block_dv=16)
@@ -47,7 +48,7 @@ def test_float64_program_equals_reference_c(build_program, B, N, H, d_k, d_v, be
     x = _inputs(B, N, H, d_k, d_v, seed=N + d_v + beta_at_0_and_1, beta_at_0_and_1=beta_at_0_and_1)
     program = build(build_program, B, N, H, d_k, d_v, dtype="float64", **TILES)
     actual = run_on_cpu(program, [x.q, x.k, x.v, x.g, x.beta], out_idx=[5])
-    expected = kernel_mirror(x.q, x.k, x.v, x.g, x.beta, TILES["chunk_size"], TILES["block_dv"])
+    expected = from_library(kernel_mirror, x.q, x.k, x.v, x.g, x.beta, TILES["chunk_size"], TILES["block_dv"])
     # fp32 accumulators and fp32 gates: the GEMMs sum O(C + d_k) products, the substitution O(C) more
     # in fp32 (on I + L, well conditioned for unit keys and beta <= 1), gamma is a prefix sum of C fp32
     # gates; a unit of 2^-24 per term: (C + d_k) + C + C = 80 for C = 16, d_k = 32
@@ -63,7 +64,7 @@ def test_fp16_program_within_rounding(build_program):
     # q, k, v, W, the state, A_qk, V_new and the decayed Q and K are each rounded to fp16 once: at
     # most u/2 each, 4.5u if all nine added up; the decays are <= 1 and the delta rule's updates
     # contract (unit keys, beta <= 1), so none is amplified
-    assert_close(actual, recurrent(x.q, x.k, x.v, x.g, x.beta), rel_l2=5 * UNIT_ROUNDOFF["float16"],
+    assert_close(actual, from_library(recurrent, x.q, x.k, x.v, x.g, x.beta), rel_l2=5 * UNIT_ROUNDOFF["float16"],
                  chunk_size=TILES["chunk_size"], name="the interpreted fp16 program")
 
 
@@ -78,5 +79,5 @@ def test_runs_on_gpu(build_program):
     x = _inputs(B, N, H, d_k, d_v, seed=8, beta_at_0_and_1=True)
     actual = run_on_gpu(build(build_program, B, N, H, d_k, d_v), [x.q, x.k, x.v, x.g, x.beta], [5],
                         ["float16"] * 3 + ["float32"] * 2)
-    assert_close(actual, recurrent(x.q, x.k, x.v, x.g, x.beta), rel_l2=5 * UNIT_ROUNDOFF["float16"],
+    assert_close(actual, from_library(recurrent, x.q, x.k, x.v, x.g, x.beta), rel_l2=5 * UNIT_ROUNDOFF["float16"],
                  chunk_size=64, name="the fp16 kernel on the GPU")

@@ -16,6 +16,7 @@ from stages.common.inputs import make_inputs
 from stages.common.oracles import kda_delta_rule
 from stages.s04_kda.reference import kernel_mirror, recurrent
 from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, run_on_cpu, tir_facts
+from tests.exercises.library_values import from_library
 
 STAGE = "s04_kda"
 SHAPE = (1, 256, 2, 64, 64)  # B, N, H, d_k, d_v
@@ -47,7 +48,7 @@ def test_float64_program_equals_reference_c(build_program):
     x = _small_inputs(gate_range=(0.5, 0.999), seed=11)
     program = build(build_program, *SMALL_SHAPE, dtype="float64", **SMALL_TILES)
     actual = run_on_cpu(program, [x.q, x.k, x.v, x.g, x.beta], out_idx=[5])
-    expected = kernel_mirror(x.q, x.k, x.v, x.g, x.beta, SMALL_TILES["chunk_size"], SMALL_TILES["block_dv"])
+    expected = from_library(kernel_mirror, x.q, x.k, x.v, x.g, x.beta, SMALL_TILES["chunk_size"], SMALL_TILES["block_dv"])
     # fp32 accumulators and fp32 exponentials: each output sums O(C + d_k) terms rounded to 2^-24
     assert_close(actual, expected, rel_l2=64 * UNIT_ROUNDOFF["float64"], chunk_size=SMALL_TILES["chunk_size"],
                  name="the interpreted float64 program")
@@ -58,7 +59,7 @@ def test_fp16_program_within_rounding(build_program):
     program = build(build_program, *SMALL_SHAPE, dtype="float16", **SMALL_TILES)
     actual = run_on_cpu(program, [x.q, x.k, x.v, x.g, x.beta], out_idx=[5])
     # q, k, v and each GEMM operand are rounded to fp16 once: a few units of 2^-11
-    assert_close(actual, recurrent(x.q, x.k, x.v, x.g, x.beta), rel_l2=4 * UNIT_ROUNDOFF["float16"],
+    assert_close(actual, from_library(recurrent, x.q, x.k, x.v, x.g, x.beta), rel_l2=4 * UNIT_ROUNDOFF["float16"],
                  chunk_size=SMALL_TILES["chunk_size"], name="the interpreted fp16 program")
 
 

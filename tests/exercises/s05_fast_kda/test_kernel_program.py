@@ -15,6 +15,7 @@ from stages.s04_kda.reference import recurrent
 from stages.s05_fast_kda.kernel import build_recurrence_program
 from stages.s05_fast_kda.reference import prepare
 from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, compile_for_sm90a, run_on_cpu, run_on_gpu
+from tests.exercises.library_values import from_library
 
 STAGE = "s05_fast_kda"
 OUTPUTS = ("w", "u", "q_decayed", "k_to_chunk_end", "a_qk", "chunk_decay")  # the program's out_idx order
@@ -48,7 +49,7 @@ def test_float64_program_equals_reference_c(build_prepare_program, B, N, H, d_k,
     x = _inputs(B, N, H, d_k, d_v, gate_range, seed=N + chunk_size)
     program = build(build_prepare_program, B, N, H, d_k, d_v, chunk_size, dtype="float64")
     actual = run_on_cpu(program, [x.q, x.k, x.v, x.g, x.beta], out_idx=PREPARE_OUT)
-    expected = prepare(x.q, x.k, x.v, x.g, x.beta, chunk_size)
+    expected = from_library(prepare, x.q, x.k, x.v, x.g, x.beta, chunk_size)
     for name, output in zip(OUTPUTS, actual):
         if name in ("w", "u"):
             # W and U read every entry of T; its merged blocks are two products of TF32 operands,
@@ -70,7 +71,7 @@ def test_fp16_program_within_rounding(build_prepare_program):
     recurrence = build(build_recurrence_program, B, N, H, d_k, d_v, chunk_size, BLOCK_DV, dtype="float16")
     actual, _ = run_on_cpu(recurrence, [*prepared, np.zeros((B, H, d_k, d_v))], out_idx=RECURRENCE_OUT)
     # q, k, v and the five stored operands are each rounded to fp16 once: a few units of 2^-11
-    assert_close(actual, recurrent(x.q, x.k, x.v, x.g, x.beta), rel_l2=4 * UNIT_ROUNDOFF["float16"],
+    assert_close(actual, from_library(recurrent, x.q, x.k, x.v, x.g, x.beta), rel_l2=4 * UNIT_ROUNDOFF["float16"],
                  chunk_size=chunk_size, name="the interpreted fp16 programs (prepare, then recurrence)")
 
 
@@ -88,5 +89,5 @@ def test_runs_on_gpu(build_prepare_program):
     recurrence = build(build_recurrence_program, B, N, H, d_k, d_v, chunk_size, BLOCK_DV)
     actual, _ = run_on_gpu(recurrence, [*prepared, np.zeros((B, H, d_k, d_v))], RECURRENCE_OUT,
                            ["float16"] * 5 + ["float32"] * 2)
-    assert_close(actual, recurrent(x.q, x.k, x.v, x.g, x.beta), rel_l2=4 * UNIT_ROUNDOFF["float16"],
+    assert_close(actual, from_library(recurrent, x.q, x.k, x.v, x.g, x.beta), rel_l2=4 * UNIT_ROUNDOFF["float16"],
                  chunk_size=chunk_size, name="the fp16 kernels on the GPU")

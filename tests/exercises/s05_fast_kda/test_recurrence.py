@@ -8,6 +8,7 @@ from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.s05_fast_kda.reference import prepare
 from tests.exercises.s05_fast_kda.oracle import kda_delta_rule
+from tests.exercises.library_values import from_library
 
 STAGE = "s05_fast_kda"
 
@@ -33,7 +34,7 @@ def _inputs(N, seed):
 def test_matches_delta_rule(recurrence, N, chunk_size, block_dv):
     x = _inputs(N, seed=N + block_dv)
     expected, expected_state = kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)
-    o, final_state = recurrence(prepare(x.q, x.k, x.v, x.g, x.beta, chunk_size, 4), block_dv)
+    o, final_state = recurrence(from_library(prepare, x.q, x.k, x.v, x.g, x.beta, chunk_size, 4), block_dv)
     assert_close(o[:, :N], expected, rel_l2=1e-12, chunk_size=chunk_size)
     assert_close(final_state, expected_state, rel_l2=1e-12, name="the final state S^T",
                  axes=("batch", "head", "key channel", "value channel"))
@@ -44,7 +45,7 @@ def test_carries_the_state_across_calls(recurrence):
     expected, _ = kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)
     state, outputs = None, []
     for rows in (slice(0, 32), slice(32, 64)):
-        tensors = prepare(x.q[:, rows], x.k[:, rows], x.v[:, rows], x.g[:, rows], x.beta[:, rows], 16, 4)
+        tensors = from_library(prepare, x.q[:, rows], x.k[:, rows], x.v[:, rows], x.g[:, rows], x.beta[:, rows], 16, 4)
         o, state = recurrence(tensors, 3, initial_state=state)
         outputs.append(o)
     assert_close(np.concatenate(outputs, axis=1), expected, rel_l2=1e-12, chunk_size=16)

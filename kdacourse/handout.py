@@ -1,0 +1,415 @@
+"""`course handout OUT`: the folder a student receives, without the answers.
+
+It holds what a student works with, and works on its own (`make setup` there, or
+`pip install -e '.[site,test]'`): `course check`, `course build` and `course serve` run there.
+
+- exercises/ as shipped, and the tests that check them: tests/conftest.py and tests/exercises/,
+  whose comparisons with library functions that are exercises read values recorded here from the
+  full course (tests/exercises/library_values.py; tests/exercises/<stage>/expected/*.npz);
+- the library, stages/, with every function that an exercise asks for replaced by a stub that raises
+  NotImplementedError and names the exercise: the functions of stages/<stage>/reference.py,
+  kernel.py and numerics.py that have the name of a function of solutions/<stage>/*.py (e.g.
+  recurrent, kernel_mirror, build_program). What calls a stub raises in turn (the kernels' wrappers);
+- the pages, docs/, without solution code: every collapsed block opened "after your check passes"
+  (the solutions, the bugs the exercises ship with) gives way to a line saying the solution is with
+  the instructor; a code snippet of a stubbed function is written into the page when the student's
+  exercise file shows the same code anyway (a kernel's head), and otherwise gives way to the same
+  line; the kill matrices lose the rows of the bugs the exercises ship with. The generated tables
+  were made from the full library and are copied as they are (`course regenerate` refuses here);
+- the catalog's exercises, without any bug entry (a bug's `find` text is solution code, and the bug
+  a fix exercise ships with is its answer);
+- the course machinery (kdacourse/), the site's configuration, benchmarks/results/ (a page includes
+  one of its files), the setup files; no solutions/, no library tests, no benchmark code.
+
+A handout-based submission is graded in the instructor's copy: `course grade` on the student's
+exercises folder.
+"""
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from kdacourse import REPO_ROOT
+
+MARKER = "HANDOUT.md"
+# What a handout copies from the course, relative to its root (folders whole, less caches).
+COPIED = ["README.md", "Makefile", "pyproject.toml", "mkdocs.yml", ".gitignore", "scripts", "kdacourse", "stages",
+          "exercises", "docs", "benchmarks/results", "tests/__init__.py", "tests/conftest.py", "tests/exercises"]
+LIBRARY_MODULES = ("reference.py", "kernel.py", "numerics.py")
+NO_SOLUTION = "*The solution is with your instructor: a handout leaves it out.*"
+# A collapsed block the reader opens "after" a check passes holds an answer.
+ANSWER_BLOCK = re.compile(r'^(?P<indent>\s*)\?\?\?\+? \w+ "[^"]*\(open after [^"]*\)"\s*$')
+SNIPPET = re.compile(r'^(?P<indent>\s*)--8<-- "(?P<path>[^":]+):(?P<section>[A-Za-z_]\w*)"\s*$')
+SECTION_MARK = re.compile(r"#\s*--8<--\s*\[(?P<which>start|end):(?P<name>\w+)\]")
+
+
+class HandoutError(Exception):
+    """The handout cannot be made (the message says why)."""
+
+
+def is_handout(root=REPO_ROOT):
+    """Whether this copy of the course is a student handout (made by `course handout`)."""
+    return (Path(root) / MARKER).is_file()
+
+
+def refuse_in_handout(command):
+    """For the commands that need the full course: a message and exit code 2 in a handout, else None."""
+    if not is_handout():
+        return None
+    print(f"course {command}: this is a student handout ({MARKER}): it has no solutions and its library leaves "
+          f"out the exercises, so `course {command}` runs only in the instructor's copy of the course. "
+          f"Here, `course check` checks your exercises.", file=sys.stderr)
+    return 2
+
+
+def make_handout(out, record=True):
+    """Write the handout into `out` (a new or empty folder); returns the exit code."""
+    out = Path(out).expanduser().resolve()
+    try:
+        if is_handout():
+            raise HandoutError("this is already a handout: make one from the instructor's copy of the course")
+        if out.exists() and any(out.iterdir()):
+            raise HandoutError(f"{out} exists and is not empty")
+        if out.is_relative_to(REPO_ROOT):
+            raise HandoutError(f"{out} is inside the course: write the handout somewhere else")
+        _copy(out)
+        stubbed = stub_library(out)
+        rewrite_pages(out, stubbed)
+        write_catalog(out)
+        (out / MARKER).write_text(_marker_text())
+        if record:
+            record_library_values(out)
+    except HandoutError as error:
+        print(f"course handout: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote the handout into {out}: {len(stubbed)} library functions left out as exercises", flush=True)
+    return 0
+
+
+def _marker_text():
+    return ("# A student handout of the course\n\n"
+            "Made by `course handout` from the instructor's copy. It has the exercises, their tests and the course\n"
+            "pages, and the library without the functions that are exercises (they raise NotImplementedError).\n"
+            "Check your work with `course check`; read the pages with `course serve`. Your instructor grades\n"
+            "your `exercises/` folder in the full course (`course grade`).\n")
+
+
+# ------------------------------------------------------------------------------------------ copy
+
+
+def _copy(out):
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in COPIED:
+        source = REPO_ROOT / name
+        if not source.exists():
+            continue
+        destination = out / name
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, destination, ignore=ignore)
+        else:
+            shutil.copy2(source, destination)
+
+
+# -------------------------------------------------------------------------------------- library
+
+
+def exercise_functions():
+    """{(stage, library module, function name): exercise id} for every public function of a solution
+    file that the stage's library also defines at the top level."""
+    from kdacourse.catalog import exercises
+
+    found = {}
+    for exercise in exercises():
+        solution = REPO_ROOT / "solutions" / exercise.stage / exercise.file
+        names = {node.name for node in ast.parse(solution.read_text()).body
+                 if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")}
+        for module in LIBRARY_MODULES:
+            path = REPO_ROOT / "stages" / exercise.stage / module
+            if not path.is_file():
+                continue
+            defined = {node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+            for name in sorted(names & defined):
+                found[(exercise.stage, module, name)] = exercise
+    return found
+
+
+def _function_spans(source):
+    """{name: (first line, last line)} of the top-level functions, 1-based, decorators included."""
+    spans = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            spans[node.name] = (first, node.end_lineno)
+    return spans
+
+
+def _call_arguments(arguments):
+    """The text that passes a function's own parameters on: `a, b, *args, c=c, **kwargs`."""
+    parts = [a.arg for a in (*arguments.posonlyargs, *arguments.args)]
+    parts += [f"*{arguments.vararg.arg}"] if arguments.vararg else []
+    parts += [f"{a.arg}={a.arg}" for a in arguments.kwonlyargs]
+    parts += [f"**{arguments.kwarg.arg}"] if arguments.kwarg else []
+    return ", ".join(parts)
+
+
+def _delegating_body(name, exercise, arguments, indent):
+    """The body of a stub that other exercises call: it runs the student's own function."""
+    module = f"handout_exercise_{exercise.stage}_{Path(exercise.file).stem}"
+    return (f"{indent}# Exercise {exercise.id}: a handout leaves it out of the library, and the exercises that use it\n"
+            f"{indent}# call yours, exercises/{exercise.stage}/{exercise.file}.\n"
+            f"{indent}import importlib.util\n"
+            f"{indent}import sys\n"
+            f"{indent}from pathlib import Path\n\n"
+            f"{indent}if {module!r} not in sys.modules:\n"
+            f"{indent}    path = Path(__file__).resolve().parents[2] / 'exercises' / {exercise.stage!r} / {exercise.file!r}\n"
+            f"{indent}    spec = importlib.util.spec_from_file_location({module!r}, path)\n"
+            f"{indent}    loaded = importlib.util.module_from_spec(spec)\n"
+            f"{indent}    spec.loader.exec_module(loaded)\n"
+            f"{indent}    sys.modules[{module!r}] = loaded\n"
+            f"{indent}return sys.modules[{module!r}].{name}({_call_arguments(arguments)})\n")
+
+
+def _exercise_docstring(exercise, name):
+    """The docstring of `name` in the exercise file, as source lines (what the student reads anyway)."""
+    source = (REPO_ROOT / "exercises" / exercise.stage / exercise.file).read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name and ast.get_docstring(node) is not None:
+            return "".join(source.splitlines(keepends=True)[node.body[0].lineno - 1:node.body[0].end_lineno])
+    return ""
+
+
+def _stub(source, name, exercise, delegate=False):
+    """The function `name` of `source` with its body replaced by a NotImplementedError naming the
+    exercise (or, with `delegate`, by a call of the student's function); its signature and decorators
+    stay, and its docstring becomes the exercise's (the library's may explain the answer)."""
+    lines = source.splitlines(keepends=True)
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    body = node.body[0]
+    has_docstring = isinstance(body, ast.Expr) and isinstance(body.value, ast.Constant) and isinstance(body.value.value, str)
+    indent = re.match(r"\s*", lines[body.lineno - 1]).group(0)
+    message = (f"{exercise.id} is an exercise: this handout leaves {name} out of the library. Write it in "
+               f"exercises/{exercise.stage}/{exercise.file} (course check {exercise.stage.split('_')[0]})")
+    header = "".join(lines[first - 1:body.lineno - 1])
+    docstring = _exercise_docstring(exercise, name) if has_docstring else ""
+    body_text = docstring + (_delegating_body(name, exercise, node.args, indent) if delegate
+                 else f"{indent}raise NotImplementedError({message!r})\n")
+    stub = header + body_text
+    return "".join(lines[:first - 1]) + stub + "".join(lines[node.end_lineno:])
+
+
+def stub_library(out):
+    """Replace every exercise function of the handout's library by a stub; returns
+    {(stage, module, name): exercise}."""
+    found = exercise_functions()
+    used = _used_by_exercises()
+    for (stage, module, name), exercise in found.items():
+        path = out / "stages" / stage / module
+        path.write_text(_stub(path.read_text(), name, exercise, delegate=(stage, module, name) in used))
+    return found
+
+
+def _used_by_exercises():
+    """{(stage, module, name)} of the library functions that an exercise file imports."""
+    used = set()
+    for path in (REPO_ROOT / "solutions").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stages.s"):
+                parts = node.module.split(".")
+                if len(parts) == 3:
+                    used |= {(parts[1], parts[2] + ".py", alias.name) for alias in node.names}
+    return used
+
+
+# ---------------------------------------------------------------------------------------- pages
+
+
+def _sections(source):
+    """{section name: (first line, last line)} of the snippet sections of a source file, 1-based."""
+    starts, sections = {}, {}
+    for number, line in enumerate(source.splitlines(), 1):
+        match = SECTION_MARK.search(line)
+        if match and match["which"] == "start":
+            starts[match["name"]] = number
+        elif match and match["name"] in starts:
+            sections[match["name"]] = (starts.pop(match["name"]), number)
+    return sections
+
+
+def _section_text(source, span):
+    lines = source.splitlines()[span[0]:span[1] - 1]
+    return textwrap.dedent("\n".join(line for line in lines if not SECTION_MARK.search(line)))
+
+
+def _code_lines(text):
+    """The lines of code of `text`, stripped, without comments or blank lines (to compare code)."""
+    lines = []
+    for line in text.splitlines():
+        code = re.sub(r"\s+#.*$", "", line).strip()
+        if code and not code.startswith("#"):
+            lines.append(code)
+    return lines
+
+
+def _shown_in(section, exercise_source):
+    """Whether every line of code of `section` is, in the same order and contiguous, in the exercise
+    file that the student receives anyway."""
+    wanted, have = _code_lines(section), _code_lines(exercise_source)
+    if not wanted:
+        return True
+    return any(have[i:i + len(wanted)] == wanted for i in range(len(have) - len(wanted) + 1))
+
+
+def _snippet_replacements(stubbed):
+    """{(path, section): code to write into the page, or an italic line saying it is left out} for every
+    snippet section of a library module that overlaps a stubbed function."""
+    replacements = {}
+    by_module = {}
+    for (stage, module, name), exercise in stubbed.items():
+        by_module.setdefault((stage, module), []).append((name, exercise))
+    for (stage, module), functions in by_module.items():
+        relative = f"stages/{stage}/{module}"
+        source = (REPO_ROOT / relative).read_text()
+        spans = _function_spans(source)
+        for section, (first, last) in _sections(source).items():
+            overlapping = [exercise for name, exercise in functions
+                           if spans[name][0] <= last and first <= spans[name][1]]
+            if not overlapping:
+                continue
+            text = _section_text(source, (first, last))
+            shown = all(_shown_in(text, (REPO_ROOT / "exercises" / e.stage / e.file).read_text()) for e in overlapping)
+            ids = " and ".join(f"`{e.id}`" for e in dict.fromkeys(overlapping))
+            replacements[(relative, section)] = (text if shown else
+                                                 f"*This code is the answer of exercise {ids}: a handout leaves it out.*")
+    return replacements
+
+
+def _without_answer_blocks(text):
+    """`text` with each collapsed block opened "after" a check replaced by the no-solution line."""
+    lines = text.splitlines()
+    result, i = [], 0
+    while i < len(lines):
+        match = ANSWER_BLOCK.match(lines[i])
+        if not match:
+            result.append(lines[i])
+            i += 1
+            continue
+        indent = len(match["indent"])
+        i += 1
+        while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > indent):
+            i += 1
+        result += [match["indent"] + NO_SOLUTION, ""]
+    return "\n".join(result).rstrip("\n") + "\n"
+
+
+def _with_snippets_replaced(text, replacements):
+    """`text` with each snippet of a stubbed section written in (or, with its code fence, replaced by
+    the no-solution line)."""
+    lines = text.splitlines()
+    result = []
+    i = 0
+    while i < len(lines):
+        match = SNIPPET.match(lines[i])
+        key = (match["path"], match["section"]) if match else None
+        if key not in replacements:
+            result.append(lines[i])
+            i += 1
+            continue
+        indent = match["indent"]
+        replacement = replacements[key]
+        if not replacement.startswith("*"):  # code, written into the page
+            result += [indent + line if line else "" for line in replacement.splitlines()]
+            i += 1
+            continue
+        fenced = result and result[-1].strip().startswith("```") and i + 1 < len(lines) and lines[i + 1].strip() == "```"
+        if fenced:
+            result.pop()
+            i += 1
+        result.append(indent + replacement)
+        i += 1
+    return "\n".join(result).rstrip("\n") + "\n"
+
+
+def _without_shipped_rows(text, shipped):
+    """A kill matrix without the rows of the bugs that the exercises ship with."""
+    kept = [line for line in text.splitlines() if not any(line.startswith(f"| `{bug}` ") for bug in shipped)]
+    return "\n".join(kept) + "\n"
+
+
+def rewrite_pages(out, stubbed):
+    """The handout's pages: no answer blocks, no snippets of stubbed code, no shipped bugs."""
+    from kdacourse.catalog import exercises
+
+    replacements = _snippet_replacements(stubbed)
+    shipped = {exercise.bug for exercise in exercises() if exercise.bug}
+    for path in sorted((out / "docs").rglob("*.md")):
+        text = path.read_text()
+        new = _with_snippets_replaced(_without_answer_blocks(text), replacements)
+        if path.name.endswith("kill_matrix.md"):
+            new = _without_shipped_rows(new, shipped)
+        new = new.replace('"The kill matrix, bug by test (it names the bugs the exercises ship with)"',
+                          '"The kill matrix, bug by test (the bugs the exercises ship with left out)"')
+        if new != text:
+            path.write_text(new)
+    leftover = [str(p.relative_to(out)) for p in (out / "docs").rglob("*.md")
+                if any(SNIPPET.match(line) and (SNIPPET.match(line)["path"], SNIPPET.match(line)["section"]) in replacements
+                       for line in p.read_text().splitlines())]
+    if leftover:
+        raise HandoutError(f"snippets of exercise code left in {', '.join(leftover)}")
+
+
+# -------------------------------------------------------------------------------------- catalog
+
+
+def _toml_value(value):
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return str(value)
+
+
+def write_catalog(out):
+    """The handout's catalog: every exercise, without the bug it ships with; no bug entries."""
+    from kdacourse.catalog import exercises
+
+    folder = out / "kdacourse" / "catalog"
+    for path in folder.glob("*.toml"):
+        path.unlink()
+    by_stage = {}
+    for exercise in exercises():
+        by_stage.setdefault(exercise.stage, []).append(exercise)
+    for stage, stage_exercises in by_stage.items():
+        lines = [f"# {stage}'s exercises, as a student's handout has them: no bug entries (kdacourse/handout.py).", ""]
+        for exercise in stage_exercises:
+            lines.append("[[exercise]]")
+            for field in ("id", "stage", "file", "kind", "points", "read", "forbidden"):
+                value = getattr(exercise, field)
+                if field == "forbidden" and not value:
+                    continue
+                lines.append(f"{field} = {_toml_value(value)}")
+            lines.append("")
+        (folder / f"{stage}.toml").write_text("\n".join(lines))
+
+
+# ------------------------------------------------------------------------------- recorded values
+
+
+def record_library_values(out):
+    """Run the exercise tests that take values from the library (tests/exercises/library_values.py)
+    on the solutions, here in the full course, recording those values into the handout."""
+    tests = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "tests" / "exercises").rglob("test_*.py")
+                   if "from_library(" in path.read_text())
+    print(f"recording the library's values for {len(tests)} test files (the solutions' tests, once)", flush=True)
+    environment = dict(os.environ, COURSE_RECORD_EXPECTED=str(out / "tests" / "exercises"))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--target=solutions",
+               "-m", "not compile", *tests]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=environment, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise HandoutError(f"the tests that record the library's values failed on the solutions:\n{result.stdout[-3000:]}")
