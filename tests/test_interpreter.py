@@ -246,6 +246,33 @@ def test_gemm_reads_fp32_operands_as_tf32():
     assert error_report(actual, a.astype(np.float64) @ b.astype(np.float64).T).rel_l2 > 1e-5  # not fp32's
 
 
+def test_lanes_storing_different_values_into_one_element_are_a_race():
+    """Every lane of a T.Parallel writing its own value into one element is a race on the GPU: the
+    interpreter refuses it, naming the element. The same value from every lane (a flag) is no race."""
+    T = _tilelang()
+
+    @T.prim_func
+    def race(A: T.Tensor((8, 4), "float32"), O: T.Tensor((8,), "float32")):
+        with T.Kernel(1, threads=32) as _bx:
+            row = T.alloc_fragment((8,), "float32")
+            for i, j in T.Parallel(8, 4):
+                row[i] = A[i, j]  # four lanes j per element i
+            T.copy(row, O)
+
+    @T.prim_func
+    def flag(A: T.Tensor((8, 4), "float32"), O: T.Tensor((8,), "float32")):
+        with T.Kernel(1, threads=32) as _bx:
+            row = T.alloc_fragment((8,), "float32")
+            for i, _j in T.Parallel(8, 4):
+                row[i] = A[i, 0] * 2  # the same value from every lane _j
+            T.copy(row, O)
+
+    a = _rng().standard_normal((8, 4)).astype(np.float32)
+    with pytest.raises(InterpreterError, match=r"row\[0\]: lanes of one T.Parallel store different values"):
+        interpret(race, out_idx=[1])(a)
+    assert np.array_equal(interpret(flag, out_idx=[1])(a), a[:, 0] * 2)
+
+
 def test_parallel_loops_with_if_and_if_then_else():
     """A 2-D nest (M != N, so a swapped axis shows) with an `if`/`else` and T.if_then_else, and a
     1-D nest with an `if` that leaves some lanes idle."""

@@ -35,6 +35,7 @@ program as TileLang parsed it (`prim_func.script()`).
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -490,10 +491,14 @@ class _Program:
                     return
                 except ValueError:  # the value varies over lanes the index does not (a race): fall through
                     pass
+            lanes_per_element = np.broadcast_shapes(*(np.shape(i) for i in where))
             *where, new, mask = np.broadcast_arrays(*where, new, mask)
             where = [i[mask] for i in where]
             _check_bounds(name, target.shape, where, True)
-            target[tuple(where)] = new[mask]
+            values = new[mask]
+            if math.prod(lanes_per_element) < mask.size:  # the index leaves out a lane axis
+                _check_no_race(name, target.shape, where, values)
+            target[tuple(where)] = values
 
         return run_store
 
@@ -845,6 +850,26 @@ def _check_bounds(name, shape, where, mask):
             index = np.clip(index, 0, size - 1)  # lanes that do not execute read any valid element
         safe.append(index)
     return safe
+
+
+def _check_no_race(name, shape, where, values):
+    """Raise if lanes of one T.Parallel store different values into one element: on a GPU which lane
+    wins is undefined. Lanes that store the same value (a flag, say) are no race."""
+    flat = np.ravel_multi_index([np.asarray(i, dtype=np.int64) for i in where], shape)
+    order = np.argsort(flat, kind="stable")
+    flat, values = flat[order], values[order]
+    same_element = flat[1:] == flat[:-1]
+    before, after = values[:-1], values[1:]
+    differ = before != after
+    if np.issubdtype(values.dtype, np.floating):
+        differ &= ~(np.isnan(before) & np.isnan(after))
+    clash = same_element & differ
+    if np.any(clash):
+        element = np.unravel_index(int(flat[1:][clash][0]), shape)
+        raise InterpreterError(
+            f"{name}{list(map(int, element))}: lanes of one T.Parallel store different values into this element "
+            f"(a race on the GPU: which lane wins is undefined); give each lane its own element, or reduce "
+            f"with T.reduce_* / a serial loop")
 
 
 def _window_slices(shape, starts, sizes):
