@@ -1,0 +1,172 @@
+"""`course handout OUT`: what a student receives has no answers, and still works on its own.
+
+One handout is made per run (a few seconds: the copy, then the solutions' tests that record the
+library's values). In it: no solutions/, no bug catalog, the library's exercise functions are stubs,
+no distinctive line of a fill exercise's solution anywhere (files and built site), the site builds
+with --strict; its exercise tests pass on the solutions copied in from this course and fail on the
+exercises as shipped; `course check --target=solutions` and `course regenerate` refuse. Every stage
+is covered: the exercise tests of all stages take about 5 s here.
+"""
+
+import ast
+import html
+import re
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+
+from kdacourse import REPO_ROOT
+from kdacourse.catalog import exercises
+from kdacourse.handout import exercise_functions
+from kdacourse.shipped import split_region
+
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not compile and not gpu"]
+
+
+def _run(command, cwd, timeout=600):
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def handout(tmp_path_factory):
+    out = tmp_path_factory.mktemp("handout") / "course"
+    result = _run([sys.executable, "-m", "kdacourse.cli", "handout", str(out)], REPO_ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out
+
+
+def _library_names():
+    """{stage: names of the public functions of its solution files}."""
+    names = {}
+    for exercise in exercises():
+        tree = ast.parse((REPO_ROOT / "solutions" / exercise.stage / exercise.file).read_text())
+        names.setdefault(exercise.stage, set()).update(
+            node.name for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"))
+    return names
+
+
+def distinctive_solution_lines():
+    """{fill exercise id: lines of its solution region that the course shows nowhere but in the
+    solution and in the library function it asks for}: text a handout must not hold."""
+    names = _library_names()
+    corpus = []
+    for pattern in ("exercises/**/*.py", "tests/**/*.py", "kdacourse/**/*.py", "docs/**/*.md", "stages/**/*.py"):
+        for path in REPO_ROOT.glob(pattern):
+            text = path.read_text()
+            if path.relative_to(REPO_ROOT).parts[0] == "stages" and path.parent.name in names:
+                lines = text.splitlines(keepends=True)
+                functions = [node for node in ast.parse(text).body
+                             if isinstance(node, ast.FunctionDef) and node.name in names[path.parent.name]]
+                for node in sorted(functions, key=lambda node: -node.lineno):
+                    del lines[node.lineno - 1:node.end_lineno]
+                text = "".join(lines)
+            corpus.append(text)
+    corpus = "\n".join(corpus)
+    found = {}
+    for exercise in exercises():
+        if exercise.kind != "fill":
+            continue
+        region = split_region((REPO_ROOT / "solutions" / exercise.stage / exercise.file).read_text())[1]
+        lines = {line.strip() for line in region.splitlines() if len(line.strip()) >= 25 and not line.strip().startswith("#")}
+        found[exercise.id] = sorted(line for line in lines if line not in corpus)
+    return found
+
+
+def test_every_fill_exercise_has_distinctive_lines():
+    """Otherwise the search below would prove nothing for that exercise."""
+    empty = [name for name, lines in distinctive_solution_lines().items() if not lines]
+    assert not empty, f"no distinctive solution line to search the handout for: {empty}"
+
+
+def test_no_solutions_and_no_bug_catalog(handout):
+    assert not (handout / "solutions").exists()
+    assert (handout / "HANDOUT.md").is_file()
+    for path in (handout / "kdacourse" / "catalog").glob("*.toml"):
+        text = path.read_text()
+        assert "[[bug]]" not in text and "find =" not in text and "\nbug =" not in text, path.name
+    shipped_bugs = {exercise.bug for exercise in exercises() if exercise.bug}
+    generated = handout / "docs" / "generated"
+    for path in [*generated.glob("catalog/*.md"), generated / "kill_matrix.md"]:
+        for bug in shipped_bugs:
+            assert f"`{bug}`" not in path.read_text(), f"{path.name} names {bug}, which an exercise ships with"
+
+
+def test_exercise_functions_are_stubs(handout):
+    stubbed = exercise_functions()
+    assert {name for _, _, name in stubbed} >= {"recurrent", "chunkwise", "kernel_mirror", "build_program",
+                                                "decay_table", "chunk_system", "block_inverse", "build_prepare_program"}
+    for (stage, module, name), exercise in stubbed.items():
+        tree = ast.parse((handout / "stages" / stage / module).read_text())
+        function = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name)
+        body = function.body[1:] if isinstance(function.body[0], ast.Expr) else function.body
+        code = ast.unparse(ast.Module(body=body, type_ignores=[]))
+        raises = len(body) == 1 and isinstance(body[0], ast.Raise) and "NotImplementedError" in code
+        delegates = f"'exercises' / {exercise.stage!r} / {exercise.file!r}" in code  # calls the student's
+        assert raises or delegates, f"{stage}/{module}: {name} is not a stub:\n{code}"
+        if raises:
+            assert exercise.id in code
+
+
+def _site_text(site):
+    """The built site's pages as text: tags dropped, entities decoded."""
+    return {path: html.unescape(re.sub(r"<[^>]+>", "", path.read_text(errors="replace")))
+            for path in site.rglob("*.html")}
+
+
+def test_site_builds_and_holds_no_solution(handout, tmp_path):
+    site = tmp_path / "site"
+    result = _run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], handout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    texts = {path: path.read_text(errors="replace") for path in handout.rglob("*")
+             if path.is_file() and path.suffix in (".py", ".md", ".toml", ".txt", ".yml", ".js", ".csv", ".json")}
+    texts.update(_site_text(site))
+    for exercise_id, lines in distinctive_solution_lines().items():
+        for line in lines:
+            holders = [str(path) for path, text in texts.items() if line in text]
+            assert not holders, f"{exercise_id}'s solution line {line!r} is in the handout: {holders}"
+    stage_pages = "".join(texts[handout / "docs" / f"{stage}.md"] for stage in {e.stage for e in exercises()})
+    assert "Solution (open after your check passes)" not in stage_pages
+    pages = "".join(text for path, text in texts.items() if path.suffix == ".html" or path.is_relative_to(handout / "docs"))
+    assert "The bugs the exercises ship with (open after" not in pages
+
+
+def _failing_files(junit):
+    """{test file: number of failed or errored tests} from a JUnit XML report."""
+    failing = {}
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            name = case.get("classname", "")
+            failing[name] = failing.get(name, 0) + 1
+    return failing
+
+
+def test_exercise_tests_pass_on_the_solutions_and_fail_as_shipped(handout, tmp_path):
+    with_solutions = tmp_path / "with_solutions"
+    shutil.copytree(handout, with_solutions)
+    for exercise in exercises():
+        shutil.copy(REPO_ROOT / "solutions" / exercise.stage / exercise.file,
+                    with_solutions / "exercises" / exercise.stage / exercise.file)
+    result = _run([*PYTEST, "tests/exercises"], with_solutions)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]  # every value was recorded
+
+    junit = tmp_path / "shipped.xml"
+    result = _run([*PYTEST, f"--junitxml={junit}", "tests/exercises"], handout)
+    assert result.returncode == 1, result.stdout[-4000:]
+    failing = _failing_files(junit)
+    for exercise in exercises():
+        module = f"tests.exercises.{exercise.stage}.test_{Path(exercise.file).stem}"
+        assert failing.get(module), f"{exercise.id}: no test fails on the exercise as shipped, in the handout"
+
+
+def test_commands_that_need_the_full_course_refuse(handout):
+    course = [sys.executable, "-m", "kdacourse.cli"]
+    check = _run([*course, "check", "s01", "--target=solutions"], handout)
+    assert check.returncode != 0 and "student handout" in check.stdout + check.stderr
+    for command in (["regenerate"], ["test"], ["handout", str(handout.parent / "again")]):
+        result = _run([*course, *command], handout)
+        assert result.returncode == 2 and "handout" in result.stderr, (command, result.stderr)
