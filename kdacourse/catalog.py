@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from kdacourse import REPO_ROOT
-from kdacourse.handout import is_handout
+from kdacourse import REPO_ROOT, is_handout
 
 CATALOG_DIR = Path(__file__).with_name("catalog")
 REGION_BEGIN = "# EXERCISE BEGIN"

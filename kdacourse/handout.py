@@ -34,9 +34,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from kdacourse import REPO_ROOT
+from kdacourse import HANDOUT_MARKER, REPO_ROOT, is_handout
 
-MARKER = "HANDOUT.md"
+MARKER = HANDOUT_MARKER
 # What a handout copies from the course, relative to its root (folders whole, less caches).
 COPIED = ["README.md", "Makefile", "pyproject.toml", "mkdocs.yml", ".gitignore", "scripts", "kdacourse", "stages",
           "exercises", "docs", "benchmarks/results", "tests/__init__.py", "tests/conftest.py", "tests/exercises"]
@@ -50,11 +50,6 @@ SECTION_MARK = re.compile(r"#\s*--8<--\s*\[(?P<which>start|end):(?P<name>\w+)\]"
 
 class HandoutError(Exception):
     """The handout cannot be made (the message says why)."""
-
-
-def is_handout(root=REPO_ROOT):
-    """Whether this copy of the course is a student handout (made by `course handout`)."""
-    return (Path(root) / MARKER).is_file()
 
 
 def refuse_in_handout(command):

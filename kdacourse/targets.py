@@ -15,9 +15,8 @@ import sys
 import types
 from pathlib import Path
 
-from kdacourse import REPO_ROOT
+from kdacourse import REPO_ROOT, is_handout
 from kdacourse.catalog import load_catalog
-from kdacourse.handout import is_handout
 
 
 class TargetError(Exception):

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kdacourse.handout import is_handout
+from kdacourse import is_handout
 
 RECORD_ENV = "COURSE_RECORD_EXPECTED"
 EXERCISE_TESTS = Path(__file__).parent
