@@ -91,8 +91,15 @@ def write_roofs_table(path):
     """The machine's roofs: as specified, as measured before the runs, as each run measured them."""
     meta_path = RESULTS / "meta.json"
     runs = json.loads(meta_path.read_text())["runs"] if meta_path.exists() else []
-    path.write_text(markdown_table(["", "memory bandwidth", "bf16 tensor cores", "from"],
-                                   roofs.table_rows(runs, MEMORY_BANDWIDTH)))
+    rows = roofs.table_rows(runs, MEMORY_BANDWIDTH)
+    fair_path = RESULTS / "fair_meta.json"
+    fair = roofs.from_meta(json.loads(fair_path.read_text())) if fair_path.exists() else None
+    if fair is not None:  # the fair run's own roofs, before the bound's row that ends the table
+        fair_meta = json.loads(fair_path.read_text())
+        rows.insert(-1, (f"fair run of {fair_meta.get('date', '?')}", roofs.tb_per_s(fair["bandwidth_bytes_per_s"]),
+                         roofs.tflop_per_s(fair["bf16_flops_per_s"]),
+                         f"measured by `benchmarks.fair` on its {fair_meta.get('device', 'GPU')} (benchmarks/roofs.py)"))
+    path.write_text(markdown_table(["", "memory bandwidth", "bf16 tensor cores", "from"], rows))
 
 
 def write_timing_table(path):
