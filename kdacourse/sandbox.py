@@ -104,6 +104,9 @@ def bwrap_command(mode, limits, preload_tilelang=False):
                  "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         args += ["--unshare-all"]
+    # the scratch tmpfs first: bwrap applies its mounts in order, so a course that lives under /tmp
+    # (a CI clone, say) is bound on top of it below instead of being hidden by it
+    args += ["--size", str(limits.scratch_bytes), "--perms", "01777", "--tmpfs", "/tmp"]
     bound, made = [], set()
 
     def make_parents(path):
@@ -134,9 +137,7 @@ def bwrap_command(mode, limits, preload_tilelang=False):
         bind(prefix)
     bind(REPO_ROOT / "stages")  # the library, read-only; nothing else of the course
     bind(CHILD_SCRIPT, "/sandbox/child.py")
-    args += ["--proc", "/proc", "--dev", "/dev",
-             "--size", str(limits.scratch_bytes), "--perms", "01777", "--tmpfs", "/tmp",
-             "--clearenv", "--chdir", "/tmp"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--clearenv", "--chdir", "/tmp"]
     environment = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "USER": "nobody", "LANG": "C.UTF-8",
                    "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
                    "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TVM_NUM_THREADS": "1"}

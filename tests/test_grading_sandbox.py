@@ -536,3 +536,14 @@ def test_the_sandbox_dies_with_a_killed_grader(tmp_path):
     while _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _processes_with(marker) == []
+
+
+def test_the_scratch_tmpfs_is_mounted_before_the_course_is_bound(monkeypatch):
+    """bwrap applies mounts in order: a course under /tmp (a CI clone) bound before the scratch
+    tmpfs at /tmp would be hidden by it, and every sandbox would fail its self-test (seen in CI)."""
+    monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: "/usr/bin/bwrap")
+    argv = sandbox_module.bwrap_command("call", Limits())
+    tmpfs = argv.index("--tmpfs")
+    assert argv[tmpfs + 1] == "/tmp"
+    binds = [i for i, arg in enumerate(argv) if arg == "--ro-bind"]
+    assert binds and tmpfs < min(binds), "the tmpfs at /tmp must come before every --ro-bind"
