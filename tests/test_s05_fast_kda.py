@@ -2,7 +2,6 @@
 fp16, the state carried across calls, the identities, the kernels (compile-only here, on a GPU with
 the gpu marker)."""
 
-import inspect
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.s05_fast_kda import identities, reference
 from tests.exercises.s05_fast_kda.oracle import decayed_scores, kda_delta_rule
+from tests.solution_code import assert_solution_is_library_code
 
 GATES, BETAS = (0.9, 0.999), (0.1, 0.9)
 
@@ -130,16 +130,8 @@ def test_identity_holds(build):
 
 @pytest.mark.parametrize("name", ["intra_chunk_scores", "block_inverse", "recurrence"])
 def test_solutions_are_the_library_code(name):
-    """solutions/ holds the library's functions verbatim (less the exercise markers)."""
-    from kdacourse.targets import load_module
-
-    solution = load_module("solutions", "s05_fast_kda", f"{name}.py")
-
-    def without_markers(function):
-        return "".join(line for line in inspect.getsource(function).splitlines(keepends=True)
-                       if line.strip() not in ("# EXERCISE BEGIN", "# EXERCISE END"))
-
-    assert without_markers(getattr(solution, name)) == without_markers(getattr(reference, name))
+    """solutions/ holds the library's functions: the same code (comments and docstrings may differ)."""
+    assert_solution_is_library_code("s05_fast_kda", name, reference)
 
 
 # ----------------------------------------------------------------------------- the kernels
