@@ -65,6 +65,18 @@ def check_qkv(q, k, v):
     return B, N, H, d_k, v.shape[3]
 
 
+def check_output_gradient(do, B, N, H, d_v):
+    """do, the gradient of the loss with respect to o: o's shape (B, N, H, d_v), float64 and finite."""
+    check_shaped("do", do, (B, N, H, d_v), f"(B, N, H, d_v) = {(B, N, H, d_v)}, o's shape")
+
+
+def check_state(name, state, B, H, d_k, d_v):
+    """state (an initial state, or the gradient of a final state) is None or S^T in the kernel
+    layout: (B, H, d_k, d_v), float64 and finite."""
+    if state is not None:
+        check_shaped(name, state, (B, H, d_k, d_v), f"(B, H, d_k, d_v) = {(B, H, d_k, d_v)}, S^T in the kernel layout")
+
+
 def check_chunking(N, d_v, chunk_size, block_dv=None):
     """chunk_size is a positive integer; block_dv, when given, a positive integer that divides d_v."""
     check_positive_integer("chunk_size", chunk_size)
