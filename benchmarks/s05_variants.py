@@ -1,0 +1,542 @@
+"""Variants of stage 5's prepare kernel, to time against the committed one in one GPU run.
+
+    python -m benchmarks.s05_variants --out DIR [--quick] [--variants a,b] [--no-fla]
+
+Each variant is a function with build_prepare_program's parameters and outputs (stages/s05_fast_kda/
+kernel.py is not touched). On a GPU the script compiles each variant (a failure is recorded and the
+run goes on), checks its six outputs against the committed kernel's on the same bf16 inputs (rel L2
+of each) and its o through the committed recurrence against FLA's chunk_kda (if installed, unless
+--no-fla), then times the prepare kernel alone (one launch captured as a CUDA graph, replayed under
+triton.testing.do_bench, median; 3 interleaved rounds, median over them) at B=1 N=16384 H=32 and
+B=8 N=4096 H=16, with the committed recurrence once per shape for the kernels' total. Writes
+DIR/variants.csv and prints a table.
+
+Where the time goes in the committed kernel (ncu at B=1 N=16384 H=32: the L1/LSU data pipe 66% busy,
+issue 32%, barrier and short-scoreboard stalls), counted per warp from the generated CUDA: the slab
+passes of the off-diagonal scores are scalar (their row count C - s0 is a loop variable, so nothing
+vectorizes) and their 4-byte gamma reads 4-way bank conflicted, about a quarter of the kernel's
+shared-memory wavefronts; W, U and the diagonal A_qk are stored to global memory from the MMA
+fragments (4- and 2-byte stores spread over 8 rows, 8 wavefronts per instruction), another sixth; the
+pass writing K e^gamma in place carries a __syncthreads in each of its 8 unrolled steps (the barrier
+pass cannot prove the swizzled in-place read and write are one thread's); V's load from HBM starts
+only after the score passes, so its latency is exposed.
+"""
+
+import argparse
+import csv
+import functools
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from stages.common.tilelang_tools import LOG2_E
+from stages.s05_fast_kda.kernel import CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, default_prepare_threads
+
+SHAPES = [(1, 16384, 32, 128), (8, 4096, 16, 128)]  # B, N, H, D
+QUICK_SHAPES = [(1, 16384, 32, 128)]
+ROUNDS, QUICK_ROUNDS = 3, 2
+DTYPE = "bfloat16"
+PREPARE_OUT = [5, 6, 7, 8, 9, 10]
+OUTPUTS = ("w", "u", "q_decayed", "k_to_chunk_end", "a_qk", "chunk_decay")
+FIELDS = ["round", "B", "N", "H", "D", "variant", "prepare_ms", "recurrence_ms", "kernels_ms", "fla_ms",
+          "compile_s", *[f"rel_l2_{name}" for name in OUTPUTS], "rel_l2_o_vs_fla",
+          "rel_l2_o_committed_vs_fla", "error"]
+
+
+def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+           channel_passes=CHANNEL_PASSES, *, fused_passes=False, unrolled_slabs=False, kg_buffer=False,
+           staged_stores=False, staged_a_qk=False, early_v=False):
+    """build_prepare_program with switches; all off is the committed kernel, statement for statement.
+
+    fused_passes: each anchored-operand pass reads gamma (and K) once per element and takes one
+        exp2 for the row and one for the column operand (the committed passes read gamma three times).
+    unrolled_slabs: the slab loop expanded at build time (a Python tuple), so each slab's pass has a
+        static extent and vectorizes; one pass per slab and channel pass writes the row operands
+        (rows >= s0) and the column operand (the sub rows above s0), C - s0 + sub rows in all.
+    kg_buffer: K e^gamma written to its own buffer instead of K_s in place (no barrier per step).
+    staged_stores: W and U written to shared memory first (stmatrix), then copied out by TMA stores
+        of whole rows (the committed kernel stores them from the MMA fragments).
+    staged_a_qk: A_qk too, in A_hat_s's bytes (+8 KiB of shared memory: 113 KiB, two blocks per SM
+        exactly fill the H200's 228 KiB).
+    early_v: V loaded into registers at the start (its latency hidden behind the score passes),
+        moved to shared memory where the committed kernel loads it.
+    """
+    import tilelang.language as T
+
+    threads = threads or default_prepare_threads(chunk_size)
+    C, sub = chunk_size, SUB_BLOCK
+    accum_dtype = "float32"
+    num_chunks = N // C
+    channels_per_pass = d_k // channel_passes
+    slab_starts = tuple(range(sub, C, sub)) if unrolled_slabs else range(sub, C, sub)
+
+    @T.prim_func
+    def kda_prepare(
+        Q: T.Tensor((B, N, H, d_k), dtype),
+        K: T.Tensor((B, N, H, d_k), dtype),
+        V: T.Tensor((B, N, H, d_v), dtype),
+        G: T.Tensor((B, N, H, d_k), accum_dtype),
+        Beta: T.Tensor((B, N, H), accum_dtype),
+        W: T.Tensor((B, N, H, d_k), dtype),
+        U: T.Tensor((B, N, H, d_v), dtype),
+        Q_decayed: T.Tensor((B, N, H, d_k), dtype),
+        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+        A_qk: T.Tensor((B, N, H, C), dtype),
+        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+    ):
+        with T.Kernel(num_chunks, B * H, threads=threads) as (i_c, i_bh):
+            b, h = i_bh // H, i_bh % H
+            t0 = i_c * C
+
+            Q_s = T.alloc_shared((C, d_k), dtype)
+            K_s = T.alloc_shared((C, d_k), dtype)
+            gamma_s = T.alloc_shared((C, d_k), accum_dtype)
+            beta_s = T.alloc_shared((C,), accum_dtype)
+            Q_row_s = T.alloc_shared((C, channels_per_pass), dtype)
+            K_row_s = T.alloc_shared((C, channels_per_pass), dtype)
+            K_col_s = T.alloc_shared((C, channels_per_pass), dtype)
+            L_s = T.alloc_shared((C, C), accum_dtype)
+            T_s = T.alloc_shared((C, C), accum_dtype)
+            T_diag_s = T.alloc_shared((C, sub), accum_dtype)
+            merge_s = T.alloc_shared((sub, C), accum_dtype)
+            A_hat_s = T.alloc_shared((C, C), dtype)
+            V_s = T.alloc_shared((C, d_v), dtype)
+            Kg_s = T.alloc_shared((C, d_k), dtype) if kg_buffer else K_s
+            A_qk_s = A_hat_s if staged_a_qk else None  # copied out before A_hat_s is written: its bytes
+            W_s = T.alloc_shared((C, d_k), dtype) if staged_stores else None
+            U_s = T.alloc_shared((C, d_v), dtype) if staged_stores else None
+
+            kk_f = T.alloc_fragment((C, C), accum_dtype)
+            qk_f = T.alloc_fragment((C, C), accum_dtype)
+            kk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
+            qk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
+            w_f = T.alloc_fragment((C, d_k), accum_dtype)
+            u_f = T.alloc_fragment((C, d_v), accum_dtype)
+            block_row_f = T.alloc_fragment((sub, C), accum_dtype)
+            V_f = T.alloc_fragment((C, d_v), dtype) if early_v else None
+
+            T.copy(Q[b, t0:t0 + C, h, :], Q_s)
+            T.copy(K[b, t0:t0 + C, h, :], K_s)
+            T.copy(Beta[b, t0:t0 + C, h], beta_s)
+            T.copy(G[b, t0:t0 + C, h, :], gamma_s)
+            if early_v:
+                T.copy(V[b, t0:t0 + C, h, :], V_f)
+            for d in T.Parallel(d_k):
+                running = T.alloc_var(accum_dtype)
+                running = 0
+                for r in T.unroll(C):
+                    running += gamma_s[r, d]
+                    gamma_s[r, d] = running
+
+            # diagonal sub-blocks, anchored at the middle row of their sub-block
+            for channel_pass in range(channel_passes):
+                d0 = channel_pass * channels_per_pass
+                if fused_passes:
+                    for r, d in T.Parallel(C, channels_per_pass):
+                        exponent = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
+                        k_value = K_s[r, d0 + d]
+                        to_row = T.exp2(exponent)
+                        Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
+                        K_row_s[r, d] = k_value * to_row
+                        K_col_s[r, d] = k_value * T.exp2(-exponent)
+                else:
+                    for r, d in T.Parallel(C, channels_per_pass):
+                        middle = gamma_s[(r // sub) * sub + sub // 2, d0 + d]
+                        Q_row_s[r, d] = Q_s[r, d0 + d] * T.exp2((gamma_s[r, d0 + d] - middle) * LOG2_E)
+                        K_row_s[r, d] = K_s[r, d0 + d] * T.exp2((gamma_s[r, d0 + d] - middle) * LOG2_E)
+                        K_col_s[r, d] = K_s[r, d0 + d] * T.exp2((middle - gamma_s[r, d0 + d]) * LOG2_E)
+                T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=channel_pass == 0)
+                T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=channel_pass == 0)
+            for r, j in T.Parallel(C, C):
+                same_block = r // sub == j // sub
+                L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
+                if j // sub >= r // sub:
+                    if staged_a_qk:
+                        A_qk_s[r, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
+                    else:
+                        A_qk[b, t0 + r, h, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
+
+            # off-diagonal slabs, anchored at the first row below each
+            for s0 in slab_starts:
+                for channel_pass in range(channel_passes):
+                    d0 = channel_pass * channels_per_pass
+                    if unrolled_slabs:
+                        # rows s0 - sub .. C - 1: the column operand above s0, the row operands from s0 on
+                        for r, d in T.Parallel(C - s0 + sub, channels_per_pass):
+                            row = s0 - sub + r
+                            exponent = (gamma_s[row, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
+                            k_value = K_s[row, d0 + d]
+                            if r >= sub:
+                                to_row = T.exp2(exponent)  # <= 1
+                                Q_row_s[row, d] = Q_s[row, d0 + d] * to_row
+                                K_row_s[row, d] = k_value * to_row
+                            else:
+                                K_col_s[r, d] = k_value * T.exp2(-exponent)  # <= 1
+                    elif fused_passes:
+                        for r, d in T.Parallel(C - s0, channels_per_pass):
+                            to_row = T.exp2((gamma_s[s0 + r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E)
+                            Q_row_s[s0 + r, d] = Q_s[s0 + r, d0 + d] * to_row
+                            K_row_s[s0 + r, d] = K_s[s0 + r, d0 + d] * to_row
+                        for j, d in T.Parallel(sub, channels_per_pass):
+                            col = s0 - sub + j
+                            K_col_s[j, d] = K_s[col, d0 + d] * T.exp2((gamma_s[s0, d0 + d] - gamma_s[col, d0 + d]) * LOG2_E)
+                    else:
+                        for r, d in T.Parallel(C - s0, channels_per_pass):
+                            to_row = T.exp2((gamma_s[s0 + r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E)
+                            Q_row_s[s0 + r, d] = Q_s[s0 + r, d0 + d] * to_row
+                            K_row_s[s0 + r, d] = K_s[s0 + r, d0 + d] * to_row
+                        for j, d in T.Parallel(sub, channels_per_pass):
+                            col = s0 - sub + j
+                            to_anchor = T.exp2((gamma_s[s0, d0 + d] - gamma_s[col, d0 + d]) * LOG2_E)
+                            K_col_s[j, d] = K_s[col, d0 + d] * to_anchor
+                    first = channel_pass == 0
+                    T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
+                    T.gemm(Q_row_s, K_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
+                for r, j in T.Parallel(C, sub):
+                    if r >= s0:
+                        L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
+                        if staged_a_qk:
+                            A_qk_s[r, s0 - sub + j] = qk_slab_f[r, j]
+                        else:
+                            A_qk[b, t0 + r, h, s0 - sub + j] = qk_slab_f[r, j]
+            if staged_a_qk:
+                T.copy(A_qk_s, A_qk[b, t0:t0 + C, h, :])
+
+            # the recurrence's decayed operands, and K e^gamma
+            for r, d in T.Parallel(C, d_k):
+                decay_from_start = T.exp2(gamma_s[r, d] * LOG2_E)
+                Q_decayed[b, t0 + r, h, d] = Q_s[r, d] * decay_from_start
+                K_to_chunk_end[b, t0 + r, h, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
+                Kg_s[r, d] = K_s[r, d] * decay_from_start
+            for d in T.Parallel(d_k):
+                Chunk_decay[b, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
+            if early_v:
+                T.copy(V_f, V_s)
+            else:
+                T.copy(V[b, t0:t0 + C, h, :], V_s)
+
+            # diagonal blocks of T = (I + L)^{-1} by forward substitution
+            T.clear(T_s)
+            for r in T.serial(sub):
+                for blk, col in T.Parallel(C // sub, sub):
+                    i = blk * sub + r
+                    solved = T.alloc_var(accum_dtype)
+                    solved = T.if_then_else(col == r, 1, 0)
+                    for j in T.serial(r):
+                        solved -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
+                    T_s[i, blk * sub + col] = solved
+                    T_diag_s[i, col] = solved
+            for p0 in range(sub, C, sub):
+                T.gemm(L_s[p0:p0 + sub, :], T_s, block_row_f, clear_accum=True)
+                T.copy(block_row_f, merge_s)
+                T.gemm(T_diag_s[p0:p0 + sub, :], merge_s, block_row_f, clear_accum=True)
+                for r, c in T.Parallel(sub, C):
+                    if c < p0:
+                        T_s[p0 + r, c] = -block_row_f[r, c]
+
+            for r, c in T.Parallel(C, C):
+                A_hat_s[r, c] = T_s[r, c] * beta_s[r]
+            T.gemm(A_hat_s, Kg_s, w_f, clear_accum=True)
+            T.gemm(A_hat_s, V_s, u_f, clear_accum=True)
+            if staged_stores:
+                T.copy(w_f, W_s)
+                T.copy(u_f, U_s)
+                T.copy(W_s, W[b, t0:t0 + C, h, :])
+                T.copy(U_s, U[b, t0:t0 + C, h, :])
+            else:
+                T.copy(w_f, W[b, t0:t0 + C, h, :])
+                T.copy(u_f, U[b, t0:t0 + C, h, :])
+
+    return kda_prepare
+
+
+def committed(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+              channel_passes=CHANNEL_PASSES):
+    """The committed kernel rebuilt here with every switch off: the control (its time should equal
+    stages.s05_fast_kda.kernel.build_prepare_program's)."""
+    return _build(B, N, H, d_k, d_v, chunk_size, dtype, threads, channel_passes)
+
+
+def vectorized_slabs(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+                     channel_passes=CHANNEL_PASSES):
+    """The anchored-operand passes with less shared-memory traffic: the slab loop unrolled at build
+    time, so each slab pass has a static extent and vectorizes (4-wide float4/uint2 accesses instead of
+    scalar ones, whose 4-byte gamma reads were 4-way bank conflicted), one pass per slab and channel
+    pass for the row and the column operands; every pass reads gamma and K once per element.
+    Counted from the generated code, about a quarter of the kernel's shared-memory wavefronts go."""
+    return _build(B, N, H, d_k, d_v, chunk_size, dtype, threads, channel_passes, fused_passes=True,
+                  unrolled_slabs=True)
+
+
+def vectorized_kg(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+                  channel_passes=CHANNEL_PASSES):
+    """vectorized_slabs, and K e^gamma written to its own buffer (which takes the bytes of the dead
+    K_row_s and K_col_s, so shared memory stays 105 KiB) instead of K_s in place: the in-place pass
+    had a __syncthreads in each of its 8 unrolled steps, gone here."""
+    return _build(B, N, H, d_k, d_v, chunk_size, dtype, threads, channel_passes, fused_passes=True,
+                  unrolled_slabs=True, kg_buffer=True)
+
+
+def staged_wu(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+              channel_passes=CHANNEL_PASSES):
+    """vectorized_kg, and W, U staged in shared memory (in the bytes of Q_s/V_s and K_s, dead by then:
+    still 105 KiB) and written out by TMA stores of whole rows. The committed kernel stores them from
+    the MMA fragments: 4-byte stores spread over 8 rows, about 8 L1 wavefronts per instruction."""
+    return _build(B, N, H, d_k, d_v, chunk_size, dtype, threads, channel_passes, fused_passes=True,
+                  unrolled_slabs=True, kg_buffer=True, staged_stores=True)
+
+
+def staged_all(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+               channel_passes=CHANNEL_PASSES):
+    """staged_wu, and A_qk staged too (the diagonal blocks were 2-byte stores over 8 rows per
+    instruction) and written by one TMA store after the slabs. Costs 8 KiB of shared memory (113 KiB:
+    two blocks per SM still fit, exactly, in the H200's 228 KiB)."""
+    return _build(B, N, H, d_k, d_v, chunk_size, dtype, threads, channel_passes, fused_passes=True,
+                  unrolled_slabs=True, kg_buffer=True, staged_stores=True, staged_a_qk=True)
+
+
+def slabs_early_v(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+                  channel_passes=CHANNEL_PASSES):
+    """vectorized_slabs, and V loaded from HBM into registers at the start (16 registers a thread),
+    moved to shared memory where the committed kernel loads it: the load's latency overlaps the score
+    passes instead of standing between the decayed pass and the block inverse."""
+    return _build(B, N, H, d_k, d_v, chunk_size, dtype, threads, channel_passes, fused_passes=True,
+                  unrolled_slabs=True, early_v=True)
+
+
+VARIANTS = {"committed": committed, "vectorized_slabs": vectorized_slabs, "vectorized_kg": vectorized_kg,
+            "staged_wu": staged_wu, "staged_all": staged_all, "slabs_early_v": slabs_early_v}
+
+
+# ------------------------------------------------------------------ the GPU run
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for variants.csv")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{len(QUICK_SHAPES)} shape, {QUICK_ROUNDS} rounds, shorter timings")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated names (default: all): " + ", ".join(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {ROUNDS})")
+    parser.add_argument("--no-fla", action="store_true", help="skip FLA (its autotune takes a minute or two)")
+    args = parser.parse_args(argv)
+    names = [name.strip() for name in args.variants.split(",") if name.strip()]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown or not names:
+        parser.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    args.variants = names
+    args.shapes = QUICK_SHAPES if args.quick else SHAPES
+    args.rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def _compile_all(names, shapes, log):
+    """Every (variant, shape) compiled in threads (TileLang's lowering releases the GIL, nvcc is a
+    subprocess); a failure is kept as its message."""
+    import concurrent.futures
+
+    import tilelang
+
+    def one(name, shape):
+        B, N, H, D = shape
+        started = time.time()
+        program = VARIANTS[name](B, N, H, D, D, DEFAULT_CHUNK_SIZE, DTYPE)
+        kernel = tilelang.compile(program, out_idx=PREPARE_OUT, target="cuda")
+        return kernel, time.time() - started
+
+    jobs = {(name, shape): None for shape in shapes for name in names}
+    with concurrent.futures.ThreadPoolExecutor(min(len(jobs), 16)) as pool:
+        futures = {pool.submit(one, *key): key for key in jobs}
+        for future in concurrent.futures.as_completed(futures):
+            key = futures[future]
+            try:
+                jobs[key] = future.result()
+                log(f"compiled {key[0]} at {key[1]} in {jobs[key][1]:.0f} s")
+            except Exception as failure:  # recorded, the run goes on
+                jobs[key] = f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:300] if str(failure).strip() else ''}"
+                log(f"FAILED to compile {key[0]} at {key[1]}: {jobs[key]}")
+    return jobs
+
+
+def _rel_l2(actual, expected):
+    actual, expected = actual.double(), expected.double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def _graph_timer(quick):
+    import torch
+    from triton.testing import do_bench
+
+    from benchmarks.fair import capture
+
+    warmup, rep = (10, 40) if quick else (25, 100)
+
+    def timer(launch):
+        try:
+            function = capture(launch).replay
+        except Exception:  # noqa: BLE001 - CUDA events around the launch instead
+            torch.cuda.synchronize()
+            function = launch
+        return float(do_bench(function, warmup=warmup, rep=rep, return_mode="median"))
+
+    return timer
+
+
+def run(args, log):
+    import torch
+
+    from benchmarks import bench
+    from stages.s05_fast_kda import kernel
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timer = _graph_timer(args.quick)
+    compiled = _compile_all(args.variants, args.shapes, log)
+    rows = []
+    for shape in args.shapes:
+        B, N, H, D = shape
+        label = f"B={B} N={N} H={H} D={D}"
+        inputs = bench.make_inputs(bench.STAGES["s05"], B, N, H, D, torch.bfloat16)
+        reference = kernel._compiled_prepare(B, N, H, D, D, DEFAULT_CHUNK_SIZE, DTYPE, None)
+        recurrence = kernel._compiled_recurrence(B, N, H, D, D, DEFAULT_CHUNK_SIZE, kernel.DEFAULT_BLOCK_DV, DTYPE,
+                                                 2, 128)
+        state = torch.zeros(B, H, D, D, dtype=torch.float32, device="cuda")
+        expected = [t.clone() for t in reference(*inputs)]
+        committed_o = recurrence(*expected, state)[0]
+        fla_o, fla_call = None, None
+        if not args.no_fla:
+            try:
+                fla_call = bench.fla(bench.STAGES["s05"])
+                fla_o = fla_call(*inputs)
+                log(f"{label}: FLA ready")
+            except Exception as failure:  # noqa: BLE001
+                log(f"{label}: FLA failed: {type(failure).__name__}: {failure}")
+                fla_call = None
+        base = dict(B=B, N=N, H=H, D=D)
+        checks = {}
+        for name in args.variants:
+            result = compiled[(name, shape)]
+            row = dict(base, variant=name)
+            if isinstance(result, str):
+                checks[name] = dict(row, error=f"compile: {result}")
+                continue
+            prepare, compile_s = result
+            row["compile_s"] = f"{compile_s:.1f}"
+            try:
+                actual = prepare(*inputs)
+                for output_name, a, e in zip(OUTPUTS, actual, expected):
+                    row[f"rel_l2_{output_name}"] = f"{_rel_l2(a, e):.3e}"
+                o = recurrence(*actual, state)[0]
+                if fla_o is not None:
+                    row["rel_l2_o_vs_fla"] = f"{_rel_l2(o, fla_o):.3e}"
+                    row["rel_l2_o_committed_vs_fla"] = f"{_rel_l2(committed_o, fla_o):.3e}"
+                del actual, o
+                checks[name] = row
+                log(f"{label} {name}: checked, rel L2 vs committed: "
+                    + ", ".join(f"{n} {row[f'rel_l2_{n}']}" for n in OUTPUTS)
+                    + (f"; o vs FLA {row['rel_l2_o_vs_fla']}" if "rel_l2_o_vs_fla" in row else ""))
+            except Exception as failure:  # noqa: BLE001 - recorded, the run goes on
+                traceback.print_exc()
+                checks[name] = dict(row, error=f"run: {type(failure).__name__}: {str(failure)[:300]}")
+        torch.cuda.synchronize()
+        prepared = [t.clone() for t in expected]
+        recurrence_ms = None
+        for round_number in range(1, args.rounds + 1):
+            order = list(args.variants) if round_number % 2 else list(reversed(args.variants))
+            try:
+                recurrence_ms = timer(functools.partial(recurrence, *prepared, state))
+            except Exception as failure:  # noqa: BLE001
+                log(f"{label}: recurrence timing failed: {failure}")
+            fla_ms = None
+            if fla_call is not None:
+                try:
+                    fla_ms = timer(functools.partial(fla_call, *inputs))
+                except Exception as failure:  # noqa: BLE001
+                    log(f"{label}: FLA timing failed: {failure}")
+            for name in order:
+                row = dict(checks[name], round=round_number)
+                if "error" not in row:
+                    prepare = compiled[(name, shape)][0]
+                    try:
+                        row["prepare_ms"] = f"{timer(functools.partial(prepare, *inputs)):.4f}"
+                        if recurrence_ms is not None:
+                            row["recurrence_ms"] = f"{recurrence_ms:.4f}"
+                            row["kernels_ms"] = f"{float(row['prepare_ms']) + recurrence_ms:.4f}"
+                    except Exception as failure:  # noqa: BLE001
+                        traceback.print_exc()
+                        row["error"] = f"timing: {type(failure).__name__}: {str(failure)[:300]}"
+                if fla_ms is not None:
+                    row["fla_ms"] = f"{fla_ms:.4f}"
+                rows.append(row)
+                log(f"round {round_number} {label} {name}: prepare {row.get('prepare_ms', 'failed')} ms"
+                    + (f" ({row['error']})" if row.get("error") else ""))
+            _write(out / "variants.csv", rows)
+        inputs = expected = prepared = committed_o = fla_o = None  # freed before the next shape's
+        torch.cuda.empty_cache()
+    print_table(rows, log)
+    return rows
+
+
+def _write(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def summarize(rows):
+    """{(B, N, H, D): {variant: (median prepare ms, median kernels ms, median FLA ms, max rel L2)}}."""
+    table = {}
+    for row in rows:
+        shape = tuple(int(row[k]) for k in ("B", "N", "H", "D"))
+        table.setdefault(shape, {}).setdefault(row["variant"], []).append(row)
+
+    def median_of(named, field):
+        values = [float(r[field]) for r in named if r.get(field) not in (None, "")]
+        return statistics.median(values) if values else None
+
+    summary = {}
+    for shape, variants in table.items():
+        summary[shape] = {}
+        for name, named in variants.items():
+            errors = [float(named[0][f"rel_l2_{n}"]) for n in OUTPUTS if named[0].get(f"rel_l2_{n}") not in (None, "")]
+            summary[shape][name] = (median_of(named, "prepare_ms"), median_of(named, "kernels_ms"),
+                                    median_of(named, "fla_ms"), max(errors) if errors else None,
+                                    named[0].get("error", ""))
+    return summary
+
+
+def print_table(rows, log=print):
+    def text(value, form):
+        return form.format(value) if value is not None else "-"
+
+    for shape, variants in summarize(rows).items():
+        log(f"B={shape[0]} N={shape[1]} H={shape[2]} D={shape[3]}: variant, prepare ms, kernels ms, "
+            "speed-up of prepare vs committed, FLA/kernels, max rel L2 vs committed")
+        committed_ms = variants.get("committed", (None,))[0]
+        for name, (prepare_ms, kernels_ms, fla_ms, error, failure) in variants.items():
+            gain = prepare_ms and committed_ms and committed_ms / prepare_ms
+            ratio = kernels_ms and fla_ms and fla_ms / kernels_ms
+            log(f"  {name:18s} {text(prepare_ms, '{:.4f}'):>8s} {text(kernels_ms, '{:.4f}'):>8s} "
+                f"{text(gain, '{:.3f}x'):>8s} {text(ratio, '{:.2f}x'):>7s} {text(error, '{:.1e}'):>8s} {failure}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    started = time.time()
+
+    def log(message):
+        print(f"[{time.time() - started:6.1f} s] {message}", flush=True)
+
+    log(f"variants {', '.join(args.variants)}; shapes {args.shapes}; {args.rounds} rounds; "
+        f"FLA {'off' if args.no_fla else 'on'}")
+    run(args, log)
+    log(f"done; {Path(args.out) / 'variants.csv'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
