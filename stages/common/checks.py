@@ -77,6 +77,26 @@ def check_state(name, state, B, H, d_k, d_v):
         check_shaped(name, state, (B, H, d_k, d_v), f"(B, H, d_k, d_v) = {(B, H, d_k, d_v)}, S^T in the kernel layout")
 
 
+def check_slots(slots, B, P):
+    """slots: a NumPy integer array of shape (B,), one slot of a pool of P states per sequence: every
+    entry in [0, P), no two equal (two sequences updating one state would race in a kernel and
+    overwrite each other in a reference)."""
+    if not isinstance(slots, np.ndarray):
+        raise TypeError(f"slots must be a numpy.ndarray of integers, got {type(slots).__name__}; "
+                        f"convert it with np.asarray(slots, dtype=np.int64)")
+    if not np.issubdtype(slots.dtype, np.integer):
+        raise TypeError(f"slots must have an integer dtype, got {slots.dtype}")
+    if tuple(slots.shape) != (B,):
+        raise ValueError(f"slots must have shape (B,) = ({B},), one slot per sequence, got {tuple(slots.shape)}")
+    if B and (slots.min() < 0 or slots.max() >= P):
+        raise ValueError(f"slots must lie in [0, P) = [0, {P}), the pool's slots; "
+                         f"they span [{slots.min()}, {slots.max()}]")
+    values, counts = np.unique(slots, return_counts=True)
+    if np.any(counts > 1):
+        raise ValueError(f"slots must be distinct (one state per sequence), got slot {values[counts > 1][0]} "
+                         f"{counts[counts > 1][0]} times")
+
+
 def check_chunking(N, d_v, chunk_size, block_dv=None):
     """chunk_size is a positive integer; block_dv, when given, a positive integer that divides d_v."""
     check_positive_integer("chunk_size", chunk_size)

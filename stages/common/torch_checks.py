@@ -120,6 +120,36 @@ def check_gate_values(g, beta=None):
 # --8<-- [end:gate_values]
 
 
+SLOT_DTYPES = ("int32",)
+
+
+def check_slots(slots, B):
+    """slots is a contiguous int32 tensor of shape (B,): one slot of the state pool per sequence."""
+    check_kernel_tensor("slots", slots, rank=1, dtypes=SLOT_DTYPES)
+    if tuple(slots.shape) != (B,):
+        raise ValueError(f"slots must have shape (B,) = ({B},), one slot per sequence, got {tuple(slots.shape)}")
+
+
+def check_slot_values(slots, P):
+    """Every slot in [0, P) and no two equal: one read of three numbers to the host, one device sync.
+
+    A slot out of range reads and writes another tensor's memory; two equal slots make two programs
+    write one state, and which one wins is undefined.
+    """
+    import torch
+
+    if slots.numel() == 0:
+        return
+    ordered = torch.sort(slots).values
+    repeated = (ordered[1:] == ordered[:-1]).any() if slots.numel() > 1 else ordered.new_zeros((), dtype=torch.bool)
+    lowest, highest, has_repeat = torch.stack([ordered[0].long(), ordered[-1].long(), repeated.long()]).tolist()
+    if lowest < 0 or highest >= P:
+        raise ValueError(f"slots must lie in [0, P) = [0, {P}), the pool's slots; they span [{lowest}, {highest}]")
+    if has_repeat:
+        duplicate = ordered[1:][ordered[1:] == ordered[:-1]][0].item()
+        raise ValueError(f"slots must be distinct (one state per sequence), got slot {duplicate} more than once")
+
+
 def pad_tokens(N_padded, *tensors):
     """The tensors zero-padded along their token axis (axis 1) to N_padded tokens. Exact for the
     course's kernels: a padded token has q = k = v = 0, g = 0 and beta = 0, and its outputs are cut off."""
