@@ -64,7 +64,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             t0 = i_c * C
 
             Q_s = T.alloc_shared((C, d_k), dtype)
-            K_s = T.alloc_shared((C, d_k), dtype)  # becomes K e^gamma once the scores are done
+            K_s = T.alloc_shared((C, d_k), dtype)
             gamma_s = T.alloc_shared((C, d_k), accum_dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
             Q_row_s = T.alloc_shared((C, channels_per_pass), dtype)  # GEMM operands: decay from the anchor to the row
@@ -75,7 +75,12 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             T_diag_s = T.alloc_shared((C, sub), accum_dtype)  # the diagonal blocks T[P, P], stacked
             merge_s = T.alloc_shared((sub, C), accum_dtype)  # L[P, :] T of one block row
             A_hat_s = T.alloc_shared((C, C), dtype)  # diag(beta) T
+            # A_qk is staged in A_hat's bytes and copied out before A_hat is formed
+            A_qk_s = A_hat_s
             V_s = T.alloc_shared((C, d_v), dtype)
+            Kg_s = T.alloc_shared((C, d_k), dtype)  # K e^gamma (TileLang gives it the dead operands' bytes)
+            W_s = T.alloc_shared((C, d_k), dtype)  # W and U staged for whole-row stores to HBM
+            U_s = T.alloc_shared((C, d_v), dtype)
 
             kk_f = T.alloc_fragment((C, C), accum_dtype)
             qk_f = T.alloc_fragment((C, C), accum_dtype)
@@ -103,45 +108,55 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             for channel_pass in range(channel_passes):
                 d0 = channel_pass * channels_per_pass
                 for r, d in T.Parallel(C, channels_per_pass):
-                    middle = gamma_s[(r // sub) * sub + sub // 2, d0 + d]
-                    Q_row_s[r, d] = Q_s[r, d0 + d] * T.exp2((gamma_s[r, d0 + d] - middle) * LOG2_E)
-                    K_row_s[r, d] = K_s[r, d0 + d] * T.exp2((gamma_s[r, d0 + d] - middle) * LOG2_E)
-                    K_col_s[r, d] = K_s[r, d0 + d] * T.exp2((middle - gamma_s[r, d0 + d]) * LOG2_E)
+                    from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
+                    key = K_s[r, d0 + d]
+                    to_row = T.exp2(from_anchor)
+                    Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
+                    K_row_s[r, d] = key * to_row
+                    K_col_s[r, d] = key * T.exp2(-from_anchor)
                 T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=channel_pass == 0)
                 T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=channel_pass == 0)
             for r, j in T.Parallel(C, C):
                 same_block = r // sub == j // sub
                 L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
                 if j // sub >= r // sub:  # the diagonal blocks and the zeros right of them; the slabs fill the rest
-                    A_qk[b, t0 + r, h, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
+                    A_qk_s[r, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
 
             # off-diagonal: one slab of sub columns at a time, anchored at the first row below it;
-            # rows above the slab keep stale operands: their GEMM rows are computed and never stored
-            for s0 in range(sub, C, sub):
+            # rows above the slab keep stale operands: their GEMM rows are computed and never stored.
+            # The slabs are unrolled when the program is built (a tuple, not a loop), so each pass has
+            # a static extent and TileLang vectorizes it: one pass per slab writes the column operand
+            # (the sub rows above s0) and the row operands (rows s0 on)
+            for s0 in tuple(range(sub, C, sub)):
                 for channel_pass in range(channel_passes):
                     d0 = channel_pass * channels_per_pass
-                    for r, d in T.Parallel(C - s0, channels_per_pass):
-                        to_row = T.exp2((gamma_s[s0 + r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E)  # <= 1
-                        Q_row_s[s0 + r, d] = Q_s[s0 + r, d0 + d] * to_row
-                        K_row_s[s0 + r, d] = K_s[s0 + r, d0 + d] * to_row
-                    for j, d in T.Parallel(sub, channels_per_pass):
-                        col = s0 - sub + j
-                        to_anchor = T.exp2((gamma_s[s0, d0 + d] - gamma_s[col, d0 + d]) * LOG2_E)  # <= 1
-                        K_col_s[j, d] = K_s[col, d0 + d] * to_anchor
+                    for r, d in T.Parallel(C - s0 + sub, channels_per_pass):
+                        row = s0 - sub + r
+                        from_anchor = (gamma_s[row, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
+                        key = K_s[row, d0 + d]
+                        if r >= sub:
+                            to_row = T.exp2(from_anchor)  # <= 1
+                            Q_row_s[row, d] = Q_s[row, d0 + d] * to_row
+                            K_row_s[row, d] = key * to_row
+                        else:
+                            K_col_s[r, d] = key * T.exp2(-from_anchor)  # to the anchor: <= 1
                     first = channel_pass == 0
                     T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
                     T.gemm(Q_row_s, K_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
                 for r, j in T.Parallel(C, sub):
                     if r >= s0:
                         L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
-                        A_qk[b, t0 + r, h, s0 - sub + j] = qk_slab_f[r, j]
+                        A_qk_s[r, s0 - sub + j] = qk_slab_f[r, j]
+            # one store of whole rows (TMA), where writing from the fragments scattered 2-byte stores
+            T.copy(A_qk_s, A_qk[b, t0:t0 + C, h, :])
 
-            # the last reads of gamma and Q: the recurrence's decayed operands, and K e^gamma in place
+            # the last reads of gamma and Q: the recurrence's decayed operands, and K e^gamma (in its
+            # own buffer: written in place, K_s cost a barrier per unrolled step)
             for r, d in T.Parallel(C, d_k):
                 decay_from_start = T.exp2(gamma_s[r, d] * LOG2_E)
                 Q_decayed[b, t0 + r, h, d] = Q_s[r, d] * decay_from_start
                 K_to_chunk_end[b, t0 + r, h, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
-                K_s[r, d] = K_s[r, d] * decay_from_start
+                Kg_s[r, d] = K_s[r, d] * decay_from_start
             for d in T.Parallel(d_k):
                 Chunk_decay[b, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
             # loaded this late, V_s can take the bytes of Q_s (TileLang plans shared memory by lifetime)
@@ -165,9 +180,13 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
 
             for r, c in T.Parallel(C, C):
                 A_hat_s[r, c] = T_s[r, c] * beta_s[r]  # diag(beta) T, after the inverse
-            T.gemm(A_hat_s, K_s, w_f, clear_accum=True)  # K_s holds K e^gamma
+            T.gemm(A_hat_s, Kg_s, w_f, clear_accum=True)
             T.gemm(A_hat_s, V_s, u_f, clear_accum=True)
-            T.copy(w_f, W[b, t0:t0 + C, h, :])
-            T.copy(u_f, U[b, t0:t0 + C, h, :])
+            # through shared memory, then whole-row stores (TMA): the fragments' own stores are 4-byte
+            # writes spread over 8 rows, about 8 L1 wavefronts per instruction
+            T.copy(w_f, W_s)
+            T.copy(u_f, U_s)
+            T.copy(W_s, W[b, t0:t0 + C, h, :])
+            T.copy(U_s, U[b, t0:t0 + C, h, :])
 
     return kda_prepare
