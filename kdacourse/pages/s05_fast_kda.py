@@ -2,6 +2,8 @@
 two kernels' compile-only reports, the range of the anchored exponents (table and plot), the fp16
 mirror of the prepare kernel, and the bytes each kernel moves."""
 
+import re
+
 import numpy as np
 
 from kdacourse.pages.stage_tables import compile_report_table, identities_table
@@ -186,6 +188,38 @@ def write_bytes_table(path):
         + markdown_table(["shape", "both kernels (ms)", "least traffic (ms)"], shapes))
 
 
+ADOPTED_VARIANT = "staged_all"  # what stages/s05_fast_kda/kernel.py's prepare kernel is now
+
+
+def write_variants_table(path):
+    """The prepare kernel's variants as measured on the H200 (benchmarks/s05_variants.py, committed
+    results in benchmarks/results/s05_variants.csv): each step's time, its speed-up over the kernel
+    it started from, the two kernels against FLA, and how far its outputs are from the old kernel's."""
+    import csv
+
+    from benchmarks import s05_variants
+    from kdacourse import REPO_ROOT
+
+    results = REPO_ROOT / "benchmarks" / "results" / "s05_variants.csv"
+    with results.open() as f:
+        summary = s05_variants.summarize(list(csv.DictReader(f)))
+    shapes = sorted(summary)
+    header = ["variant", "what it changes"] + [f"prepare (ms), B={B} N={N} H={H}" for B, N, H, _ in shapes] + \
+        ["speed-up of prepare"] + [f"FLA / both kernels, B={B} N={N}" for B, N, _, _ in shapes] + ["outputs vs the old kernel"]
+    rows = []
+    base = [summary[shape]["committed"][0] for shape in shapes]
+    for name, build in s05_variants.VARIANTS.items():
+        prepare = [summary[shape][name][0] for shape in shapes]
+        error = max(summary[shape][name][3] for shape in shapes)
+        rows.append([f"**{name}** (adopted)" if name == ADOPTED_VARIANT else name,
+                     " ".join(re.split(r"\.\s", build.__doc__ or "")[0].split()),
+                     *(f"{t:.3f}" for t in prepare),
+                     " / ".join(f"{b / t:.2f}x" for b, t in zip(base, prepare)),
+                     *(f"{summary[shape][name][2] / summary[shape][name][1]:.2f}" for shape in shapes),
+                     "bitwise equal" if error == 0 else f"rel L2 {error:.1e}"])
+    path.write_text(banner("kdacourse/pages/s05_fast_kda.py") + markdown_table(header, rows))
+
+
 def generated_files():
     return {
         "docs/generated/s05_errors.md": write_error_table,
@@ -195,4 +229,5 @@ def generated_files():
         "docs/generated/s05_anchor_range.svg": write_anchor_plot,
         "docs/generated/s05_fp16.md": write_fp16_table,
         "docs/generated/s05_bytes.md": write_bytes_table,
+        "docs/generated/s05_variants.md": write_variants_table,
     }
