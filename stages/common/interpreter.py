@@ -40,6 +40,8 @@ import re
 
 import numpy as np
 
+from stages.common.tile_regions import region_parts
+
 __all__ = ["interpret", "run", "InterpreterError", "UnsupportedConstruct", "round_to_dtype", "NUMPY_DTYPES"]
 
 
@@ -526,13 +528,10 @@ class _Program:
 
     def _region(self, arg, node):
         """A `tl.region(load, access, *extents)` argument -> (slot, buffer, start closures, extents)."""
-        t = self.tirx
-        if isinstance(arg, t.Call) and str(arg.op.name) == "tl.region":
-            load, extents = arg.args[0], arg.args[2:]
-        elif isinstance(arg, t.BufferLoad):
-            load, extents = arg, [1] * len(arg.indices)
-        else:
+        parts = region_parts(arg, self.tirx)
+        if parts is None:
             raise self._unsupported(f"a tile operand of type {type(arg).__name__}", node)
+        load, extents = parts
         buffer = load.buffer
         starts = [self._expr(i) for i in load.indices]
         sizes = [_as_int(e) for e in extents]

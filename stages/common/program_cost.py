@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from stages.common.tile_regions import region_parts
+
 __all__ = ["Cost", "CostError", "program_cost"]
 
 _ARITHMETIC = {"Add", "Sub", "Mul", "Div", "Min", "Max"}
@@ -218,13 +220,10 @@ class _Counter:
 
     def _region(self, arg):
         """A tile operand -> (buffer, elements)."""
-        t = self.tirx
-        if isinstance(arg, t.Call) and str(arg.op.name) == "tl.region":
-            load, extents = arg.args[0], arg.args[2:]
-        elif isinstance(arg, t.BufferLoad):
-            load, extents = arg, [1] * len(arg.indices)
-        else:
+        parts = region_parts(arg, self.tirx)
+        if parts is None:
             raise CostError(f"a tile operand of type {type(arg).__name__}")
+        load, extents = parts
         sizes = [_as_int(self._value(e)) for e in extents]
         if None in sizes:
             raise CostError(f"a tile region of symbolic size {list(extents)}")
