@@ -1,5 +1,10 @@
 """Variants of stage 5's prepare kernel, to time against the committed one in one GPU run.
 
+The run of 2026-11-30 (benchmarks/results/s05_variants.csv) named "committed" the kernel as it was
+before commit ee09b80; its fastest variant, staged_all, has been the committed kernel since
+(tests/test_s05_variants.py checks that it builds the library's program), so "committed" below means
+the kernel that run started from.
+
     python -m benchmarks.s05_variants --out DIR [--quick] [--variants a,b] [--no-fla]
 
 Each variant is a function with build_prepare_program's parameters and outputs (stages/s05_fast_kda/
@@ -135,12 +140,12 @@ def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", th
                 d0 = channel_pass * channels_per_pass
                 if fused_passes:
                     for r, d in T.Parallel(C, channels_per_pass):
-                        exponent = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
-                        k_value = K_s[r, d0 + d]
-                        to_row = T.exp2(exponent)
+                        from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
+                        key = K_s[r, d0 + d]
+                        to_row = T.exp2(from_anchor)
                         Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
-                        K_row_s[r, d] = k_value * to_row
-                        K_col_s[r, d] = k_value * T.exp2(-exponent)
+                        K_row_s[r, d] = key * to_row
+                        K_col_s[r, d] = key * T.exp2(-from_anchor)
                 else:
                     for r, d in T.Parallel(C, channels_per_pass):
                         middle = gamma_s[(r // sub) * sub + sub // 2, d0 + d]
@@ -166,14 +171,14 @@ def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", th
                         # rows s0 - sub .. C - 1: the column operand above s0, the row operands from s0 on
                         for r, d in T.Parallel(C - s0 + sub, channels_per_pass):
                             row = s0 - sub + r
-                            exponent = (gamma_s[row, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
-                            k_value = K_s[row, d0 + d]
+                            from_anchor = (gamma_s[row, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
+                            key = K_s[row, d0 + d]
                             if r >= sub:
-                                to_row = T.exp2(exponent)  # <= 1
+                                to_row = T.exp2(from_anchor)  # <= 1
                                 Q_row_s[row, d] = Q_s[row, d0 + d] * to_row
-                                K_row_s[row, d] = k_value * to_row
+                                K_row_s[row, d] = key * to_row
                             else:
-                                K_col_s[r, d] = k_value * T.exp2(-exponent)  # <= 1
+                                K_col_s[r, d] = key * T.exp2(-from_anchor)  # <= 1
                     elif fused_passes:
                         for r, d in T.Parallel(C - s0, channels_per_pass):
                             to_row = T.exp2((gamma_s[s0 + r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E)

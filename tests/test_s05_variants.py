@@ -64,3 +64,13 @@ def test_table_from_rows(capsys):
     assert summary[(1, 16384, 32, 128)]["staged_wu"][0] == pytest.approx(0.9)
     s05_variants.print_table(rows)
     assert "staged_wu" in capsys.readouterr().out
+
+
+def test_the_adopted_variant_is_the_library_kernel():
+    """The stage 5 page marks staged_all as adopted: it must build stages/s05_fast_kda's program."""
+    from kdacourse.pages.s05_fast_kda import ADOPTED_VARIANT
+    from stages.s05_fast_kda.kernel import build_prepare_program
+
+    shape = (1, 128, 2, 64, 64)
+    adopted = s05_variants.VARIANTS[ADOPTED_VARIANT](*shape).with_attr("global_symbol", "k").script()
+    assert adopted == build_prepare_program(*shape).with_attr("global_symbol", "k").script()
