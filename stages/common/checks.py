@@ -97,6 +97,26 @@ def check_slots(slots, B, P):
                          f"{counts[counts > 1][0]} times")
 
 
+def check_cu_seqlens(cu_seqlens, B, N):
+    """cu_seqlens: a NumPy integer array (N_seq + 1,) of token offsets into a packed batch, FLA's
+    convention: the inputs are one row (B = 1) of N tokens, and sequence i holds tokens
+    cu_seqlens[i] to cu_seqlens[i + 1] - 1. It starts at 0, never decreases (a sequence may be
+    empty) and ends at N. Returns N_seq."""
+    if not isinstance(cu_seqlens, np.ndarray):
+        raise TypeError(f"cu_seqlens must be a numpy.ndarray of integers, got {type(cu_seqlens).__name__}; "
+                        f"convert it with np.asarray(cu_seqlens, dtype=np.int64)")
+    if not np.issubdtype(cu_seqlens.dtype, np.integer):
+        raise TypeError(f"cu_seqlens must have an integer dtype, got {cu_seqlens.dtype}")
+    if cu_seqlens.ndim != 1 or len(cu_seqlens) < 2:
+        raise ValueError(f"cu_seqlens must have shape (N_seq + 1,) with N_seq >= 1, got {tuple(cu_seqlens.shape)}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed into one row: B must be 1, got B = {B}")
+    if cu_seqlens[0] != 0 or cu_seqlens[-1] != N or np.any(np.diff(cu_seqlens) < 0):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at N = {N}, the packed tokens; "
+                         f"got {cu_seqlens.tolist() if len(cu_seqlens) <= 8 else cu_seqlens[:8].tolist() + ['...']}")
+    return len(cu_seqlens) - 1
+
+
 def check_chunking(N, d_v, chunk_size, block_dv=None):
     """chunk_size is a positive integer; block_dv, when given, a positive integer that divides d_v."""
     check_positive_integer("chunk_size", chunk_size)
