@@ -29,6 +29,13 @@ class Identity:
         return self.difference().is_zero_matrix
 
 
+def counterexample(identity):
+    """A point (symbol -> rational) where lhs - rhs is not zero: one point proves the two differ."""
+    symbols = sorted(identity.lhs.free_symbols | identity.rhs.free_symbols, key=str)
+    point = {symbol: sp.Rational(number + 2, number + 3) for number, symbol in enumerate(symbols)}
+    return point if any((identity.lhs - identity.rhs).subs(point)) else None
+
+
 def matrix(name, rows, cols):
     """A rows x cols matrix of distinct symbols name_{i,j} (real)."""
     return sp.Matrix(rows, cols, lambda i, j: sp.Symbol(f"{name}_{i}{j}", real=True))

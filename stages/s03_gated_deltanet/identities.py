@@ -15,7 +15,7 @@ from functools import reduce
 
 import sympy as sp
 
-from stages.common.symbolic import Identity, matrix
+from stages.common.symbolic import Identity, counterexample, matrix
 
 C, d_k, d_v = 3, 2, 2
 
@@ -161,13 +161,6 @@ def scalar_decay_factors_out():
         (K * K.T).multiply_elementwise(Gamma),
     )
 # --8<-- [end:identities]
-
-
-def counterexample(identity):
-    """A point (symbol -> rational) where lhs - rhs is not zero: one point proves the two differ."""
-    symbols = sorted(identity.lhs.free_symbols | identity.rhs.free_symbols, key=str)
-    point = {symbol: sp.Rational(number + 2, number + 3) for number, symbol in enumerate(symbols)}
-    return point if any((identity.lhs - identity.rhs).subs(point)) else None
 
 
 IDENTITIES = [householder_product_equals_wy_form, ut_transform_solves_the_chunk_system,

@@ -14,7 +14,7 @@ and the pairing of beta that are not identities.
 
 import sympy as sp
 
-from stages.common.symbolic import Identity, causal_mask, matrix
+from stages.common.symbolic import Identity, causal_mask, counterexample, matrix
 
 C, d_k, d_v = 3, 2, 2
 
@@ -203,13 +203,6 @@ def mixed_beta_pairing(equal_betas=False):
         (sp.eye(C) + M * betas).inv() * betas,
         betas * (sp.eye(C) + M * betas).inv(),
     )
-
-
-def counterexample(identity):
-    """A point (symbol -> rational) where lhs - rhs is not zero: one point proves the two differ."""
-    symbols = sorted(identity.lhs.free_symbols | identity.rhs.free_symbols, key=str)
-    point = {symbol: sp.Rational(number + 2, number + 3) for number, symbol in enumerate(symbols)}
-    return point if any((identity.lhs - identity.rhs).subs(point)) else None
 
 
 def _channel_gates(equal):
