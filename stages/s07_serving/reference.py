@@ -1,13 +1,37 @@
-"""Stage 7 reference in NumPy float64: the decode step, one token per sequence from a stored state.
+"""Stage 7 references in NumPy float64: KDA as a server runs it, sequence by sequence from stored states.
 
     S_t = S_{t-1} Diag(a_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T        o_t = S_t q_t
                                                              (paper layout: S is d_v x d_k)
 
-The math is stage 4's at N = 1: a server that has prefilled a prompt keeps each sequence's state and
-advances it by one token per step. The states live in a pool, (P, H, d_k, d_v), in the kernel
-layout S^T (d_k x d_v), the layout of stage 5's `initial_state` and of FLA's. A batch of B
-sequences names its states by `slots` (B,): sequence b reads and writes state_pool[slots[b]]. In
-the kernel layout the step is
+The math is stage 4's. What is new is the bookkeeping of a server, in FLA's conventions:
+
+- a batch of sequences of different lengths, packed without padding: q, k, g (1, T, H, d_k),
+  v (1, T, H, d_v), beta (1, T, H), and `cu_seqlens` (N_seq + 1,), the offsets of the sequences
+  (sequence i is tokens cu_seqlens[i] to cu_seqlens[i + 1] - 1). Without cu_seqlens, each of the
+  B rows of a (B, N, H, ...) batch is one sequence;
+- a state in and a state out per sequence: `initial_state` S_0^T (N_seq, H, d_k, d_v) and, with
+  `output_final_state`, the final states in the same shape, S^T in the kernel layout (d_k x d_v),
+  the layout of stage 5's `initial_state` and of FLA's;
+- the decode step, one token per sequence, over a pool of states (P, H, d_k, d_v) that `slots`
+  index: sequence b reads and writes state_pool[slots[b]].
+
+The three references, each checked against the one before:
+
+- `recurrent` (A): every sequence token by token, through `decode_step`.
+- `chunkwise` (B): every sequence alone through stage 5's reference C (prepare, then the recurrence
+  from the sequence's initial state): what the `prefill` wrapper does today with stage 5's kernels.
+- `kernel_mirror` (C): the design of variable-length kernels, one pass over all the sequences. The
+  prepare grid runs one program per row of a chunk table, program -> (sequence, chunk in sequence)
+  (`chunk_table`); a program loads its chunk's rows from the sequence's offset, the rows past the
+  sequence's end as zeros, and stores only the sequence's rows (`prepare_varlen`). The recurrence
+  runs one program per (d_v block, sequence x head), which walks its own sequence's chunks from its
+  initial state with the same masks (`recurrence_varlen`). A zero row is a token that changes
+  nothing (k = v = 0, beta = 0, g = 0: the padding of stages 4 and 5), so a short last chunk is exact.
+
+`prefill_in_pieces` is chunked prefill: one prompt prefilled in pieces, each piece starting from the
+state the one before left.
+
+The decode step in the kernel layout is
 
     S^T <- (I - beta k k^T) Diag(a) S^T + beta k v^T                  o = (S^T)^T q
 
@@ -29,8 +53,227 @@ so the two are tested through the same contract: the states at `slots` change, t
 """
 
 import numpy as np
+from numpy.typing import DTypeLike
 
-from stages.common.checks import Float64Array, check_array, check_log_gates, check_shaped, check_slots, check_values
+from stages.common.checks import (Float64Array, check_array, check_chunking, check_cu_seqlens, check_gate_and_beta,
+                                  check_log_gates, check_qkv, check_shaped, check_slots, check_values)
+from stages.s05_fast_kda.reference import SUB_BLOCK, ChunkTensors, prepare, recurrence
+
+CHUNK_FIELDS = ("w", "u", "q_decayed", "a_qk", "k_to_chunk_end")  # ChunkTensors' per-token tensors
+
+
+# --8<-- [start:sequence_rows]
+def sequence_rows(B: int, N: int, cu_seqlens: np.ndarray | None) -> list[tuple[int, slice]]:
+    """Where each sequence of a batch lies: [(batch row, token rows)], one pair per sequence.
+
+    Without cu_seqlens, row b of a (B, N, ...) batch is sequence b; with it (FLA's packed batch,
+    B = 1), sequence i is tokens cu_seqlens[i] to cu_seqlens[i + 1] - 1 of the one row.
+    """
+    if cu_seqlens is None:
+        return [(b, slice(0, N)) for b in range(B)]
+    check_cu_seqlens(cu_seqlens, B, N)
+    return [(0, slice(int(start), int(end))) for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+# --8<-- [end:sequence_rows]
+
+
+def initial_states(initial_state: Float64Array | None, N_seq: int, H: int, d_k: int, d_v: int) -> Float64Array:
+    """A copy of initial_state (N_seq, H, d_k, d_v), S^T in the kernel layout, or zeros if None: the
+    states a reference advances (the caller's array is never written)."""
+    if initial_state is None:
+        return np.zeros((N_seq, H, d_k, d_v))
+    check_shaped("initial_state", initial_state, (N_seq, H, d_k, d_v),
+                 f"(N_seq, H, d_k, d_v) = {(N_seq, H, d_k, d_v)}, one S^T per sequence in the kernel layout")
+    return initial_state.copy()
+
+
+def _check(q, k, v, g, beta, cu_seqlens, initial_state):
+    """The inputs of a reference: returns (sequences as sequence_rows gives them, their initial states)."""
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate_and_beta(g, beta, B, N, H, d_k, gate="channel")
+    sequences = sequence_rows(B, N, cu_seqlens)
+    return sequences, initial_states(initial_state, len(sequences), H, d_k, d_v)
+
+
+# --8<-- [start:recurrent]
+def recurrent(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+              cu_seqlens: np.ndarray | None = None, initial_state: Float64Array | None = None,
+              output_final_state: bool = False) -> Float64Array | tuple[Float64Array, Float64Array]:
+    """Reference A: every sequence token by token, each token a decode step. State S^T: (d_k, d_v).
+
+    q, k: (B, N, H, d_k); v: (B, N, H, d_v); g: (B, N, H, d_k); beta: (B, N, H); B = 1 with
+    cu_seqlens. Returns o (B, N, H, d_v), and with output_final_state also the final states
+    (N_seq, H, d_k, d_v).
+    """
+    sequences, states = _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    o = np.zeros(v.shape)
+    for i, (b, rows) in enumerate(sequences):
+        pool, slot = states[i:i + 1], np.zeros(1, dtype=np.int64)  # a pool of one: the view is advanced in place
+        for t in range(rows.start, rows.stop):
+            token = (x[b, t][None] for x in (q, k, v, g, beta))  # one token, batch of one
+            o[b, t] = decode_step(*token, pool, slot)[0]
+    return (o, states) if output_final_state else o
+# --8<-- [end:recurrent]
+
+
+# --8<-- [start:chunkwise]
+def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+              chunk_size: int, cu_seqlens: np.ndarray | None = None, initial_state: Float64Array | None = None,
+              output_final_state: bool = False) -> Float64Array | tuple[Float64Array, Float64Array]:
+    """Reference B: every sequence alone through stage 5's prepare and recurrence, from its own state.
+
+    Shapes as `recurrent`. Each sequence is cut out, padded to a multiple of chunk_size by stage 5's
+    prepare, and its output cut back: the work of a batch of separate calls, one per sequence.
+    """
+    sequences, states = _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    check_chunking(q.shape[1], v.shape[3], chunk_size)
+    o = np.zeros(v.shape)
+    for i, (b, rows) in enumerate(sequences):
+        tensors = prepare(*(x[b:b + 1, rows] for x in (q, k, v, g, beta)), chunk_size, sub_block=chunk_size)
+        o_padded, final_state = recurrence(tensors, v.shape[3], initial_state=states[i:i + 1])
+        o[b, rows] = o_padded[0, :rows.stop - rows.start]
+        states[i] = final_state[0]
+    return (o, states) if output_final_state else o
+# --8<-- [end:chunkwise]
+
+
+# --8<-- [start:chunk_table]
+def chunk_table(cu_seqlens: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The chunks of a packed batch, the varlen kernels' index: (chunks, chunk_offsets).
+
+    chunks (n_chunks, 2): row p is (sequence, chunk in the sequence) of program p of the prepare grid;
+    chunk_offsets (N_seq + 1,): sequence i owns rows chunk_offsets[i] to chunk_offsets[i + 1] - 1, in
+    order. A sequence of n tokens has ceil(n / chunk_size) chunks (none if it is empty).
+    """
+    chunk_counts = -(-np.diff(cu_seqlens) // chunk_size)
+    chunk_offsets = np.concatenate([[0], np.cumsum(chunk_counts)])
+    sequence = np.repeat(np.arange(len(chunk_counts)), chunk_counts)
+    chunk_in_sequence = np.arange(chunk_offsets[-1]) - chunk_offsets[sequence]
+    return np.stack([sequence, chunk_in_sequence], axis=1), chunk_offsets
+# --8<-- [end:chunk_table]
+
+
+def chunk_rows(x: np.ndarray, start: int, end: int, chunk_size: int) -> np.ndarray:
+    """Rows start to end - 1 of x's token axis (axis 1), zero rows after them up to chunk_size: a
+    kernel's masked load, which reads nothing of the next sequence."""
+    rows = x[:, start:end]
+    return np.pad(rows, [(0, 0), (0, chunk_size - rows.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+# --8<-- [start:prepare_varlen]
+def prepare_varlen(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+                   cu_seqlens: np.ndarray, chunk_size: int, sub_block: int = SUB_BLOCK,
+                   operand_dtype: DTypeLike = np.float64) -> ChunkTensors:
+    """The varlen prepare kernel's control flow: one program per (row of the chunk table, head).
+
+    q, k, g: (1, T, H, d_k), v: (1, T, H, d_v), beta: (1, T, H), packed by cu_seqlens. Returns
+    ChunkTensors packed like the inputs, T rows (no padding stored), chunk_decay (1, n_chunks, H, d_k)
+    indexed by the chunk table's rows.
+    """
+    B, T, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate_and_beta(g, beta, B, T, H, d_k, gate="channel")
+    check_cu_seqlens(cu_seqlens, B, T)
+    check_chunking(T, d_v, chunk_size)
+    C = chunk_size
+    chunks, _ = chunk_table(cu_seqlens, C)
+    out = ChunkTensors(np.zeros((1, T, H, d_k)), np.zeros((1, T, H, d_v)), np.zeros((1, T, H, d_k)),
+                       np.zeros((1, T, H, d_k)), np.zeros((1, T, H, C)), np.zeros((1, len(chunks), H, d_k)))
+    for p, (sequence, chunk) in enumerate(chunks):  # grid.x: the chunk table; grid.y, the heads, inside prepare
+        start = cu_seqlens[sequence] + chunk * C  # token offset: the sequence's start, then whole chunks
+        end = min(start + C, cu_seqlens[sequence + 1])  # a sequence's last chunk may be short
+        tile = (chunk_rows(x, start, end, C) for x in (q, k, v, g, beta))  # masked load: zeros past the end
+        one = prepare(*tile, C, sub_block, operand_dtype)  # stage 5's program on one chunk
+        for field in CHUNK_FIELDS:  # masked store: the rows past the end are the next sequence's
+            getattr(out, field)[0, start:end] = getattr(one, field)[0, :end - start]
+        out.chunk_decay[0, p] = one.chunk_decay[0, 0]
+    return out
+# --8<-- [end:prepare_varlen]
+
+
+# --8<-- [start:recurrence_varlen]
+def recurrence_varlen(tensors: ChunkTensors, cu_seqlens: np.ndarray, block_dv: int,
+                      initial_state: Float64Array | None = None) -> tuple[Float64Array, Float64Array]:
+    """The varlen recurrence kernel's control flow: one program per (block of d_v columns, sequence x head).
+
+    tensors: from `prepare_varlen`; initial_state: S_0^T (N_seq, H, d_k, d_v) or None for zeros.
+    Returns (o: (1, T, H, d_v), the final states S^T: (N_seq, H, d_k, d_v)).
+    """
+    _, T, H, d_k = tensors.w.shape
+    d_v, C = tensors.u.shape[3], tensors.a_qk.shape[3]
+    N_seq = check_cu_seqlens(cu_seqlens, 1, T)
+    check_chunking(T, d_v, C, block_dv)
+    initial = initial_states(initial_state, N_seq, H, d_k, d_v)
+    _, chunk_offsets = chunk_table(cu_seqlens, C)
+    o, final_state = np.zeros((1, T, H, d_v)), np.zeros((N_seq, H, d_k, d_v))
+    for i_v in range(d_v // block_dv):  # grid.x: one program per block of value columns
+        cols = slice(i_v * block_dv, (i_v + 1) * block_dv)
+        for i_nh in range(N_seq * H):  # grid.y: one program per (sequence, head)
+            sequence, h = divmod(i_nh, H)
+            S_T = initial[sequence, h][:, cols].copy()
+            for chunk in range(chunk_offsets[sequence + 1] - chunk_offsets[sequence]):  # its own chunks
+                start = cu_seqlens[sequence] + chunk * C
+                end = min(start + C, cu_seqlens[sequence + 1])
+                # masked loads of this head's rows: zeros past the sequence's end
+                W, U, Q_decayed, A_qk, K_to_chunk_end = (
+                    chunk_rows(getattr(tensors, field), start, end, C)[0, :, h] for field in CHUNK_FIELDS)
+                V_new = U[:, cols] - W @ S_T  # GEMM: the pseudo-values (zero rows past the end)
+                acc_o = Q_decayed @ S_T  # GEMM: the inter-chunk term
+                acc_o += A_qk @ V_new  # GEMM: the intra-chunk term, accumulated
+                o[0, start:end, h, cols] = acc_o[:end - start]  # masked store
+                S_T *= tensors.chunk_decay[0, chunk_offsets[sequence] + chunk, h][:, None]  # the decay ...
+                S_T += K_to_chunk_end.T @ V_new  # ... then the chunk (GEMM)
+            final_state[sequence, h, :, cols] = S_T
+    return o, final_state
+# --8<-- [end:recurrence_varlen]
+
+
+# --8<-- [start:kernel_mirror]
+def kernel_mirror(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+                  chunk_size: int, block_dv: int, cu_seqlens: np.ndarray | None = None,
+                  initial_state: Float64Array | None = None, output_final_state: bool = False,
+                  sub_block: int = SUB_BLOCK) -> Float64Array | tuple[Float64Array, Float64Array]:
+    """Reference C: the varlen prepare kernel, then the varlen recurrence kernel. Shapes as `recurrent`.
+
+    Without cu_seqlens the B rows of N tokens are packed into one row with cu_seqlens = 0, N, 2N,
+    ..., BN: an equal-length batch is the packed batch whose sequences are all N long.
+    """
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate_and_beta(g, beta, B, N, H, d_k, gate="channel")
+    check_chunking(N, d_v, chunk_size, block_dv)
+    packed = cu_seqlens is None
+    if packed:
+        q, k, v, g, beta = (x.reshape(1, B * N, *x.shape[2:]) for x in (q, k, v, g, beta))
+        cu_seqlens = np.arange(B + 1) * N
+    tensors = prepare_varlen(q, k, v, g, beta, cu_seqlens, chunk_size, sub_block)
+    o, final_state = recurrence_varlen(tensors, cu_seqlens, block_dv, initial_state)
+    o = o.reshape(B, N, H, d_v)
+    return (o, final_state) if output_final_state else o
+# --8<-- [end:kernel_mirror]
+
+
+# --8<-- [start:prefill_in_pieces]
+def prefill_in_pieces(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+                      piece_lengths: list[int], chunk_size: int,
+                      initial_state: Float64Array | None = None) -> tuple[Float64Array, Float64Array]:
+    """Chunked prefill: B prompts of N tokens prefilled piece by piece, pieces of piece_lengths tokens
+    (any sizes, summing to N), as a server does when it bounds the tokens of one forward pass.
+
+    q, k, g: (B, N, H, d_k); v: (B, N, H, d_v); beta: (B, N, H); initial_state: (B, H, d_k, d_v) or
+    None. Returns (o: (B, N, H, d_v), the state after the last piece: (B, H, d_k, d_v)).
+    """
+    if not len(piece_lengths) or min(piece_lengths) < 0 or sum(piece_lengths) != q.shape[1]:
+        raise ValueError(f"piece_lengths must be one or more lengths >= 0 that sum to N = {q.shape[1]}, "
+                         f"got {list(piece_lengths)}")
+    state, outputs, start = initial_state, [], 0
+    # EXERCISE BEGIN
+    for length in piece_lengths:
+        rows = slice(start, start + length)
+        o, state = chunkwise(*(x[:, rows] for x in (q, k, v, g, beta)), chunk_size, initial_state=state,
+                             output_final_state=True)  # the piece starts where the one before stopped
+        outputs.append(o)
+        start += length
+    # EXERCISE END
+    return np.concatenate(outputs, axis=1), state
+# --8<-- [end:prefill_in_pieces]
 
 
 def check_decode_inputs(q, k, v, g, beta, state_pool, slots):
@@ -66,15 +309,17 @@ def decode_step(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Arr
     B, H, d_k, d_v, _ = check_decode_inputs(q, k, v, g, beta, state_pool, slots)
     o = np.zeros((B, H, d_v))
     for b in range(B):
-        slot = slots[b]
         for h in range(H):
             k_t, beta_t = k[b, h], beta[b, h]
+            # EXERCISE BEGIN
+            slot = slots[b]  # where sequence b's state lives: its slot, not its place in the batch
             S_T = state_pool[slot, h]  # (d_k, d_v)
             decay = np.diag(np.exp(g[b, h]))  # Diag(a_t): one rate per key channel, a row of S^T
             householder = np.eye(d_k) - beta_t * np.outer(k_t, k_t)
             # stage 4's S Diag(a)(I - beta k k^T), transposed: the Householder factor acts last
             S_T = householder @ decay @ S_T + beta_t * np.outer(k_t, v[b, h])
             o[b, h] = S_T.T @ q[b, h]
-            state_pool[slot, h] = S_T
+            state_pool[slot, h] = S_T  # back where it came from
+            # EXERCISE END
     return o
 # --8<-- [end:decode_step]
