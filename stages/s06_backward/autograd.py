@@ -1,0 +1,241 @@
+"""Stage 6: KDA as a differentiable torch function, with FLA `chunk_kda`'s calling convention.
+
+    S_t = S_{t-1} Diag(a_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T        o_t = scale * S_t q_t
+                                                             (paper layout: S is d_v x d_k)
+
+`chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+use_qk_l2norm_in_kernel=False)` returns (o, final_state) as FLA's does: q, k (B, T, H, K),
+v (B, T, H, V), g = log a (B, T, H, K), beta (B, T, H); the states S^T (B, H, K, V) in the kernel
+layout. `loss.backward()` reaches q, k, v, g, beta and initial_state, through o and through the final
+state. One `torch.autograd.Function`, `ChunkKDAFunction`, joins a forward and a backward per device:
+
+    CUDA tensors   forward: stage 5's two TileLang kernels (stages.s05_fast_kda.kernel.forward)
+                   backward: stage 6's TileLang kernels (stages.s06_backward.kernel.backward)
+    CPU tensors    forward: stage 5's reference in NumPy float64 (prepare, then recurrence)
+                   backward: stage 6's reference B (stages.s06_backward.reference.chunkwise_backward)
+
+so that the same layer trains on a GPU, and on a CPU through the references, slowly but exactly.
+The forward keeps only its inputs; the backward recomputes what it needs inside each chunk (both
+backward paths do), the trade FLA makes by default: memory for one more forward pass.
+
+Two of FLA's conveniences are plain torch operations in front of the function, so autograd takes
+their gradients: `scale` multiplies q (FLA's default 1 / sqrt(K); the course's references have no
+scale, so pass scale=1.0 to compare with them), and `use_qk_l2norm_in_kernel` divides q and k by
+sqrt(||x||^2 + 1e-6), FLA's L2 norm. The gate and beta enter the kernels in float32, so on CUDA they
+are cast to it here; the CPU path computes in float64 whatever the dtype.
+
+What the course does not support is refused with an error that says why: variable-length batches
+(`cu_seqlens`, stage 7), the gate or beta computed inside the kernel (`use_gate_in_kernel`,
+`use_beta_sigmoid_in_kernel`, `allow_neg_eigval`, `safe_gate`, `lower_bound`: compute g and beta in
+front, as stages.s06_backward.layer does), and FLA's inference and parallelism options.
+"""
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from stages.common.torch_checks import check_kernel_tensor
+from stages.s05_fast_kda import reference as forward_reference
+from stages.s06_backward import reference as backward_reference
+
+CUDA_CHUNK_SIZE = 64  # stage 5's kernels: 32 or 64
+# The CPU path runs plain-loop references whose cost per chunk grows as C^2 (reference B's scores
+# and their gradients): short chunks are faster there, and in float64 the answer does not depend on C.
+CPU_CHUNK_SIZE = 16
+L2_NORM_EPS = 1e-6  # FLA's l2norm: x / sqrt(sum x^2 + eps)
+INPUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+STATE_DTYPES = ("float32", "float64")  # FLA's states are float32; float64 too, for the CPU's exact checks
+
+
+class Refused(NamedTuple):
+    """An argument of FLA's chunk_kda the course refuses when it differs from FLA's default."""
+
+    default: object
+    why: str
+
+
+_IN_FRONT = "compute it in front of chunk_kda, as stages.s06_backward.layer does"
+REFUSED = {
+    "cu_seqlens": Refused(None, "variable-length batches are stage 7's; here every sequence has the length T"),
+    "cu_seqlens_cpu": Refused(None, "variable-length batches are stage 7's; here every sequence has the length T"),
+    "use_gate_in_kernel": Refused(False, f"the course's kernels take the log gate g itself; {_IN_FRONT}"),
+    "use_beta_sigmoid_in_kernel": Refused(False, f"the course's kernels take beta in [0, 1]; {_IN_FRONT}"),
+    "allow_neg_eigval": Refused(False, "beta in [0, 2) is not supported: the course's beta lies in [0, 1]"),
+    "safe_gate": Refused(False, f"a bounded gate is the caller's choice of g; {_IN_FRONT}"),
+    "lower_bound": Refused(None, f"a bounded gate is the caller's choice of g; {_IN_FRONT}"),
+    "A_log": Refused(None, f"the gate's parameters belong to the layer; {_IN_FRONT}"),
+    "dt_bias": Refused(None, f"the gate's parameters belong to the layer; {_IN_FRONT}"),
+    "disable_recompute": Refused(False, "the backward always recomputes each chunk's forward tensors"),
+    "return_intermediate_states": Refused(False, "inference-time intermediate states are not kept"),
+    "state_v_first": Refused(False, "the state is S^T (B, H, K, V), the kernel layout, only"),
+    "cp_context": Refused(None, "context parallelism across devices is not supported"),
+    "use_graph": Refused(False, "CUDA graph capture of varlen batches is not supported"),
+    "max_num_seqs": Refused(None, "CUDA graph capture of varlen batches is not supported"),
+}
+
+
+# --8<-- [start:chunk_kda]
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float | None = None, initial_state: torch.Tensor | None = None,
+              output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+              chunk_size: int | None = None, **fla_options) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA forward with autograd, FLA's chunk_kda convention. Returns (o (B, T, H, V), final state
+    S_T^T (B, H, K, V) or None).
+
+    q, k: (B, T, H, K); v: (B, T, H, V) on one device: fp16 or bf16 on CUDA, any float dtype on the
+    CPU. g: (B, T, H, K) log gates (<= 0), beta: (B, T, H) in [0, 1], cast to float32 on CUDA.
+    scale: o = scale * S q, None for 1 / sqrt(K). initial_state: S_0^T (B, H, K, V) float32 (float64
+    too on the CPU) or None for zeros. chunk_size: None for the device's default (64 on CUDA,
+    CPU_CHUNK_SIZE on the CPU). FLA's other options (fla_options) are refused unless they hold FLA's
+    default value (see REFUSED).
+    """
+    _refuse_unsupported(fla_options)
+    _check_inputs(q, k, v, g, beta, initial_state)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2_normalize(q), _l2_normalize(k)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if scale != 1.0:
+        q = q * scale  # o = S (scale q): autograd takes dq through the product
+    if chunk_size is None:
+        chunk_size = CUDA_CHUNK_SIZE if q.is_cuda else CPU_CHUNK_SIZE
+    if q.is_cuda:  # stage 5's kernels read the gates in float32
+        g, beta = g.float(), beta.float()
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    initial_state = None if initial_state is None else initial_state.contiguous()
+    o, final_state = ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, chunk_size)
+    return o, (final_state if output_final_state else None)
+# --8<-- [end:chunk_kda]
+
+
+# --8<-- [start:function]
+class ChunkKDAFunction(torch.autograd.Function):
+    """(q, k, v, g, beta, initial_state, chunk_size) -> (o, final_state), and the way back.
+
+    The final state is always an output, so that a loss on it sends its gradient dS_T^T into the
+    backward; when nobody uses it, that gradient is None and the backward starts from zero.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, chunk_size):
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros
+        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        if q.is_cuda:
+            return _cuda_forward(q, k, v, g, beta, initial_state, chunk_size)
+        return _cpu_forward(q, k, v, g, beta, initial_state, chunk_size)
+
+    @staticmethod
+    def backward(ctx, do, d_final_state):
+        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        if do is None:  # only the final state reached the loss
+            do = torch.zeros(*q.shape[:3], v.shape[3], dtype=v.dtype, device=v.device)
+        if q.is_cuda:
+            gradients = _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state)
+        else:
+            gradients = _cpu_backward(q, k, v, g, beta, do, initial_state, d_final_state, ctx.chunk_size)
+        dq, dk, dv, dg, dbeta, d_initial_state = gradients
+        if initial_state is None:
+            d_initial_state = None
+        return dq, dk, dv, dg, dbeta, d_initial_state, None
+# --8<-- [end:function]
+
+
+# --8<-- [start:cpu_path]
+def _cpu_forward(q, k, v, g, beta, initial_state, chunk_size):
+    """Stage 5's forward in NumPy float64 (prepare, then recurrence: the kernels' control flow)."""
+    arrays = [_float64(x) for x in (q, k, v, g, beta)]
+    tensors = forward_reference.prepare(*arrays, chunk_size, sub_block=chunk_size)
+    o, final_state = forward_reference.recurrence(tensors, block_dv=v.shape[3],
+                                                  initial_state=_float64_or_none(initial_state))
+    o = o[:, :q.shape[1]]  # prepare pads T up to a multiple of chunk_size
+    return _like(o, v), _like(final_state, _state_reference(q, initial_state))
+
+
+def _cpu_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size):
+    """Stage 6's reference B in NumPy float64: the chunks in reverse, each recomputed from its start state."""
+    result = backward_reference.chunkwise_backward(
+        *[_float64(x) for x in (q, k, v, g, beta, do)], chunk_size,
+        initial_state=_float64_or_none(initial_state), d_final_state=_float64_or_none(d_final_state))
+    d_initial_state = None if initial_state is None else _like(result.d_initial_state, initial_state)
+    return (_like(result.dq, q), _like(result.dk, k), _like(result.dv, v), _like(result.dg, g),
+            _like(result.dbeta, beta), d_initial_state)
+# --8<-- [end:cpu_path]
+
+
+# --8<-- [start:cuda_path]
+def _cuda_forward(q, k, v, g, beta, initial_state, chunk_size):
+    """Stage 5's two kernels; the final state is fp32."""
+    from stages.s05_fast_kda.kernel import forward
+
+    return forward(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state, output_final_state=True)
+
+
+def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state):
+    """Stage 6's backward kernels, each gradient cast to its input's dtype."""
+    try:
+        from stages.s06_backward.kernel import backward
+    except ImportError as error:
+        raise NotImplementedError(
+            "the CUDA backward needs stages.s06_backward.kernel.backward (stage 6's TileLang kernels), which "
+            f"this copy of the course does not have ({error}); train on CPU tensors, through the references"
+        ) from error
+    gradients = backward(q, k, v, g, beta, do.contiguous(), initial_state=initial_state, d_final_state=d_final_state)
+    inputs = (q, k, v, g, beta, initial_state)
+    return tuple(None if x is None else grad.to(x.dtype) for grad, x in zip(gradients, inputs))
+# --8<-- [end:cuda_path]
+
+
+def _refuse_unsupported(fla_options):
+    for name, value in fla_options.items():
+        if name not in REFUSED:
+            raise TypeError(f"chunk_kda() got an unexpected keyword argument {name!r}")
+        refused = REFUSED[name]
+        if value is not refused.default:  # every default is None or False
+            raise NotImplementedError(f"chunk_kda does not support {name}={value!r}: {refused.why}")
+
+
+def _check_inputs(q, k, v, g, beta, initial_state):
+    """Types, ranks, dtypes and one device for all; shapes and values are checked by the path that runs.
+
+    Contiguity is not asked (check_kernel_tensor asks it of a contiguous copy): chunk_kda makes its
+    inputs contiguous itself, as FLA's does.
+    """
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
+    for name, x in tensors.items():
+        if name == "initial_state" and x is None:
+            continue
+        check_kernel_tensor(name, x.contiguous() if isinstance(x, torch.Tensor) else x, rank=3 if name == "beta" else 4,
+                            dtypes=STATE_DTYPES if name == "initial_state" else INPUT_DTYPES)
+    devices = {name: x.device for name, x in tensors.items() if x is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all inputs must be on one device, got {devices}")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"chunk_kda runs on CUDA (the kernels) or on the CPU (the references), got device {q.device}")
+
+
+def _l2_normalize(x):
+    """x / sqrt(||x||^2 + eps) along the last axis, in float32 at least; returned in x's dtype."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (wide * torch.rsqrt((wide * wide).sum(-1, keepdim=True) + L2_NORM_EPS)).to(x.dtype)
+
+
+def _state_reference(q, initial_state):
+    """The tensor whose dtype the final state takes on the CPU: initial_state's, else float32 (float64 for float64 q)."""
+    if initial_state is not None:
+        return initial_state
+    return q.new_empty((), dtype=torch.promote_types(q.dtype, torch.float32))
+
+
+def _float64(x):
+    return x.detach().to("cpu", torch.float64).contiguous().numpy()
+
+
+def _float64_or_none(x):
+    return None if x is None else _float64(x)
+
+
+def _like(array, x):
+    """A NumPy float64 result as a torch tensor of x's dtype and device."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=x.device, dtype=x.dtype)
