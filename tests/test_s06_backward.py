@@ -115,21 +115,21 @@ def test_gate_gradient_at_g_zero():
     _assert_close(reference.chunkwise_backward(x.q, x.k, x.v, g, x.beta, do, 4, S_0, dS_N), expected, 1e-12)
 
 
-@pytest.mark.parametrize("function", ["recurrent_backward", "chunkwise_backward"])
+@pytest.mark.parametrize("function", ["recurrent_backward", "chunkwise_backward", "kernel_mirror_backward"])
 def test_inputs_unchanged(function):
     x, do, S_0, dS_N = _inputs(2, 9, 2, 4, 3, seed=4)
     arguments = [x.q, x.k, x.v, x.g, x.beta, do]
     before = [a.copy() for a in (*arguments, S_0, dS_N)]
-    extra = (4,) if function == "chunkwise_backward" else ()
+    extra = () if function == "recurrent_backward" else (4,)
     getattr(reference, function)(*arguments, *extra, S_0, dS_N)
     for original, after in zip(before, (*arguments, S_0, dS_N)):
         assert np.array_equal(original, after)
 
 
-@pytest.mark.parametrize("function", ["recurrent_backward", "chunkwise_backward"])
+@pytest.mark.parametrize("function", ["recurrent_backward", "chunkwise_backward", "kernel_mirror_backward"])
 def test_input_checks(function):
     x, do, S_0, dS_N = _inputs(1, 6, 1, 4, 3, seed=6)
-    extra = (4,) if function == "chunkwise_backward" else ()
+    extra = () if function == "recurrent_backward" else (4,)
     call = getattr(reference, function)
     with pytest.raises(ValueError, match=r"do must have shape \(B, N, H, d_v\)"):
         call(x.q, x.k, x.v, x.g, x.beta, do[:, :-1], *extra)
@@ -143,3 +143,63 @@ def test_input_checks(function):
         call(x.q, x.k, x.v, x.g, x.beta + 1.0, do, *extra)
     with pytest.raises(ValueError, match="log gates must be <= 0"):
         call(x.q, x.k, x.v, -x.g, x.beta, do, *extra)
+
+
+# ----------------------------------------------------------------------------- reference C
+
+MIRROR_SHAPES = [
+    # B, N, H, d_k, d_v, chunk_size, block_dv, sub_block
+    (1, 16, 1, 4, 4, 16, 4, 4),  # one chunk
+    (2, 45, 2, 16, 8, 16, 4, 8),  # many chunks, N not a multiple of chunk_size, two value blocks
+    (1, 128, 1, 16, 6, 64, 2, 16),  # the kernel's chunk and sub-block, three value blocks
+    (1, 7, 2, 4, 4, 8, 1, 1),  # a chunk longer than the sequence, one-row sub-blocks
+]
+
+
+@pytest.mark.parametrize("with_states", [False, True])
+@pytest.mark.parametrize("B, N, H, d_k, d_v, chunk_size, block_dv, sub_block", MIRROR_SHAPES)
+def test_kernel_mirror_equals_chunkwise(B, N, H, d_k, d_v, chunk_size, block_dv, sub_block, with_states):
+    """C against B: gates down to 0.5 (the anchors at work), beta at 0 and 1, with and without S_0 and dS_N."""
+    x, do, S_0, dS_N = _inputs(B, N, H, d_k, d_v, seed=N + block_dv)
+    S_0, dS_N = (S_0, dS_N) if with_states else (None, None)
+    b = reference.chunkwise_backward(x.q, x.k, x.v, x.g, x.beta, do, chunk_size, S_0, dS_N)
+    c = reference.kernel_mirror_backward(x.q, x.k, x.v, x.g, x.beta, do, chunk_size, S_0, dS_N, block_dv, sub_block)
+    _assert_close(c, b._asdict(), 1e-12)
+    assert error_report(c.o, b.o).rel_l2 <= 1e-12
+    assert error_report(c.final_state, b.final_state).rel_l2 <= 1e-12
+
+
+def test_kernel_mirror_with_gates_near_log_one_half_at_full_chunk():
+    """Every gate in [0.5, 0.55] over chunks of 64: e^{-gamma} reaches 2^60 across a chunk, the anchored
+    factors stay <= 2^8, and C still meets B in float64."""
+    x, do, S_0, dS_N = _inputs(1, 150, 2, 16, 8, seed=21, gate_range=(0.5, 0.55))
+    b = reference.chunkwise_backward(x.q, x.k, x.v, x.g, x.beta, do, 64, S_0, dS_N)
+    c = reference.kernel_mirror_backward(x.q, x.k, x.v, x.g, x.beta, do, 64, S_0, dS_N, 4)
+    _assert_close(c, b._asdict(), 1e-12)
+
+
+def test_kernel_mirror_independent_of_block_dv():
+    x, do, S_0, dS_N = _inputs(2, 40, 2, 8, 8, seed=1)
+    results = [reference.kernel_mirror_backward(x.q, x.k, x.v, x.g, x.beta, do, 8, S_0, dS_N, block_dv, 4)
+               for block_dv in (1, 2, 8)]
+    for result in results[1:]:
+        _assert_close(result, results[0]._asdict(), 1e-14)
+
+
+def test_score_gradients_equal_the_definition():
+    """The anchored GEMMs against the sums they stand for, element by element, at sub-blocks of 1 to C."""
+    rng = np.random.default_rng(8)
+    C, d_k = 32, 6
+    Q, K = rng.standard_normal((C, d_k)), rng.standard_normal((C, d_k))
+    gamma = np.cumsum(np.log(rng.uniform(0.5, 1.0, (C, d_k))), axis=0)
+    dA_qk_T, dM_T = np.triu(rng.standard_normal((C, C))), np.triu(rng.standard_normal((C, C)), 1)
+    expected = [np.zeros((C, d_k)) for _ in range(3)]
+    for c in range(C):
+        for i in range(c + 1):
+            decay = np.exp(gamma[c] - gamma[i])
+            expected[0][c] += dA_qk_T[i, c] * K[i] * decay
+            expected[1][c] += dM_T[i, c] * K[i] * decay
+            expected[2][i] += (dM_T[i, c] * K[c] + dA_qk_T[i, c] * Q[c]) * decay
+    for sub_block in (1, 4, 8, 32):
+        for actual, exact in zip(reference.score_gradients(Q, K, gamma, dA_qk_T, dM_T, sub_block), expected):
+            assert np.max(np.abs(actual - exact)) <= 1e-13 * np.max(np.abs(exact))

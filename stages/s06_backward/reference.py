@@ -15,14 +15,21 @@ kernel layout, (B, H, d_k, d_v), the layout of stage 5's `initial_state` and FLA
   start (S^T, the kernel layout), then walks back over the chunks carrying dS^T, and inside a chunk
   takes every forward step of reference B backwards: the state update, the output, V_new, the WY
   factors, the UT transform, the scores M and A_qk, and last the cumulative gate gamma.
+- `kernel_mirror_backward` (C) is the backward kernels' control flow (stages/s06_backward/kernel.py),
+  split as stage 5's forward is: stage 5's `prepare` again, then `chunk_states` (the forward's state
+  loop, writing S^T at every chunk start and V_new), `state_gradients` (the reverse chunk loop
+  carrying dS^T), `state_products` (everything of a chunk that sums over d_v: the GEMMs with S and
+  dS) and `intra_gradients` (one chunk's gradients through the UT transform and the scores).
 """
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from stages.common.checks import (Float64Array, check_chunking, check_gate_and_beta, check_output_gradient, check_qkv,
-                                  check_state)
+                                  check_state, padded_length)
+from stages.s05_fast_kda.reference import SUB_BLOCK, ChunkTensors, block_inverse, intra_chunk_scores, prepare
 
 
 class Gradients(NamedTuple):
@@ -254,3 +261,254 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
             d_initial_state[b, h] = dS_T
     return Gradients(dq, dk, dv, dg, dbeta, d_initial_state, o, final_state)
 # --8<-- [end:chunkwise_backward]
+
+
+# --8<-- [start:kernel_mirror_backward]
+def kernel_mirror_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+                           do: Float64Array, chunk_size: int, initial_state: Float64Array | None = None,
+                           d_final_state: Float64Array | None = None, block_dv: int | None = None,
+                           sub_block: int | None = None) -> Gradients:
+    """Reference C: the backward kernels in order. States S^T and dS^T: (d_k, block_dv) per program.
+
+    block_dv (None: d_v) splits the value columns of the two chunk loops, as the kernels' grids do;
+    sub_block (None: the kernels' 16 where it divides chunk_size, else the whole chunk) is the anchors'.
+    Like the kernels' wrapper, it zero-pads N up to a multiple of chunk_size: a padded token has
+    q = k = v = do = 0, beta = 0 and g = 0, so it changes no state and no gradient of a real token.
+    The forward's o and final state, which the backward kernels do not compute, come from stage 5's
+    recurrence on the same prepared tensors.
+    """
+    B, N, H, d_k, d_v = _check(q, k, v, g, beta, do, initial_state, d_final_state)
+    block_dv = d_v if block_dv is None else block_dv
+    check_chunking(N, d_v, chunk_size, block_dv)
+    if sub_block is None:
+        sub_block = SUB_BLOCK if chunk_size % SUB_BLOCK == 0 else chunk_size
+    from stages.s05_fast_kda.reference import recurrence
+
+    N_padded = padded_length(N, chunk_size)
+    q, k, v, g, do = (_pad_tokens(x, N_padded) for x in (q, k, v, g, do))
+    beta = _pad_tokens(beta[..., None], N_padded)[..., 0]
+    tensors = prepare(q, k, v, g, beta, chunk_size, sub_block)  # stage 5's prepare kernel, run again
+    o, final_state = recurrence(tensors, block_dv, initial_state)
+    states = chunk_states(tensors, block_dv, initial_state)
+    state_grads = state_gradients(tensors, do, block_dv, d_final_state)
+    products = state_products(tensors, states, state_grads, do)
+    dq, dk, dv, dg, dbeta = intra_gradients(q, k, v, g, beta, do, states.v_new, state_grads.dv_new, products,
+                                            chunk_size, sub_block)
+    return Gradients(dq[:, :N], dk[:, :N], dv[:, :N], dg[:, :N], dbeta[:, :N], state_grads.d_initial_state,
+                     o[:, :N], final_state)
+# --8<-- [end:kernel_mirror_backward]
+
+
+@dataclass
+class ChunkStates:
+    """What the states kernel writes: S^T at every chunk start (B, chunks, H, d_k, d_v) and the
+    pseudo-values V_new = U - W S^T (B, N_padded, H, d_v). In the kernel both are in the input dtype."""
+
+    states: np.ndarray
+    v_new: np.ndarray
+
+
+# --8<-- [start:chunk_states]
+def chunk_states(tensors: ChunkTensors, block_dv: int, initial_state: Float64Array | None = None) -> ChunkStates:
+    """The states kernel's control flow: stage 5's recurrence without the output, keeping S^T at every
+    chunk start. One program per (block of d_v columns, batch x head)."""
+    B, N_padded, H, d_k = tensors.w.shape
+    d_v, C = tensors.u.shape[3], tensors.a_qk.shape[3]
+    out = ChunkStates(np.zeros((B, N_padded // C, H, d_k, d_v)), np.zeros((B, N_padded, H, d_v)))
+    for i_v in range(d_v // block_dv):  # grid.x
+        cols = slice(i_v * block_dv, (i_v + 1) * block_dv)
+        for i_bh in range(B * H):  # grid.y
+            b, h = divmod(i_bh, H)
+            S_T = np.zeros((d_k, block_dv)) if initial_state is None else initial_state[b, h][:, cols].copy()
+            for i_c in range(N_padded // C):  # the chunk loop, forward in time
+                rows = slice(i_c * C, (i_c + 1) * C)
+                out.states[b, i_c, h, :, cols] = S_T  # the state this chunk starts from
+                V_new = tensors.u[b, rows, h, cols] - tensors.w[b, rows, h] @ S_T  # GEMM
+                out.v_new[b, rows, h, cols] = V_new
+                S_T = tensors.chunk_decay[b, i_c, h][:, None] * S_T + tensors.k_to_chunk_end[b, rows, h].T @ V_new
+    return out
+# --8<-- [end:chunk_states]
+
+
+@dataclass
+class StateGradients:
+    """What the reverse chunk loop writes: dS^T at every chunk END, the gradient of the state the chunk
+    hands on (B, chunks, H, d_k, d_v); dV_new (B, N_padded, H, d_v), both in the input dtype in the
+    kernel; and dS_0^T (B, H, d_k, d_v), fp32."""
+
+    d_states: np.ndarray
+    dv_new: np.ndarray
+    d_initial_state: np.ndarray
+
+
+# --8<-- [start:state_gradients]
+def state_gradients(tensors: ChunkTensors, do: Float64Array, block_dv: int,
+                    d_final_state: Float64Array | None = None) -> StateGradients:
+    """The reverse chunk loop's control flow: one program per (block of d_v columns, batch x head),
+    carrying dS^T (d_k x block_dv) from the last chunk to the first. Per chunk, with dS'^T the
+    gradient of the state after it:
+        dV_new = (K e^{gamma_C - gamma}) dS'^T + A_qk^T dO
+        dS^T   = Diag(e^{gamma_C}) dS'^T + (Q e^gamma)^T dO - W^T dV_new
+    do: (B, N_padded, H, d_v), padded as the tensors are.
+    """
+    B, N_padded, H, d_k = tensors.w.shape
+    d_v, C = tensors.u.shape[3], tensors.a_qk.shape[3]
+    out = StateGradients(np.zeros((B, N_padded // C, H, d_k, d_v)), np.zeros((B, N_padded, H, d_v)),
+                         np.zeros((B, H, d_k, d_v)))
+    for i_v in range(d_v // block_dv):  # grid.x
+        cols = slice(i_v * block_dv, (i_v + 1) * block_dv)
+        for i_bh in range(B * H):  # grid.y
+            b, h = divmod(i_bh, H)
+            dS_T = np.zeros((d_k, block_dv)) if d_final_state is None else d_final_state[b, h][:, cols].copy()
+            for i_c in reversed(range(N_padded // C)):  # the chunk loop, backward in time
+                rows = slice(i_c * C, (i_c + 1) * C)
+                dO = do[b, rows, h, cols]
+                out.d_states[b, i_c, h, :, cols] = dS_T  # the gradient of the state this chunk ends with
+                dV_new = tensors.k_to_chunk_end[b, rows, h] @ dS_T  # GEMM: through the state update ...
+                dV_new += tensors.a_qk[b, rows, h].T @ dO  # GEMM: ... and through the output
+                out.dv_new[b, rows, h, cols] = dV_new
+                dS_T = tensors.chunk_decay[b, i_c, h][:, None] * dS_T  # the decay, row by row
+                dS_T += tensors.q_decayed[b, rows, h].T @ dO  # GEMM: the output read the state
+                dS_T -= tensors.w[b, rows, h].T @ dV_new  # GEMM: V_new read the state
+            out.d_initial_state[b, h, :, cols] = dS_T
+    return out
+# --8<-- [end:state_gradients]
+
+
+@dataclass
+class StateProducts:
+    """What the state-products kernel writes, every product of a chunk that sums over d_v (fp32):
+    dq_decayed = dO S, dk_to_chunk_end = V_new dS', dw = -dV_new S (B, N_padded, H, d_k) and
+    d_gamma_last = e^{gamma_C} ⊙ rowsum(S^T ⊙ dS'^T) (B, chunks, H, d_k), the gradient of the last
+    row's gamma through the state's decay."""
+
+    dq_decayed: np.ndarray
+    dk_to_chunk_end: np.ndarray
+    dw: np.ndarray
+    d_gamma_last: np.ndarray
+
+
+# --8<-- [start:state_products]
+def state_products(tensors: ChunkTensors, states: ChunkStates, state_grads: StateGradients,
+                   do: Float64Array) -> StateProducts:
+    """The state-products kernel's control flow: one program per (chunk, batch x head), all d_v columns.
+
+    S^T is the state the chunk starts from, dS'^T the gradient of the state it ends with (d_k x d_v):
+        d(Q e^gamma) = dO S,   d(K e^{gamma_C - gamma}) = V_new dS',   dW = -dV_new S,
+        d gamma_C   += e^{gamma_C} ⊙ rowsum(S^T ⊙ dS'^T)
+    """
+    B, N_padded, H, d_k = tensors.w.shape
+    C = tensors.a_qk.shape[3]
+    out = StateProducts(np.zeros((B, N_padded, H, d_k)), np.zeros((B, N_padded, H, d_k)),
+                        np.zeros((B, N_padded, H, d_k)), np.zeros((B, N_padded // C, H, d_k)))
+    for i_c in range(N_padded // C):  # grid.x: no chunk waits for another
+        rows = slice(i_c * C, (i_c + 1) * C)
+        for i_bh in range(B * H):  # grid.y
+            b, h = divmod(i_bh, H)
+            S_T, dS_T = states.states[b, i_c, h], state_grads.d_states[b, i_c, h]
+            out.dq_decayed[b, rows, h] = do[b, rows, h] @ S_T.T  # GEMM
+            out.dk_to_chunk_end[b, rows, h] = states.v_new[b, rows, h] @ dS_T.T  # GEMM
+            out.dw[b, rows, h] = -(state_grads.dv_new[b, rows, h] @ S_T.T)  # GEMM
+            out.d_gamma_last[b, i_c, h] = tensors.chunk_decay[b, i_c, h] * np.sum(S_T * dS_T, axis=1)
+    return out
+# --8<-- [end:state_products]
+
+
+# --8<-- [start:intra_gradients]
+def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+                    do: Float64Array, v_new: Float64Array, dv_new: Float64Array, products: StateProducts,
+                    chunk_size: int, sub_block: int = SUB_BLOCK) -> tuple[Float64Array, ...]:
+    """The intra-chunk kernel's control flow: one program per (chunk, batch x head). Every input is
+    padded to N_padded tokens; returns dq, dk (B, N_padded, H, d_k), dv (B, N_padded, H, d_v),
+    dg (B, N_padded, H, d_k) and dbeta (B, N_padded, H).
+
+    The chunk's A_kk (M) and T = (I + L)^{-1} are recomputed as the prepare kernel computes them.
+    Then, with dW and dU = dV_new from the chunk loops:
+        dA_hat = dW (K e^gamma)^T + dV_new V^T,  dV = A_hat^T dV_new,  d(K e^gamma) = A_hat^T dW
+        dbeta  = rowsum(dA_hat ⊙ T) + colsum(dL ⊙ M),   dT = diag(beta) dA_hat,
+        dL^T   = -T dT^T T (strict upper),  dM^T = diag(beta) dL^T,  dA_qk^T = V_new dO^T (upper)
+    The kernel keeps dL, dM and dA_qk transposed, so that a column slab of them is a slab of rows.
+    `score_gradients` takes dM and dA_qk through the scores; the terms of e^{+-gamma} give
+    dgamma = Q ⊙ dQ + K ⊙ dK_from_rows - K ⊙ dK_from_columns, plus the last row's terms of e^{gamma_C};
+    dg is its reverse cumulative sum.
+    """
+    B, N_padded, H, d_k = q.shape
+    C = chunk_size
+    dq, dk, dg = (np.zeros((B, N_padded, H, d_k)) for _ in range(3))
+    dv, dbeta = np.zeros(v.shape), np.zeros((B, N_padded, H))
+    for i_c in range(N_padded // C):  # grid.x
+        rows = slice(i_c * C, (i_c + 1) * C)
+        for i_bh in range(B * H):  # grid.y
+            b, h = divmod(i_bh, H)
+            Q, K, V, beta_c = q[b, rows, h], k[b, rows, h], v[b, rows, h], beta[b, rows, h]
+            gamma = np.cumsum(g[b, rows, h], axis=0)
+            A_kk, _ = intra_chunk_scores(Q, K, gamma, sub_block)  # the kernel computes A_kk only
+            T = block_inverse(A_kk * beta_c[None, :], sub_block)
+            A_hat = beta_c[:, None] * T
+            decay_from_start, decay_to_end = np.exp(gamma), np.exp(gamma[-1] - gamma)
+            dW, dV_new = products.dw[b, rows, h], dv_new[b, rows, h]
+
+            dA_hat = dW @ (K * decay_from_start).T + dV_new @ V.T  # GEMMs
+            dv[b, rows, h] = A_hat.T @ dV_new  # GEMM
+            dK_decayed = A_hat.T @ dW  # GEMM: d(K e^gamma)
+            dT = beta_c[:, None] * dA_hat
+            dL_T = np.triu(-(T @ (dT.T @ T)), 1)  # two GEMMs; strict upper: dL strict lower
+            dbeta[b, rows, h] = np.sum(dA_hat * T, axis=1) + np.sum(dL_T * A_kk.T, axis=1)
+            dM_T = dL_T * beta_c[:, None]  # dM = dL diag(beta), transposed
+            dA_qk_T = np.triu(v_new[b, rows, h] @ do[b, rows, h].T)  # GEMM; j <= c: upper with the diagonal
+
+            dQ_scores, dK_rows, dK_columns = score_gradients(Q, K, gamma, dA_qk_T, dM_T, sub_block)
+            dQ = products.dq_decayed[b, rows, h] * decay_from_start + dQ_scores
+            dK_from_rows = dK_decayed * decay_from_start + dK_rows  # K appeared as e^{+gamma}
+            dK_to_end = products.dk_to_chunk_end[b, rows, h] * decay_to_end
+            dK_from_columns = dK_columns + dK_to_end  # K appeared as e^{-gamma}
+            dgamma = Q * dQ + K * (dK_from_rows - dK_from_columns)
+            # gamma_C enters e^{gamma_C - gamma} of every row and the state's decay; it lies in the
+            # last row, which every dg[s] sums: added to all rows at once
+            d_gamma_last = np.sum(K * dK_to_end, axis=0) + products.d_gamma_last[b, i_c, h]
+            dg[b, rows, h] = np.cumsum(dgamma[::-1], axis=0)[::-1] + d_gamma_last
+            dq[b, rows, h], dk[b, rows, h] = dQ, dK_from_rows + dK_from_columns
+    return dq, dk, dv, dg, dbeta
+# --8<-- [end:intra_gradients]
+
+
+# --8<-- [start:score_gradients]
+def score_gradients(Q: Float64Array, K: Float64Array, gamma: Float64Array, dA_qk_T: Float64Array, dM_T: Float64Array,
+                    sub_block: int) -> tuple[Float64Array, Float64Array, Float64Array]:
+    """The gradients through A_qk[c, i] = (q_c ⊙ e^{gamma_c - gamma_i}) · k_i and M (the same with k_c),
+    as GEMMs with stage 5's anchors. Q, K, gamma: (C, d_k); dA_qk_T, dM_T: (C, C), the transposes.
+
+    Returns, each (C, d_k):
+        dQ_scores[c]  = sum_i dA_qk[c, i] k_i e^{gamma_c - gamma_i}        (row c's q)
+        dK_rows[c]    = sum_i dM[c, i] k_i e^{gamma_c - gamma_i}           (row c's k)
+        dK_columns[i] = sum_c (dM[c, i] k_c + dA_qk[c, i] q_c) e^{gamma_c - gamma_i}   (column i's k)
+    Split as the forward splits the scores: within a diagonal sub-block both factors are anchored
+    at its middle row; a column slab of sub_block keys is anchored at the first row below it.
+    """
+    C = len(K)
+    sub_index = np.arange(C) // sub_block
+    middle = gamma[sub_index * sub_block + sub_block // 2]
+    to_row, to_middle = np.exp(gamma - middle), np.exp(middle - gamma)
+    same_block = sub_index[:, None] == sub_index[None, :]
+    dA_qk_T_diagonal, dM_T_diagonal = np.where(same_block, dA_qk_T, 0.0), np.where(same_block, dM_T, 0.0)
+    K_col = K * to_middle
+    dQ_scores = to_row * (dA_qk_T_diagonal.T @ K_col)  # GEMM
+    dK_rows = to_row * (dM_T_diagonal.T @ K_col)  # GEMM
+    dK_columns = to_middle * (dM_T_diagonal @ (K * to_row) + dA_qk_T_diagonal @ (Q * to_row))  # GEMMs
+    for s0 in range(sub_block, C, sub_block):
+        slab, below = slice(s0 - sub_block, s0), slice(s0, C)
+        anchor = gamma[s0]
+        K_col = K[slab] * np.exp(anchor - gamma[slab])  # <= 1
+        anchor_to_row = np.zeros_like(K)  # zero above the anchor: the diagonal block is done
+        anchor_to_row[below] = np.exp(gamma[below] - anchor)  # <= 1
+        dQ_scores += anchor_to_row * (dA_qk_T[slab].T @ K_col)  # GEMM, C x sub_block x d_k
+        dK_rows += anchor_to_row * (dM_T[slab].T @ K_col)  # GEMM
+        dK_columns[slab] += np.exp(anchor - gamma[slab]) * (dM_T[slab] @ (K * anchor_to_row)
+                                                            + dA_qk_T[slab] @ (Q * anchor_to_row))  # GEMMs
+    return dQ_scores, dK_rows, dK_columns
+# --8<-- [end:score_gradients]
+
+
+def _pad_tokens(x, length):
+    """Zero-pad axis 1 (tokens) of a (B, N, H, D) array to `length`."""
+    return np.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
