@@ -1,6 +1,9 @@
-"""Stage 7 library tests: the decode step over a state pool.
+"""Stage 7 library tests: variable-length batches with states in and out, chunked prefill, the decode step.
 
-The reference, run token by token, against stage 4's reference A (from a zero state) and against
+The varlen references A, B and C against each sequence run alone (stage 4's reference A from zero,
+stage 6's reference A from a state), lengths that are and are not multiples of the chunk, empty
+sequences, one chunk and many; the chunk table against its definition; chunked prefill in pieces of
+any sizes against one pass. The decode reference, run token by token, against stage 4's reference A (from a zero state) and against
 the references that take an initial state (stage 6's reference A, stage 5's recurrence); the kernel
 through the tile interpreter against the reference, in float64 (tight) and fp16 / bf16 (a few units
 of the dtype's roundoff); pool slots not in `slots` untouched; bad inputs refused; the kernel
@@ -135,6 +138,164 @@ def test_decode_step_refuses_bad_inputs_and_leaves_the_pool(change, error, messa
     with pytest.raises(error, match=message):
         decode_step(**arguments)
     assert np.array_equal(pool, kept), "a refused call changed the pool"
+
+
+# ------------------------------------------------------------------------------------------ varlen references
+
+MIXES = [  # (lengths, chunk_size, block_dv, sub_block): the sequences of one packed batch
+    ((5, 0, 17, 16, 1, 33), 8, 3, 4),  # empty, one token, a full chunk, short last chunks, many chunks
+    ((16,), 16, 6, 4),  # one sequence of one full chunk
+    ((9, 40), 16, 2, 8),  # two sequences, neither a multiple of the chunk
+]
+
+
+def _packed(lengths, H=2, d_k=8, d_v=6, seed=0):
+    """A packed batch (1, T, ...) of sequences of the given lengths, strong gates, beta 0 and 1; its cu_seqlens."""
+    x = _sequences(1, sum(lengths), H, d_k, d_v, seed=seed)
+    return x, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _each_sequence_alone(x, cu_seqlens, initial_state):
+    """o and the final states from stage 6's reference A (token by token, paper layout, its own
+    initial-state code), one call per sequence: the independent answer."""
+    from stages.s06_backward.reference import recurrent_backward
+
+    o, final_states = np.zeros(x.v.shape), initial_state.copy()
+    for i, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        if end > start:
+            rows = slice(start, end)
+            alone = recurrent_backward(*(a[:, rows] for a in (x.q, x.k, x.v, x.g, x.beta)),
+                                       np.zeros(x.v[:, rows].shape), initial_state[i:i + 1])
+            o[:, rows], final_states[i] = alone.o, alone.final_state[0]
+    return o, final_states
+
+
+def _varlen_references(x, chunk_size, block_dv, sub_block):
+    """The three references as callables (cu_seqlens, initial_state) -> (o, final states)."""
+    from stages.s07_serving.reference import chunkwise, kernel_mirror, recurrent
+
+    args = (x.q, x.k, x.v, x.g, x.beta)
+    return {
+        "A": lambda cu, S0: recurrent(*args, cu, S0, output_final_state=True),
+        "B": lambda cu, S0: chunkwise(*args, chunk_size, cu, S0, output_final_state=True),
+        "C": lambda cu, S0: kernel_mirror(*args, chunk_size, block_dv, cu, S0, output_final_state=True,
+                                         sub_block=sub_block),
+    }
+
+
+@pytest.mark.parametrize("lengths, chunk_size, block_dv, sub_block", MIXES)
+@pytest.mark.parametrize("which", ["A", "B", "C"])
+def test_varlen_reference_equals_each_sequence_alone(which, lengths, chunk_size, block_dv, sub_block):
+    """From nonzero initial states: the outputs and the final states of each sequence run alone."""
+    x, cu_seqlens = _packed(lengths, seed=len(lengths))
+    initial_state = np.random.default_rng(1).standard_normal((len(lengths), 2, 8, 6))
+    kept = [a.copy() for a in (x.q, x.k, x.v, x.g, x.beta, cu_seqlens, initial_state)]
+    expected_o, expected_states = _each_sequence_alone(x, cu_seqlens, initial_state)
+    reference = _varlen_references(x, chunk_size, block_dv, sub_block)[which]
+    o, final_states = reference(cu_seqlens, initial_state)
+    assert_close(o, expected_o, rel_l2=1e-12)
+    assert_close(final_states, expected_states, rel_l2=1e-12, name="the final states", axes=POOL_AXES)
+    again = reference(cu_seqlens, initial_state)
+    assert np.array_equal(again[0], o) and np.array_equal(again[1], final_states), "a second call differs"
+    for given, before in zip((x.q, x.k, x.v, x.g, x.beta, cu_seqlens, initial_state), kept):
+        assert np.array_equal(given, before), f"reference {which} changed an input"
+
+
+@pytest.mark.parametrize("which", ["A", "B", "C"])
+def test_varlen_reference_from_zero_equals_stage_four(which):
+    """No initial state: each sequence's output is stage 4's reference A on it alone, and an empty
+    sequence's final state is zero."""
+    lengths = (13, 0, 24)
+    x, cu_seqlens = _packed(lengths, seed=3)
+    o, final_states = _varlen_references(x, 8, 3, 4)[which](cu_seqlens, None)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        rows = slice(start, end)
+        if end > start:
+            assert_close(o[:, rows], recurrent(*(a[:, rows] for a in (x.q, x.k, x.v, x.g, x.beta))), rel_l2=1e-12)
+    assert np.array_equal(final_states[1], np.zeros((2, 8, 6))), "an empty sequence's state moved"
+
+
+@pytest.mark.parametrize("which", ["A", "B", "C"])
+def test_equal_length_batch_is_the_packed_batch(which):
+    """Without cu_seqlens each row of (B, N, ...) is one sequence: the same numbers as the rows packed
+    into one with cu_seqlens = 0, N, 2N, ..."""
+    B, N, H, d_k, d_v = 3, 11, 2, 8, 6
+    x = _sequences(B, N, H, d_k, d_v, seed=4)
+    S0 = np.random.default_rng(5).standard_normal((B, H, d_k, d_v))
+    o, final_states = _varlen_references(x, 8, 3, 4)[which](None, S0)
+    packed = type(x)(*(a.reshape(1, B * N, *a.shape[2:]) for a in (x.q, x.k, x.v, x.g, x.beta)))
+    expected_o, expected_states = _each_sequence_alone(packed, np.arange(B + 1) * N, S0)
+    assert_close(o, expected_o.reshape(B, N, H, d_v), rel_l2=1e-12)
+    assert_close(final_states, expected_states, rel_l2=1e-12, name="the final states", axes=POOL_AXES)
+
+
+def test_output_final_state_false_returns_the_output_alone():
+    from stages.s07_serving.reference import chunkwise, kernel_mirror
+    from stages.s07_serving.reference import recurrent as recurrent_varlen
+
+    x, cu_seqlens = _packed((4, 7))
+    args = (x.q, x.k, x.v, x.g, x.beta)
+    for o in (recurrent_varlen(*args, cu_seqlens), chunkwise(*args, 8, cu_seqlens), kernel_mirror(*args, 16, 6, cu_seqlens)):
+        assert isinstance(o, np.ndarray) and o.shape == x.v.shape
+
+
+def test_chunk_table_lists_every_chunk_of_every_sequence_in_order():
+    """Against its definition written out: sequence i of n tokens owns chunks 0 .. ceil(n / C) - 1."""
+    from stages.s07_serving.reference import chunk_table
+
+    lengths, C = [5, 0, 17, 16, 1, 33], 8
+    expected = [(i, c) for i, n in enumerate(lengths) for c in range((n + C - 1) // C)]
+    chunks, chunk_offsets = chunk_table(np.concatenate([[0], np.cumsum(lengths)]), C)
+    assert [tuple(row) for row in chunks] == expected
+    for i in range(len(lengths)):
+        owned = chunks[chunk_offsets[i]:chunk_offsets[i + 1]]
+        assert [tuple(row) for row in owned] == [row for row in expected if row[0] == i]
+
+
+@pytest.mark.parametrize("pieces", [(1, 3, 63, 64, 65, 200), (396,), (0, 200, 196)])
+def test_prefill_in_pieces_equals_one_pass(pieces):
+    """Pieces of any sizes (one token, under, at and over the chunk of 64), each from the state the
+    one before left: the output and the final state of one pass over the whole prompt."""
+    from stages.s07_serving.reference import prefill_in_pieces
+
+    B, N, H, d_k, d_v = 2, 396, 1, 8, 4
+    x = _sequences(B, N, H, d_k, d_v, seed=6, gate_range=(0.5, 1.0))
+    S0 = np.random.default_rng(7).standard_normal((B, H, d_k, d_v))
+    o, state = prefill_in_pieces(x.q, x.k, x.v, x.g, x.beta, list(pieces), 64, initial_state=S0)
+    expected = _each_sequence_alone(type(x)(*(a.reshape(1, B * N, *a.shape[2:]) for a in (x.q, x.k, x.v, x.g, x.beta))),
+                                    np.arange(B + 1) * N, S0)
+    assert_close(o, expected[0].reshape(B, N, H, d_v), rel_l2=1e-12, chunk_size=64)
+    assert_close(state, expected[1], rel_l2=1e-12, name="the state after the last piece", axes=POOL_AXES)
+
+
+def _bad_varlen_calls():
+    from stages.s07_serving.reference import chunkwise, kernel_mirror, prefill_in_pieces
+    from stages.s07_serving.reference import recurrent as recurrent_varlen
+
+    x, cu = _packed((4, 7))
+    args = (x.q, x.k, x.v, x.g, x.beta)
+    return [
+        (lambda: recurrent_varlen(*args, [0, 4, 11]), TypeError, "cu_seqlens must be a numpy.ndarray"),
+        (lambda: recurrent_varlen(*args, cu.astype(float)), TypeError, "cu_seqlens must have an integer dtype"),
+        (lambda: recurrent_varlen(*args, np.array([0, 5, 4, 11])), ValueError, "never decrease"),
+        (lambda: chunkwise(*args, 8, np.array([1, 4, 11])), ValueError, "must start at 0"),
+        (lambda: kernel_mirror(*args, 8, 6, np.array([0, 4, 12])), ValueError, "end at N = 11"),
+        (lambda: recurrent_varlen(*args, np.array([0])), ValueError, r"shape \(N_seq \+ 1,\)"),
+        (lambda: recurrent_varlen(*(np.concatenate([a, a]) for a in args), cu), ValueError, "B must be 1"),
+        (lambda: recurrent_varlen(*args, cu, np.zeros((3, 2, 8, 6))), ValueError, r"initial_state must have shape \(N_seq"),
+        (lambda: chunkwise(*args, 8, cu, np.zeros((2, 2, 6, 8))), ValueError, "initial_state must have shape"),
+        (lambda: kernel_mirror(*args, 8, 4, cu), ValueError, "block_dv must be a positive divisor of d_v = 6"),
+        (lambda: prefill_in_pieces(*args, [4, 6], 8), ValueError, "sum to N = 11"),
+        (lambda: prefill_in_pieces(*args, [], 8), ValueError, "one or more lengths"),
+        (lambda: prefill_in_pieces(*args, [12, -1], 8), ValueError, ">= 0"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(13))
+def test_varlen_references_refuse_bad_inputs(case):
+    call, error, message = _bad_varlen_calls()[case]
+    with pytest.raises(error, match=message):
+        call()
 
 
 # ------------------------------------------------------------------------------------------ kernel, interpreter

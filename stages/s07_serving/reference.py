@@ -177,7 +177,10 @@ def prepare_varlen(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64
     chunks, _ = chunk_table(cu_seqlens, C)
     out = ChunkTensors(np.zeros((1, T, H, d_k)), np.zeros((1, T, H, d_v)), np.zeros((1, T, H, d_k)),
                        np.zeros((1, T, H, d_k)), np.zeros((1, T, H, C)), np.zeros((1, len(chunks), H, d_k)))
-    for p, (sequence, chunk) in enumerate(chunks):  # grid.x: the chunk table; grid.y, the heads, inside prepare
+    # grid.x: the chunk table's rows (grid.y, the heads, inside stage 5's prepare). Programs run in
+    # no set order: walked backwards, a store past a sequence's end lands on rows already written.
+    for p in reversed(range(len(chunks))):
+        sequence, chunk = chunks[p]
         start = cu_seqlens[sequence] + chunk * C  # token offset: the sequence's start, then whole chunks
         end = min(start + C, cu_seqlens[sequence + 1])  # a sequence's last chunk may be short
         tile = (chunk_rows(x, start, end, C) for x in (q, k, v, g, beta))  # masked load: zeros past the end
@@ -206,7 +209,7 @@ def recurrence_varlen(tensors: ChunkTensors, cu_seqlens: np.ndarray, block_dv: i
     o, final_state = np.zeros((1, T, H, d_v)), np.zeros((N_seq, H, d_k, d_v))
     for i_v in range(d_v // block_dv):  # grid.x: one program per block of value columns
         cols = slice(i_v * block_dv, (i_v + 1) * block_dv)
-        for i_nh in range(N_seq * H):  # grid.y: one program per (sequence, head)
+        for i_nh in reversed(range(N_seq * H)):  # grid.y: one program per (sequence, head), last first
             sequence, h = divmod(i_nh, H)
             S_T = initial[sequence, h][:, cols].copy()
             for chunk in range(chunk_offsets[sequence + 1] - chunk_offsets[sequence]):  # its own chunks
