@@ -157,3 +157,25 @@ def pad_tokens(N_padded, *tensors):
 
     return [x if x.shape[1] == N_padded else
             torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, N_padded - x.shape[1])) for x in tensors]
+
+
+CU_SEQLENS_DTYPES = ("int32", "int64")
+
+
+def check_cu_seqlens(cu_seqlens, B, T):
+    """cu_seqlens: a contiguous int32 or int64 tensor (N_seq + 1,) of offsets into a packed batch of
+    B = 1 row of T tokens, FLA's convention: from 0 to T, never decreasing (a sequence may be empty).
+
+    Returns the offsets as a list of Python ints: one read to the host, one device sync, which the
+    caller needs anyway to size its work by the sequences' lengths.
+    """
+    check_kernel_tensor("cu_seqlens", cu_seqlens, rank=1, dtypes=CU_SEQLENS_DTYPES)
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must have shape (N_seq + 1,) with N_seq >= 1, got {tuple(cu_seqlens.shape)}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed into one row: B must be 1, got B = {B}")
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != T or any(end < start for start, end in zip(offsets, offsets[1:])):
+        shown = offsets if len(offsets) <= 8 else offsets[:8] + ["..."]
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T = {T}, the packed tokens; got {shown}")
+    return offsets
