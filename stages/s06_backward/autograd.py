@@ -92,10 +92,11 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     default value (see REFUSED).
     """
     _refuse_unsupported(fla_options)
-    _check_inputs(q, k, v, g, beta, initial_state)
+    _check_inputs(q, k, v, g, beta, initial_state, scale)
     if use_qk_l2norm_in_kernel:
         q, k = _l2_normalize(q), _l2_normalize(k)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
     if scale != 1.0:
         q = q * scale  # o = S (scale q): autograd takes dq through the product
     if chunk_size is None:
@@ -196,7 +197,7 @@ def _refuse_unsupported(fla_options):
             raise NotImplementedError(f"chunk_kda does not support {name}={value!r}: {refused.why}")
 
 
-def _check_inputs(q, k, v, g, beta, initial_state):
+def _check_inputs(q, k, v, g, beta, initial_state, scale):
     """Types, ranks, dtypes and one device for all; shapes and values are checked by the path that runs.
 
     Contiguity is not asked (check_kernel_tensor asks it of a contiguous copy): chunk_kda makes its
@@ -213,6 +214,9 @@ def _check_inputs(q, k, v, g, beta, initial_state):
         raise ValueError(f"all inputs must be on one device, got {devices}")
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"chunk_kda runs on CUDA (the kernels) or on the CPU (the references), got device {q.device}")
+    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__} (initial_state is a "
+                        f"keyword argument, as in FLA: chunk_kda(q, k, v, g, beta, initial_state=...))")
 
 
 def _l2_normalize(x):

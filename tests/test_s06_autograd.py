@@ -1,0 +1,222 @@
+"""Stage 6 chunk_kda: the autograd function on the CPU (gradcheck, and against torch.autograd of a
+float64 torch recurrence), its FLA-style arguments and refusals, and on a GPU against FLA's chunk_kda."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from stages.s06_backward.autograd import CPU_CHUNK_SIZE, REFUSED, chunk_kda
+from tests.test_s06_backward import torch_recurrent
+
+INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _leaves(B, T, H, d_k, d_v, seed, gate_range=(0.5, 0.999), beta_range=(0.05, 0.95), dtype=torch.float64):
+    """{name: float64 leaf tensor}: L2-normalized q and k, gates a in gate_range, a random S_0^T."""
+    x = make_inputs(B, T, H, d_k, d_v, gate="channel", gate_range=gate_range, beta_range=beta_range, seed=seed)
+    initial_state = np.random.default_rng(seed + 1).standard_normal((B, H, d_k, d_v))
+    arrays = (x.q, x.k, x.v, x.g, x.beta, initial_state)
+    return {name: torch.tensor(a, dtype=dtype, requires_grad=True) for name, a in zip(INPUTS, arrays)}
+
+
+def _with_exact_betas(leaves, seed):
+    """A quarter of beta's entries set to exactly 0 and 1: no write, and a full replacement."""
+    beta = leaves["beta"].detach().clone().reshape(-1)
+    picked = np.random.default_rng(seed).choice(beta.numel(), size=max(2, beta.numel() // 4), replace=False)
+    beta[picked[::2]], beta[picked[1::2]] = 0.0, 1.0
+    leaves["beta"] = beta.reshape(leaves["beta"].shape).requires_grad_()
+    return leaves
+
+
+def _loss_and_gradients(o, final_state, leaves, do, d_final_state):
+    """loss = <o, do> + <S_T^T, d_final_state>; its gradients w.r.t. every leaf (None where it has none)."""
+    loss = (o * do).sum() + (0 if final_state is None else (final_state * d_final_state).sum())
+    used = [leaf for leaf in leaves.values() if leaf is not None]
+    gradients = iter(torch.autograd.grad(loss, used, allow_unused=True))
+    return {name: None if leaf is None else next(gradients) for name, leaf in leaves.items()}
+
+
+@pytest.mark.parametrize("with_l2norm", [False, True])
+@pytest.mark.parametrize("B, T, H, d_k, d_v, chunk_size", [
+    (1, 4, 2, 3, 2, 4),  # one chunk
+    (1, 6, 2, 3, 2, 4),  # T not a multiple of the chunk
+    (2, 7, 1, 2, 3, 2),  # many chunks, the last one short; d_v > d_k
+])
+def test_gradcheck_on_the_cpu(B, T, H, d_k, d_v, chunk_size, with_l2norm):
+    """Finite differences against the backward, through o and the final state, with an initial state,
+    gates down to 0.5 and the default scale 1 / sqrt(K) (and FLA's L2 norm in front)."""
+    leaves = _leaves(B, T, H, d_k, d_v, seed=T + chunk_size)
+
+    def kda(q, k, v, g, beta, initial_state):
+        return chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                         use_qk_l2norm_in_kernel=with_l2norm, chunk_size=chunk_size)
+
+    assert torch.autograd.gradcheck(kda, tuple(leaves.values()))
+
+
+@pytest.mark.parametrize("with_initial_state", [False, True])
+@pytest.mark.parametrize("B, T, H, d_k, d_v, chunk_size", [
+    (1, 16, 2, 8, 4, 16),  # one full chunk
+    (2, 21, 2, 5, 3, 8),  # three chunks, the last one short
+    (1, 40, 1, 4, 6, CPU_CHUNK_SIZE),  # the CPU path's default chunk, T not a multiple of it
+])
+def test_gradients_equal_autograd_of_the_recurrence(B, T, H, d_k, d_v, chunk_size, with_initial_state):
+    """o, S_T^T and every gradient against torch.autograd of a float64 torch transcription of reference
+    A, with gates down to 0.3 and beta exactly 0 and 1 in places (where finite differences cannot go)."""
+    leaves = _with_exact_betas(_leaves(B, T, H, d_k, d_v, seed=T, gate_range=(0.3, 0.999)), seed=T)
+    if not with_initial_state:
+        leaves["initial_state"] = None
+    rng = np.random.default_rng(T + 7)
+    do = torch.tensor(rng.standard_normal((B, T, H, d_v)))
+    d_final_state = torch.tensor(rng.standard_normal((B, H, d_k, d_v)))
+
+    o, final_state = chunk_kda(*[leaves[name] for name in INPUTS[:5]], scale=1.0, output_final_state=True,
+                               initial_state=leaves["initial_state"], chunk_size=chunk_size)
+    ours = _loss_and_gradients(o, final_state, leaves, do, d_final_state)
+    zeros = torch.zeros(B, H, d_k, d_v, dtype=torch.float64)
+    expected_o, expected_state = torch_recurrent(*[leaves[name] for name in INPUTS[:5]],
+                                                 zeros if leaves["initial_state"] is None else leaves["initial_state"])
+    expected = _loss_and_gradients(expected_o, expected_state, leaves, do, d_final_state)
+
+    assert error_report(o, expected_o).rel_l2 <= 1e-12
+    assert error_report(final_state, expected_state).rel_l2 <= 1e-12
+    for name in INPUTS:
+        if leaves[name] is None:
+            assert ours[name] is None
+            continue
+        report = error_report(ours[name], expected[name])
+        assert report.rel_l2 <= 1e-12, f"d{name}: {report}"
+
+
+def test_a_loss_on_the_final_state_alone():
+    """o unused: its gradient arrives as None, and the backward starts from dS_T alone."""
+    leaves = _leaves(1, 10, 2, 4, 3, seed=3)
+    args = [leaves[name] for name in INPUTS[:5]]
+    d_final_state = torch.tensor(np.random.default_rng(3).standard_normal((1, 2, 4, 3)))
+    _, final_state = chunk_kda(*args, scale=1.0, initial_state=leaves["initial_state"], output_final_state=True,
+                               chunk_size=4)
+    ours = torch.autograd.grad((final_state * d_final_state).sum(), list(leaves.values()))
+    _, expected_state = torch_recurrent(*args, leaves["initial_state"])
+    expected = torch.autograd.grad((expected_state * d_final_state).sum(), list(leaves.values()), allow_unused=True)
+    assert expected[0] is None and torch.equal(ours[0], torch.zeros_like(ours[0]))  # q reaches o only
+    for name, mine, theirs in list(zip(INPUTS, ours, expected))[1:]:
+        assert error_report(mine, theirs).rel_l2 <= 1e-12, name
+
+
+def test_scale_and_l2_norm_are_fla_s():
+    """scale=None is 1 / sqrt(K) on q, and use_qk_l2norm_in_kernel divides q and k by sqrt(||x||^2 + 1e-6)."""
+    leaves = _leaves(1, 9, 2, 4, 3, seed=5)
+    q, k, v, g, beta = (leaves[name] for name in INPUTS[:5])
+    q_raw, k_raw = 3 * q.detach(), 0.5 * k.detach()  # not unit norm
+    o, _ = chunk_kda(q_raw, k_raw, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=4)
+
+    def fla_l2norm(x):
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    expected, _ = torch_recurrent(fla_l2norm(q_raw) / math.sqrt(4), fla_l2norm(k_raw), v, g, beta,
+                                  torch.zeros(1, 2, 4, 3, dtype=torch.float64))
+    assert error_report(o, expected).rel_l2 <= 1e-12
+
+
+def test_float32_in_float32_out_and_inputs_unchanged():
+    """A float32 model trains on the CPU: outputs and gradients in the inputs' dtypes; the inputs are
+    not modified, and a second call gives bitwise the same answer."""
+    leaves = _leaves(2, 11, 2, 4, 4, seed=6, dtype=torch.float32)
+    before = {name: leaf.detach().clone() for name, leaf in leaves.items()}
+    do = torch.ones(2, 11, 2, 4)
+    runs = []
+    for _ in range(2):
+        o, final_state = chunk_kda(*[leaves[name] for name in INPUTS[:5]], initial_state=leaves["initial_state"],
+                                   output_final_state=True)
+        gradients = _loss_and_gradients(o, final_state, leaves, do, torch.ones_like(final_state))
+        runs.append((o, final_state, gradients))
+    o, final_state, gradients = runs[0]
+    assert o.dtype == torch.float32 and final_state.dtype == torch.float32
+    assert all(gradients[name].dtype == torch.float32 for name in INPUTS)
+    for name in INPUTS:
+        assert torch.equal(leaves[name].detach(), before[name]), f"{name} was modified"
+        assert torch.equal(gradients[name], runs[1][2][name])
+    assert torch.equal(o, runs[1][0]) and torch.equal(final_state, runs[1][1])
+
+
+def test_output_final_state_false_returns_none():
+    leaves = _leaves(1, 5, 1, 2, 2, seed=8)
+    o, final_state = chunk_kda(*[leaves[name] for name in INPUTS[:5]])
+    assert final_state is None and o.shape == (1, 5, 1, 2)
+
+
+def test_fla_options_at_their_defaults_pass_and_others_are_refused():
+    leaves = _leaves(1, 5, 1, 2, 2, seed=9)
+    args = [leaves[name].detach() for name in INPUTS[:5]]
+    chunk_kda(*args, cu_seqlens=None, use_gate_in_kernel=False, safe_gate=False, state_v_first=False)
+    for name, refused in REFUSED.items():
+        value = True if refused.default is False else torch.tensor([0, 5])
+        with pytest.raises(NotImplementedError, match=f"chunk_kda does not support {name}="):
+            chunk_kda(*args, **{name: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'head_first'"):
+        chunk_kda(*args, head_first=True)
+
+
+def test_bad_inputs_are_refused_with_clear_errors():
+    leaves = _leaves(1, 5, 2, 4, 3, seed=10)
+    q, k, v, g, beta, initial_state = (leaves[name].detach() for name in INPUTS)
+    cases = [
+        ((q.numpy(), k, v, g, beta), {}, TypeError, "q must be a torch.Tensor"),
+        ((q, k, v, g, beta[..., None]), {}, ValueError, "beta must have rank 3"),
+        ((q, k, v.int(), g, beta), {}, TypeError, "v must have dtype float16 or bfloat16 or float32 or float64"),
+        ((q, k, v, g, beta), {"initial_state": initial_state.half()}, TypeError,
+         "initial_state must have dtype float32 or float64"),
+        ((q, k, v, -g, beta), {}, ValueError, "log gates must be <= 0"),
+        ((q, k, v, g, beta + 1), {}, ValueError, r"beta must lie in \[0, 1\]"),
+        ((q, k[:, :4], v, g, beta), {}, ValueError, "k must have q's shape"),
+        ((q, k, v, g, beta), {"initial_state": initial_state[..., :2]}, ValueError,
+         r"initial_state must have shape \(B, H, d_k, d_v\) = \(1, 2, 4, 3\)"),
+        ((q, k, v, g, beta.to("meta")), {}, ValueError, "all inputs must be on one device"),
+        ((q, k, v, g, beta, initial_state), {}, TypeError, "scale must be a real number or None, got Tensor"),
+    ]
+    for args, kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            chunk_kda(*args, **kwargs)
+
+
+def test_non_contiguous_inputs_are_accepted():
+    leaves = _leaves(1, 6, 2, 4, 4, seed=11)
+    q, k, v, g, beta = (leaves[name].detach() for name in INPUTS[:5])
+    q_strided = q.transpose(2, 1).contiguous().transpose(2, 1)  # the same values, other strides
+    assert not q_strided.is_contiguous()
+    assert torch.equal(chunk_kda(q_strided, k, v, g, beta)[0], chunk_kda(q, k, v, g, beta)[0])
+
+
+@pytest.mark.gpu
+def test_cuda_forward_and_backward_match_fla_chunk_kda():
+    """bf16 on CUDA, T not a multiple of 64, initial and final state, FLA's L2 norm and scale: our
+    o, S_T and six gradients against the CPU path's float64 (exact, by the tests above), next to FLA's."""
+    fla_ops = pytest.importorskip("fla.ops")
+    B, T, H, D = 2, 300, 2, 128
+    leaves = _leaves(B, T, H, D, D, seed=12, gate_range=(0.5, 0.999))
+    rng = np.random.default_rng(13)
+    do, d_final_state = (torch.tensor(rng.standard_normal(shape)) for shape in ((B, T, H, D), (B, H, D, D)))
+    options = {"output_final_state": True, "use_qk_l2norm_in_kernel": True}
+
+    exact_o, exact_state = chunk_kda(*[leaves[name] for name in INPUTS[:5]], initial_state=leaves["initial_state"],
+                                     **options)
+    exact = _loss_and_gradients(exact_o, exact_state, leaves, do, d_final_state)
+
+    def on_cuda(kda):
+        cuda = {name: leaf.detach().to("cuda", torch.bfloat16 if name in ("q", "k", "v") else torch.float32)
+                .requires_grad_() for name, leaf in leaves.items()}
+        o, final_state = kda(*cuda.values(), **options)
+        gradients = _loss_and_gradients(o.float(), final_state, cuda, do.float().cuda(), d_final_state.float().cuda())
+        return dict(gradients, o=o, final_state=final_state)
+
+    ours = on_cuda(lambda q, k, v, g, beta, s0, **kw: chunk_kda(q, k, v, g, beta, initial_state=s0, **kw))
+    fla = on_cuda(lambda q, k, v, g, beta, s0, **kw: fla_ops.chunk_kda(q, k, v, g, beta, initial_state=s0, **kw))
+    truth = dict(exact, o=exact_o, final_state=exact_state)
+    for name in ("o", "final_state", *INPUTS):
+        our_error, fla_error = error_report(ours[name], truth[name]), error_report(fla[name], truth[name])
+        print(f"{name}: ours {our_error}, FLA {fla_error}, ours vs FLA {error_report(ours[name], fla[name])}")
+        assert our_error.rel_l2 <= max(2 * fla_error.rel_l2, 1e-2), name
