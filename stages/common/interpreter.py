@@ -509,13 +509,15 @@ class _Program:
         if not isinstance(call, self.tirx.Call):
             return lambda frame: None
         op = str(call.op.name) if hasattr(call.op, "name") else str(call.op)
-        if op == "tirx.tvm_storage_sync":
-            # T.sync_threads(): every statement here finishes before the next starts, so a barrier
-            # changes nothing (and a missing one cannot show: see the module docstring)
+        if op in ("tirx.tvm_storage_sync", "tl.wait_wgmma"):
+            # T.sync_threads(), T.wait_wgmma(n): every statement here finishes before the next starts,
+            # so a barrier or a wait changes nothing (and a missing one cannot show: see the module
+            # docstring)
             return lambda frame: None
         handler = {
             "tl.tileop.copy": self._copy,
             "tl.tileop.gemm": self._gemm,
+            "tl.tileop.wgmma_gemm": self._gemm,  # T.wgmma_gemm: T.gemm without its wait
             "tl.tileop.fill": self._fill,
             "tl.tileop.reduce": self._reduce,
             "tl.tileop.cumsum": self._cumsum,
