@@ -435,6 +435,109 @@ def test_wrapper_skips_the_value_checks_on_request():
         decode(**arguments, check_values=False)
 
 
+# ------------------------------------------------------------------------------------------ prefill, on the CPU
+
+
+def test_length_groups_pad_each_sequence_to_a_power_of_two_chunks():
+    from stages.s07_serving.kernel import length_groups
+
+    lengths, C = [1, 16, 17, 0, 64, 65, 200, 33], 16
+    expected = {}
+    for i, n in enumerate(lengths):
+        if n:
+            padded = C
+            while padded < n:
+                padded *= 2
+            expected.setdefault(padded, []).append(i)
+    assert length_groups(lengths, C) == expected
+
+
+def _numpy_forward(chunk_size):
+    """Stage 5's forward as prefill_by_buckets calls it, computed by stage 7's reference B in float64
+    on CPU tensors: (B, N, ...) padded groups with their initial states -> (o, final states)."""
+    import torch
+
+    from stages.s07_serving.reference import chunkwise
+
+    def forward(q, k, v, g, beta, initial_state):
+        o, final_state = chunkwise(*(x.numpy() for x in (q, k, v, g, beta)), chunk_size,
+                                   initial_state=initial_state.double().numpy(), output_final_state=True)
+        return torch.from_numpy(o), torch.from_numpy(final_state).float()
+
+    return forward
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_prefill_by_buckets_repacks_exactly(with_state):
+    """The repacking alone, around a float64 forward: each sequence's rows and final state come back
+    where they belong (lengths 0, 1, a chunk, over a chunk, several groups), equal to reference A."""
+    import torch
+
+    from stages.s07_serving.kernel import prefill_by_buckets
+    from stages.s07_serving.reference import recurrent as recurrent_varlen
+
+    lengths, C = (7, 0, 16, 1, 40, 17, 3), 8
+    x, cu_seqlens = _packed(lengths, seed=8)
+    S0 = np.random.default_rng(9).standard_normal((len(lengths), 2, 8, 6)).astype(np.float32).astype(np.float64)
+    expected_o, expected_states = recurrent_varlen(x.q, x.k, x.v, x.g, x.beta, cu_seqlens,
+                                                   S0 if with_state else None, output_final_state=True)
+    tensors = [torch.from_numpy(a) for a in (x.q, x.k, x.v, x.g, x.beta)]
+    o, final_state = prefill_by_buckets(*tensors, cu_seqlens.tolist(),
+                                        torch.from_numpy(S0).float() if with_state else None, C, _numpy_forward(C))
+    assert_close(o.numpy(), expected_o, rel_l2=1e-12)
+    assert_close(final_state.double().numpy(), expected_states, rel_l2=FP32_FLOOR, name="the final states",
+                 axes=POOL_AXES)
+
+
+def _prefill_arguments():
+    import torch
+
+    T, H, d_k, d_v = 10, 2, 16, 32
+    q, k = torch.randn(1, T, H, d_k, dtype=torch.bfloat16), torch.randn(1, T, H, d_k, dtype=torch.bfloat16)
+    return dict(q=q, k=k, v=torch.randn(1, T, H, d_v, dtype=torch.bfloat16), g=-torch.rand(1, T, H, d_k),
+                beta=torch.rand(1, T, H), cu_seqlens=torch.tensor([0, 3, 10], dtype=torch.int32),
+                initial_state=torch.zeros(2, H, d_k, d_v))
+
+
+def _bad_prefill_inputs():
+    import torch
+
+    return [
+        (dict(cu_seqlens=torch.tensor([0.0, 3.0, 10.0])), TypeError, "cu_seqlens must have dtype int32 or int64"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 11], dtype=torch.int32)), ValueError, "end at T = 10"),
+        (dict(cu_seqlens=torch.tensor([0, 5, 3, 10])), ValueError, "never decrease"),
+        (dict(cu_seqlens=torch.tensor([0])), ValueError, r"shape \(N_seq \+ 1,\)"),
+        (dict(initial_state=torch.zeros(3, 2, 16, 32)), ValueError, r"initial_state must have shape \(N_seq"),
+        (dict(initial_state=torch.zeros(2, 2, 16, 32, dtype=torch.float64)), TypeError, "initial_state must have dtype"),
+        (dict(g=torch.full((1, 10, 2, 16), 0.5)), ValueError, "g must be finite and <= 0"),
+        (dict(beta=torch.rand(1, 10, 3)), ValueError, r"beta must have shape \(B, T, H\)"),
+        (dict(), ValueError, "must be on a CUDA device"),  # every check passed: the device is last
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_prefill_refuses_bad_inputs_on_any_machine(case):
+    from stages.s07_serving.kernel import prefill
+
+    change, error, message = _bad_prefill_inputs()[case]
+    arguments = _prefill_arguments()
+    arguments.update(change)
+    with pytest.raises(error, match=message):
+        prefill(**arguments)
+
+
+def test_prefill_refuses_cu_seqlens_with_more_than_one_row():
+    import torch
+
+    from stages.s07_serving.kernel import prefill
+
+    arguments = _prefill_arguments()
+    for name in ("q", "k", "v", "g", "beta"):
+        arguments[name] = torch.cat([arguments[name]] * 2)
+    with pytest.raises(ValueError, match="B must be 1"):
+        prefill(**arguments)
+
+
 # ------------------------------------------------------------------------------------------ compile, GPU
 
 
@@ -495,3 +598,49 @@ def test_kernel_matches_reference_on_gpu(dtype_name, B, P, H, d_k, d_v):
     assert_close(pool_gpu.double().cpu().numpy(), expected_pool, rel_l2=4 * u, name="the pool", axes=POOL_AXES)
     others = np.setdiff1d(np.arange(P), slots)
     assert np.array_equal(pool_gpu.cpu().numpy()[others], pool[others].astype(np.float32)), "another slot changed"
+
+
+# lengths of a packed batch on the GPU: one token, under, at and over the chunk, long, and empty
+GPU_LENGTHS = (1, 63, 64, 65, 300, 1000, 0, 17)
+
+
+def _gpu_packed(lengths, H, D, seed):
+    x = make_inputs(1, sum(lengths), H, D, D, gate="channel", gate_range=(0.5, 1.0), beta_range=(0.0, 1.0), seed=seed)
+    S0 = np.random.default_rng(seed).standard_normal((len(lengths), H, D, D)).astype(np.float32).astype(np.float64)
+    return x, np.concatenate([[0], np.cumsum(lengths)]), 0.1 * S0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_prefill_matches_float64_and_fla_with_cu_seqlens(dtype_name):
+    """A packed batch from nonzero states through prefill and through FLA's chunk_kda with the same
+    arguments (cu_seqlens, initial_state, output_final_state, scale 1): ours within twice FLA's error
+    against float64 (stage 7's reference B), outputs and final states."""
+    import torch
+
+    from stages.s07_serving.kernel import prefill
+    from stages.s07_serving.reference import chunkwise
+
+    H, D = 4, 128
+    x, cu_seqlens, S0 = _gpu_packed(GPU_LENGTHS, H, D, seed=31)
+    expected_o, expected_states = chunkwise(x.q, x.k, x.v, x.g, x.beta, 64, cu_seqlens, S0, output_final_state=True)
+    dtype = getattr(torch, dtype_name)
+    args = [torch.tensor(a, dtype=dtype, device="cuda") for a in (x.q, x.k, x.v)]
+    args += [torch.tensor(a, dtype=torch.float32, device="cuda") for a in (x.g, x.beta)]
+    cu = torch.tensor(cu_seqlens, dtype=torch.int64, device="cuda")
+    state = torch.tensor(S0, dtype=torch.float32, device="cuda")
+    o, final_states = prefill(*args, cu_seqlens=cu, initial_state=state, output_final_state=True)
+    assert torch.equal(state, torch.tensor(S0, dtype=torch.float32, device="cuda")), "prefill changed initial_state"
+    ours = error_report(o, expected_o), error_report(final_states, expected_states)
+    print(f"{dtype_name} prefill vs float64: o {ours[0]}, states {ours[1]}")
+    u = UNIT_ROUNDOFF[dtype_name]
+    assert_close(o.double().cpu().numpy(), expected_o, rel_l2=8 * u)
+    assert_close(final_states.double().cpu().numpy(), expected_states, rel_l2=8 * u, name="the final states",
+                 axes=POOL_AXES)
+    fla_ops = pytest.importorskip("fla.ops")
+    fla_o, fla_states = fla_ops.chunk_kda(*args, scale=1.0, initial_state=state.clone(), output_final_state=True,
+                                          cu_seqlens=cu)
+    fla = error_report(fla_o, expected_o), error_report(fla_states, expected_states)
+    print(f"{dtype_name} FLA chunk_kda vs float64: o {fla[0]}, states {fla[1]}; ours vs FLA {error_report(o, fla_o)}")
+    assert ours[0].rel_l2 <= max(2 * fla[0].rel_l2, u), "our output is further from float64 than FLA's"
+    assert ours[1].rel_l2 <= max(2 * fla[1].rel_l2, u), "our final states are further from float64 than FLA's"

@@ -1,4 +1,4 @@
-"""Stage 7 kernel: the KDA decode step in TileLang, one token per sequence over a pool of states.
+"""Stage 7 kernels: the KDA decode step in TileLang over a pool of states, and prefill of variable-length batches.
 
 One program per (block of d_v columns, batch x head), as in stages 1-5. Program (i_v, b, h) reads
 its slice of sequence b's state, S^T[:, block] (d_k x block_dv, fp32), from the pool at slots[b],
@@ -14,6 +14,12 @@ is read once and written once, 2 * d_k * block_dv * 4 bytes per program against 
 v, g; everything else happens in registers. The kernel is bound by memory, and its measure is the
 fraction of the copy bandwidth it reaches (benchmarks/decode.py).
 
+`prefill` runs a packed batch of sequences of any lengths (FLA's `cu_seqlens`), each from its own
+initial state, through stage 5's two kernels: today by repacking the sequences into batches of
+equal padded length (one stage 5 call per power-of-two bucket of lengths, zero padding, which is
+exact), later by the variable-length kernels that stages.s07_serving.reference.kernel_mirror
+designs, with no padding at all.
+
 Run `python -m stages.s07_serving.kernel` to compile it for sm_90a and print its ptxas report (no
 GPU needed), or to check it against the reference on a GPU.
 """
@@ -23,8 +29,9 @@ from typing import TYPE_CHECKING
 
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.torch_checks import (KERNEL_DTYPES, check_gate, check_gate_values, check_kernel_tensor, check_on_cuda,
-                                        check_same, check_slot_values, check_slots, dtype_name)
+from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_gate, check_gate_values, check_kernel_tensor,
+                                        check_on_cuda, check_qkv, check_same, check_slot_values, check_slots, dtype_name)
+from stages.s05_fast_kda.kernel import DEFAULT_CHUNK_SIZE
 
 if TYPE_CHECKING:
     import torch
@@ -146,6 +153,105 @@ def decode(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Te
     kernel = _compiled(B, state_pool.shape[0], H, d_k, d_v, block_dv, dtype_name(q), threads)
     return kernel(q, k, v, g, beta, slots, state_pool)
 # --8<-- [end:decode]
+
+
+# --8<-- [start:prefill]
+def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
+            cu_seqlens: "torch.Tensor | None" = None, initial_state: "torch.Tensor | None" = None,
+            output_final_state: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
+            check_values: bool = True) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+    """The forward pass of a batch of sequences, each from its own state, in FLA's conventions.
+
+    q, k: (B, T, H, d_k), v: (B, T, H, d_v) in fp16 or bf16; g: (B, T, H, d_k) fp32 log gates (<= 0);
+    beta: (B, T, H) fp32 in [0, 1]. With cu_seqlens (int32 or int64, (N_seq + 1,)) the batch is
+    packed, B = 1, and sequence i is tokens cu_seqlens[i] to cu_seqlens[i + 1] - 1; without it each
+    of the B rows is a sequence. initial_state: S_0^T (N_seq, H, d_k, d_v) fp32 or None (zeros).
+    Returns o (B, T, H, d_v) in the input dtype, and with output_final_state also the final states
+    S^T (N_seq, H, d_k, d_v) fp32. check_values=False skips the check of g's and beta's values.
+    """
+    from stages.s05_fast_kda.kernel import forward
+
+    B, T, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate("g", g, (B, T, H, d_k), "(B, T, H, d_k)")
+    check_gate("beta", beta, (B, T, H), "(B, T, H)")
+    if cu_seqlens is None:
+        return forward(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                       output_final_state=output_final_state, check_values=check_values)
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    N_seq = len(offsets) - 1
+    if initial_state is not None:
+        check_gate("initial_state", initial_state, (N_seq, H, d_k, d_v), "(N_seq, H, d_k, d_v)")
+    if check_values:
+        check_gate_values(g, beta)
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens}
+    check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
+
+    def chunked_forward(*padded, initial_state):
+        return forward(*padded, chunk_size=chunk_size, initial_state=initial_state, output_final_state=True,
+                       check_values=False)
+
+    o, final_state = prefill_by_buckets(q, k, v, g, beta, offsets, initial_state, chunk_size, chunked_forward)
+    return (o, final_state) if output_final_state else o
+# --8<-- [end:prefill]
+
+
+# --8<-- [start:prefill_by_buckets]
+def prefill_by_buckets(q, k, v, g, beta, offsets, initial_state, chunk_size, chunked_forward):
+    """The packed batch (1, T, ...) with sequences at `offsets` through `chunked_forward`, an
+    equal-length forward pass (B, N, ...) -> (o, final states) that takes initial states (stage 5's).
+
+    The sequences are grouped by length, each group padded with zero tokens to one length, a power
+    of two times chunk_size (so that no group pads more than it holds, and the kernels are compiled
+    for few shapes). A zero token changes no state, so the padding is exact. Returns (o (1, T, H,
+    d_v), the final states (N_seq, H, d_k, d_v) fp32); an empty sequence keeps its initial state.
+    """
+    import torch
+
+    N_seq, (H, d_k), d_v = len(offsets) - 1, q.shape[2:], v.shape[3]
+    lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
+    o = torch.empty_like(v)  # every token's row is written by its group
+    final_state = (torch.zeros((N_seq, H, d_k, d_v), dtype=torch.float32, device=q.device) if initial_state is None
+                   else initial_state.clone())
+    for padded_length, members in length_groups(lengths, chunk_size).items():
+        source, destination = _group_rows(offsets, members, padded_length, q.device)
+        sequences = torch.tensor(members, device=q.device)
+        group = (_padded_rows(x, source, destination, len(members), padded_length) for x in (q, k, v, g, beta))
+        group_o, group_state = chunked_forward(*group, initial_state=final_state[sequences].contiguous())
+        o[0, source] = group_o.reshape(-1, H, d_v)[destination]
+        final_state[sequences] = group_state
+    return o, final_state
+# --8<-- [end:prefill_by_buckets]
+
+
+def length_groups(lengths: list[int], chunk_size: int) -> dict[int, list[int]]:
+    """{padded length: the sequences padded to it}: n tokens go to chunk_size times the smallest power
+    of two >= ceil(n / chunk_size). Empty sequences go nowhere."""
+    groups = {}
+    for i, n in enumerate(lengths):
+        if n:
+            chunks = -(-n // chunk_size)
+            groups.setdefault(chunk_size * (1 << (chunks - 1).bit_length()), []).append(i)
+    return groups
+
+
+def _padded_rows(x, source, destination, count, padded_length):
+    """x (1, T, ...) -> (count, padded_length, ...): token source[j] at row destination[j], zeros elsewhere."""
+    rows = x.new_zeros((count * padded_length, *x.shape[2:]))
+    rows[destination] = x[0, source]
+    return rows.view(count, padded_length, *x.shape[2:])
+
+
+def _group_rows(offsets, members, padded_length, device):
+    """(source, destination) (n_tokens,): token source[j] of the packed batch goes to row
+    destination[j] of the group's (len(members) * padded_length) padded rows."""
+    import torch
+
+    starts = torch.tensor([offsets[i] for i in members], device=device)
+    lengths = torch.tensor([offsets[i + 1] - offsets[i] for i in members], device=device)
+    first_row = torch.cumsum(lengths, 0) - lengths  # where each member's tokens begin in the group's list
+    position = torch.arange(int(lengths.sum()), device=device) - torch.repeat_interleave(first_row, lengths)
+    member = torch.repeat_interleave(torch.arange(len(members), device=device), lengths)
+    return starts[member] + position, member * padded_length + position
 
 
 def _check_block(d_v, block_dv):
