@@ -538,6 +538,78 @@ def test_prefill_refuses_cu_seqlens_with_more_than_one_row():
         prefill(**arguments)
 
 
+# ------------------------------------------------------------------------------------------ end to end, as a server
+
+# Three sequences of one server: the prompt pieces each prefill step takes from each (one token,
+# under, at and over the chunk of 64, and steps where a sequence has nothing to prefill), then
+# DECODE_STEPS tokens each, one per step.
+PIECES = [(1, 65, 64), (3, 0, 0), (63, 64, 0), (64, 1, 0), (65, 66, 132), (200, 200, 200)]
+DECODE_STEPS = 3
+
+
+def _serve(x, pool, slots, prefill_step, decode_token):
+    """A server's life for the sequences of x (B, N, ...): prefill steps, each a packed batch of every
+    sequence's next piece from its state in the pool (gathered, then written back), then decode steps
+    that advance the pool in place. Returns o (B, N, H, d_v) for every token, prompt and decoded."""
+    B, N = x.q.shape[:2]
+    o, done = np.zeros(x.v.shape), np.zeros(B, dtype=int)
+    for step in PIECES:
+        rows = [np.arange(done[b], done[b] + n) for b, n in enumerate(step)]
+        cu_seqlens = np.concatenate([[0], np.cumsum(step)])
+        packed = [np.concatenate([a[b, r] for b, r in enumerate(rows)])[None] for a in (x.q, x.k, x.v, x.g, x.beta)]
+        o_step, pool[slots] = prefill_step(*packed, cu_seqlens, pool[slots])
+        for b, r in enumerate(rows):
+            o[b, r] = o_step[0, cu_seqlens[b]:cu_seqlens[b + 1]]
+        done += step
+    for t in range(done[0], N):
+        assert np.all(done == t), "every sequence's prompt is prefilled before its decode steps"
+        o[:, t] = decode_token(*(np.ascontiguousarray(a[:, t]) for a in (x.q, x.k, x.v, x.g, x.beta)), pool, slots)
+        done += 1
+    return o
+
+
+def _served_inputs(seed, gate_range=(0.5, 1.0), H=H, d_k=D_K, d_v=D_V):
+    prompts = np.sum(PIECES, axis=0)
+    assert np.all(prompts == prompts[0]), "the schedule prefills equal prompts (the test then decodes in lockstep)"
+    return _sequences(len(prompts), int(prompts[0]) + DECODE_STEPS, H, d_k, d_v, seed=seed, gate_range=gate_range)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float64", 1e-12), ("bfloat16", 4 * UNIT_ROUNDOFF["bfloat16"])])
+def test_prefill_in_pieces_then_decode_equals_one_pass(dtype, tolerance):
+    """Prefill through reference C (the varlen kernels' design) in pieces of any sizes, each sequence's
+    state carried in the pool between steps, then decode steps through the decode kernel (tile
+    interpreter; float64, or bf16 q, k, v, o with the fp32 state): the outputs of every token and
+    the final states equal one pass of stage 4's reference A over each whole sequence."""
+    from stages.common.interpreter import interpret
+    from stages.s07_serving.kernel import build_decode_program
+    from stages.s07_serving.reference import kernel_mirror
+
+    x = _served_inputs(seed=41)
+    pool = np.random.default_rng(42).standard_normal((P, H, D_K, D_V)).astype(np.float32).astype(np.float64)
+    others = np.setdiff1d(np.arange(P), SLOTS)
+    kept = pool[others].copy()
+    pool[SLOTS] = 0.0  # new sequences start from a zero state
+    program = build_decode_program(B, P, H, D_K, D_V, BLOCK_DV, dtype=dtype,
+                                   state_dtype="float64" if dtype == "float64" else "float32")
+    kernel = interpret(program)
+
+    def prefill_step(q, k, v, g, beta, cu_seqlens, states):
+        return kernel_mirror(q, k, v, g, beta, 64, BLOCK_DV, cu_seqlens, states, output_final_state=True)
+
+    def decode_token(q, k, v, g, beta, pool, slots):
+        o = np.zeros((B, H, D_V))
+        kernel(q, k, v, g, beta, slots.astype(np.int32), pool, o)
+        return o
+
+    o = _serve(x, pool, SLOTS, prefill_step, decode_token)
+    expected_o, expected_state = _final_state_of_reference_a(x)
+    assert_close(o, expected_o, rel_l2=tolerance)
+    prompt = x.q.shape[1] - DECODE_STEPS
+    assert_close(o[:, :prompt], expected_o[:, :prompt], rel_l2=1e-12, name="the prefilled tokens' output")
+    assert_close(pool[SLOTS], expected_state, rel_l2=tolerance, name="the final states", axes=POOL_AXES)
+    assert np.array_equal(pool[others], kept), "a slot of another sequence changed"
+
+
 # ------------------------------------------------------------------------------------------ compile, GPU
 
 
@@ -644,3 +716,44 @@ def test_prefill_matches_float64_and_fla_with_cu_seqlens(dtype_name):
     print(f"{dtype_name} FLA chunk_kda vs float64: o {fla[0]}, states {fla[1]}; ours vs FLA {error_report(o, fla_o)}")
     assert ours[0].rel_l2 <= max(2 * fla[0].rel_l2, u), "our output is further from float64 than FLA's"
     assert ours[1].rel_l2 <= max(2 * fla[1].rel_l2, u), "our final states are further from float64 than FLA's"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_prefill_in_pieces_then_decode_on_gpu(dtype_name):
+    """The server's life of test_prefill_in_pieces_then_decode_equals_one_pass with the GPU kernels:
+    prefill (cu_seqlens, states gathered from and written back to the pool) and decode, at H=4, d=128,
+    against one float64 pass of stage 4's reference A: every token's output and the final states."""
+    import torch
+
+    from stages.s07_serving.kernel import decode, prefill
+
+    dtype = getattr(torch, dtype_name)
+    x = _served_inputs(seed=43, H=4, d_k=128, d_v=128)
+    pool = torch.zeros((9, 4, 128, 128), dtype=torch.float32, device="cuda")
+    slots = np.array([7, 2, 4])
+
+    def cuda(*arrays, as_dtype):
+        return [torch.tensor(a, dtype=as_dtype, device="cuda") for a in arrays]
+
+    def prefill_step(q, k, v, g, beta, cu_seqlens, states):
+        o, final_states = prefill(*cuda(q, k, v, as_dtype=dtype), *cuda(g, beta, as_dtype=torch.float32),
+                                  cu_seqlens=torch.tensor(cu_seqlens, device="cuda"),
+                                  initial_state=torch.tensor(states, dtype=torch.float32, device="cuda"),
+                                  output_final_state=True)
+        return o.double().cpu().numpy(), final_states.double().cpu().numpy()
+
+    def decode_token(q, k, v, g, beta, host_pool, slots):
+        pool[torch.tensor(slots)] = torch.tensor(host_pool[slots], dtype=torch.float32, device="cuda")
+        o = decode(*cuda(q, k, v, as_dtype=dtype), *cuda(g, beta, as_dtype=torch.float32), pool,
+                   torch.tensor(slots, dtype=torch.int32, device="cuda"))
+        host_pool[slots] = pool[torch.tensor(slots)].double().cpu().numpy()
+        return o.double().cpu().numpy()
+
+    host_pool = np.zeros((9, 4, 128, 128))
+    o = _serve(x, host_pool, slots, prefill_step, decode_token)
+    expected_o, expected_state = _final_state_of_reference_a(x)
+    u = UNIT_ROUNDOFF[dtype_name]
+    print(f"{dtype_name} served: o {error_report(o, expected_o)}, states {error_report(host_pool[slots], expected_state)}")
+    assert_close(o, expected_o, rel_l2=8 * u)
+    assert_close(host_pool[slots], expected_state, rel_l2=8 * u, name="the final states", axes=POOL_AXES)
