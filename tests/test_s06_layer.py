@@ -125,23 +125,28 @@ def test_beta_is_a_sigmoid_and_the_kernel_is_called_as_fla_s():
 
 @pytest.mark.gpu
 def test_layer_on_our_kernels_matches_the_layer_on_fla():
-    """One layer, bf16 autocast on CUDA: y and every parameter's gradient with stage 5/6's kernels
-    against the same layer (same weights) with FLA's chunk_kda; T not a multiple of 64."""
-    fla_ops = pytest.importorskip("fla.ops")
-    results = []
-    for kernel in (None, fla_ops.chunk_kda):
-        torch.manual_seed(8)
-        layer = KDALayer(d_model=256, n_heads=2, head_dim=128).cuda()
-        if kernel is not None:
-            layer.kernel = kernel
-        x = torch.randn(2, 300, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(9))
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = layer(x)[0]
-        y.float().square().mean().backward()
-        results.append({"y": y.float(), **{name: p.grad for name, p in layer.named_parameters()}})
-    ours, fla = results
-    for name in ours:
-        report = error_report(ours[name], fla[name])
-        print(f"{name}: ours vs FLA {report}")
-        assert report.rel_l2 <= 2e-2, name
+    """One layer, bf16 autocast on CUDA, T not a multiple of 64: y and every parameter's gradient with
+    stage 5/6's kernels and with FLA's chunk_kda (same weights), each against the same layer in
+    float64 on the CPU (the references, exact by test_s06_autograd)."""
+    import copy
 
+    fla_ops = pytest.importorskip("fla.ops")
+    torch.manual_seed(8)
+    layer = KDALayer(d_model=256, n_heads=2, head_dim=128)
+    x = torch.randn(2, 300, 256, generator=torch.Generator().manual_seed(9))
+
+    def run(kernel, device, dtype):
+        copied = copy.deepcopy(layer).to(device, dtype)
+        if kernel is not None:
+            copied.kernel = kernel
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+            y = copied(x.to(device, dtype))[0]
+        y.double().square().mean().backward()
+        return {"y": y.double().cpu(), **{name: p.grad.double().cpu() for name, p in copied.named_parameters()}}
+
+    truth = run(None, "cpu", torch.float64)
+    ours, fla = run(None, "cuda", torch.float32), run(fla_ops.chunk_kda, "cuda", torch.float32)
+    for name in truth:
+        our_error, fla_error = error_report(ours[name], truth[name]), error_report(fla[name], truth[name])
+        print(f"{name}: ours {our_error}, FLA {fla_error}")
+        assert our_error.rel_l2 <= max(2 * fla_error.rel_l2, 1e-2), name
