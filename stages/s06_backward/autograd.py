@@ -133,7 +133,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         if do is None:  # only the final state reached the loss
             do = torch.zeros(*q.shape[:3], v.shape[3], dtype=v.dtype, device=v.device)
         if q.is_cuda:
-            gradients = _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state)
+            gradients = _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, ctx.chunk_size)
         else:
             gradients = _cpu_backward(q, k, v, g, beta, do, initial_state, d_final_state, ctx.chunk_size)
         dq, dk, dv, dg, dbeta, d_initial_state = gradients
@@ -173,8 +173,9 @@ def _cuda_forward(q, k, v, g, beta, initial_state, chunk_size):
     return forward(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state, output_final_state=True)
 
 
-def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state):
-    """Stage 6's backward kernels, each gradient cast to its input's dtype."""
+def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size):
+    """Stage 6's backward kernels, each gradient cast to its input's dtype. g's and beta's values were
+    checked by the forward (check_values), so the backward skips that pass and its device sync."""
     try:
         from stages.s06_backward.kernel import backward
     except ImportError as error:
@@ -182,7 +183,10 @@ def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state):
             "the CUDA backward needs stages.s06_backward.kernel.backward (stage 6's TileLang kernels), which "
             f"this copy of the course does not have ({error}); train on CPU tensors, through the references"
         ) from error
-    gradients = backward(q, k, v, g, beta, do.contiguous(), initial_state=initial_state, d_final_state=d_final_state)
+    if d_final_state is not None:
+        d_final_state = d_final_state.float().contiguous()
+    gradients = backward(q, k, v, g, beta, do.contiguous(), initial_state=initial_state, d_final_state=d_final_state,
+                         chunk_size=chunk_size, check_values=False)
     inputs = (q, k, v, g, beta, initial_state)
     return tuple(None if x is None else grad.to(x.dtype) for grad, x in zip(gradients, inputs))
 # --8<-- [end:cuda_path]
