@@ -256,12 +256,15 @@ def test_chunk_table_lists_every_chunk_of_every_sequence_in_order():
 def test_prefill_in_pieces_equals_one_pass(pieces):
     """Pieces of any sizes (one token, under, at and over the chunk of 64), each from the state the
     one before left: the output and the final state of one pass over the whole prompt."""
-    from stages.s07_serving.reference import prefill_in_pieces
+    from stages.s07_serving.reference import chunkwise, prefill_in_pieces
 
     B, N, H, d_k, d_v = 2, 396, 1, 8, 4
     x = _sequences(B, N, H, d_k, d_v, seed=6, gate_range=(0.5, 1.0))
     S0 = np.random.default_rng(7).standard_normal((B, H, d_k, d_v))
-    o, state = prefill_in_pieces(x.q, x.k, x.v, x.g, x.beta, list(pieces), 64, initial_state=S0)
+    def forward(q, k, v, g, beta, initial_state):
+        return chunkwise(q, k, v, g, beta, 64, initial_state=initial_state, output_final_state=True)
+
+    o, state = prefill_in_pieces(forward, x.q, x.k, x.v, x.g, x.beta, list(pieces), initial_state=S0)
     expected = _each_sequence_alone(type(x)(*(a.reshape(1, B * N, *a.shape[2:]) for a in (x.q, x.k, x.v, x.g, x.beta))),
                                     np.arange(B + 1) * N, S0)
     assert_close(o, expected[0].reshape(B, N, H, d_v), rel_l2=1e-12, chunk_size=64)
@@ -285,9 +288,9 @@ def _bad_varlen_calls():
         (lambda: recurrent_varlen(*args, cu, np.zeros((3, 2, 8, 6))), ValueError, r"initial_state must have shape \(N_seq"),
         (lambda: chunkwise(*args, 8, cu, np.zeros((2, 2, 6, 8))), ValueError, "initial_state must have shape"),
         (lambda: kernel_mirror(*args, 8, 4, cu), ValueError, "block_dv must be a positive divisor of d_v = 6"),
-        (lambda: prefill_in_pieces(*args, [4, 6], 8), ValueError, "sum to N = 11"),
-        (lambda: prefill_in_pieces(*args, [], 8), ValueError, "one or more lengths"),
-        (lambda: prefill_in_pieces(*args, [12, -1], 8), ValueError, ">= 0"),
+        (lambda: prefill_in_pieces(recurrent_varlen, *args, [4, 6]), ValueError, "sum to N = 11"),
+        (lambda: prefill_in_pieces(recurrent_varlen, *args, []), ValueError, "one or more lengths"),
+        (lambda: prefill_in_pieces(recurrent_varlen, *args, [12, -1]), ValueError, ">= 0"),
     ]
 
 
@@ -296,6 +299,14 @@ def test_varlen_references_refuse_bad_inputs(case):
     call, error, message = _bad_varlen_calls()[case]
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("name", ["decode_step", "prefill_in_pieces"])
+def test_solutions_are_the_library_code(name):
+    from stages.s07_serving import reference
+    from tests.solution_code import assert_solution_is_library_code
+
+    assert_solution_is_library_code("s07_serving", name, reference)
 
 
 # ------------------------------------------------------------------------------------------ kernel, interpreter

@@ -52,6 +52,8 @@ pool per step would move more memory than the step itself. The reference does wh
 so the two are tested through the same contract: the states at `slots` change, the others do not.
 """
 
+from collections.abc import Callable
+
 import numpy as np
 from numpy.typing import DTypeLike
 
@@ -254,14 +256,16 @@ def kernel_mirror(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64A
 
 
 # --8<-- [start:prefill_in_pieces]
-def prefill_in_pieces(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
-                      piece_lengths: list[int], chunk_size: int,
+def prefill_in_pieces(forward: Callable, q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array,
+                      beta: Float64Array, piece_lengths: list[int],
                       initial_state: Float64Array | None = None) -> tuple[Float64Array, Float64Array]:
     """Chunked prefill: B prompts of N tokens prefilled piece by piece, pieces of piece_lengths tokens
     (any sizes, summing to N), as a server does when it bounds the tokens of one forward pass.
 
-    q, k, g: (B, N, H, d_k); v: (B, N, H, d_v); beta: (B, N, H); initial_state: (B, H, d_k, d_v) or
-    None. Returns (o: (B, N, H, d_v), the state after the last piece: (B, H, d_k, d_v)).
+    forward(q, k, v, g, beta, initial_state) -> (o, final state): one forward pass with a state in
+    and out (`chunkwise` with output_final_state, or the GPU's `prefill`). q, k, g: (B, N, H, d_k);
+    v: (B, N, H, d_v); beta: (B, N, H); initial_state: (B, H, d_k, d_v) or None. Returns
+    (o: (B, N, H, d_v), the state after the last piece: (B, H, d_k, d_v)).
     """
     if not len(piece_lengths) or min(piece_lengths) < 0 or sum(piece_lengths) != q.shape[1]:
         raise ValueError(f"piece_lengths must be one or more lengths >= 0 that sum to N = {q.shape[1]}, "
@@ -270,8 +274,7 @@ def prefill_in_pieces(q: Float64Array, k: Float64Array, v: Float64Array, g: Floa
     # EXERCISE BEGIN
     for length in piece_lengths:
         rows = slice(start, start + length)
-        o, state = chunkwise(*(x[:, rows] for x in (q, k, v, g, beta)), chunk_size, initial_state=state,
-                             output_final_state=True)  # the piece starts where the one before stopped
+        o, state = forward(*(x[:, rows] for x in (q, k, v, g, beta)), state)  # from where the last piece stopped
         outputs.append(o)
         start += length
     # EXERCISE END
