@@ -426,7 +426,8 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
     Then, with dW and dU = dV_new from the chunk loops:
         dA_hat = dW (K e^gamma)^T + dV_new V^T,  dV = A_hat^T dV_new,  d(K e^gamma) = A_hat^T dW
         dbeta  = rowsum(dA_hat ⊙ T) + colsum(dL ⊙ M),   dT = diag(beta) dA_hat,
-        dL^T   = -T dT^T T (strict upper),  dM^T = diag(beta) dL^T,  dA_qk^T = V_new dO^T (upper)
+        dL^T   = -T dT^T T = -T (dA_hat^T A_hat) (strict upper),  dM^T = diag(beta) dL^T,
+        dA_qk^T = V_new dO^T (upper, diagonal included)
     The kernel keeps dL, dM and dA_qk transposed, so that a column slab of them is a slab of rows.
     `score_gradients` takes dM and dA_qk through the scores; the terms of e^{+-gamma} give
     dgamma = Q ⊙ dQ + K ⊙ dK_from_rows - K ⊙ dK_from_columns, plus the last row's terms of e^{gamma_C};
@@ -451,8 +452,8 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
             dA_hat = dW @ (K * decay_from_start).T + dV_new @ V.T  # GEMMs
             dv[b, rows, h] = A_hat.T @ dV_new  # GEMM
             dK_decayed = A_hat.T @ dW  # GEMM: d(K e^gamma)
-            dT = beta_c[:, None] * dA_hat
-            dL_T = np.triu(-(T @ (dT.T @ T)), 1)  # two GEMMs; strict upper: dL strict lower
+            # dL^T = -T dT^T T with dT = diag(beta) dA_hat, so dT^T T = dA_hat^T A_hat: no dT is formed
+            dL_T = np.triu(-(T @ (dA_hat.T @ A_hat)), 1)  # two GEMMs; strict upper: dL strict lower
             dbeta[b, rows, h] = np.sum(dA_hat * T, axis=1) + np.sum(dL_T * A_kk.T, axis=1)
             dM_T = dL_T * beta_c[:, None]  # dM = dL diag(beta), transposed
             dA_qk_T = np.triu(v_new[b, rows, h] @ do[b, rows, h].T)  # GEMM; j <= c: upper with the diagonal

@@ -1,0 +1,658 @@
+"""Stage 6 kernels: the KDA backward as TileLang kernels, split as stage 5's forward is.
+
+The backward needs the state S^T at every chunk start, in reverse order. Two ways to have it:
+
+- store them in the forward: B * H * (N / C) * d_k * d_v values, 4 bytes each in fp32 (2 GiB at
+  B = 1, H = 32, N = 65536, C = 64, d = 128), held from the forward until the backward, for every
+  layer of the model; the backward then reads them once;
+- recompute them in the backward: run stage 5's prepare kernel again and a state loop that writes
+  them (`states`), which costs about one forward pass of time and holds the same bytes only while
+  the backward runs (2 bytes each here: they are written in the input dtype, the precision in which
+  the later kernels read them as GEMM operands).
+
+This stage recomputes (as FLA's chunk_kda does): `backward` takes the forward's inputs only, so a
+training step keeps no more activations than q, k, v, g, beta and the initial state, and the
+forward kernels stay exactly stage 5's. The kernels, in launch order (C = chunk_size, per chunk
+gamma = cumsum of the log gates from the chunk start):
+
+prepare (stage 5's, unchanged): W, U, Q e^gamma, K e^{gamma_C - gamma}, A_qk, e^{gamma_C}.
+
+states: one program per (block of d_v columns, batch x head), stage 5's recurrence without the
+output: writes S^T at every chunk start and V_new = U - W S^T.
+
+state_gradient: one program per (block of d_v columns, batch x head), the reverse chunk loop, dS^T
+(d_k x block_dv) in registers from dS_N^T back to dS_0^T. Per chunk, dS'^T the gradient of the
+state the chunk ends with, written before it moves on:
+    dV_new = (K e^{gamma_C - gamma}) dS'^T + A_qk^T dO
+    dS^T   = Diag(e^{gamma_C}) dS'^T + (Q e^gamma)^T dO - W^T dV_new
+
+state_products: one program per (chunk, batch x head), every product that sums over d_v:
+    d(Q e^gamma) = dO S,   d(K e^{gamma_C - gamma}) = V_new dS',   dW = -dV_new S,
+    d gamma_C += e^{gamma_C} rowsum(S^T ⊙ dS'^T)          (fp32 outputs)
+
+intra: one program per (chunk, batch x head), the chunk's own gradients. A_kk (with stage 5's
+anchored GEMMs) and T = (I + L)^{-1} (by blocks) are recomputed; then
+    dA_hat = dW (K e^gamma)^T + dV_new V^T,   dV = A_hat^T dV_new,   d(K e^gamma) = A_hat^T dW,
+    dbeta  = rowsum(dA_hat ⊙ T) + colsum(dL ⊙ A_kk),   dL^T = -T (dA_hat^T A_hat) (strict upper),
+    dA_qk^T = V_new dO^T, and dM^T = diag(beta) dL^T through the scores with the forward's anchors,
+    dg = reverse cumulative sum of dgamma.
+
+Reference C (`stages.s06_backward.reference.kernel_mirror_backward`) runs the same steps in NumPy.
+Run `python -m stages.s06_backward.kernel` to compile the four kernels for sm_90a and print their
+ptxas reports (no GPU needed), or to check the wrapper against the float64 reference on a GPU.
+"""
+
+import functools
+from typing import TYPE_CHECKING
+
+from stages.common.checks import padded_length
+from stages.common.tilelang_tools import LOG2_E
+from stages.common.tilelang_tools import compile_report as _compile_report
+from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, dtype_name,
+                                        pad_tokens)
+from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK,
+                                        _check_tile_sizes, _compiled_prepare, zero_state)
+
+if TYPE_CHECKING:
+    import torch
+
+KERNELS = ("states", "state_gradient", "state_products", "intra")
+
+
+# --8<-- [start:states_program]
+def build_states_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
+                         dtype="float16", num_stages=2, threads=128):
+    """The states kernel: W (B, N, H, d_k), U (B, N, H, d_v), K e^{gamma_C - gamma} (B, N, H, d_k) in
+    `dtype`, e^{gamma_C} (B, N / C, H, d_k) and S_0^T (B, H, d_k, d_v) in fp32 -> S^T at every chunk
+    start (B, N / C, H, d_k, d_v) and V_new (B, N, H, d_v), both in `dtype`.
+
+    N must be a multiple of chunk_size, block_dv must divide d_v.
+    """
+    import tilelang.language as T
+
+    C = chunk_size
+    accum_dtype = "float32"
+    num_chunks = N // C
+
+    @T.prim_func
+    def kda_states(
+        W: T.Tensor((B, N, H, d_k), dtype),
+        U: T.Tensor((B, N, H, d_v), dtype),
+        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+        Initial_state: T.Tensor((B, H, d_k, d_v), accum_dtype),
+        States: T.Tensor((B, num_chunks, H, d_k, d_v), dtype),
+        V_new: T.Tensor((B, N, H, d_v), dtype),
+    ):
+        with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
+            b, h = i_bh // H, i_bh % H
+            v0 = i_v * block_dv
+
+            W_s = T.alloc_shared((C, d_k), dtype)
+            U_s = T.alloc_shared((C, block_dv), dtype)
+            K_to_chunk_end_s = T.alloc_shared((C, d_k), dtype)
+            chunk_decay_s = T.alloc_shared((d_k,), accum_dtype)
+            S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand, and as stored
+            V_new_s = T.alloc_shared((C, block_dv), dtype)
+
+            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)
+            V_new_f = T.alloc_fragment((C, block_dv), accum_dtype)
+
+            T.copy(Initial_state[b, h, :, v0:v0 + block_dv], S_f)
+            for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
+                t0 = i_c * C
+                T.copy(W[b, t0:t0 + C, h, :], W_s)
+                T.copy(U[b, t0:t0 + C, h, v0:v0 + block_dv], U_s)
+                T.copy(K_to_chunk_end[b, t0:t0 + C, h, :], K_to_chunk_end_s)
+                T.copy(Chunk_decay[b, i_c, h, :], chunk_decay_s)
+
+                T.copy(S_f, S_s)
+                T.copy(S_s, States[b, i_c, h, :, v0:v0 + block_dv])  # the state this chunk starts from
+                T.gemm(W_s, S_s, V_new_f, clear_accum=True)
+                for r, j in T.Parallel(C, block_dv):
+                    V_new_s[r, j] = U_s[r, j] - V_new_f[r, j]
+                T.copy(V_new_s, V_new[b, t0:t0 + C, h, v0:v0 + block_dv])
+
+                for d, j in T.Parallel(d_k, block_dv):
+                    S_f[d, j] *= chunk_decay_s[d]
+                T.gemm(K_to_chunk_end_s, V_new_s, S_f, transpose_A=True)
+
+    return kda_states
+# --8<-- [end:states_program]
+
+
+# --8<-- [start:state_gradient_program]
+def build_state_gradient_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
+                                 dtype="float16", num_stages=2, threads=128):
+    """The reverse chunk loop: Q e^gamma, K e^{gamma_C - gamma}, W (B, N, H, d_k), A_qk (B, N, H, C),
+    dO (B, N, H, d_v) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) and dS_N^T (B, H, d_k, d_v) in fp32
+    -> dS^T at every chunk end (B, N / C, H, d_k, d_v) and dV_new (B, N, H, d_v) in `dtype`, and
+    dS_0^T (B, H, d_k, d_v) in fp32.
+    """
+    import tilelang.language as T
+
+    C = chunk_size
+    accum_dtype = "float32"
+    num_chunks = N // C
+
+    @T.prim_func
+    def kda_state_gradient(
+        Q_decayed: T.Tensor((B, N, H, d_k), dtype),
+        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+        W: T.Tensor((B, N, H, d_k), dtype),
+        A_qk: T.Tensor((B, N, H, C), dtype),
+        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+        dO: T.Tensor((B, N, H, d_v), dtype),
+        D_final_state: T.Tensor((B, H, d_k, d_v), accum_dtype),
+        D_states: T.Tensor((B, num_chunks, H, d_k, d_v), dtype),
+        dV_new: T.Tensor((B, N, H, d_v), dtype),
+        D_initial_state: T.Tensor((B, H, d_k, d_v), accum_dtype),
+    ):
+        with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
+            b, h = i_bh // H, i_bh % H
+            v0 = i_v * block_dv
+
+            Q_decayed_s = T.alloc_shared((C, d_k), dtype)
+            K_to_chunk_end_s = T.alloc_shared((C, d_k), dtype)
+            W_s = T.alloc_shared((C, d_k), dtype)
+            A_qk_s = T.alloc_shared((C, C), dtype)
+            chunk_decay_s = T.alloc_shared((d_k,), accum_dtype)
+            dO_s = T.alloc_shared((C, block_dv), dtype)
+            dS_s = T.alloc_shared((d_k, block_dv), dtype)  # dS'^T as a GEMM operand, and as stored
+            dV_new_s = T.alloc_shared((C, block_dv), dtype)
+            minus_dV_new_s = T.alloc_shared((C, block_dv), dtype)  # the GEMM adds: -W^T dV_new
+
+            dS_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state's gradient: lives across chunks
+            dV_new_f = T.alloc_fragment((C, block_dv), accum_dtype)
+
+            T.copy(D_final_state[b, h, :, v0:v0 + block_dv], dS_f)
+            for step in T.Pipelined(num_chunks, num_stages=num_stages):
+                i_c = num_chunks - 1 - step  # the last chunk first
+                t0 = i_c * C
+                T.copy(Q_decayed[b, t0:t0 + C, h, :], Q_decayed_s)
+                T.copy(K_to_chunk_end[b, t0:t0 + C, h, :], K_to_chunk_end_s)
+                T.copy(W[b, t0:t0 + C, h, :], W_s)
+                T.copy(A_qk[b, t0:t0 + C, h, :], A_qk_s)
+                T.copy(Chunk_decay[b, i_c, h, :], chunk_decay_s)
+                T.copy(dO[b, t0:t0 + C, h, v0:v0 + block_dv], dO_s)
+
+                T.copy(dS_f, dS_s)
+                T.copy(dS_s, D_states[b, i_c, h, :, v0:v0 + block_dv])  # the gradient this chunk ends with
+                # through the state update, then through the output
+                T.gemm(K_to_chunk_end_s, dS_s, dV_new_f, clear_accum=True)
+                T.gemm(A_qk_s, dO_s, dV_new_f, transpose_A=True)
+                for r, j in T.Parallel(C, block_dv):
+                    dV_new_s[r, j] = dV_new_f[r, j]
+                    minus_dV_new_s[r, j] = -dV_new_f[r, j]
+                T.copy(dV_new_s, dV_new[b, t0:t0 + C, h, v0:v0 + block_dv])
+
+                # back past the chunk: the decay row by row, the output's read of S, V_new's read of S
+                for d, j in T.Parallel(d_k, block_dv):
+                    dS_f[d, j] *= chunk_decay_s[d]
+                T.gemm(Q_decayed_s, dO_s, dS_f, transpose_A=True)
+                T.gemm(W_s, minus_dV_new_s, dS_f, transpose_A=True)
+            T.copy(dS_f, D_initial_state[b, h, :, v0:v0 + block_dv])
+
+    return kda_state_gradient
+# --8<-- [end:state_gradient_program]
+
+
+# --8<-- [start:state_products_program]
+def build_state_products_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=256):
+    """The products through the states: S^T (chunk starts), dS^T (chunk ends) (B, N / C, H, d_k, d_v),
+    V_new, dV_new, dO (B, N, H, d_v) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) fp32 -> d(Q e^gamma),
+    d(K e^{gamma_C - gamma}), dW (B, N, H, d_k) and d gamma_C (B, N / C, H, d_k), all fp32.
+    """
+    import tilelang.language as T
+
+    C = chunk_size
+    accum_dtype = "float32"
+    num_chunks = N // C
+
+    @T.prim_func
+    def kda_state_products(
+        States: T.Tensor((B, num_chunks, H, d_k, d_v), dtype),
+        D_states: T.Tensor((B, num_chunks, H, d_k, d_v), dtype),
+        V_new: T.Tensor((B, N, H, d_v), dtype),
+        dV_new: T.Tensor((B, N, H, d_v), dtype),
+        dO: T.Tensor((B, N, H, d_v), dtype),
+        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+        dQ_decayed: T.Tensor((B, N, H, d_k), accum_dtype),
+        dK_to_chunk_end: T.Tensor((B, N, H, d_k), accum_dtype),
+        dW: T.Tensor((B, N, H, d_k), accum_dtype),
+        D_gamma_last: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+    ):
+        with T.Kernel(num_chunks, B * H, threads=threads) as (i_c, i_bh):
+            b, h = i_bh // H, i_bh % H
+            t0 = i_c * C
+
+            S_s = T.alloc_shared((d_k, d_v), dtype)
+            dS_s = T.alloc_shared((d_k, d_v), dtype)
+            V_new_s = T.alloc_shared((C, d_v), dtype)
+            dV_new_s = T.alloc_shared((C, d_v), dtype)
+            dO_s = T.alloc_shared((C, d_v), dtype)
+
+            dq_f = T.alloc_fragment((C, d_k), accum_dtype)
+            dk_f = T.alloc_fragment((C, d_k), accum_dtype)
+            dw_f = T.alloc_fragment((C, d_k), accum_dtype)
+
+            T.copy(States[b, i_c, h, :, :], S_s)
+            T.copy(D_states[b, i_c, h, :, :], dS_s)
+            T.copy(V_new[b, t0:t0 + C, h, :], V_new_s)
+            T.copy(dV_new[b, t0:t0 + C, h, :], dV_new_s)
+            T.copy(dO[b, t0:t0 + C, h, :], dO_s)
+
+            T.gemm(dO_s, S_s, dq_f, transpose_B=True, clear_accum=True)  # dO S: S^T is stored
+            T.gemm(V_new_s, dS_s, dk_f, transpose_B=True, clear_accum=True)
+            T.gemm(dV_new_s, S_s, dw_f, transpose_B=True, clear_accum=True)
+            T.copy(dq_f, dQ_decayed[b, t0:t0 + C, h, :])
+            T.copy(dk_f, dK_to_chunk_end[b, t0:t0 + C, h, :])
+            for r, d in T.Parallel(C, d_k):
+                dW[b, t0 + r, h, d] = -dw_f[r, d]
+
+            # rowsum(S^T ⊙ dS'^T): one lane per row walks its d_v columns; lane d starts at column d,
+            # so that the lanes of a warp read 32 different shared-memory banks at every step
+            for d in T.Parallel(d_k):
+                row_dot = T.alloc_var(accum_dtype)
+                row_dot = 0
+                for j in T.serial(d_v):
+                    column = (j + d) % d_v
+                    row_dot += T.cast(S_s[d, column], accum_dtype) * T.cast(dS_s[d, column], accum_dtype)
+                D_gamma_last[b, i_c, h, d] = Chunk_decay[b, i_c, h, d] * row_dot
+
+    return kda_state_products
+# --8<-- [end:state_products_program]
+
+
+# --8<-- [start:intra_setup]
+def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=256,
+                        channel_passes=CHANNEL_PASSES):
+    """The chunk's own gradients: q, k (B, N, H, d_k), v, dO, V_new, dV_new (B, N, H, d_v) in `dtype`;
+    g (B, N, H, d_k), beta (B, N, H), d(Q e^gamma), d(K e^{gamma_C - gamma}), dW (B, N, H, d_k) and
+    d gamma_C (B, N / C, H, d_k) in fp32 -> dq, dk (B, N, H, d_k), dv (B, N, H, d_v) in `dtype`,
+    dg (B, N, H, d_k) and dbeta (B, N, H) in fp32.
+
+    The score GEMMs (A_kk, and the gradients through A_kk and A_qk) work on d_k / channel_passes
+    channels at a time, as stage 5's prepare kernel does.
+    """
+    import tilelang.language as T
+
+    C, sub = chunk_size, SUB_BLOCK
+    accum_dtype = "float32"
+    num_chunks = N // C
+    channels = d_k // channel_passes
+
+    @T.prim_func
+    def kda_intra(
+        Q: T.Tensor((B, N, H, d_k), dtype),
+        K: T.Tensor((B, N, H, d_k), dtype),
+        V: T.Tensor((B, N, H, d_v), dtype),
+        G: T.Tensor((B, N, H, d_k), accum_dtype),
+        Beta: T.Tensor((B, N, H), accum_dtype),
+        dO: T.Tensor((B, N, H, d_v), dtype),
+        V_new: T.Tensor((B, N, H, d_v), dtype),
+        dV_new: T.Tensor((B, N, H, d_v), dtype),
+        dQ_decayed: T.Tensor((B, N, H, d_k), accum_dtype),
+        dK_to_chunk_end: T.Tensor((B, N, H, d_k), accum_dtype),
+        dW: T.Tensor((B, N, H, d_k), accum_dtype),
+        D_gamma_last: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+        dQ: T.Tensor((B, N, H, d_k), dtype),
+        dK: T.Tensor((B, N, H, d_k), dtype),
+        dV: T.Tensor((B, N, H, d_v), dtype),
+        dG: T.Tensor((B, N, H, d_k), accum_dtype),
+        dBeta: T.Tensor((B, N, H), accum_dtype),
+    ):
+        with T.Kernel(num_chunks, B * H, threads=threads) as (i_c, i_bh):
+            b, h = i_bh // H, i_bh % H
+            t0 = i_c * C
+
+            Q_s = T.alloc_shared((C, d_k), dtype)
+            K_s = T.alloc_shared((C, d_k), dtype)
+            gamma_s = T.alloc_shared((C, d_k), accum_dtype)
+            beta_s = T.alloc_shared((C,), accum_dtype)
+            K_row_s = T.alloc_shared((C, channels), dtype)  # GEMM operands: decay from the anchor to the row
+            Q_row_s = T.alloc_shared((C, channels), dtype)
+            K_col_s = T.alloc_shared((C, channels), dtype)  # ... and from the column to the anchor
+            A_kk_s = T.alloc_shared((C, C), accum_dtype)  # M, strictly lower
+            L_s = T.alloc_shared((C, C), accum_dtype)  # L = A_kk diag(beta)
+            T_s = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}
+            T_diag_s = T.alloc_shared((C, sub), accum_dtype)
+            merge_s = T.alloc_shared((sub, C), accum_dtype)
+            T_op_s = T.alloc_shared((C, C), dtype)  # T and diag(beta) T as GEMM operands
+            A_hat_s = T.alloc_shared((C, C), dtype)
+            K_decayed_s = T.alloc_shared((C, d_k), dtype)  # K e^gamma
+            dW_s = T.alloc_shared((C, d_k), dtype)
+            V_s = T.alloc_shared((C, d_v), dtype)
+            dV_new_s = T.alloc_shared((C, d_v), dtype)
+            V_new_s = T.alloc_shared((C, d_v), dtype)
+            dO_s = T.alloc_shared((C, d_v), dtype)
+            dA_hat_s = T.alloc_shared((C, C), dtype)
+            product_s = T.alloc_shared((C, C), dtype)  # dA_hat^T A_hat
+            dK_decayed_s = T.alloc_shared((C, d_k), accum_dtype)  # d(K e^gamma) = A_hat^T dW
+            # dM^T and dA_qk^T: transposed, so a column slab of dM is a slab of rows of dM^T; and their
+            # diagonal sub-blocks alone, for the anchored diagonal GEMMs
+            dM_T_s = T.alloc_shared((C, C), dtype)
+            dA_qk_T_s = T.alloc_shared((C, C), dtype)
+            dM_T_diagonal_s = T.alloc_shared((C, C), dtype)
+            dA_qk_T_diagonal_s = T.alloc_shared((C, C), dtype)
+            dbeta_s = T.alloc_shared((C,), accum_dtype)
+            # the score gradients of one channel pass (fp32); dgamma takes dQ_scores' bytes, each lane
+            # reading its element before it writes it
+            dQ_scores_s = T.alloc_shared((C, channels), accum_dtype)
+            dK_rows_s = T.alloc_shared((C, channels), accum_dtype)
+            dK_columns_s = T.alloc_shared((C, channels), accum_dtype)
+            dgamma_s = dQ_scores_s
+
+            kk_f = T.alloc_fragment((C, C), accum_dtype)
+            kk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
+            block_row_f = T.alloc_fragment((sub, C), accum_dtype)
+            dA_hat_f = T.alloc_fragment((C, C), accum_dtype)
+            dv_f = T.alloc_fragment((C, d_v), accum_dtype)
+            dk_decayed_f = T.alloc_fragment((C, d_k), accum_dtype)
+            square_f = T.alloc_fragment((C, C), accum_dtype)  # one C x C product after another
+            row_sum_f = T.alloc_fragment((C,), accum_dtype)
+            rows_f = T.alloc_fragment((C, channels), accum_dtype)  # the score GEMMs of one pass
+            rows_k_f = T.alloc_fragment((C, channels), accum_dtype)
+            columns_f = T.alloc_fragment((C, channels), accum_dtype)
+            slab_columns_f = T.alloc_fragment((sub, channels), accum_dtype)
+
+            T.copy(Q[b, t0:t0 + C, h, :], Q_s)
+            T.copy(K[b, t0:t0 + C, h, :], K_s)
+            T.copy(Beta[b, t0:t0 + C, h], beta_s)
+            T.copy(G[b, t0:t0 + C, h, :], gamma_s)
+            for d in T.Parallel(d_k):  # gamma = cumsum of the gates, one lane per channel
+                running = T.alloc_var(accum_dtype)
+                running = 0
+                for r in T.unroll(C):
+                    running += gamma_s[r, d]
+                    gamma_s[r, d] = running
+            # --8<-- [end:intra_setup]
+
+            # --8<-- [start:intra_recompute]
+            # A_kk as the prepare kernel computes it: diagonal sub-blocks anchored at their middle row ...
+            for channel_pass in range(channel_passes):
+                d0 = channel_pass * channels
+                for r, d in T.Parallel(C, channels):
+                    from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
+                    K_row_s[r, d] = K_s[r, d0 + d] * T.exp2(from_anchor)
+                    K_col_s[r, d] = K_s[r, d0 + d] * T.exp2(-from_anchor)
+                T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=channel_pass == 0)
+            for r, j in T.Parallel(C, C):
+                in_block = r // sub == j // sub and j < r
+                A_kk_s[r, j] = T.if_then_else(in_block, kk_f[r, j], 0)
+                L_s[r, j] = T.if_then_else(in_block, kk_f[r, j] * beta_s[j], 0)
+            # ... and the slabs of sub columns anchored at the first row below them
+            for s0 in tuple(range(sub, C, sub)):
+                for channel_pass in range(channel_passes):
+                    d0 = channel_pass * channels
+                    for r, d in T.Parallel(C - s0 + sub, channels):
+                        row = s0 - sub + r
+                        from_anchor = (gamma_s[row, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
+                        if r >= sub:
+                            K_row_s[row, d] = K_s[row, d0 + d] * T.exp2(from_anchor)
+                        else:
+                            K_col_s[r, d] = K_s[row, d0 + d] * T.exp2(-from_anchor)
+                    T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=channel_pass == 0)
+                for r, j in T.Parallel(C, sub):
+                    if r >= s0:
+                        A_kk_s[r, s0 - sub + j] = kk_slab_f[r, j]
+                        L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
+
+            # T = (I + L)^{-1} as the prepare kernel inverts it: the diagonal blocks by forward
+            # substitution, then each block row from the rows above it
+            T.clear(T_s)
+            for r in T.serial(sub):
+                for blk, col in T.Parallel(C // sub, sub):
+                    i = blk * sub + r
+                    solved = T.alloc_var(accum_dtype)
+                    solved = T.if_then_else(col == r, 1, 0)
+                    for j in T.serial(r):
+                        solved -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
+                    T_s[i, blk * sub + col] = solved
+                    T_diag_s[i, col] = solved
+            for p0 in range(sub, C, sub):
+                T.gemm(L_s[p0:p0 + sub, :], T_s, block_row_f, clear_accum=True)
+                T.copy(block_row_f, merge_s)
+                T.gemm(T_diag_s[p0:p0 + sub, :], merge_s, block_row_f, clear_accum=True)
+                for r, c in T.Parallel(sub, C):
+                    if c < p0:
+                        T_s[p0 + r, c] = -block_row_f[r, c]
+            # --8<-- [end:intra_recompute]
+
+            # --8<-- [start:intra_wy]
+            # back through W = A_hat (K e^gamma) and U = A_hat V, A_hat = diag(beta) T
+            for r, c in T.Parallel(C, C):
+                T_op_s[r, c] = T_s[r, c]
+                A_hat_s[r, c] = T_s[r, c] * beta_s[r]
+            for r, d in T.Parallel(C, d_k):
+                K_decayed_s[r, d] = K_s[r, d] * T.exp2(gamma_s[r, d] * LOG2_E)
+                dW_s[r, d] = dW[b, t0 + r, h, d]
+            T.copy(V[b, t0:t0 + C, h, :], V_s)
+            T.copy(dV_new[b, t0:t0 + C, h, :], dV_new_s)
+            T.gemm(dW_s, K_decayed_s, dA_hat_f, transpose_B=True, clear_accum=True)
+            T.gemm(dV_new_s, V_s, dA_hat_f, transpose_B=True)
+            T.gemm(A_hat_s, dV_new_s, dv_f, transpose_A=True, clear_accum=True)
+            T.copy(dv_f, dV[b, t0:t0 + C, h, :])
+            T.gemm(A_hat_s, dW_s, dk_decayed_f, transpose_A=True, clear_accum=True)
+            T.copy(dk_decayed_f, dK_decayed_s)
+
+            # beta by rows, after the solve: rowsum(dA_hat ⊙ T)
+            for r, c in T.Parallel(C, C):
+                dA_hat_s[r, c] = dA_hat_f[r, c]
+                square_f[r, c] = dA_hat_f[r, c] * T_s[r, c]
+            T.reduce_sum(square_f, row_sum_f, dim=1)
+            T.copy(row_sum_f, dbeta_s)
+
+            # through the solve: dL^T = -T dT^T T = -T (dA_hat^T A_hat), kept strictly upper
+            T.gemm(dA_hat_s, A_hat_s, square_f, transpose_A=True, clear_accum=True)
+            T.copy(square_f, product_s)
+            T.gemm(T_op_s, product_s, square_f, clear_accum=True)
+            # beta by columns, inside the solve: dbeta_i += sum_c dL[c, i] A_kk[c, i]; dM^T = diag(beta) dL^T
+            for i, c in T.Parallel(C, C):
+                dL_T = T.if_then_else(c > i, -square_f[i, c], 0)
+                dM_T_s[i, c] = dL_T * beta_s[i]
+                dM_T_diagonal_s[i, c] = T.if_then_else(i // sub == c // sub, dL_T * beta_s[i], 0)
+                square_f[i, c] = dL_T * A_kk_s[c, i]
+            T.reduce_sum(square_f, row_sum_f, dim=1)
+            for r in T.Parallel(C):
+                dBeta[b, t0 + r, h] = dbeta_s[r] + row_sum_f[r]
+
+            # dA_qk^T = V_new dO^T, upper with the diagonal (j <= c)
+            T.copy(V_new[b, t0:t0 + C, h, :], V_new_s)
+            T.copy(dO[b, t0:t0 + C, h, :], dO_s)
+            T.gemm(V_new_s, dO_s, square_f, transpose_B=True, clear_accum=True)
+            for i, c in T.Parallel(C, C):
+                dA_qk_T = T.if_then_else(c >= i, square_f[i, c], 0)
+                dA_qk_T_s[i, c] = dA_qk_T
+                dA_qk_T_diagonal_s[i, c] = T.if_then_else(i // sub == c // sub, dA_qk_T, 0)
+            # --8<-- [end:intra_wy]
+
+            # --8<-- [start:intra_scores]
+            for channel_pass in range(channel_passes):
+                d0 = channel_pass * channels
+                # diagonal sub-blocks, anchored at their middle row
+                for r, d in T.Parallel(C, channels):
+                    from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
+                    to_row = T.exp2(from_anchor)
+                    Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
+                    K_row_s[r, d] = K_s[r, d0 + d] * to_row
+                    K_col_s[r, d] = K_s[r, d0 + d] * T.exp2(-from_anchor)
+                T.gemm(dA_qk_T_diagonal_s, K_col_s, rows_f, transpose_A=True, clear_accum=True)
+                T.gemm(dM_T_diagonal_s, K_col_s, rows_k_f, transpose_A=True, clear_accum=True)
+                T.gemm(dM_T_diagonal_s, K_row_s, columns_f, clear_accum=True)
+                T.gemm(dA_qk_T_diagonal_s, Q_row_s, columns_f)
+                for r, d in T.Parallel(C, channels):
+                    from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
+                    dQ_scores_s[r, d] = rows_f[r, d] * T.exp2(from_anchor)
+                    dK_rows_s[r, d] = rows_k_f[r, d] * T.exp2(from_anchor)
+                    dK_columns_s[r, d] = columns_f[r, d] * T.exp2(-from_anchor)
+
+                # a slab of sub key columns at a time, anchored at the first row below it: rows from s0
+                # on take their decay from the anchor (<= 1); rows above are zero, since the column
+                # GEMM sums over rows and the diagonal block is done
+                for s0 in tuple(range(sub, C, sub)):
+                    slab = s0 - sub
+                    for r, d in T.Parallel(C, channels):
+                        from_anchor = (gamma_s[r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
+                        to_row = T.if_then_else(r >= s0, T.exp2(from_anchor), 0)
+                        Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
+                        K_row_s[r, d] = K_s[r, d0 + d] * to_row
+                        if r < sub:
+                            K_col_s[r, d] = K_s[slab + r, d0 + d] * T.exp2(
+                                (gamma_s[s0, d0 + d] - gamma_s[slab + r, d0 + d]) * LOG2_E)
+                    T.gemm(dA_qk_T_s[slab:s0, :], K_col_s[0:sub, :], rows_f, transpose_A=True, clear_accum=True)
+                    T.gemm(dM_T_s[slab:s0, :], K_col_s[0:sub, :], rows_k_f, transpose_A=True, clear_accum=True)
+                    T.gemm(dM_T_s[slab:s0, :], K_row_s, slab_columns_f, clear_accum=True)
+                    T.gemm(dA_qk_T_s[slab:s0, :], Q_row_s, slab_columns_f)
+                    for r, d in T.Parallel(C, channels):
+                        if r >= s0:
+                            to_row = T.exp2((gamma_s[r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E)
+                            dQ_scores_s[r, d] += rows_f[r, d] * to_row
+                            dK_rows_s[r, d] += rows_k_f[r, d] * to_row
+                    for r, d in T.Parallel(sub, channels):
+                        dK_columns_s[slab + r, d] += slab_columns_f[r, d] * T.exp2(
+                            (gamma_s[s0, d0 + d] - gamma_s[slab + r, d0 + d]) * LOG2_E)
+                # --8<-- [end:intra_scores]
+
+                # --8<-- [start:intra_gates]
+                # the gradients of this pass's channels; K entered as e^{+gamma} (K e^gamma, the
+                # scores' rows) and as e^{-gamma} (K e^{gamma_C - gamma}, the scores' columns)
+                for r, d in T.Parallel(C, channels):
+                    decay_from_start = T.exp2(gamma_s[r, d0 + d] * LOG2_E)
+                    decay_to_end = T.exp2((gamma_s[C - 1, d0 + d] - gamma_s[r, d0 + d]) * LOG2_E)
+                    dq = dQ_decayed[b, t0 + r, h, d0 + d] * decay_from_start + dQ_scores_s[r, d]
+                    dk_from_rows = dK_decayed_s[r, d0 + d] * decay_from_start + dK_rows_s[r, d]
+                    dk_to_end = dK_to_chunk_end[b, t0 + r, h, d0 + d] * decay_to_end
+                    dk_from_columns = dK_columns_s[r, d] + dk_to_end
+                    dQ[b, t0 + r, h, d0 + d] = dq
+                    dK[b, t0 + r, h, d0 + d] = dk_from_rows + dk_from_columns
+                    query, key = T.cast(Q_s[r, d0 + d], accum_dtype), T.cast(K_s[r, d0 + d], accum_dtype)
+                    dgamma_s[r, d] = query * dq + key * (dk_from_rows - dk_from_columns)
+                # gamma_C lies in the last row, which every dg[s] sums: its terms (the state's decay,
+                # and every row's e^{gamma_C - gamma}, recomputed here) go to every row; then dg is the
+                # reverse cumulative sum, one lane per channel
+                for d in T.Parallel(channels):
+                    running = T.alloc_var(accum_dtype)
+                    running = D_gamma_last[b, i_c, h, d0 + d]
+                    for r in T.serial(C):
+                        running += K_s[r, d0 + d] * dK_to_chunk_end[b, t0 + r, h, d0 + d] * T.exp2(
+                            (gamma_s[C - 1, d0 + d] - gamma_s[r, d0 + d]) * LOG2_E)
+                    for r in T.serial(C):
+                        running += dgamma_s[C - 1 - r, d]
+                        dG[b, t0 + C - 1 - r, h, d0 + d] = running
+
+    return kda_intra
+# --8<-- [end:intra_gates]
+
+
+@functools.cache
+def _compiled(kernel, *arguments):
+    import tilelang
+
+    build, outputs = _BUILDERS[kernel]
+    return tilelang.compile(build(*arguments), out_idx=outputs, target="cuda")
+
+
+# builder and the indices of its outputs, as tilelang.compile's out_idx takes them
+_BUILDERS = {
+    "states": (build_states_program, [5, 6]),
+    "state_gradient": (build_state_gradient_program, [7, 8, 9]),
+    "state_products": (build_state_products_program, [6, 7, 8, 9]),
+    "intra": (build_intra_program, [12, 13, 14, 15, 16]),
+}
+OUTPUTS = {kernel: outputs for kernel, (_, outputs) in _BUILDERS.items()}
+
+
+# --8<-- [start:backward]
+def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
+             do: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
+             d_final_state: "torch.Tensor | None" = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+             block_dv: int = DEFAULT_BLOCK_DV, check_values: bool = True) -> tuple["torch.Tensor", ...]:
+    """The gradients of KDA's output (and final state) on CUDA tensors, as stage 5's `forward` takes them:
+    q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16), g: (B, N, H, d_k) fp32 log gates (<= 0),
+    beta: (B, N, H) fp32 in [0, 1], do = dLoss/do: (B, N, H, d_v) in q's dtype; initial_state S_0^T
+    and d_final_state = dLoss/dS_N^T: (B, H, d_k, d_v) fp32 or None (zeros).
+
+    Returns (dq, dk, dv, dg, dbeta, d_initial_state): dq, dk (B, N, H, d_k) and dv (B, N, H, d_v) in
+    q's dtype, dg (B, N, H, d_k), dbeta (B, N, H) and dS_0^T (B, H, d_k, d_v) in fp32 (computed even
+    when initial_state is None: it is then the gradient of a zero initial state). N need not be a
+    multiple of chunk_size: the sequence is zero-padded, which is exact. check_values=False skips
+    the check of g's and beta's values (a pass over both and a device sync), as in `forward`.
+    """
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate("g", g, (B, N, H, d_k), "(B, N, H, d_k)")
+    check_gate("beta", beta, (B, N, H), "(B, N, H)")
+    _check_output_gradient(do, q)
+    for name, state in (("initial_state", initial_state), ("d_final_state", d_final_state)):
+        if state is not None:
+            check_gate(name, state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
+    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    if check_values:
+        check_gate_values(g, beta)
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
+               "d_final_state": d_final_state}
+    check_on_cuda({name: x for name, x in tensors.items() if x is not None})
+
+    N_padded = padded_length(N, chunk_size)
+    q, k, v, g, beta, do = pad_tokens(N_padded, q, k, v, g, beta, do)
+    initial_state = zero_state(B, H, d_k, d_v, q.device) if initial_state is None else initial_state
+    d_final_state = zero_state(B, H, d_k, d_v, q.device) if d_final_state is None else d_final_state
+    dtype, shape = dtype_name(q), (B, N_padded, H, d_k, d_v, chunk_size)
+    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = _compiled_prepare(*shape, dtype, None)(q, k, v, g, beta)
+    states, v_new = _compiled("states", *shape, block_dv, dtype)(w, u, k_to_chunk_end, chunk_decay, initial_state)
+    d_states, dv_new, d_initial_state = _compiled("state_gradient", *shape, block_dv, dtype)(
+        q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do, d_final_state)
+    dq_decayed, dk_to_chunk_end, dw, d_gamma_last = _compiled("state_products", *shape, dtype)(
+        states, d_states, v_new, dv_new, do, chunk_decay)
+    dq, dk, dv, dg, dbeta = _compiled("intra", *shape, dtype)(
+        q, k, v, g, beta, do, v_new, dv_new, dq_decayed, dk_to_chunk_end, dw, d_gamma_last)
+    return dq[:, :N], dk[:, :N], dv[:, :N], dg[:, :N], dbeta[:, :N], d_initial_state
+# --8<-- [end:backward]
+
+
+def _check_output_gradient(do, q):
+    """do: o's shape (B, N, H, d_v) and q's dtype, contiguous."""
+    from stages.common.torch_checks import check_kernel_tensor, check_same
+
+    check_kernel_tensor("do", do, rank=4)
+    check_same("do", do, "q", q, "dtype")
+
+
+@functools.cache  # the page's report and the compile test share one nvcc run
+def compile_report(kernel="intra", B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
+                   block_dv=DEFAULT_BLOCK_DV, dtype="bfloat16"):
+    """Lower and compile one backward kernel (one of KERNELS) for sm_90a without a GPU."""
+    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    if kernel not in _BUILDERS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    build = _BUILDERS[kernel][0]
+    with_block_dv = kernel in ("states", "state_gradient")
+    arguments = (B, N, H, d_k, d_v, chunk_size) + ((block_dv,) if with_block_dv else ())
+    return _compile_report(build(*arguments, dtype=dtype))
+
+
+def main():
+    import torch
+
+    from stages.common.errors import error_report
+    from stages.common.inputs import make_inputs
+    from stages.s06_backward.reference import recurrent_backward
+
+    for kernel in KERNELS:
+        print(f"{kernel} sm_90a:", compile_report(kernel).summary())
+    if not torch.cuda.is_available():
+        print("no CUDA device: compile-only")
+        return
+    x = make_inputs(2, 1000, 4, 128, 128, gate="channel", gate_range=(0.5, 1.0), beta_range=(0.0, 1.0), seed=0)
+    rng = torch.Generator().manual_seed(0)
+    do = torch.randn(x.v.shape, generator=rng, dtype=torch.float64).numpy()
+    expected = recurrent_backward(x.q, x.k, x.v, x.g, x.beta, do)
+    g, beta = (torch.tensor(a, dtype=torch.float32, device="cuda") for a in (x.g, x.beta))
+    for dtype in (torch.float16, torch.bfloat16):
+        q, k, v, do_cuda = (torch.tensor(a, dtype=dtype, device="cuda") for a in (x.q, x.k, x.v, do))
+        for name, actual in zip(("dq", "dk", "dv", "dg", "dbeta"), backward(q, k, v, g, beta, do_cuda)):
+            print(f"{dtype} {name} vs reference A:", error_report(actual, getattr(expected, name)))
+
+
+if __name__ == "__main__":
+    main()
