@@ -193,13 +193,16 @@ def test_score_gradients_equal_the_definition():
     Q, K = rng.standard_normal((C, d_k)), rng.standard_normal((C, d_k))
     gamma = np.cumsum(np.log(rng.uniform(0.5, 1.0, (C, d_k))), axis=0)
     dA_qk_T, dM_T = np.triu(rng.standard_normal((C, C))), np.triu(rng.standard_normal((C, C)), 1)
-    expected = [np.zeros((C, d_k)) for _ in range(3)]
+    expected = [np.zeros((C, d_k)) for _ in range(4)]  # dQ_scores, dK_rows, dK_columns, dgamma
     for c in range(C):
         for i in range(c + 1):
             decay = np.exp(gamma[c] - gamma[i])
             expected[0][c] += dA_qk_T[i, c] * K[i] * decay
             expected[1][c] += dM_T[i, c] * K[i] * decay
             expected[2][i] += (dM_T[i, c] * K[c] + dA_qk_T[i, c] * Q[c]) * decay
+            pair = (dA_qk_T[i, c] * Q[c] + dM_T[i, c] * K[c]) * K[i] * decay  # d/d gamma_c, and -d/d gamma_i
+            expected[3][c] += pair
+            expected[3][i] -= pair
     for sub_block in (1, 4, 8, 32):
         for actual, exact in zip(reference.score_gradients(Q, K, gamma, dA_qk_T, dM_T, sub_block), expected):
             assert np.max(np.abs(actual - exact)) <= 1e-13 * np.max(np.abs(exact))

@@ -51,12 +51,12 @@ from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, dtype_name,
                                         pad_tokens)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK,
-                                        _check_tile_sizes, _compiled_prepare, zero_state)
+                                        _check_tile_sizes, _compiled_prepare, build_prepare_program, zero_state)
 
 if TYPE_CHECKING:
     import torch
 
-KERNELS = ("states", "state_gradient", "state_products", "intra")
+KERNELS = ("states", "state_gradient", "state_products", "intra")  # stage 6's own; prepare is stage 5's
 
 
 # --8<-- [start:states_program]
@@ -336,12 +336,11 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             dM_T_diagonal_s = T.alloc_shared((C, C), dtype)
             dA_qk_T_diagonal_s = T.alloc_shared((C, C), dtype)
             dbeta_s = T.alloc_shared((C,), accum_dtype)
-            # the score gradients of one channel pass (fp32); dgamma takes dQ_scores' bytes, each lane
-            # reading its element before it writes it
+            # the score gradients of one channel pass, and dgamma (fp32)
             dQ_scores_s = T.alloc_shared((C, channels), accum_dtype)
             dK_rows_s = T.alloc_shared((C, channels), accum_dtype)
             dK_columns_s = T.alloc_shared((C, channels), accum_dtype)
-            dgamma_s = dQ_scores_s
+            dgamma_s = T.alloc_shared((C, channels), accum_dtype)
 
             kk_f = T.alloc_fragment((C, C), accum_dtype)
             kk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
@@ -481,11 +480,16 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                 T.gemm(dM_T_diagonal_s, K_col_s, rows_k_f, transpose_A=True, clear_accum=True)
                 T.gemm(dM_T_diagonal_s, K_row_s, columns_f, clear_accum=True)
                 T.gemm(dA_qk_T_diagonal_s, Q_row_s, columns_f)
+                # dgamma's terms multiply each GEMM by its other operand, as rounded: the pair (c, i) then
+                # adds one product to dgamma_c and subtracts the same product from dgamma_i, and the two
+                # cancel in every dg[s] with s <= i, as they do in exact arithmetic
                 for r, d in T.Parallel(C, channels):
                     from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
                     dQ_scores_s[r, d] = rows_f[r, d] * T.exp2(from_anchor)
                     dK_rows_s[r, d] = rows_k_f[r, d] * T.exp2(from_anchor)
                     dK_columns_s[r, d] = columns_f[r, d] * T.exp2(-from_anchor)
+                    dgamma_s[r, d] = (Q_row_s[r, d] * rows_f[r, d] + K_row_s[r, d] * rows_k_f[r, d]
+                                      - K_col_s[r, d] * columns_f[r, d])
 
                 # a slab of sub key columns at a time, anchored at the first row below it: rows from s0
                 # on take their decay from the anchor (<= 1); rows above are zero, since the column
@@ -509,25 +513,26 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                             to_row = T.exp2((gamma_s[r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E)
                             dQ_scores_s[r, d] += rows_f[r, d] * to_row
                             dK_rows_s[r, d] += rows_k_f[r, d] * to_row
+                            dgamma_s[r, d] += Q_row_s[r, d] * rows_f[r, d] + K_row_s[r, d] * rows_k_f[r, d]
                     for r, d in T.Parallel(sub, channels):
                         dK_columns_s[slab + r, d] += slab_columns_f[r, d] * T.exp2(
                             (gamma_s[s0, d0 + d] - gamma_s[slab + r, d0 + d]) * LOG2_E)
+                        dgamma_s[slab + r, d] -= K_col_s[r, d] * slab_columns_f[r, d]
                 # --8<-- [end:intra_scores]
 
                 # --8<-- [start:intra_gates]
-                # the gradients of this pass's channels; K entered as e^{+gamma} (K e^gamma, the
-                # scores' rows) and as e^{-gamma} (K e^{gamma_C - gamma}, the scores' columns)
+                # the gradients of this pass's channels; dgamma's terms of Q e^gamma, K e^gamma (+) and
+                # K e^{gamma_C - gamma} (-)
                 for r, d in T.Parallel(C, channels):
                     decay_from_start = T.exp2(gamma_s[r, d0 + d] * LOG2_E)
                     decay_to_end = T.exp2((gamma_s[C - 1, d0 + d] - gamma_s[r, d0 + d]) * LOG2_E)
-                    dq = dQ_decayed[b, t0 + r, h, d0 + d] * decay_from_start + dQ_scores_s[r, d]
-                    dk_from_rows = dK_decayed_s[r, d0 + d] * decay_from_start + dK_rows_s[r, d]
+                    dq_decayed = dQ_decayed[b, t0 + r, h, d0 + d] * decay_from_start
+                    dk_decayed = dK_decayed_s[r, d0 + d] * decay_from_start
                     dk_to_end = dK_to_chunk_end[b, t0 + r, h, d0 + d] * decay_to_end
-                    dk_from_columns = dK_columns_s[r, d] + dk_to_end
-                    dQ[b, t0 + r, h, d0 + d] = dq
-                    dK[b, t0 + r, h, d0 + d] = dk_from_rows + dk_from_columns
+                    dQ[b, t0 + r, h, d0 + d] = dq_decayed + dQ_scores_s[r, d]
+                    dK[b, t0 + r, h, d0 + d] = dk_decayed + dK_rows_s[r, d] + dK_columns_s[r, d] + dk_to_end
                     query, key = T.cast(Q_s[r, d0 + d], accum_dtype), T.cast(K_s[r, d0 + d], accum_dtype)
-                    dgamma_s[r, d] = query * dq + key * (dk_from_rows - dk_from_columns)
+                    dgamma_s[r, d] += query * dq_decayed + key * (dk_decayed - dk_to_end)
                 # gamma_C lies in the last row, which every dg[s] sums: its terms (the state's decay,
                 # and every row's e^{gamma_C - gamma}, recomputed here) go to every row; then dg is the
                 # reverse cumulative sum, one lane per channel
@@ -545,22 +550,48 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
 # --8<-- [end:intra_gates]
 
 
-@functools.cache
-def _compiled(kernel, *arguments):
-    import tilelang
-
-    build, outputs = _BUILDERS[kernel]
-    return tilelang.compile(build(*arguments), out_idx=outputs, target="cuda")
-
-
-# builder and the indices of its outputs, as tilelang.compile's out_idx takes them
-_BUILDERS = {
+# every kernel of the backward, in launch order: its builder and the indices of its outputs (as
+# tilelang.compile's and the interpreter's out_idx take them)
+BUILDERS = {
+    "prepare": (build_prepare_program, [5, 6, 7, 8, 9, 10]),
     "states": (build_states_program, [5, 6]),
     "state_gradient": (build_state_gradient_program, [7, 8, 9]),
     "state_products": (build_state_products_program, [6, 7, 8, 9]),
     "intra": (build_intra_program, [12, 13, 14, 15, 16]),
 }
-OUTPUTS = {kernel: outputs for kernel, (_, outputs) in _BUILDERS.items()}
+WITH_BLOCK_DV = ("states", "state_gradient")  # the two chunk loops split d_v; the per-chunk kernels do not
+
+
+@functools.cache
+def _compiled(kernel, *arguments):
+    import tilelang
+
+    if kernel == "prepare":  # the forward's own compiled kernel, shared with stage 5's forward
+        return _compiled_prepare(*arguments, None)
+    build, outputs = BUILDERS[kernel]
+    return tilelang.compile(build(*arguments), out_idx=outputs, target="cuda")
+
+
+# --8<-- [start:run_kernels]
+def run_kernels(kernel, q, k, v, g, beta, do, initial_state, d_final_state, chunk_size, block_dv, dtype):
+    """The five launches of the backward, in order, on inputs already padded to a multiple of chunk_size.
+
+    kernel(name, B, N, H, d_k, d_v, chunk_size, [block_dv,] dtype) returns a callable for the kernel
+    `name` of BUILDERS: compiled for the GPU (`backward`), or run by the tile interpreter on a CPU
+    (the tests), so the wiring below is the same in both. Returns (dq, dk, dv, dg, dbeta, dS_0^T).
+    """
+    B, N, H, d_k = q.shape
+    shape = (B, N, H, d_k, v.shape[3], chunk_size)
+    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = kernel("prepare", *shape, dtype)(q, k, v, g, beta)
+    states, v_new = kernel("states", *shape, block_dv, dtype)(w, u, k_to_chunk_end, chunk_decay, initial_state)
+    d_states, dv_new, d_initial_state = kernel("state_gradient", *shape, block_dv, dtype)(
+        q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do, d_final_state)
+    dq_decayed, dk_to_chunk_end, dw, d_gamma_last = kernel("state_products", *shape, dtype)(
+        states, d_states, v_new, dv_new, do, chunk_decay)
+    dq, dk, dv, dg, dbeta = kernel("intra", *shape, dtype)(
+        q, k, v, g, beta, do, v_new, dv_new, dq_decayed, dk_to_chunk_end, dw, d_gamma_last)
+    return dq, dk, dv, dg, dbeta, d_initial_state
+# --8<-- [end:run_kernels]
 
 
 # --8<-- [start:backward]
@@ -582,7 +613,7 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate("g", g, (B, N, H, d_k), "(B, N, H, d_k)")
     check_gate("beta", beta, (B, N, H), "(B, N, H)")
-    _check_output_gradient(do, q)
+    _check_output_gradient(do, q, v)
     for name, state in (("initial_state", initial_state), ("d_final_state", d_final_state)):
         if state is not None:
             check_gate(name, state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
@@ -597,24 +628,18 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     q, k, v, g, beta, do = pad_tokens(N_padded, q, k, v, g, beta, do)
     initial_state = zero_state(B, H, d_k, d_v, q.device) if initial_state is None else initial_state
     d_final_state = zero_state(B, H, d_k, d_v, q.device) if d_final_state is None else d_final_state
-    dtype, shape = dtype_name(q), (B, N_padded, H, d_k, d_v, chunk_size)
-    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = _compiled_prepare(*shape, dtype, None)(q, k, v, g, beta)
-    states, v_new = _compiled("states", *shape, block_dv, dtype)(w, u, k_to_chunk_end, chunk_decay, initial_state)
-    d_states, dv_new, d_initial_state = _compiled("state_gradient", *shape, block_dv, dtype)(
-        q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do, d_final_state)
-    dq_decayed, dk_to_chunk_end, dw, d_gamma_last = _compiled("state_products", *shape, dtype)(
-        states, d_states, v_new, dv_new, do, chunk_decay)
-    dq, dk, dv, dg, dbeta = _compiled("intra", *shape, dtype)(
-        q, k, v, g, beta, do, v_new, dv_new, dq_decayed, dk_to_chunk_end, dw, d_gamma_last)
+    dq, dk, dv, dg, dbeta, d_initial_state = run_kernels(_compiled, q, k, v, g, beta, do, initial_state,
+                                                         d_final_state, chunk_size, block_dv, dtype_name(q))
     return dq[:, :N], dk[:, :N], dv[:, :N], dg[:, :N], dbeta[:, :N], d_initial_state
 # --8<-- [end:backward]
 
 
-def _check_output_gradient(do, q):
-    """do: o's shape (B, N, H, d_v) and q's dtype, contiguous."""
+def _check_output_gradient(do, q, v):
+    """do = dLoss/do: contiguous, o's shape (v's, (B, N, H, d_v)) and q's dtype."""
     from stages.common.torch_checks import check_kernel_tensor, check_same
 
     check_kernel_tensor("do", do, rank=4)
+    check_same("do", do, "v", v, "shape")
     check_same("do", do, "q", q, "dtype")
 
 
@@ -623,12 +648,10 @@ def compile_report(kernel="intra", B=1, N=4096, H=8, d_k=128, d_v=128, chunk_siz
                    block_dv=DEFAULT_BLOCK_DV, dtype="bfloat16"):
     """Lower and compile one backward kernel (one of KERNELS) for sm_90a without a GPU."""
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-    if kernel not in _BUILDERS:
+    if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    build = _BUILDERS[kernel][0]
-    with_block_dv = kernel in ("states", "state_gradient")
-    arguments = (B, N, H, d_k, d_v, chunk_size) + ((block_dv,) if with_block_dv else ())
-    return _compile_report(build(*arguments, dtype=dtype))
+    tiles = (block_dv,) if kernel in WITH_BLOCK_DV else ()
+    return _compile_report(BUILDERS[kernel][0](B, N, H, d_k, d_v, chunk_size, *tiles, dtype=dtype))
 
 
 def main():

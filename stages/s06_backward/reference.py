@@ -429,9 +429,9 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
         dL^T   = -T dT^T T = -T (dA_hat^T A_hat) (strict upper),  dM^T = diag(beta) dL^T,
         dA_qk^T = V_new dO^T (upper, diagonal included)
     The kernel keeps dL, dM and dA_qk transposed, so that a column slab of them is a slab of rows.
-    `score_gradients` takes dM and dA_qk through the scores; the terms of e^{+-gamma} give
-    dgamma = Q ⊙ dQ + K ⊙ dK_from_rows - K ⊙ dK_from_columns, plus the last row's terms of e^{gamma_C};
-    dg is its reverse cumulative sum.
+    `score_gradients` takes dM and dA_qk through the scores, and gives their part of dgamma; the
+    terms of Q e^gamma, K e^gamma (+) and K e^{gamma_C - gamma} (-) add theirs, and the last row's
+    terms of e^{gamma_C} go to every dg[s]; dg is the reverse cumulative sum of dgamma.
     """
     B, N_padded, H, d_k = q.shape
     C = chunk_size
@@ -458,24 +458,24 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
             dM_T = dL_T * beta_c[:, None]  # dM = dL diag(beta), transposed
             dA_qk_T = np.triu(v_new[b, rows, h] @ do[b, rows, h].T)  # GEMM; j <= c: upper with the diagonal
 
-            dQ_scores, dK_rows, dK_columns = score_gradients(Q, K, gamma, dA_qk_T, dM_T, sub_block)
-            dQ = products.dq_decayed[b, rows, h] * decay_from_start + dQ_scores
-            dK_from_rows = dK_decayed * decay_from_start + dK_rows  # K appeared as e^{+gamma}
+            dQ_scores, dK_rows, dK_columns, dgamma = score_gradients(Q, K, gamma, dA_qk_T, dM_T, sub_block)
+            dQ_decayed = products.dq_decayed[b, rows, h] * decay_from_start
+            dK_decayed *= decay_from_start
             dK_to_end = products.dk_to_chunk_end[b, rows, h] * decay_to_end
-            dK_from_columns = dK_columns + dK_to_end  # K appeared as e^{-gamma}
-            dgamma = Q * dQ + K * (dK_from_rows - dK_from_columns)
+            dq[b, rows, h] = dQ_decayed + dQ_scores
+            dk[b, rows, h] = dK_decayed + dK_rows + dK_columns + dK_to_end
+            dgamma += Q * dQ_decayed + K * (dK_decayed - dK_to_end)  # e^{+gamma} twice, e^{-gamma} once
             # gamma_C enters e^{gamma_C - gamma} of every row and the state's decay; it lies in the
             # last row, which every dg[s] sums: added to all rows at once
             d_gamma_last = np.sum(K * dK_to_end, axis=0) + products.d_gamma_last[b, i_c, h]
             dg[b, rows, h] = np.cumsum(dgamma[::-1], axis=0)[::-1] + d_gamma_last
-            dq[b, rows, h], dk[b, rows, h] = dQ, dK_from_rows + dK_from_columns
     return dq, dk, dv, dg, dbeta
 # --8<-- [end:intra_gradients]
 
 
 # --8<-- [start:score_gradients]
 def score_gradients(Q: Float64Array, K: Float64Array, gamma: Float64Array, dA_qk_T: Float64Array, dM_T: Float64Array,
-                    sub_block: int) -> tuple[Float64Array, Float64Array, Float64Array]:
+                    sub_block: int) -> tuple[Float64Array, Float64Array, Float64Array, Float64Array]:
     """The gradients through A_qk[c, i] = (q_c ⊙ e^{gamma_c - gamma_i}) · k_i and M (the same with k_c),
     as GEMMs with stage 5's anchors. Q, K, gamma: (C, d_k); dA_qk_T, dM_T: (C, C), the transposes.
 
@@ -483,8 +483,12 @@ def score_gradients(Q: Float64Array, K: Float64Array, gamma: Float64Array, dA_qk
         dQ_scores[c]  = sum_i dA_qk[c, i] k_i e^{gamma_c - gamma_i}        (row c's q)
         dK_rows[c]    = sum_i dM[c, i] k_i e^{gamma_c - gamma_i}           (row c's k)
         dK_columns[i] = sum_c (dM[c, i] k_c + dA_qk[c, i] q_c) e^{gamma_c - gamma_i}   (column i's k)
+        dgamma        = Q ⊙ dQ_scores + K ⊙ dK_rows - K ⊙ dK_columns      (the exponent's gradient)
     Split as the forward splits the scores: within a diagonal sub-block both factors are anchored
     at its middle row; a column slab of sub_block keys is anchored at the first row below it.
+    dgamma is computed as each GEMM times its other operand, e.g. (K e^{gamma - anchor}) ⊙
+    (dM (K e^{anchor - gamma})): in a kernel that rounds the operands, the two terms of one pair
+    (c, i) are then one product, added to row c and taken from row i, and still cancel.
     """
     C = len(K)
     sub_index = np.arange(C) // sub_block
@@ -493,20 +497,26 @@ def score_gradients(Q: Float64Array, K: Float64Array, gamma: Float64Array, dA_qk
     same_block = sub_index[:, None] == sub_index[None, :]
     dA_qk_T_diagonal, dM_T_diagonal = np.where(same_block, dA_qk_T, 0.0), np.where(same_block, dM_T, 0.0)
     K_col = K * to_middle
-    dQ_scores = to_row * (dA_qk_T_diagonal.T @ K_col)  # GEMM
-    dK_rows = to_row * (dM_T_diagonal.T @ K_col)  # GEMM
-    dK_columns = to_middle * (dM_T_diagonal @ (K * to_row) + dA_qk_T_diagonal @ (Q * to_row))  # GEMMs
+    Q_row, K_row = Q * to_row, K * to_row
+    rows_q, rows_k = dA_qk_T_diagonal.T @ K_col, dM_T_diagonal.T @ K_col  # GEMMs
+    columns = dM_T_diagonal @ K_row + dA_qk_T_diagonal @ Q_row  # GEMMs
+    dQ_scores, dK_rows, dK_columns = to_row * rows_q, to_row * rows_k, to_middle * columns
+    dgamma = Q_row * rows_q + K_row * rows_k - K_col * columns
     for s0 in range(sub_block, C, sub_block):
         slab, below = slice(s0 - sub_block, s0), slice(s0, C)
         anchor = gamma[s0]
         K_col = K[slab] * np.exp(anchor - gamma[slab])  # <= 1
         anchor_to_row = np.zeros_like(K)  # zero above the anchor: the diagonal block is done
         anchor_to_row[below] = np.exp(gamma[below] - anchor)  # <= 1
-        dQ_scores += anchor_to_row * (dA_qk_T[slab].T @ K_col)  # GEMM, C x sub_block x d_k
-        dK_rows += anchor_to_row * (dM_T[slab].T @ K_col)  # GEMM
-        dK_columns[slab] += np.exp(anchor - gamma[slab]) * (dM_T[slab] @ (K * anchor_to_row)
-                                                            + dA_qk_T[slab] @ (Q * anchor_to_row))  # GEMMs
-    return dQ_scores, dK_rows, dK_columns
+        Q_row, K_row = Q * anchor_to_row, K * anchor_to_row
+        rows_q, rows_k = dA_qk_T[slab].T @ K_col, dM_T[slab].T @ K_col  # GEMMs, C x sub_block x d_k
+        columns = dM_T[slab] @ K_row + dA_qk_T[slab] @ Q_row  # GEMMs, sub_block x C x d_k
+        dQ_scores += anchor_to_row * rows_q
+        dK_rows += anchor_to_row * rows_k
+        dK_columns[slab] += np.exp(anchor - gamma[slab]) * columns
+        dgamma += Q_row * rows_q + K_row * rows_k
+        dgamma[slab] -= K_col * columns
+    return dQ_scores, dK_rows, dK_columns, dgamma
 # --8<-- [end:score_gradients]
 
 

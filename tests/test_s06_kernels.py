@@ -1,0 +1,285 @@
+"""Stage 6 kernel tests: each backward kernel through the tile interpreter against reference C
+(float64), the whole backward in fp16 and bf16 against reference A, the wrapper's checks, the
+sm_90a compile (marker `compile`) and, on a GPU (marker `gpu`), the compiled kernels against
+reference A and against FLA's chunk_kda backward.
+
+Bounds, as tests/test_interpreter.py sets them: a float64 program accumulates in fp32 fragments, so
+it meets reference C within 8u of fp32 (FP32_FLOOR); the intra kernel inverts by blocks with TF32
+merges, as stage 5's prepare does, so its bound is TF32_FLOOR. An fp16 or bf16 backward rounds every
+gradient through a handful of casts (inputs, GEMM operands, the stored states and dV_new): its rel L2
+error against reference A is held above u / 4 (the casts round at all) and within twice the rounding
+floor, the error that q, k, v and do rounded to the dtype give an exact backward.
+"""
+
+import numpy as np
+import pytest
+
+from stages.common.compare import assert_close
+from stages.common.errors import error_report
+from stages.common.interpreter import interpret
+from stages.s05_fast_kda import reference as stage5
+from stages.s06_backward import reference
+from tests.test_interpreter import FP32_FLOOR, ROUNDING_WINDOW, TF32_FLOOR, UNIT_ROUNDOFF
+from tests.test_s06_backward import _inputs
+
+GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
+STATE_AXES = ("batch", "head", "d_k", "d_v")
+
+
+def _interpreted(name, *arguments):
+    """The kernel `name` run by the tile interpreter: run_kernels' `kernel` argument on a CPU."""
+    from stages.s06_backward.kernel import BUILDERS
+
+    build, outputs = BUILDERS[name]
+    return interpret(build(*arguments), out_idx=outputs)
+
+
+def _interpret_backward(x, do, initial_state, d_final_state, chunk_size, block_dv, dtype):
+    """The wrapper's steps on NumPy arrays: pad, the five kernels through the interpreter, crop."""
+    from stages.common.checks import padded_length
+    from stages.s06_backward.kernel import run_kernels
+
+    B, N, H, d_k = x.q.shape
+    d_v = x.v.shape[3]
+    N_padded = padded_length(N, chunk_size)
+
+    def pad(a):
+        return np.pad(a, [(0, 0), (0, N_padded - N)] + [(0, 0)] * (a.ndim - 2))
+
+    zero = np.zeros((B, H, d_k, d_v))
+    gradients = run_kernels(_interpreted, *(pad(a) for a in (x.q, x.k, x.v, x.g, x.beta, do)),
+                            zero if initial_state is None else initial_state,
+                            zero if d_final_state is None else d_final_state, chunk_size, block_dv, dtype)
+    return [a if name == "d_initial_state" else a[:, :N] for name, a in zip(GRADIENTS, gradients)]
+
+
+# ------------------------------------------------------------------------------------------ float64 programs
+
+# B * H = 2 programs per value block, two value blocks, three chunks of 32 (the kernels' sub-block is 16)
+B, N, H, D, C, BLOCK_DV = 1, 96, 2, 32, 32, 16
+
+
+@pytest.fixture(scope="module")
+def chunk_references():
+    """Inputs with gates down to 0.5, beta at 0 and 1, both states, and reference C's buffers for them."""
+    x, do, S_0, dS_N = _inputs(B, N, H, D, D, seed=3)
+    tensors = stage5.prepare(x.q, x.k, x.v, x.g, x.beta, C)
+    states = reference.chunk_states(tensors, BLOCK_DV, S_0)
+    state_grads = reference.state_gradients(tensors, do, BLOCK_DV, dS_N)
+    products = reference.state_products(tensors, states, state_grads, do)
+    intra = reference.intra_gradients(x.q, x.k, x.v, x.g, x.beta, do, states.v_new, state_grads.dv_new, products, C)
+    return x, do, S_0, dS_N, tensors, states, state_grads, products, intra
+
+
+def test_states_kernel_matches_reference_c(chunk_references):
+    x, do, S_0, dS_N, tensors, states, *_ = chunk_references
+    actual = _interpreted("states", B, N, H, D, D, C, BLOCK_DV, "float64")(
+        tensors.w, tensors.u, tensors.k_to_chunk_end, tensors.chunk_decay, S_0)
+    assert_close(actual[0], states.states, rel_l2=FP32_FLOOR, name="S^T at chunk starts",
+                 axes=("batch", "chunk", "head", "d_k", "d_v"))
+    assert_close(actual[1], states.v_new, rel_l2=FP32_FLOOR, name="V_new", chunk_size=C)
+
+
+def test_state_gradient_kernel_matches_reference_c(chunk_references):
+    x, do, S_0, dS_N, tensors, _, state_grads, *_ = chunk_references
+    actual = _interpreted("state_gradient", B, N, H, D, D, C, BLOCK_DV, "float64")(
+        tensors.q_decayed, tensors.k_to_chunk_end, tensors.w, tensors.a_qk, tensors.chunk_decay, do, dS_N)
+    assert_close(actual[0], state_grads.d_states, rel_l2=FP32_FLOOR, name="dS^T at chunk ends",
+                 axes=("batch", "chunk", "head", "d_k", "d_v"))
+    assert_close(actual[1], state_grads.dv_new, rel_l2=FP32_FLOOR, name="dV_new", chunk_size=C)
+    assert_close(actual[2], state_grads.d_initial_state, rel_l2=FP32_FLOOR, name="dS_0^T", axes=STATE_AXES)
+
+
+def test_state_products_kernel_matches_reference_c(chunk_references):
+    x, do, S_0, dS_N, tensors, states, state_grads, products, _ = chunk_references
+    actual = _interpreted("state_products", B, N, H, D, D, C, "float64")(
+        states.states, state_grads.d_states, states.v_new, state_grads.dv_new, do, tensors.chunk_decay)
+    for name, value in zip(("dq_decayed", "dk_to_chunk_end", "dw"), actual):
+        assert_close(value, getattr(products, name), rel_l2=FP32_FLOOR, name=name, chunk_size=C)
+    assert_close(actual[3], products.d_gamma_last, rel_l2=FP32_FLOOR, name="d gamma_C")
+
+
+def test_intra_kernel_matches_reference_c(chunk_references):
+    x, do, S_0, dS_N, tensors, states, state_grads, products, intra = chunk_references
+    actual = _interpreted("intra", B, N, H, D, D, C, "float64")(
+        x.q, x.k, x.v, x.g, x.beta, do, states.v_new, state_grads.dv_new, products.dq_decayed,
+        products.dk_to_chunk_end, products.dw, products.d_gamma_last)
+    for name, value, expected in zip(GRADIENTS, actual, intra):
+        assert_close(value, expected, rel_l2=TF32_FLOOR, name=name, chunk_size=C, axes=_axes(name))
+
+
+def _axes(gradient):
+    """The axes of one gradient, named for assert_close's messages."""
+    return {"dbeta": ("batch", "token", "head"), "d_initial_state": STATE_AXES}.get(gradient)
+
+
+def test_float64_backward_matches_reference_c_with_a_short_last_chunk():
+    """The wrapper's steps end to end: N = 90 is padded to three chunks of 32, gates down to 0.5."""
+    x, do, S_0, dS_N = _inputs(1, 90, 2, D, D, seed=4)
+    expected = reference.kernel_mirror_backward(x.q, x.k, x.v, x.g, x.beta, do, C, S_0, dS_N, BLOCK_DV)
+    for name, actual in zip(GRADIENTS, _interpret_backward(x, do, S_0, dS_N, C, BLOCK_DV, "float64")):
+        assert_close(actual, getattr(expected, name), rel_l2=TF32_FLOOR, name=name, axes=_axes(name))
+
+
+# ------------------------------------------------------------------------------------------ fp16 and bf16
+
+LOW_PRECISION_CASES = {
+    # name: (N, chunk_size, gate range, with S_0 and dS_N)
+    "many chunks, short last": (90, 32, (0.5, 1.0), True),
+    "one full chunk of 64, gates near 0.5": (64, 64, (0.5, 0.55), False),
+    "one short chunk": (20, 32, (0.5, 1.0), True),
+}
+
+
+@pytest.mark.parametrize("case", LOW_PRECISION_CASES)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_backward_rounds_like_its_dtype(dtype, case):
+    """Every gradient against reference A within twice the rounding floor and above u/4. Gates in
+    [0.5, 0.55] over a chunk of 64: e^{-gamma} reaches 2^60 there, far past fp16's 65504; the anchors
+    keep every operand bounded."""
+    N_case, chunk_size, gate_range, with_states = LOW_PRECISION_CASES[case]
+    x, do, S_0, dS_N = _inputs(1, N_case, 2, D, D, seed=N_case, gate_range=gate_range)
+    S_0, dS_N = (S_0, dS_N) if with_states else (None, None)
+    expected = reference.recurrent_backward(x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N)
+    floors = _rounding_floors(x, do, S_0, dS_N, dtype, expected)
+    u = UNIT_ROUNDOFF[dtype]
+    for name, actual in zip(GRADIENTS, _interpret_backward(x, do, S_0, dS_N, chunk_size, BLOCK_DV, dtype)):
+        assert np.all(np.isfinite(actual)), f"{name} is not finite"
+        rel_l2 = error_report(actual, getattr(expected, name)).rel_l2
+        assert ROUNDING_WINDOW[0] * u <= rel_l2 <= 2 * floors[name], \
+            f"{name}: rel L2 {rel_l2:.2e} outside [u/4, twice the rounding floor] = [{u / 4:.2e}, {2 * floors[name]:.2e}]"
+
+
+def _rounding_floors(x, do, S_0, dS_N, dtype, expected):
+    """{gradient: the rel L2 error an exact backward has from the dtype alone}: q, k, v and do rounded
+    to `dtype`, reference A in float64, dq, dk, dv rounded to `dtype` as the kernels return them
+    (measured 0.4u to 0.9u; the kernels 0.6u to 1.4u)."""
+    from stages.common.interpreter import round_to_dtype
+
+    q, k, v, do = (round_to_dtype(a, dtype).astype(np.float64) for a in (x.q, x.k, x.v, do))
+    rounded = reference.recurrent_backward(q, k, v, x.g, x.beta, do, S_0, dS_N)
+    floors = {}
+    for name in GRADIENTS:
+        value = getattr(rounded, name)
+        if name in ("dq", "dk", "dv"):
+            value = round_to_dtype(value, dtype).astype(np.float64)
+        floors[name] = error_report(value, getattr(expected, name)).rel_l2
+    return floors
+
+
+def test_inputs_unchanged_and_a_second_call_agrees():
+    x, do, S_0, dS_N = _inputs(1, 40, 2, D, D, seed=9)
+    arguments = [x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N]
+    before = [a.copy() for a in arguments]
+    first = _interpret_backward(x, do, S_0, dS_N, C, BLOCK_DV, "bfloat16")
+    for given, kept in zip(arguments, before):
+        assert np.array_equal(given, kept), "the backward changed an input"
+    for a, b in zip(first, _interpret_backward(x, do, S_0, dS_N, C, BLOCK_DV, "bfloat16")):
+        assert np.array_equal(a, b), "a second call gave another answer"
+
+
+# ------------------------------------------------------------------------------------------ the wrapper
+
+
+def test_wrapper_rejects_bad_input():
+    torch = pytest.importorskip("torch")
+    from stages.s06_backward.kernel import backward
+
+    q = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
+    g = -torch.ones(1, 64, 2, 64)
+    beta = torch.full((1, 64, 2), 0.5)
+    state = torch.zeros(1, 2, 64, 64)
+    cases = [
+        ((q, q, q, g, beta, q), {}, ValueError, "q must be on a CUDA device"),
+        ((q.float(), q, q, g, beta, q), {}, TypeError, "q must have dtype float16 or bfloat16, got float32"),
+        ((q, q, q, g, beta, q.half()), {}, ValueError, "do must have the dtype of q"),
+        ((q, q, q, g, beta, q[:, :32]), {}, ValueError, r"do must have the shape of v, \(1, 64, 2, 64\)"),
+        ((q, q, q, g, beta, q.float()), {}, TypeError, "do must have dtype float16 or bfloat16"),
+        ((q, q, q, g, beta, q), {"initial_state": state[..., :32].contiguous()}, ValueError,
+         r"initial_state must have shape \(B, H, d_k, d_v\) = \(1, 2, 64, 64\)"),
+        ((q, q, q, g, beta, q), {"d_final_state": state.half()}, TypeError, "d_final_state must have dtype float32"),
+        ((q, q, q, g[..., :32].contiguous(), beta, q), {}, ValueError, r"g must have shape \(B, N, H, d_k\)"),
+        ((q, q, q, g, beta, q), {"chunk_size": 128}, ValueError, "chunk_size must be 32 or 64"),
+        ((q, q, q, g, beta, q), {"block_dv": 24}, ValueError, "block_dv must be a multiple of 16"),
+        ((q, q, q, -g, beta, q), {}, ValueError, r"g must be finite and <= 0"),
+        ((q, q, q, g, beta + 1, q), {}, ValueError, r"beta must lie in \[0, 1\]"),
+    ]
+    for args, keywords, error, message in cases:
+        with pytest.raises(error, match=message):
+            backward(*args, **keywords)
+
+
+# ------------------------------------------------------------------------------------------ compile, GPU
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kernel", ["states", "state_gradient", "state_products", "intra"])
+def test_kernel_compiles_for_sm90a_without_spills(kernel):
+    """At the benchmark's head size (d = 128, chunks of 64, bf16): no spills, within one SM's shared memory."""
+    from stages.s06_backward.kernel import compile_report
+
+    report = compile_report(kernel, B=1, N=4096, H=8)
+    print(f"{kernel} sm_90a:", report.summary())
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
+    assert 0 < report.registers <= 255
+    assert report.shared_memory <= 227 * 1024, report.summary()
+
+
+def _cuda(x, do, S_0, dS_N, dtype):
+    import torch
+
+    q, k, v, do = (torch.tensor(a, dtype=dtype, device="cuda") for a in (x.q, x.k, x.v, do))
+    g, beta = (torch.tensor(a, dtype=torch.float32, device="cuda") for a in (x.g, x.beta))
+    states = [None if a is None else torch.tensor(a, dtype=torch.float32, device="cuda") for a in (S_0, dS_N)]
+    return (q, k, v, g, beta, do), states
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("N_gpu, D_gpu, with_states", [(1000, 64, True), (512, 128, False)])
+def test_backward_on_gpu_matches_reference_a(dtype_name, N_gpu, D_gpu, with_states):
+    """Gates down to 0.5, beta at 0 and 1, N not a multiple of the chunk; within 4u of reference A;
+    the inputs unchanged and a second call bitwise equal."""
+    import torch
+
+    from stages.s06_backward.kernel import backward
+
+    x, do, S_0, dS_N = _inputs(2, N_gpu, 2, D_gpu, D_gpu, seed=N_gpu)
+    S_0, dS_N = (S_0, dS_N) if with_states else (None, None)
+    expected = reference.recurrent_backward(x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N)
+    arguments, (S_0_cuda, dS_N_cuda) = _cuda(x, do, S_0, dS_N, getattr(torch, dtype_name))
+    before = [a.clone() for a in arguments]
+    result = backward(*arguments, initial_state=S_0_cuda, d_final_state=dS_N_cuda)
+    u = UNIT_ROUNDOFF[dtype_name]
+    for name, actual in zip(GRADIENTS, result):
+        report = error_report(actual, getattr(expected, name))
+        print(f"s06 backward {dtype_name} N={N_gpu} d={D_gpu} {name}: {report} ({report.rel_l2 / u:.2f}u)")
+        assert report.rel_l2 <= ROUNDING_WINDOW[1] * u, name
+    assert all(torch.equal(a, b) for a, b in zip(arguments, before)), "the backward changed an input"
+    again = backward(*arguments, initial_state=S_0_cuda, d_final_state=dS_N_cuda)
+    assert all(torch.equal(a, b) for a, b in zip(result, again)), "a second call gave another answer"
+
+
+@pytest.mark.gpu
+def test_backward_on_gpu_matches_fla_chunk_kda():
+    """bf16 at B=2, N=500, H=4, d=128, both states: each of our gradients is within twice FLA's own
+    error against the float64 reference A (or within u, where FLA's is smaller than that)."""
+    import torch
+
+    fla_ops = pytest.importorskip("fla.ops")
+    from stages.s06_backward.kernel import backward
+
+    x, do, S_0, dS_N = _inputs(2, 500, 4, 128, 128, seed=15)
+    expected = reference.recurrent_backward(x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N)
+    arguments, (S_0_cuda, dS_N_cuda) = _cuda(x, do, S_0, dS_N, torch.bfloat16)
+    ours = backward(*arguments, initial_state=S_0_cuda, d_final_state=dS_N_cuda)
+
+    leaves = [a.detach().clone().requires_grad_() for a in (*arguments[:5], S_0_cuda)]
+    o, final_state = fla_ops.chunk_kda(*leaves[:5], scale=1.0, initial_state=leaves[5], output_final_state=True)
+    ((o.float() * arguments[5].float()).sum() + (final_state * dS_N_cuda).sum()).backward()
+    u = UNIT_ROUNDOFF["bfloat16"]
+    for name, actual, leaf in zip(GRADIENTS, ours, leaves):
+        exact = getattr(expected, name)
+        ours_error, fla_error = error_report(actual, exact), error_report(leaf.grad, exact)
+        print(f"{name} bf16 vs float64: ours {ours_error}, FLA chunk_kda {fla_error}")
+        assert ours_error.rel_l2 <= max(2 * fla_error.rel_l2, u), name
