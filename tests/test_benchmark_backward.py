@@ -1,0 +1,72 @@
+"""benchmarks/backward.py on a CPU: its arguments, the ratios it reports from its rows, its CSV, the
+kernel digest it records, and a clear refusal without CUDA."""
+
+import pytest
+
+from benchmarks import backward, bench, fair
+
+
+def test_arguments_default_to_the_benchmark_shapes_and_three_rounds(tmp_path):
+    args = backward.parse_args(["--out", str(tmp_path)])
+    assert args.shapes == bench.SHAPES and args.rounds == 3 and args.block_dv is None and args.deadline is None
+    quick = backward.parse_args(["--out", "x", "--quick", "--block-dv", "16"])
+    assert quick.shapes == backward.QUICK_SHAPES and quick.rounds == backward.QUICK_ROUNDS and quick.block_dv == 16
+    chosen = backward.parse_args(["--out", "x", "--shapes", "2,1024,4,64", "--rounds", "5"])
+    assert chosen.shapes == [(2, 1024, 4, 64)] and chosen.rounds == 5
+
+
+@pytest.mark.parametrize("argv", [[], ["--out", "x", "--shapes", "1,4096"], ["--out", "x", "--rounds", "0"]])
+def test_bad_arguments_are_refused(argv):
+    with pytest.raises(SystemExit):
+        backward.parse_args(argv)
+
+
+def test_without_cuda_it_says_so_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert backward.main(["--out", str(tmp_path / "run")]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def _row(round_number, impl, what, ms, shape=(1, 4096, 32, 128), **extra):
+    B, N, H, D = shape
+    return dict(round=round_number, B=B, N=N, H=H, D=D, dtype="bfloat16", impl=impl, what=what, method="graph",
+                time_ms=f"{ms:.4f}" if ms is not None else "", **extra)
+
+
+def test_ratios_are_taken_round_by_round_from_the_csv(tmp_path):
+    rows = []
+    for r, (fla_kernels, ours_kernels, fla_call, ours_call, fla_backward, ours_backward) in enumerate(
+            [(4.0, 2.0, 6.0, 3.0, 3.0, 1.0), (4.4, 2.0, 6.0, 2.0, 3.0, 1.5), (3.6, 3.0, 6.0, 4.0, 3.0, 2.0)], 1):
+        rows += [_row(r, "fla", "fwd_bwd_kernels", fla_kernels), _row(r, "ours", "fwd_bwd_kernels", ours_kernels),
+                 _row(r, "fla", "fwd_bwd_call", fla_call), _row(r, "ours", "fwd_bwd_call", ours_call),
+                 _row(r, "fla", "backward_call", fla_backward), _row(r, "ours", "backward_kernels", ours_backward)]
+    rows.append(_row(3, "ours", "intra", None, error="RuntimeError: boom"))  # a failed row: no time
+    writer, f = backward.open_writer(tmp_path / backward.CSV_NAME)
+    for row in rows:
+        writer.writerow(row)
+    f.close()
+    named = backward.comparisons(fair.read_rows(tmp_path / backward.CSV_NAME))[(1, 4096, 32, 128)]
+    kernels = named["fwd+bwd kernels FLA / ours"]
+    assert (kernels.median, kernels.low, kernels.high, kernels.count) == (2.0, 1.2, 2.2, 3)
+    calls = named["fwd+bwd call FLA / ours"]
+    assert (calls.median, calls.low, calls.high) == (2.0, 1.5, 3.0)
+    assert named["backward FLA call / ours kernels"].median == 2.0
+
+
+def test_every_measurement_is_timed_once_per_round_in_alternating_order():
+    assert len(set(backward.MEASUREMENTS)) == len(backward.MEASUREMENTS)
+    assert {what for impl, what in backward.MEASUREMENTS if impl == "ours"} >= set(backward.BACKWARD_KERNELS)
+    from stages.s06_backward.kernel import BUILDERS
+
+    assert tuple(BUILDERS) == backward.BACKWARD_KERNELS  # every kernel the backward launches is timed alone
+
+
+def test_kernel_digest_is_the_stage_6_builders():
+    from pathlib import Path
+
+    import stages.s06_backward.kernel as kernel
+
+    digest = backward.kernel_digest()
+    assert len(digest) == 12 and digest == bench.program_digest(Path(kernel.__file__).read_text())
