@@ -1,0 +1,108 @@
+"""Stage 6's generated files: the gradients of references B and C against reference A, the identities
+and the refuted mistakes, and what storing or recomputing the chunk states costs."""
+
+import inspect
+
+import numpy as np
+
+from kdacourse.pages.stage_tables import identities_table
+from kdacourse.pages.tables import banner, markdown_table
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from stages.s06_backward.reference import chunkwise_backward, kernel_mirror_backward, recurrent_backward
+
+SOURCE = "kdacourse/pages/s06_backward.py"
+GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
+
+# B, N, H, d_k, d_v, chunk_size, block_dv, sub_block: one chunk, many chunks with a short last one,
+# the kernels' chunk and sub-block
+ERROR_TABLE_SHAPES = [
+    (2, 16, 2, 4, 4, 16, 2, 4),
+    (2, 50, 2, 8, 8, 16, 4, 8),
+    (1, 128, 2, 32, 32, 64, 16, 16),
+]
+
+
+def _backward_inputs(B, N, H, d_k, d_v, seed=0):
+    """The course's inputs (a in [0.9, 0.999], beta in [0.1, 0.9], unit q and k) with a random do,
+    initial state S_0^T and dLoss/dS_N^T."""
+    x = make_inputs(B, N, H, d_k, d_v, gate="channel", gate_range=(0.9, 0.999), beta_range=(0.1, 0.9), seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    return (x.q, x.k, x.v, x.g, x.beta, rng.standard_normal((B, N, H, d_v))), \
+        rng.standard_normal((B, H, d_k, d_v)), rng.standard_normal((B, H, d_k, d_v))
+
+
+def write_error_table(path):
+    rows = []
+    for B, N, H, d_k, d_v, C, block_dv, sub in ERROR_TABLE_SHAPES:
+        arguments, S_0, dS_N = _backward_inputs(B, N, H, d_k, d_v)
+        expected = recurrent_backward(*arguments, S_0, dS_N)
+        shape = f"B={B}, N={N}, H={H}, d_k={d_k}, d_v={d_v}, C={C}, block_dv={block_dv}, sub-block={sub}"
+        for name, actual in (("B chunkwise", chunkwise_backward(*arguments, C, S_0, dS_N)),
+                             ("C kernel mirror", kernel_mirror_backward(*arguments, C, S_0, dS_N, block_dv, sub))):
+            errors = [error_report(getattr(actual, g), getattr(expected, g)) for g in GRADIENTS]
+            rows.append([shape, f"{name} vs A"] + [f"{e.max_abs:.1e} / {e.rel_l2:.1e}" for e in errors])
+    path.write_text(
+        banner(SOURCE) + "Each cell: max abs error / relative L2 against reference A, float64; gates a in [0.9, 0.999], "
+        "beta in [0.1, 0.9], random do, S_0 and dLoss/dS_N.\n\n"
+        + markdown_table(["shape", "comparison", "dq", "dk", "dv", "dg", "dbeta", "dS_0"], rows))
+
+
+def write_identities_table(path):
+    from stages.common.symbolic import counterexample
+    from stages.s06_backward.identities import IDENTITIES, REFUTED
+
+    refuted = []
+    for build in REFUTED:
+        identity = build()
+        if inspect.signature(build).parameters:  # the builder's docstring ends with where it hides
+            where, there = build.__doc__.split(". ")[-1].rstrip("."), "proved" if build(True).holds() else "**FAILS**"
+        else:
+            where, there = "nowhere", "-"
+        refuted.append((f"`{build.__name__}`", identity.name, identity.statement,
+                        "refuted at one rational point" if counterexample(identity) else "**not refuted**", where, there))
+    path.write_text(identities_table(IDENTITIES, SOURCE) + "\n" + markdown_table(
+        ["function", "not an identity", "statement", "SymPy", "where it hides", "SymPy there"], refuted))
+
+
+# --8<-- [start:storage]
+def chunk_state_costs(B, N, H, D=128, C=64, element=2):
+    """What the backward pays for the state at every chunk start, per way of getting it
+    (d_k = d_v = D, tensors of `element` bytes). Times are lower bounds: bytes at the copy bandwidth,
+    FLOPs at the bf16 GEMM roof, both measured on the H200 (benchmarks/roofs.py)."""
+    from benchmarks.roofs import DESIGN_COPY_BANDWIDTH, DESIGN_GEMM_FLOPS
+
+    tokens = B * N * H  # token-heads
+    state_bytes = (tokens // C) * D * D * element  # one d_k x d_v state per chunk and head
+    reread_bytes = tokens * 3 * D * element  # W, U and K e^{gamma_C - gamma} read once more
+    loop_flops = tokens * 2 * (2 * D * D)  # per chunk: W S^T and (K e^{gamma_C - gamma})^T V_new
+    return {
+        "states held from forward to backward (MiB)": state_bytes / 2**20,
+        "store: written by the forward, read by the backward (ms)": 2 * state_bytes / DESIGN_COPY_BANDWIDTH * 1e3,
+        "recompute: the state loop's reads (ms)": reread_bytes / DESIGN_COPY_BANDWIDTH * 1e3,
+        "recompute: the state loop's GEMMs (ms)": loop_flops / DESIGN_GEMM_FLOPS * 1e3,
+    }
+# --8<-- [end:storage]
+
+
+STORAGE_SHAPES = [(1, 4096, 32), (1, 16384, 32), (1, 65536, 32), (8, 4096, 16)]  # B, N, H: the benchmark's
+
+
+def write_storage_table(path):
+    from benchmarks.roofs import DESIGN_COPY_BANDWIDTH, DESIGN_GEMM_FLOPS
+
+    rows = []
+    for B, N, H in STORAGE_SHAPES:
+        costs = chunk_state_costs(B, N, H)
+        rows.append([f"B={B}, N={N}, H={H}"] + [f"{value:.3g}" for value in costs.values()])
+    path.write_text(
+        banner(SOURCE) + "d_k = d_v = 128, C = 64, bf16 states and operands, one layer; times are lower bounds at "
+        f"{DESIGN_COPY_BANDWIDTH / 1e12:.2f} TB/s and {DESIGN_GEMM_FLOPS / 1e12:.0f} TFLOP/s.\n\n" + markdown_table(["shape", *chunk_state_costs(1, 64, 1)], rows))
+
+
+def generated_files():
+    return {
+        "docs/generated/s06_errors.md": write_error_table,
+        "docs/generated/s06_identities.md": write_identities_table,
+        "docs/generated/s06_chunk_states.md": write_storage_table,
+    }

@@ -1,0 +1,49 @@
+"""Tests of exercise s06.chunkwise_backward: reference B's gradients against the complex-step derivative
+of the delta-rule form of KDA (oracle.py), at one chunk and many, a short last chunk, chunks of one
+token, gates down to 0.5 and beta at 0 and 1."""
+
+import numpy as np
+import pytest
+
+from tests.exercises.s06_backward.oracle import assert_gradients_close, backward_inputs, gradients
+
+STAGE = "s06_backward"
+GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
+
+
+@pytest.fixture
+def chunkwise_backward(target_module):
+    return target_module(STAGE, "chunkwise_backward.py").chunkwise_backward
+
+
+@pytest.mark.parametrize("B, N, H, d_k, d_v, chunk_size", [
+    (1, 8, 1, 4, 3, 8),  # one chunk
+    (2, 11, 2, 5, 3, 4),  # three chunks, the last one short
+    (1, 12, 2, 4, 4, 3),  # four chunks
+    (1, 5, 1, 3, 2, 8),  # a chunk longer than the sequence
+    (1, 6, 2, 4, 3, 1),  # chunks of one token: T = I, M = 0
+])
+def test_matches_complex_step(chunkwise_backward, B, N, H, d_k, d_v, chunk_size):
+    x, do, S_0, dS_N = backward_inputs(B, N, H, d_k, d_v, seed=N + chunk_size)
+    result = chunkwise_backward(x.q, x.k, x.v, x.g, x.beta, do, chunk_size, S_0, dS_N)
+    assert_gradients_close(result._asdict(), gradients(x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N), GRADIENTS,
+                           chunk_size=chunk_size)
+
+
+def test_gentle_gates_and_no_states(chunkwise_backward):
+    """The benchmark's gates [0.9, 0.999], S_0 = 0 and no gradient for S_N: the output's gradient alone."""
+    x, do, _, _ = backward_inputs(1, 16, 1, 8, 4, seed=5, gate_range=(0.9, 0.999))
+    result = chunkwise_backward(x.q, x.k, x.v, x.g, x.beta, do, 8)
+    assert_gradients_close(result._asdict(), gradients(x.q, x.k, x.v, x.g, x.beta, do), GRADIENTS, chunk_size=8)
+
+
+def test_inputs_unchanged_and_a_second_call_agrees(chunkwise_backward):
+    x, do, S_0, dS_N = backward_inputs(1, 10, 2, 4, 3, seed=4)
+    arguments = (x.q, x.k, x.v, x.g, x.beta, do, 4, S_0, dS_N)
+    before = [np.copy(a) for a in arguments]
+    first = chunkwise_backward(*arguments)
+    second = chunkwise_backward(*arguments)
+    for original, after in zip(before, arguments):
+        assert np.array_equal(original, after), "an input changed during the call"
+    for name in GRADIENTS:
+        assert np.array_equal(getattr(first, name), getattr(second, name)), f"{name} differs between two calls"
