@@ -86,6 +86,13 @@ def _beta_derivatives(M, betas, T, dA_hat):
     return sp.Matrix([sp.diff(loss, betas[c, c]) for c in range(betas.rows)])
 
 
+def _cumsum_gradient():
+    """dgamma (C x 1 symbols) and the gradient of <dgamma, gamma> with respect to g, gamma_r = g_0 + ... + g_r."""
+    g, dgamma = matrix("g", C_CUMSUM, 1), matrix("dgamma", C_CUMSUM, 1)
+    gamma = sp.Matrix([sum(g[:r + 1]) for r in range(C_CUMSUM)])
+    return dgamma, _gradient(_inner(dgamma, gamma), g)
+
+
 def _step(S, k, v, g, beta):
     """X_t = S_{t-1} Diag(a_t), P_t = I - beta k k^T, S_t = X_t P_t + beta v k^T."""
     X = S * sp.diag(*[sp.exp(g_d) for g_d in g])
@@ -150,13 +157,12 @@ def beta_gradient():
 
 
 def cumsum_adjoint():
-    g, dgamma = matrix("g", C_CUMSUM, 1), matrix("dgamma", C_CUMSUM, 1)
-    gamma = sp.Matrix([sum(g[:r + 1]) for r in range(C_CUMSUM)])
+    dgamma, cumsum_gradient = _cumsum_gradient()
     return Identity(
         "reverse cumsum = adjoint of cumsum",
         "gamma_r = g_0 + ... + g_r (a lower triangle of ones): dg_s = dgamma_s + dgamma_{s+1} + ... + "
         "dgamma_{C-1}, the upper triangle of ones, a reverse cumulative sum that includes s.",
-        _gradient(_inner(dgamma, gamma), g),
+        cumsum_gradient,
         sp.Matrix([sum(dgamma[s:]) for s in range(C_CUMSUM)]),
     )
 
@@ -277,14 +283,13 @@ def beta_gradient_columns_as_rows(zero_scores=False):
 
 def cumsum_adjoint_exclusive():
     """The reverse cumulative sum without its own term."""
-    g, dgamma = matrix("g", C_CUMSUM, 1), matrix("dgamma", C_CUMSUM, 1)
-    gamma = sp.Matrix([sum(g[:r + 1]) for r in range(C_CUMSUM)])
+    dgamma, cumsum_gradient = _cumsum_gradient()
     return Identity(
         "exclusive reverse cumsum",
         "dg_s = dgamma_{s+1} + ... + dgamma_{C-1} differs from the adjoint of the cumulative sum, which "
         "includes dgamma_s.",
         sp.Matrix([sum(dgamma[s + 1:], sp.Integer(0)) for s in range(C_CUMSUM)]),
-        _gradient(_inner(dgamma, gamma), g),
+        cumsum_gradient,
     )
 
 
