@@ -54,16 +54,16 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
             dM_T = dL_T * beta_c[:, None]  # dM = dL diag(beta), transposed
             dA_qk_T = np.triu(v_new[b, rows, h] @ do[b, rows, h].T)  # GEMM; j <= c: upper with the diagonal
 
-            dQ_scores, dK_rows, dK_columns = score_gradients(Q, K, gamma, dA_qk_T, dM_T, sub_block)
-            dQ = products.dq_decayed[b, rows, h] * decay_from_start + dQ_scores
-            dK_from_rows = dK_decayed * decay_from_start + dK_rows  # K appeared as e^{+gamma}
+            dQ_scores, dK_rows, dK_columns, dgamma = score_gradients(Q, K, gamma, dA_qk_T, dM_T, sub_block)
+            dQ_decayed = products.dq_decayed[b, rows, h] * decay_from_start
+            dK_decayed *= decay_from_start
             dK_to_end = products.dk_to_chunk_end[b, rows, h] * decay_to_end
-            dK_from_columns = dK_columns + dK_to_end  # K appeared as e^{-gamma}
-            dgamma = Q * dQ + K * (dK_from_rows - dK_from_columns)
+            dq[b, rows, h] = dQ_decayed + dQ_scores
+            dk[b, rows, h] = dK_decayed + dK_rows + dK_columns + dK_to_end
+            dgamma += Q * dQ_decayed + K * (dK_decayed - dK_to_end)  # e^{+gamma} twice, e^{-gamma} once
             # gamma_C enters e^{gamma_C - gamma} of every row and the state's decay; it lies in the
             # last row, which every dg[s] sums: added to all rows at once
             d_gamma_last = np.sum(K * dK_to_end, axis=0) + products.d_gamma_last[b, i_c, h]
             dg[b, rows, h] = np.cumsum(dgamma[::-1], axis=0)[::-1] + d_gamma_last
-            dq[b, rows, h], dk[b, rows, h] = dQ, dK_from_rows + dK_from_columns
             # EXERCISE END
     return dq, dk, dv, dg, dbeta
