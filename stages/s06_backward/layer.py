@@ -93,7 +93,7 @@ class ShortConvolution(nn.Module):
         extended = torch.cat([past.to(x.dtype), x], dim=1)  # (B, size - 1 + T, channels)
         # conv1d correlates: output t reads extended[t : t + size], whose last row is x_t
         y = F.conv1d(extended.transpose(1, 2), self.weight, groups=channels).transpose(1, 2)
-        return F.silu(y), extended[:, T:]
+        return F.silu(y).contiguous(), extended[:, T:]  # contiguous: (B, T, H, D) views for the kernels
 # --8<-- [end:short_convolution]
 
 
