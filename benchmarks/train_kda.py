@@ -22,7 +22,8 @@ model (the same initial weights, the same batches) whose layers call FLA's chunk
 reports how far apart the two loss curves are.
 
 Writes DIR/train_kda.csv (step, loss, query accuracy, and FLA's with --compare-fla) and
-DIR/train_kda_loss.svg (the loss curves), and prints a summary.
+DIR/train_kda_loss.svg (the loss curves), and prints a summary. --replot draws the plot again from
+the CSV (for a run on a machine without matplotlib).
 """
 
 import argparse
@@ -168,6 +169,13 @@ def summary(rows: list[dict], window: int = 10) -> dict:
     return result
 
 
+def read_csv(path: Path) -> list[dict]:
+    """The rows write_csv wrote: the step an int, the rest floats."""
+    with path.open(newline="") as file:
+        return [{key: int(value) if key == "step" else float(value) for key, value in row.items()}
+                for row in csv.DictReader(file)]
+
+
 def write_csv(rows: list[dict], path: Path) -> None:
     with path.open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=list(rows[0]))
@@ -216,6 +224,8 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-fla", action="store_true", help="also train the same model on FLA's chunk_kda (CUDA)")
+    parser.add_argument("--replot", action="store_true",
+                        help="train nothing: draw DIR/train_kda_loss.svg from DIR/train_kda.csv (give the run's --vocab)")
     args = parser.parse_args(argv)
     if args.compare_fla and args.device != "cuda":
         parser.error("--compare-fla needs --device cuda (FLA's kernels are Triton kernels for a GPU)")
@@ -233,21 +243,29 @@ def _positive(text):
 
 def main(argv=None):
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    threads = torch.get_num_threads()
-    if args.device == "cpu":
-        torch.set_num_threads(1)  # tensors of a few KiB: more threads only wait on each other (3x slower on 2 cores)
-    try:
-        rows = train(args)
-    finally:
-        torch.set_num_threads(threads)
-    write_csv(rows, args.out / "train_kda.csv")
+    csv_path, plot_path = args.out / "train_kda.csv", args.out / "train_kda_loss.svg"
+    if args.replot:
+        rows = read_csv(csv_path)
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        threads = torch.get_num_threads()
+        if args.device == "cpu":
+            torch.set_num_threads(1)  # tensors of a few KiB: more threads only wait on each other (3x slower on 2 cores)
+        try:
+            rows = train(args)
+        finally:
+            torch.set_num_threads(threads)
+        write_csv(rows, csv_path)
     result = summary(rows)
-    title = f"associative recall, {args.pairs} pairs, {args.layers} KDA layers, {args.device}"
-    plot(rows, args.out / "train_kda_loss.svg", title, guess=math.log(args.vocab))
     for key, value in result.items():
         print(f"{key}: {value:.4f}")
-    print(f"wrote {args.out / 'train_kda.csv'} and {args.out / 'train_kda_loss.svg'}")
+    try:
+        plot(rows, plot_path, f"associative recall, {args.pairs} pairs, {args.layers} KDA layers",
+             guess=math.log(args.vocab))
+    except ImportError as error:  # a GPU machine without matplotlib: the CSV is what matters
+        print(f"no plot ({error}); draw it where matplotlib is: python -m benchmarks.train_kda --out DIR --replot")
+        return result
+    print(f"wrote {csv_path} and {plot_path}")
     return result
 
 

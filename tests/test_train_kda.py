@@ -41,7 +41,11 @@ def test_the_command_writes_its_csv_and_plot(tmp_path):
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
     assert list(rows[0]) == ["step", "loss_ours", "accuracy_ours"]
     assert all(math.isfinite(float(r["loss_ours"])) for r in rows)
-    assert (tmp_path / "run" / "train_kda_loss.svg").read_text().lstrip().startswith("<?xml")
+    plot = tmp_path / "run" / "train_kda_loss.svg"
+    assert plot.read_text().lstrip().startswith("<?xml")
+    plot.unlink()
+    replotted = train_kda.main(["--out", str(tmp_path / "run"), "--replot"])
+    assert plot.is_file() and replotted["last_loss_ours"] == pytest.approx(sum(float(r["loss_ours"]) for r in rows) / 3)
 
 
 def test_compare_fla_needs_cuda(capsys):
