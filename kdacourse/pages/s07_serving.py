@@ -1,0 +1,136 @@
+"""Stage 7's generated files: the error table of the varlen references against each sequence run
+alone, the state's memory per sequence and the batch it allows, the chunk table of an example batch,
+and the padding of prefill's length groups."""
+
+import numpy as np
+
+from kdacourse.pages.tables import banner, markdown_table
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from stages.s07_serving.kernel import length_groups
+from stages.s07_serving.reference import chunk_table, chunkwise, kernel_mirror, recurrent
+
+SOURCE = "kdacourse/pages/s07_serving.py"
+GIB = 2**30
+
+# lengths of one packed batch, chunk_size, block_dv, sub_block
+ERROR_TABLE_MIXES = [((5, 0, 17, 16, 1, 33), 8, 4, 4), ((100, 64, 1, 200), 64, 16, 16)]
+
+
+def _each_sequence_alone(x, cu_seqlens, initial_state):
+    """o and final states with each sequence run alone through stage 6's reference A (its own
+    initial-state code, paper layout): an answer that shares no code with stage 7's references."""
+    from stages.s06_backward.reference import recurrent_backward
+
+    o, states = np.zeros(x.v.shape), initial_state.copy()
+    for i, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        if end > start:
+            rows = slice(start, end)
+            alone = recurrent_backward(*(a[:, rows] for a in (x.q, x.k, x.v, x.g, x.beta)), np.zeros(x.v[:, rows].shape),
+                                       initial_state[i:i + 1])
+            o[:, rows], states[i] = alone.o, alone.final_state[0]
+    return o, states
+
+
+def write_error_table(path):
+    rows = []
+    for lengths, C, block_dv, sub in ERROR_TABLE_MIXES:
+        H, d_k, d_v = 2, 16, 16
+        x = make_inputs(1, sum(lengths), H, d_k, d_v, gate="channel", gate_range=(0.5, 1.0), beta_range=(0.0, 1.0),
+                        seed=0)
+        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+        S0 = np.random.default_rng(1).standard_normal((len(lengths), H, d_k, d_v))
+        expected_o, expected_states = _each_sequence_alone(x, cu_seqlens, S0)
+        args = (x.q, x.k, x.v, x.g, x.beta)
+        for name, (o, states) in (
+                ("A, one packed call", recurrent(*args, cu_seqlens, S0, output_final_state=True)),
+                ("B, one packed call", chunkwise(*args, C, cu_seqlens, S0, output_final_state=True)),
+                ("C, one packed call", kernel_mirror(*args, C, block_dv, cu_seqlens, S0, output_final_state=True,
+                                                     sub_block=sub))):
+            o_error, state_error = error_report(o, expected_o), error_report(states, expected_states)
+            rows.append((", ".join(map(str, lengths)), f"C={C}", name, f"{o_error.rel_l2:.2e}",
+                         f"{state_error.rel_l2:.2e}"))
+    path.write_text(
+        banner(SOURCE) + "H = 2, d_k = d_v = 16, a in [0.5, 1], beta in [0, 1], a random initial state per sequence. "
+        "Each reference runs the packed batch once (cu_seqlens); the answer it is compared with runs each sequence "
+        "alone through stage 6's reference A. Relative L2 errors.\n\n"
+        + markdown_table(["lengths", "chunk", "reference", "o", "final states"], rows))
+
+
+# the serving shape: Kimi Linear's KDA heads (H = 32, d_k = d_v = 128), fp32 states
+SERVING_H, SERVING_D = 32, 128
+KDA_LAYERS = (1, 24)  # one layer; a model of 24 KDA layers (3 of every 4 layers of a 32-layer model)
+STATE_BUDGETS_GIB = (8, 40)
+
+
+# --8<-- [start:state_bytes]
+def state_bytes(H: int, d_k: int, d_v: int, layers: int, bytes_per_entry: int = 4) -> int:
+    """The state of one sequence: H heads of a d_k x d_v matrix per KDA layer, whatever its length."""
+    return layers * H * d_k * d_v * bytes_per_entry
+
+
+def kv_cache_bytes(tokens: int, H: int, d: int, layers: int, bytes_per_entry: int = 2) -> int:
+    """What full attention keeps instead: a key and a value per token, head and layer (bf16)."""
+    return layers * tokens * 2 * H * d * bytes_per_entry
+# --8<-- [end:state_bytes]
+
+
+def write_state_memory_table(path):
+    rows = []
+    for layers in KDA_LAYERS:
+        per_sequence = state_bytes(SERVING_H, SERVING_D, SERVING_D, layers)
+        tokens_equal = per_sequence // kv_cache_bytes(1, SERVING_H, SERVING_D, layers)
+        cells = [str(layers), f"{per_sequence / 2**20:.0f} MiB", f"{tokens_equal}"]
+        cells += [f"{budget * GIB // per_sequence}" for budget in STATE_BUDGETS_GIB]
+        rows.append(cells)
+    path.write_text(
+        banner(SOURCE) + f"H = {SERVING_H} heads of d_k = d_v = {SERVING_D}, fp32 states. The KV cache of full "
+        "attention with the same heads, bf16 keys and values, reaches the same bytes after the number of tokens "
+        "in the third column; the last columns are the sequences whose states fit in a pool of that size.\n\n"
+        + markdown_table(["KDA layers", "state per sequence", "KV-cache tokens of equal size"]
+                         + [f"sequences in {budget} GiB" for budget in STATE_BUDGETS_GIB], rows))
+
+
+CHUNK_TABLE_LENGTHS, CHUNK_TABLE_C = (100, 0, 64, 1, 200), 64
+
+
+def write_chunk_table(path):
+    cu_seqlens = np.concatenate([[0], np.cumsum(CHUNK_TABLE_LENGTHS)])
+    chunks, chunk_offsets = chunk_table(cu_seqlens, CHUNK_TABLE_C)
+    rows = []
+    for p, (sequence, chunk) in enumerate(chunks):
+        start = cu_seqlens[sequence] + chunk * CHUNK_TABLE_C
+        end = min(start + CHUNK_TABLE_C, cu_seqlens[sequence + 1])
+        rows.append((str(p), str(sequence), str(chunk), f"{start} to {end - 1}", str(end - start)))
+    path.write_text(
+        banner(SOURCE) + f"Lengths {', '.join(map(str, CHUNK_TABLE_LENGTHS))} (cu_seqlens = "
+        f"{', '.join(map(str, cu_seqlens))}), C = {CHUNK_TABLE_C}; chunk_offsets = "
+        f"{', '.join(map(str, chunk_offsets))}.\n\n"
+        + markdown_table(["program", "sequence", "chunk in sequence", "tokens", "rows loaded (the rest zeros)"], rows))
+
+
+def write_padding_table(path):
+    from benchmarks.varlen import MIXES, mix_lengths
+
+    rows = []
+    for index, name in enumerate(MIXES):
+        lengths = mix_lengths(name, index)
+        groups = length_groups(lengths, 64)
+        padded = sum(length * len(members) for length, members in groups.items())
+        one_batch = len(lengths) * max(-(-n // 64) * 64 for n in lengths)
+        rows.append((name, str(len(lengths)), str(sum(lengths)), f"{padded} ({padded / sum(lengths):.2f}x)",
+                     str(len(groups)), f"{one_batch} ({one_batch / sum(lengths):.2f}x)"))
+    path.write_text(
+        banner(SOURCE) + "The mixes of benchmarks/varlen.py (lengths log-uniform; C = 64). prefill's length groups "
+        "against one batch padded to the longest sequence.\n\n"
+        + markdown_table(["mix", "sequences", "tokens", "tokens once grouped", "groups (stage 5 calls)",
+                          "tokens padded to the longest"], rows))
+
+
+def generated_files():
+    return {
+        "docs/generated/s07_errors.md": write_error_table,
+        "docs/generated/s07_state_memory.md": write_state_memory_table,
+        "docs/generated/s07_chunk_table.md": write_chunk_table,
+        "docs/generated/s07_padding.md": write_padding_table,
+    }
