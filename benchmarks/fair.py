@@ -191,15 +191,23 @@ def _forward_defaults():
             for name in ("chunk_size", "block_dv", "num_stages", "threads", "prepare_threads")}
 
 
-def program_costs(B, N, H, D):
+def forward_block_dv(B, H, D, num_sms):
+    """The recurrence's block_dv that forward takes at this shape on a GPU of num_sms SMs."""
+    from stages.s05_fast_kda import kernel
+
+    return _forward_defaults()["block_dv"] or kernel.default_block_dv(B, H, D, num_sms)
+
+
+def program_costs(B, N, H, D, num_sms):
     """{kernel: Cost} of stage 5's two programs at this shape, as forward builds them."""
     from stages.common.program_cost import program_cost
     from stages.s05_fast_kda import kernel
 
     o = _forward_defaults()
+    block_dv = forward_block_dv(B, H, D, num_sms)
     return {"prepare": program_cost(kernel.build_prepare_program(B, N, H, D, D, o["chunk_size"], DTYPE,
                                                                  o["prepare_threads"])),
-            "recurrence": program_cost(kernel.build_recurrence_program(B, N, H, D, D, o["chunk_size"], o["block_dv"],
+            "recurrence": program_cost(kernel.build_recurrence_program(B, N, H, D, D, o["chunk_size"], block_dv,
                                                                        DTYPE, o["num_stages"], o["threads"]))}
 
 
@@ -234,12 +242,14 @@ class Shape:
         self.errors, self.methods, self.functions = {}, {}, {}
         q, k, v, g, beta = bench.make_inputs(bench.STAGES["s05"], B, N, H, D, torch.bfloat16)
         o = _forward_defaults()
+        num_sms = kernel.streaming_multiprocessors(q.device)
+        self.block_dv = forward_block_dv(B, H, D, num_sms)
         prepare = kernel._compiled_prepare(B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"])
-        recurrence = kernel._compiled_recurrence(B, N, H, D, D, o["chunk_size"], o["block_dv"], DTYPE,
+        recurrence = kernel._compiled_recurrence(B, N, H, D, D, o["chunk_size"], self.block_dv, DTYPE,
                                                  o["num_stages"], o["threads"])
         state = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device)
         prepared = prepare(q, k, v, g, beta)
-        self.costs = program_costs(B, N, H, D)
+        self.costs = program_costs(B, N, H, D, num_sms)
         launches = {"kernels": lambda: recurrence(*prepare(q, k, v, g, beta), state),
                     "prepare": lambda: prepare(q, k, v, g, beta),
                     "recurrence": lambda: recurrence(*prepared, state)}

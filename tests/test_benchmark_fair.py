@@ -109,10 +109,23 @@ def test_a_round_writes_times_errors_and_the_kernels_costs(tmp_path):
 
 def test_program_costs_count_the_kernels_forward_launches():
     pytest.importorskip("tilelang")
-    costs = fair.program_costs(1, 256, 2, 128)
+    costs = fair.program_costs(1, 256, 2, 128, num_sms=132)
     tokens = 256 * 2
     assert costs["prepare"].bytes_by_buffer["A_qk"] == tokens * 64 * 2  # bf16, chunk 64: forward's defaults
     assert costs["recurrence"].bytes_by_buffer["O"] == tokens * 128 * 2
+    # every program of a (batch, head) reads the whole W: 4 programs of 32 columns here, 2 of 64 at B=8 H=66
+    assert costs["recurrence"].bytes_by_buffer["W"] == 4 * tokens * 128 * 2
+    wide = fair.program_costs(8, 64, 66, 128, num_sms=132)
+    assert wide["recurrence"].bytes_by_buffer["W"] == 2 * 8 * 64 * 66 * 128 * 2
+
+
+def test_block_dv_is_wide_only_where_every_sm_keeps_a_program():
+    from stages.s05_fast_kda.kernel import default_block_dv
+
+    assert default_block_dv(1, 32, 128, 132) == 32  # 64 programs of 64 columns would idle 68 SMs
+    assert default_block_dv(8, 16, 128, 132) == 64  # 256 programs of 64
+    assert default_block_dv(2, 33, 128, 132) == 64 and default_block_dv(2, 32, 128, 132) == 32  # the boundary
+    assert default_block_dv(8, 16, 96, 132) == 32  # 64 does not divide d_v
 
 
 def _committed_run(folder, complete=True):
@@ -210,6 +223,7 @@ def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, 
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(bench, "make_inputs", on_cpu)
     monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(kernel, "streaming_multiprocessors", lambda device: 132)
     monkeypatch.setattr(kernel, "_compiled_prepare", interpreted(kernel.build_prepare_program, [5, 6, 7, 8, 9, 10]))
     monkeypatch.setattr(kernel, "_compiled_recurrence", interpreted(kernel.build_recurrence_program, [7, 8]))
     monkeypatch.setattr(bench, "fla", lambda stage: (_ for _ in ()).throw(ImportError("no FLA here")))

@@ -209,6 +209,8 @@ def write_variants_table(path):
     rows = []
     base = [summary[shape]["committed"][0] for shape in shapes]
     for name, build in s05_variants.VARIANTS.items():
+        if any(name not in summary[shape] for shape in shapes):
+            continue  # measured in a later run: write_later_variants_table
         prepare = [summary[shape][name][0] for shape in shapes]
         error = max(summary[shape][name][3] for shape in shapes)
         rows.append([f"**{name}** (adopted)" if name == ADOPTED_VARIANT else name,
@@ -217,6 +219,46 @@ def write_variants_table(path):
                      " / ".join(f"{b / t:.2f}x" for b, t in zip(base, prepare)),
                      *(f"{summary[shape][name][2] / summary[shape][name][1]:.2f}" for shape in shapes),
                      "bitwise equal" if error == 0 else f"rel L2 {error:.1e}"])
+    path.write_text(banner("kdacourse/pages/s05_fast_kda.py") + markdown_table(header, rows))
+
+
+def write_later_variants_table(path):
+    """The variants tried after the adopted one, measured on the H200 on 2026-12-01: the prepare
+    kernel's paired GEMMs (benchmarks/results/s05_variants_paired.csv, against staged_all, the
+    committed kernel then) and the recurrence's (benchmarks/s05_recurrence_variants.py,
+    benchmarks/results/s05_recurrence_variants.csv, against the recurrence committed then)."""
+    import csv
+    import statistics
+
+    from benchmarks import s05_recurrence_variants, s05_variants
+    from kdacourse import REPO_ROOT
+
+    results = REPO_ROOT / "benchmarks" / "results"
+    with (results / "s05_variants_paired.csv").open() as f:
+        prepare = s05_variants.summarize(list(csv.DictReader(f)))
+    with (results / "s05_recurrence_variants.csv").open() as f:
+        recurrence_rows = list(csv.DictReader(f))
+    shapes = sorted(prepare)
+    header = ["kernel", "variant", "what it changes"] + [f"ms, B={B} N={N} H={H}" for B, N, H, _ in shapes] + \
+        ["speed-up"]
+    rows = []
+    for name in ("staged_all", "paired", "paired_slabs"):
+        times = [prepare[shape][name][0] for shape in shapes]
+        base = [prepare[shape]["staged_all"][0] for shape in shapes]
+        rows.append(["prepare", name, " ".join(re.split(r"\.\s", s05_variants.VARIANTS[name].__doc__)[0].split()).rstrip("."),
+                     *(f"{t:.3f}" for t in times), " / ".join(f"{b / t:.2f}x" for b, t in zip(base, times))])
+    by_variant = {}
+    for row in recurrence_rows:
+        shape = tuple(int(row[k]) for k in ("B", "N", "H", "D"))
+        by_variant.setdefault(row["variant"], {}).setdefault(shape, []).append(float(row["recurrence_ms"]))
+    medians = {name: {shape: statistics.median(t) for shape, t in per_shape.items()}
+               for name, per_shape in by_variant.items()}
+    for name, per_shape in medians.items():
+        base_name, _, columns = name.partition("_dv")
+        what = " ".join(re.split(r"\.\s", s05_recurrence_variants.VARIANTS[base_name].__doc__)[0].split()).rstrip(".")
+        what += f"; {columns or s05_recurrence_variants.DEFAULT_BLOCK_DV} columns a program"
+        rows.append(["recurrence", name, what, *(f"{per_shape[shape]:.3f}" for shape in shapes),
+                     " / ".join(f"{medians['committed'][shape] / per_shape[shape]:.2f}x" for shape in shapes)])
     path.write_text(banner("kdacourse/pages/s05_fast_kda.py") + markdown_table(header, rows))
 
 
@@ -230,4 +272,5 @@ def generated_files():
         "docs/generated/s05_fp16.md": write_fp16_table,
         "docs/generated/s05_bytes.md": write_bytes_table,
         "docs/generated/s05_variants.md": write_variants_table,
+        "docs/generated/s05_later_variants.md": write_later_variants_table,
     }

@@ -10,7 +10,8 @@ prepare: one program per (chunk, batch x head), thousands of them, no state. Per
 
 recurrence: one program per (block of d_v columns, batch x head), the state S^T (d_k x block_dv)
 in registers as an fp32 fragment for the whole sequence, a pipelined chunk loop (stage 1's
-kernel with three more GEMM operands):
+kernel with three more GEMM operands); block_dv is 64 where that still gives every SM a program,
+else 32 (default_block_dv):
     V_new = U - W S^T
     O     = (Q e^gamma) S^T + A_qk V_new            written before ...
     S^T  <- Diag(e^{gamma_C}) S^T + (K e^{gamma_C - gamma})^T V_new   ... the state moves on
@@ -260,6 +261,7 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
             chunk_decay_s = T.alloc_shared((d_k,), accum_dtype)
             S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
             V_new_s = T.alloc_shared((C, block_dv), dtype)
+            O_s = T.alloc_shared((C, block_dv), dtype)  # o staged for a store of whole rows
 
             S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across chunks
             V_new_f = T.alloc_fragment((C, block_dv), accum_dtype)
@@ -285,7 +287,10 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
                 # inter-chunk term, then the intra-chunk term added into the same accumulator
                 T.gemm(Q_decayed_s, S_s, acc_o, clear_accum=True)
                 T.gemm(A_qk_s, V_new_s, acc_o)
-                T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
+                # through shared memory, then one TMA store: from the fragment, o went out in 4-byte
+                # stores spread over 8 rows
+                T.copy(acc_o, O_s)
+                T.copy(O_s, O[b, t0:t0 + C, h, v0:v0 + block_dv])
 
                 # only now does the state move past this chunk: decay row by row, then the GEMM
                 for d, j in T.Parallel(d_k, block_dv):
@@ -315,13 +320,14 @@ def _compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_sta
 
 # --8<-- [start:forward]
 def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
-            chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2,
+            chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int | None = None, num_stages: int = 2,
             threads: int = 128, prepare_threads: int | None = None, initial_state: "torch.Tensor | None" = None,
             output_final_state: bool = False,
             check_values: bool = True) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
     """Run both kernels on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16),
     g: (B, N, H, d_k) fp32 log gates (<= 0), beta: (B, N, H) fp32 in [0, 1].
 
+    block_dv=None takes default_block_dv for this shape and GPU.
     initial_state: S_0^T (B, H, d_k, d_v) fp32 or None (zeros). Returns o: (B, N, H, d_v) in the
     input dtype, and with output_final_state also the final state S^T (B, H, d_k, d_v) fp32.
     N need not be a multiple of chunk_size: the sequence is zero-padded, which is exact (see
@@ -333,11 +339,13 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     check_gate("beta", beta, (B, N, H), "(B, N, H)")
     if initial_state is not None:
         check_gate("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
-    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
     if check_values:
         check_gate_values(g, beta)
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
+    if block_dv is None:
+        block_dv = default_block_dv(B, H, d_v, streaming_multiprocessors(q.device))
 
     N_padded = padded_length(N, chunk_size)
     q, k, v, g, beta = pad_tokens(N_padded, q, k, v, g, beta)
@@ -350,6 +358,27 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     o = o[:, :N]
     return (o, final_state) if output_final_state else o
 # --8<-- [end:forward]
+
+
+def default_block_dv(B: int, H: int, d_v: int, num_sms: int) -> int:
+    """The recurrence's columns a program: 64 where B * H * d_v / 64 programs still give each of the
+    GPU's num_sms SMs one, else DEFAULT_BLOCK_DV (32).
+
+    Every program of one (batch, head) reads the same W, Q e^gamma, K e^{gamma_C - gamma} and A_qk, so
+    64 columns halve what the recurrence reads; but each program walks all N / C chunks in a row, so
+    fewer programs than SMs leave SMs idle for the whole kernel. H200 (132 SMs), bf16
+    (benchmarks/s05_recurrence_variants.py): 0.31 -> 0.24 ms at B=8 N=4096 H=16 (256 programs of 64),
+    0.30 -> 0.44 ms at B=1 N=16384 H=32 (64 programs of 64 against 128 of 32).
+    """
+    wide = 2 * DEFAULT_BLOCK_DV
+    return wide if d_v % wide == 0 and B * H * (d_v // wide) >= num_sms else DEFAULT_BLOCK_DV
+
+
+@functools.cache
+def streaming_multiprocessors(device: "torch.device") -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def zero_state(B: int, H: int, d_k: int, d_v: int, device: "torch.device") -> "torch.Tensor":
