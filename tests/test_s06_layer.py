@@ -150,3 +150,26 @@ def test_layer_on_our_kernels_matches_the_layer_on_fla():
         our_error, fla_error = error_report(ours[name], truth[name]), error_report(fla[name], truth[name])
         print(f"{name}: ours {our_error}, FLA {fla_error}")
         assert our_error.rel_l2 <= max(2 * fla_error.rel_l2, 1e-2), name
+
+
+@pytest.mark.gpu
+def test_pieces_with_a_carried_cache_equal_the_whole_on_cuda():
+    """The incremental path on stage 5's kernels (bf16 autocast): pieces of 1, 3, 63, 69 and 128 tokens,
+    then three decode steps, against one call on the whole, both against the float64 layer on the CPU."""
+    torch.manual_seed(11)
+    layer = KDALayer(d_model=256, n_heads=2, head_dim=128)
+    lengths = [1, 3, 63, 69, 128, 1, 1, 1]
+    x = torch.randn(2, sum(lengths), 256, generator=torch.Generator().manual_seed(12))
+    truth = layer.double()(x.double())[0]
+    layer, x = layer.float().cuda(), x.cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        whole = layer(x)[0]
+        cache, pieces, start = None, [], 0
+        for length in lengths:
+            y, cache = layer(x[:, start:start + length], cache, use_cache=True)
+            pieces.append(y)
+            start += length
+    assert cache.state.dtype == torch.float32
+    whole_error, pieces_error = error_report(whole, truth), error_report(torch.cat(pieces, dim=1), truth)
+    print(f"layer on CUDA vs float64: whole {whole_error}, in pieces {pieces_error}")
+    assert pieces_error.rel_l2 <= max(2 * whole_error.rel_l2, 1e-2)
