@@ -6,7 +6,7 @@ import inspect
 import numpy as np
 
 from kdacourse.pages.stage_tables import identities_table
-from kdacourse.pages.tables import banner, markdown_table
+from kdacourse.pages.tables import banner, markdown_table, save_svg
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.s06_backward.reference import chunkwise_backward, kernel_mirror_backward, recurrent_backward
@@ -100,9 +100,59 @@ def write_storage_table(path):
         f"{DESIGN_COPY_BANDWIDTH / 1e12:.2f} TB/s and {DESIGN_GEMM_FLOPS / 1e12:.0f} TFLOP/s.\n\n" + markdown_table(["shape", *chunk_state_costs(1, 64, 1)], rows))
 
 
+TRAINING_RUN = "benchmarks/results/train_kda_cpu"  # committed by `python -m benchmarks.train_kda --out ...`
+
+
+def _training_run():
+    """(rows of the committed run's CSV, the loss of a guess among the values, log(vocab))."""
+    import math
+    import re
+
+    from benchmarks.train_kda import read_csv
+    from kdacourse import REPO_ROOT
+
+    run = REPO_ROOT / TRAINING_RUN
+    vocab = int(re.search(r"--vocab (\d+)", (run / "train_kda.log").read_text()).group(1))
+    return read_csv(run / "train_kda.csv"), math.log(vocab)
+
+
+def write_training_table(path):
+    from benchmarks.train_kda import summary
+
+    rows, guess = _training_run()
+    result = summary(rows)
+    path.write_text(
+        banner(f"{SOURCE}, from {TRAINING_RUN}/train_kda.csv") + markdown_table(
+            ["steps", "loss, first 10 steps", "loss, last 10 steps", "a guess among the values (log vocab)",
+             "query accuracy, last 10 steps"],
+            [(len(rows), f"{result['first_loss_ours']:.3f}", f"{result['last_loss_ours']:.3f}", f"{guess:.3f}",
+              f"{result['last_accuracy_ours']:.3f}")])
+        + f"\n`{TRAINING_RUN}/train_kda.log` holds the command and the machine.\n")
+
+
+def write_training_plot(path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, guess = _training_run()
+    figure, axes = plt.subplots(figsize=(6.4, 3.6))
+    axes.plot([r["step"] for r in rows], [r["loss_ours"] for r in rows], linewidth=1.0,
+              label="stage 5 forward + stage 6 backward (CPU references)")
+    axes.axhline(guess, color="grey", linewidth=0.8, linestyle=":", label="a guess among the values")
+    axes.set_xlabel("step")
+    axes.set_ylabel("cross-entropy on the queries")
+    axes.legend()
+    save_svg(figure, path)
+    plt.close(figure)
+
+
 def generated_files():
     return {
         "docs/generated/s06_errors.md": write_error_table,
         "docs/generated/s06_identities.md": write_identities_table,
         "docs/generated/s06_chunk_states.md": write_storage_table,
+        "docs/generated/s06_training.md": write_training_table,
+        "docs/generated/s06_training.svg": write_training_plot,
     }
