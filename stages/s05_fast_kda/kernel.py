@@ -360,6 +360,7 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
 # --8<-- [end:forward]
 
 
+# --8<-- [start:default_block_dv]
 def default_block_dv(B: int, H: int, d_v: int, num_sms: int) -> int:
     """The recurrence's columns a program: 64 where B * H * d_v / 64 programs still give each of the
     GPU's num_sms SMs one, else DEFAULT_BLOCK_DV (32).
@@ -372,6 +373,7 @@ def default_block_dv(B: int, H: int, d_v: int, num_sms: int) -> int:
     """
     wide = 2 * DEFAULT_BLOCK_DV
     return wide if d_v % wide == 0 and B * H * (d_v // wide) >= num_sms else DEFAULT_BLOCK_DV
+# --8<-- [end:default_block_dv]
 
 
 @functools.cache
