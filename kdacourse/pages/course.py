@@ -133,12 +133,12 @@ def write_course_commands(path):
     path.write_text(banner("kdacourse/cli.py's docstring") + "```text\n" + textwrap.dedent(listing).strip() + "\n```\n")
 
 
-REFERENCE_MODULES = ("reference", "kernel", "identities", "numerics")
+REFERENCE_MODULES = ("reference", "kernel", "identities", "numerics", "autograd", "layer")
 
 
 def write_reference_modules(path):
     """The Reference page's stage sections: a mkdocstrings block per module of each stage that has it."""
-    lines = [banner("kdacourse/pages/course.py: every stage's reference, kernel, identities, numerics").rstrip(), ""]
+    lines = [banner("kdacourse/pages/course.py: every stage's reference, kernel, identities, numerics, autograd, layer").rstrip(), ""]
     for folder in sorted((REPO_ROOT / "stages").glob("s[0-9][0-9]_*")):
         modules = [name for name in REFERENCE_MODULES if (folder / f"{name}.py").is_file()]
         if not modules:
