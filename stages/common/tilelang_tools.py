@@ -91,7 +91,8 @@ def compile_report(prim_func):
     attrs = kernel_attrs[0]
     extent = dict(attrs["thread_extent"])
     threads = int(extent.get("threadIdx.x", 1)) * int(extent.get("threadIdx.y", 1)) * int(extent.get("threadIdx.z", 1))
-    grid = tuple(int(extent.get(f"blockIdx.{axis}", 1)) for axis in "xyz")
+    # a grid sized at run time (a symbolic extent, e.g. sequences x heads) is kept as its expression
+    grid = tuple(_int_or_text(extent.get(f"blockIdx.{axis}", 1)) for axis in "xyz")
     dynamic_shared = int(attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in attrs else 0
 
     options = tilelang_nvcc.default_compile_options() + ["--ptxas-options=--verbose", "-w"]
@@ -106,6 +107,14 @@ def compile_report(prim_func):
     if result.returncode != 0:
         raise RuntimeError(f"nvcc failed ({result.returncode}):\n{log[-4000:]}")
     return _parse_ptxas(log, source, dynamic_shared, threads, grid)
+
+
+def _int_or_text(extent):
+    """A launch extent: an int, or the text of its expression when it is sized at run time."""
+    try:
+        return int(extent)
+    except TypeError:
+        return str(extent)
 
 
 def _parse_ptxas(log, source, dynamic_shared, threads, grid):
