@@ -15,8 +15,10 @@ the one before):
 - ours `call` and `call_unchecked`: stages.s07_serving.kernel.prefill with cu_seqlens, initial_state
   and output_final_state, with and without the value checks (it reads cu_seqlens to the host: one
   sync, which no CUDA graph can hold);
-- ours `one_sequence`: stage 5's forward on the same T tokens as one sequence, the time that
-  variable-length kernels (no padding, one launch of each kernel) would approach;
+- ours `kernels`: prefill's two kernels alone (stage 5's prepare, the varlen recurrence) on inputs
+  already laid out chunk-aligned: `call_unchecked` less the gathers and the host's work;
+- ours `one_sequence`: stage 5's forward on the same T tokens as one sequence (no states, no
+  sequence boundaries), for scale;
 - FLA `call`: fla.ops.chunk_kda with the same arguments (scale=1.0, cu_seqlens as int64), and FLA
   `graph`: the same call replayed from a CUDA graph, if it captures.
 Before timing, ours is checked against FLA (rel L2 of o and of the final states).
@@ -39,8 +41,8 @@ MIXES = {  # name: (sequences, shortest, longest), lengths log-uniform between t
     "prefill": (16, 256, 16384),
     "chat": (64, 32, 2048),
 }
-MEASUREMENTS = [("fla", "call"), ("ours", "call"), ("ours", "call_unchecked"), ("ours", "one_sequence"),
-                ("fla", "graph")]
+MEASUREMENTS = [("fla", "call"), ("ours", "call"), ("ours", "call_unchecked"), ("ours", "kernels"),
+                ("ours", "one_sequence"), ("fla", "graph")]
 FIELDS = ["mix", "round", "impl", "what", "method", "sequences", "tokens", "padded_tokens", "H", "D", "dtype",
           "time_ms", "time_ms_p20", "time_ms_p80", "error"]
 GATE_RANGE = (0.9, 0.999)
@@ -94,6 +96,26 @@ def make_inputs(lengths, H, d, dtype, seed):
     return (q.to(dtype), k.to(dtype), v.to(dtype), g, beta), cu_seqlens, initial_state
 
 
+def chunk_aligned_kernels(inputs, cu_seqlens, initial_state, chunk_size=64):
+    """A function that runs prefill's two kernels alone (stages.s07_serving.kernel.chunk_aligned_forward,
+    with prefill's block_dv) on the inputs, gathered chunk-aligned once here."""
+    import torch
+
+    from stages.s05_fast_kda.kernel import default_block_dv, streaming_multiprocessors
+    from stages.s07_serving.kernel import _compiled_varlen, chunk_aligned_forward
+    from stages.s07_serving.reference import chunk_aligned_rows
+
+    q, v = inputs[0], inputs[2]
+    token_rows, chunk_offsets = chunk_aligned_rows(cu_seqlens.cpu().numpy(), chunk_size)
+    rows = torch.from_numpy(token_rows).to(q.device)
+    aligned = [x.new_zeros((int(chunk_offsets[-1]) * chunk_size, *x.shape[2:])).index_copy_(0, rows, x[0])[None]
+               for x in inputs]
+    block_dv = default_block_dv(len(chunk_offsets) - 1, q.shape[2], v.shape[3], streaming_multiprocessors(q.device))
+    kernels = _compiled_varlen(q.shape[2], q.shape[3], v.shape[3], chunk_size, block_dv, str(q.dtype).split(".")[1])
+    offsets = torch.from_numpy(chunk_offsets).to(device=q.device, dtype=torch.int32)
+    return lambda: chunk_aligned_forward(*aligned, offsets, initial_state, chunk_size, kernels)
+
+
 def measurements(inputs, cu_seqlens, initial_state):
     """{(impl, what): (callable, method)} for one mix; FLA's graph only if it captures."""
     from fla.ops import chunk_kda
@@ -110,6 +132,7 @@ def measurements(inputs, cu_seqlens, initial_state):
                          cu_seqlens=cu_seqlens)
 
     table = {("ours", "call"): (ours, "events"), ("ours", "call_unchecked"): (lambda: ours(False), "events"),
+             ("ours", "kernels"): (chunk_aligned_kernels(inputs, cu_seqlens, initial_state), "events"),
              ("ours", "one_sequence"): (lambda: forward(*inputs, check_values=False), "events"),
              ("fla", "call"): (fla, "events")}
     replay, method = graph_or_events(fla)
@@ -119,9 +142,10 @@ def measurements(inputs, cu_seqlens, initial_state):
 
 
 def run(args, log=print):
+    import numpy as np
     import torch
 
-    from stages.s07_serving.kernel import length_groups
+    from stages.s07_serving.reference import chunk_aligned_rows
 
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python -m benchmarks.varlen " + " ".join(sys.argv[1:]), "device": torch.cuda.get_device_name(),
@@ -129,7 +153,7 @@ def run(args, log=print):
     rows = []
     for mix_index, name in enumerate(args.mix):
         lengths = mix_lengths(name, args.seed + mix_index)
-        padded = sum(length * len(members) for length, members in length_groups(lengths, 64).items())
+        padded = int(chunk_aligned_rows(np.concatenate([[0], np.cumsum(lengths)]), 64)[1][-1]) * 64
         base = dict(mix=name, sequences=len(lengths), tokens=sum(lengths), padded_tokens=padded, H=args.H, D=args.d,
                     dtype=args.dtype)
         inputs, cu_seqlens, initial_state = make_inputs(lengths, args.H, args.d, getattr(torch, args.dtype), args.seed)
@@ -139,7 +163,7 @@ def run(args, log=print):
         meta["mixes"][name] = dict(lengths=lengths, tokens=sum(lengths), padded_tokens=padded,
                                    rel_l2_o_ours_vs_fla=relative_l2(ours_o, fla_o),
                                    rel_l2_state_ours_vs_fla=relative_l2(ours_state, fla_state))
-        log(f"{name}: {len(lengths)} sequences, {sum(lengths)} tokens ({padded} once padded by groups); ours vs FLA "
+        log(f"{name}: {len(lengths)} sequences, {sum(lengths)} tokens ({padded} rows chunk-aligned); ours vs FLA "
             f"rel L2 o {meta['mixes'][name]['rel_l2_o_ours_vs_fla']:.2e}, "
             f"states {meta['mixes'][name]['rel_l2_state_ours_vs_fla']:.2e}")
         for round_number in range(1, args.rounds + 1):

@@ -23,6 +23,7 @@ POOL_AXES = ("slot", "head", "d_k", "d_v")
 STEP_AXES = ("batch", "head", "channel")
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 FP32_FLOOR = 8 * 2.0**-24  # a program that computes in fp32 against float64
+TF32_FLOOR = 2.0**-13  # stage 5's prepare: its block-inverse merges run as TF32 GEMMs
 
 
 def _sequences(B, N, H, d_k, d_v, seed, gate_range=(0.3, 1.0)):
@@ -449,61 +450,136 @@ def test_wrapper_skips_the_value_checks_on_request():
 # ------------------------------------------------------------------------------------------ prefill, on the CPU
 
 
-def test_length_groups_pad_each_sequence_to_a_power_of_two_chunks():
-    from stages.s07_serving.kernel import length_groups
+def test_chunk_aligned_rows_start_every_sequence_on_a_chunk():
+    """Against the definition written out: sequence i's tokens, in order, from row C * chunk_offsets[i]
+    on, where chunk_offsets counts whole chunks per sequence; no row taken twice; the layout as short
+    as it can be (every chunk holds a token of one sequence)."""
+    from stages.s07_serving.reference import chunk_aligned_rows
 
-    lengths, C = [1, 16, 17, 0, 64, 65, 200, 33], 16
-    expected = {}
-    for i, n in enumerate(lengths):
-        if n:
-            padded = C
-            while padded < n:
-                padded *= 2
-            expected.setdefault(padded, []).append(i)
-    assert length_groups(lengths, C) == expected
+    lengths, C = [5, 0, 17, 16, 1, 33], 8
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+    token_rows, chunk_offsets = chunk_aligned_rows(cu_seqlens, C)
+    expected, row = [], 0
+    for n in lengths:
+        expected += list(range(row, row + n))
+        row += C * ((n + C - 1) // C)
+    assert token_rows.tolist() == expected
+    assert chunk_offsets[-1] * C == row
+    assert len(set((token_rows // C).tolist())) == chunk_offsets[-1], "a chunk without a token"
 
 
-def _numpy_forward(chunk_size):
-    """Stage 5's forward as prefill_by_buckets calls it, computed by stage 7's reference B in float64
-    on CPU tensors: (B, N, ...) padded groups with their initial states -> (o, final states)."""
+# prefill's CPU checks: shapes the interpreter runs in a few seconds (d_k in two 16-wide channel
+# passes, C = 32), lengths 0, 1, C - 1, C, C + 1 and several chunks, packed in no order of length
+PREFILL_LENGTHS, PREFILL_C, PREFILL_H, PREFILL_D, PREFILL_BLOCK_DV = (33, 0, 1, 31, 70, 32), 32, 2, 32, 16
+
+
+def _interpreted_kernels(lengths, dtype):
+    """(prepare, varlen recurrence) through the tile interpreter, built for the chunk-aligned layout of
+    `lengths`, as prefill_chunk_aligned calls them (torch tensors, outputs written in place)."""
+    from stages.common.interpreter import interpret
+    from stages.s05_fast_kda.kernel import build_prepare_program
+    from stages.s07_serving.kernel import build_varlen_recurrence_program
+    from stages.s07_serving.reference import chunk_table
+
+    n_chunks = int(chunk_table(np.concatenate([[0], np.cumsum(lengths)]), PREFILL_C)[1][-1])
+    H, D = PREFILL_H, PREFILL_D
+    return (interpret(build_prepare_program(1, n_chunks * PREFILL_C, H, D, D, PREFILL_C, dtype)),
+            interpret(build_varlen_recurrence_program(n_chunks * PREFILL_C, n_chunks, len(lengths), H, D, D, PREFILL_C,
+                                                      PREFILL_BLOCK_DV, dtype)))
+
+
+def _prefill_on_the_cpu(x, cu_seqlens, S0, dtype, kernels):
+    """stages.s07_serving.kernel.prefill_chunk_aligned on CPU torch tensors with interpreted kernels:
+    the wrapper's gathers and the kernels' launches as on the GPU. Returns float64 (o, final states)."""
     import torch
 
-    from stages.s07_serving.reference import chunkwise
+    from stages.s07_serving.kernel import prefill_chunk_aligned
+    from stages.s07_serving.reference import chunk_aligned_rows
 
-    def forward(q, k, v, g, beta, initial_state):
-        o, final_state = chunkwise(*(x.numpy() for x in (q, k, v, g, beta)), chunk_size,
-                                   initial_state=initial_state.double().numpy(), output_final_state=True)
-        return torch.from_numpy(o), torch.from_numpy(final_state).float()
+    token_rows, chunk_offsets = chunk_aligned_rows(cu_seqlens, PREFILL_C)
+    operand = {"float64": torch.float64, "bfloat16": torch.bfloat16}[dtype]
+    state = torch.float64 if dtype == "float64" else torch.float32
+    args = [torch.tensor(a, dtype=operand) for a in (x.q, x.k, x.v)] + [torch.tensor(a, dtype=state) for a in (x.g, x.beta)]
+    o, final_states = prefill_chunk_aligned(*args, token_rows, chunk_offsets, torch.tensor(S0, dtype=state), PREFILL_C,
+                                            kernels)
+    return o.double().numpy(), final_states.double().numpy()
 
-    return forward
+
+def _prefill_case(seed, lengths=PREFILL_LENGTHS, with_state=True):
+    x, cu_seqlens = _packed(lengths, H=PREFILL_H, d_k=PREFILL_D, d_v=PREFILL_D, seed=seed)
+    S0 = np.random.default_rng(seed).standard_normal((len(lengths), PREFILL_H, PREFILL_D, PREFILL_D))
+    return x, cu_seqlens, (0.1 * S0.astype(np.float32).astype(np.float64) if with_state else np.zeros_like(S0))
 
 
-@pytest.mark.parametrize("with_state", [False, True])
-def test_prefill_by_buckets_repacks_exactly(with_state):
-    """The repacking alone, around a float64 forward: each sequence's rows and final state come back
-    where they belong (lengths 0, 1, a chunk, over a chunk, several groups), equal to reference A."""
-    import torch
+def test_varlen_recurrence_program_matches_reference_c():
+    """The varlen recurrence alone (float64 operands, its fp32 state) against reference C's
+    recurrence_varlen on reference C's prepare_varlen, laid out chunk-aligned: fp32's rounding, and a
+    program per (d_v block, sequence x head) that reads only its own sequence's chunks."""
+    from stages.common.interpreter import interpret
+    from stages.s07_serving.kernel import build_varlen_recurrence_program
+    from stages.s07_serving.reference import chunk_aligned_rows, prepare_varlen, recurrence_varlen
 
-    from stages.s07_serving.kernel import prefill_by_buckets
+    x, cu_seqlens, S0 = _prefill_case(seed=51)
+    tensors = prepare_varlen(x.q, x.k, x.v, x.g, x.beta, cu_seqlens, PREFILL_C, sub_block=16)
+    expected_o, expected_states = recurrence_varlen(tensors, cu_seqlens, PREFILL_BLOCK_DV, S0)
+    token_rows, chunk_offsets = chunk_aligned_rows(cu_seqlens, PREFILL_C)
+    n_chunks = int(chunk_offsets[-1])
+    program_fields = ("w", "u", "q_decayed", "k_to_chunk_end", "a_qk")  # the program's parameter order
+
+    def chunk_aligned(a):
+        out = np.zeros((1, n_chunks * PREFILL_C, *a.shape[2:]))
+        out[0, token_rows] = a[0]
+        return out
+
+    program = build_varlen_recurrence_program(n_chunks * PREFILL_C, n_chunks, len(PREFILL_LENGTHS), PREFILL_H,
+                                              PREFILL_D, PREFILL_D, PREFILL_C, PREFILL_BLOCK_DV, "float64")
+    o, final_states = interpret(program, out_idx=[8, 9])(
+        *(chunk_aligned(getattr(tensors, field)) for field in program_fields), tensors.chunk_decay, S0,
+        chunk_offsets.astype(np.int32))
+    assert_close(o[:, token_rows], expected_o, rel_l2=FP32_FLOOR)
+    assert_close(final_states, expected_states, rel_l2=FP32_FLOOR, name="the final states", axes=POOL_AXES)
+    assert np.array_equal(final_states[1], S0[1].astype(np.float32)), "the empty sequence's state moved"
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_prefill_through_the_interpreter_matches_reference_c(with_state):
+    """The whole prefill path (gathers, stage 5's prepare, the varlen recurrence) in float64 against
+    reference C: within the TF32 rounding of stage 5's block-inverse merges; inputs unchanged and a
+    second call the same."""
+    from stages.s07_serving.reference import kernel_mirror
+
+    x, cu_seqlens, S0 = _prefill_case(seed=52, with_state=with_state)
+    kept = [a.copy() for a in (x.q, x.k, x.v, x.g, x.beta, S0)]
+    expected_o, expected_states = kernel_mirror(x.q, x.k, x.v, x.g, x.beta, PREFILL_C, PREFILL_BLOCK_DV, cu_seqlens,
+                                                S0 if with_state else None, output_final_state=True, sub_block=16)
+    kernels = _interpreted_kernels(PREFILL_LENGTHS, "float64")
+    o, final_states = _prefill_on_the_cpu(x, cu_seqlens, S0, "float64", kernels)
+    assert_close(o, expected_o, rel_l2=TF32_FLOOR, chunk_size=PREFILL_C)
+    assert_close(final_states, expected_states, rel_l2=TF32_FLOOR, name="the final states", axes=POOL_AXES)
+    again = _prefill_on_the_cpu(x, cu_seqlens, S0, "float64", kernels)
+    assert np.array_equal(again[0], o) and np.array_equal(again[1], final_states), "a second call differs"
+    for given, before in zip((x.q, x.k, x.v, x.g, x.beta, S0), kept):
+        assert np.array_equal(given, before), "prefill changed an input"
+
+
+def test_bf16_prefill_through_the_interpreter_rounds_like_bf16():
+    """bf16 q, k, v and o, fp32 gates and states: each sequence's outputs and final states against
+    reference A within [u/4, 4u] of bf16 (the lower end: the casts round at all)."""
     from stages.s07_serving.reference import recurrent as recurrent_varlen
 
-    lengths, C = (7, 0, 16, 1, 40, 17, 3), 8
-    x, cu_seqlens = _packed(lengths, seed=8)
-    S0 = np.random.default_rng(9).standard_normal((len(lengths), 2, 8, 6)).astype(np.float32).astype(np.float64)
-    expected_o, expected_states = recurrent_varlen(x.q, x.k, x.v, x.g, x.beta, cu_seqlens,
-                                                   S0 if with_state else None, output_final_state=True)
-    tensors = [torch.from_numpy(a) for a in (x.q, x.k, x.v, x.g, x.beta)]
-    o, final_state = prefill_by_buckets(*tensors, cu_seqlens.tolist(),
-                                        torch.from_numpy(S0).float() if with_state else None, C, _numpy_forward(C))
-    assert_close(o.numpy(), expected_o, rel_l2=1e-12)
-    assert_close(final_state.double().numpy(), expected_states, rel_l2=FP32_FLOOR, name="the final states",
-                 axes=POOL_AXES)
+    x, cu_seqlens, S0 = _prefill_case(seed=53)
+    expected_o, expected_states = recurrent_varlen(x.q, x.k, x.v, x.g, x.beta, cu_seqlens, S0, output_final_state=True)
+    o, final_states = _prefill_on_the_cpu(x, cu_seqlens, S0, "bfloat16", _interpreted_kernels(PREFILL_LENGTHS, "bfloat16"))
+    u = UNIT_ROUNDOFF["bfloat16"]
+    assert_close(o, expected_o, rel_l2=4 * u, chunk_size=PREFILL_C)
+    assert error_report(o, expected_o).rel_l2 >= u / 4, "bf16 does not round"
+    assert_close(final_states, expected_states, rel_l2=4 * u, name="the final states", axes=POOL_AXES)
 
 
 def _prefill_arguments():
     import torch
 
-    T, H, d_k, d_v = 10, 2, 16, 32
+    T, H, d_k, d_v = 10, 2, 32, 32
     q, k = torch.randn(1, T, H, d_k, dtype=torch.bfloat16), torch.randn(1, T, H, d_k, dtype=torch.bfloat16)
     return dict(q=q, k=k, v=torch.randn(1, T, H, d_v, dtype=torch.bfloat16), g=-torch.rand(1, T, H, d_k),
                 beta=torch.rand(1, T, H), cu_seqlens=torch.tensor([0, 3, 10], dtype=torch.int32),
@@ -518,15 +594,20 @@ def _bad_prefill_inputs():
         (dict(cu_seqlens=torch.tensor([0, 3, 11], dtype=torch.int32)), ValueError, "end at T = 10"),
         (dict(cu_seqlens=torch.tensor([0, 5, 3, 10])), ValueError, "never decrease"),
         (dict(cu_seqlens=torch.tensor([0])), ValueError, r"shape \(N_seq \+ 1,\)"),
-        (dict(initial_state=torch.zeros(3, 2, 16, 32)), ValueError, r"initial_state must have shape \(N_seq"),
-        (dict(initial_state=torch.zeros(2, 2, 16, 32, dtype=torch.float64)), TypeError, "initial_state must have dtype"),
-        (dict(g=torch.full((1, 10, 2, 16), 0.5)), ValueError, "g must be finite and <= 0"),
+        (dict(initial_state=torch.zeros(3, 2, 32, 32)), ValueError, r"initial_state must have shape \(N_seq"),
+        (dict(initial_state=torch.zeros(2, 2, 32, 32, dtype=torch.float64)), TypeError, "initial_state must have dtype"),
+        (dict(g=torch.full((1, 10, 2, 32), 0.5)), ValueError, "g must be finite and <= 0"),
         (dict(beta=torch.rand(1, 10, 3)), ValueError, r"beta must have shape \(B, T, H\)"),
+        (dict(chunk_size=48), ValueError, "chunk_size must be 32 or 64"),
+        (dict(block_dv=12), ValueError, "block_dv"),
+        (dict(q=torch.randn(1, 10, 2, 16, dtype=torch.bfloat16), k=torch.randn(1, 10, 2, 16, dtype=torch.bfloat16),
+              g=-torch.rand(1, 10, 2, 16), initial_state=torch.zeros(2, 2, 16, 32)), ValueError,
+         "d_k must be a multiple of 32"),
         (dict(), ValueError, "must be on a CUDA device"),  # every check passed: the device is last
     ]
 
 
-@pytest.mark.parametrize("case", range(9))
+@pytest.mark.parametrize("case", range(12))
 def test_prefill_refuses_bad_inputs_on_any_machine(case):
     from stages.s07_serving.kernel import prefill
 
@@ -634,6 +715,29 @@ def test_kernel_compiles_for_sm90a_without_spills():
     assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
     assert report.registers <= 128, report.summary()  # 4 blocks of 128 threads per SM at least
     assert report.shared_memory <= 8 * 1024, report.summary()  # q, k, e^g, v and the reductions' scratch
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kernel", ["prepare", "recurrence"])
+def test_prefill_kernels_compile_for_any_batch_without_spills(kernel):
+    """As prefill compiles them, the token, chunk and sequence counts run-time sizes (H=32, d=128, bf16,
+    C=64, 64 columns a program): no spills, shared memory within an H100/H200 SM's 227 KiB."""
+    from stages.s07_serving.kernel import varlen_compile_report
+
+    report = varlen_compile_report(kernel)
+    print(f"{kernel} sm_90a:", report.summary())
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
+    assert report.shared_memory <= 227 * 1024, report.summary()
+    assert "N_seq" in str(report.grid) if kernel == "recurrence" else "T_padded" in str(report.grid), report.grid
+
+
+def test_prefill_refuses_a_batch_past_32_bit_indices():
+    """The kernels of run-time size index in int32: 2^31 entries or more in one buffer are refused."""
+    from stages.s07_serving.kernel import _check_int32_indexing
+
+    _check_int32_indexing(2**31 // (32 * 128) - 64, 32, 128)  # the largest batch of 64-row chunks that fits
+    with pytest.raises(ValueError, match="2\\^31 or more: prefill it in smaller batches"):
+        _check_int32_indexing(2**31 // (32 * 128), 32, 128)
 
 
 @pytest.mark.compile

@@ -1,14 +1,13 @@
 """Stage 7's generated files: the error table of the varlen references against each sequence run
 alone, the state's memory per sequence and the batch it allows, the chunk table of an example batch,
-and the padding of prefill's length groups."""
+and the padding of prefill's chunk-aligned layout."""
 
 import numpy as np
 
 from kdacourse.pages.tables import banner, markdown_table
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
-from stages.s07_serving.kernel import length_groups
-from stages.s07_serving.reference import chunk_table, chunkwise, kernel_mirror, recurrent
+from stages.s07_serving.reference import chunk_aligned_rows, chunk_table, chunkwise, kernel_mirror, recurrent
 
 SOURCE = "kdacourse/pages/s07_serving.py"
 GIB = 2**30
@@ -115,15 +114,14 @@ def write_padding_table(path):
     rows = []
     for index, name in enumerate(MIXES):
         lengths = mix_lengths(name, index)
-        groups = length_groups(lengths, 64)
-        padded = sum(length * len(members) for length, members in groups.items())
+        chunks = int(chunk_aligned_rows(np.concatenate([[0], np.cumsum(lengths)]), 64)[1][-1])
         one_batch = len(lengths) * max(-(-n // 64) * 64 for n in lengths)
-        rows.append((name, str(len(lengths)), str(sum(lengths)), f"{padded} ({padded / sum(lengths):.2f}x)",
-                     str(len(groups)), f"{one_batch} ({one_batch / sum(lengths):.2f}x)"))
+        rows.append((name, str(len(lengths)), str(sum(lengths)), f"{64 * chunks} ({64 * chunks / sum(lengths):.3f}x)",
+                     str(chunks), f"{one_batch} ({one_batch / sum(lengths):.2f}x)"))
     path.write_text(
-        banner(SOURCE) + "The mixes of benchmarks/varlen.py (lengths log-uniform; C = 64). prefill's length groups "
-        "against one batch padded to the longest sequence.\n\n"
-        + markdown_table(["mix", "sequences", "tokens", "tokens once grouped", "groups (stage 5 calls)",
+        banner(SOURCE) + "The mixes of benchmarks/varlen.py (lengths log-uniform; C = 64). prefill's chunk-aligned "
+        "layout against one batch padded to the longest sequence.\n\n"
+        + markdown_table(["mix", "sequences", "tokens", "rows chunk-aligned", "chunks (prepare programs per head)",
                           "tokens padded to the longest"], rows))
 
 

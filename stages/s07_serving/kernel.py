@@ -15,23 +15,27 @@ v, g; everything else happens in registers. The kernel is bound by memory, and i
 fraction of the copy bandwidth it reaches (benchmarks/decode.py).
 
 `prefill` runs a packed batch of sequences of any lengths (FLA's `cu_seqlens`), each from its own
-initial state, through stage 5's two kernels: today by repacking the sequences into batches of
-equal padded length (one stage 5 call per power-of-two bucket of lengths, zero padding, which is
-exact), later by the variable-length kernels that stages.s07_serving.reference.kernel_mirror
-designs, with no padding at all.
+initial state, in two kernel launches: stage 5's prepare, unchanged, on the batch gathered into a
+chunk-aligned layout (every sequence from a chunk's first row, zero rows after its end: exact),
+then the varlen recurrence, stage 5's recurrence with reference C's grid, one program per (block of
+d_v columns, sequence x head) walking only its sequence's chunks from its own state. Both are
+compiled once for any batch (the token, chunk and sequence counts are run-time sizes).
 
-Run `python -m stages.s07_serving.kernel` to compile it for sm_90a and print its ptxas report (no
-GPU needed), or to check it against the reference on a GPU.
+Run `python -m stages.s07_serving.kernel` to compile the kernels for sm_90a and print their ptxas
+reports (no GPU needed), or to check them against the references on a GPU.
 """
 
 import functools
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_gate, check_gate_values, check_kernel_tensor,
                                         check_on_cuda, check_qkv, check_same, check_slot_values, check_slots, dtype_name)
-from stages.s05_fast_kda.kernel import DEFAULT_CHUNK_SIZE
+from stages.s05_fast_kda.kernel import DEFAULT_CHUNK_SIZE, _check_tile_sizes
+from stages.s07_serving.reference import chunk_aligned_rows
 
 if TYPE_CHECKING:
     import torch
@@ -155,10 +159,110 @@ def decode(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Te
 # --8<-- [end:decode]
 
 
+# --8<-- [start:varlen_recurrence_program]
+def build_varlen_recurrence_program(T_padded, n_chunks, N_seq, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE,
+                                    block_dv=DEFAULT_BLOCK_DV, dtype="float16", num_stages=2, threads=128):
+    """Stage 5's recurrence over a packed batch laid out chunk-aligned (stages.s07_serving.reference.
+    chunk_aligned_rows): the prepare kernel's outputs for T_padded rows (n_chunks = T_padded / C
+    chunks), chunk_offsets (N_seq + 1,) int32 and S_0^T (N_seq, H, d_k, d_v) fp32 -> o (1, T_padded,
+    H, d_v) in `dtype` and the final states S^T (N_seq, H, d_k, d_v) fp32.
+
+    One program per (block of d_v columns, sequence x head): it walks chunks chunk_offsets[i] to
+    chunk_offsets[i + 1] - 1 of its sequence i, a loop whose trip count is read at run time (none
+    for an empty sequence: its final state is its initial state). T_padded, n_chunks and N_seq may
+    be TileLang symbols (T.dynamic), so that one compiled kernel serves every batch. Parameters in
+    order: W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, Initial_state, Chunk_offsets, O,
+    Final_state.
+    """
+    import tilelang.language as T
+
+    C = chunk_size
+    accum_dtype = "float32"
+
+    @T.prim_func
+    def kda_recurrence_varlen(
+        W: T.Tensor((1, T_padded, H, d_k), dtype),
+        U: T.Tensor((1, T_padded, H, d_v), dtype),
+        Q_decayed: T.Tensor((1, T_padded, H, d_k), dtype),
+        K_to_chunk_end: T.Tensor((1, T_padded, H, d_k), dtype),
+        A_qk: T.Tensor((1, T_padded, H, C), dtype),
+        Chunk_decay: T.Tensor((1, n_chunks, H, d_k), accum_dtype),
+        Initial_state: T.Tensor((N_seq, H, d_k, d_v), accum_dtype),
+        Chunk_offsets: T.Tensor((N_seq + 1,), "int32"),
+        O: T.Tensor((1, T_padded, H, d_v), dtype),
+        Final_state: T.Tensor((N_seq, H, d_k, d_v), accum_dtype),
+    ):
+        with T.Kernel(d_v // block_dv, N_seq * H, threads=threads) as (i_v, i_nh):
+            sequence, h = i_nh // H, i_nh % H
+            v0 = i_v * block_dv
+            first_chunk = Chunk_offsets[sequence]  # the sequence's chunks: no chunk holds two sequences
+
+            W_s = T.alloc_shared((C, d_k), dtype)
+            U_s = T.alloc_shared((C, block_dv), dtype)
+            Q_decayed_s = T.alloc_shared((C, d_k), dtype)
+            K_to_chunk_end_s = T.alloc_shared((C, d_k), dtype)
+            A_qk_s = T.alloc_shared((C, C), dtype)
+            chunk_decay_s = T.alloc_shared((d_k,), accum_dtype)
+            S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
+            V_new_s = T.alloc_shared((C, block_dv), dtype)
+            O_s = T.alloc_shared((C, block_dv), dtype)  # o staged for a store of whole rows
+
+            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across chunks
+            V_new_f = T.alloc_fragment((C, block_dv), accum_dtype)
+            acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
+
+            T.copy(Initial_state[sequence, h, :, v0:v0 + block_dv], S_f)  # its own state, once
+            for i in T.Pipelined(Chunk_offsets[sequence + 1] - first_chunk, num_stages=num_stages):
+                i_c = first_chunk + i  # the chunk's index in the whole batch
+                t0 = i_c * C
+                T.copy(W[0, t0:t0 + C, h, :], W_s)
+                T.copy(U[0, t0:t0 + C, h, v0:v0 + block_dv], U_s)
+                T.copy(Q_decayed[0, t0:t0 + C, h, :], Q_decayed_s)
+                T.copy(K_to_chunk_end[0, t0:t0 + C, h, :], K_to_chunk_end_s)
+                T.copy(A_qk[0, t0:t0 + C, h, :], A_qk_s)
+                T.copy(Chunk_decay[0, i_c, h, :], chunk_decay_s)
+
+                # from here on, stage 5's chunk step as it is
+                T.copy(S_f, S_s)
+                T.gemm(W_s, S_s, V_new_f, clear_accum=True)
+                for r, j in T.Parallel(C, block_dv):
+                    V_new_f[r, j] = U_s[r, j] - V_new_f[r, j]
+                T.copy(V_new_f, V_new_s)
+
+                T.gemm(Q_decayed_s, S_s, acc_o, clear_accum=True)
+                T.gemm(A_qk_s, V_new_s, acc_o)
+                T.copy(acc_o, O_s)
+                T.copy(O_s, O[0, t0:t0 + C, h, v0:v0 + block_dv])
+
+                for d, j in T.Parallel(d_k, block_dv):
+                    S_f[d, j] *= chunk_decay_s[d]
+                T.gemm(K_to_chunk_end_s, V_new_s, S_f, transpose_A=True)
+            T.copy(S_f, Final_state[sequence, h, :, v0:v0 + block_dv])
+
+    return kda_recurrence_varlen
+# --8<-- [end:varlen_recurrence_program]
+
+
+@functools.cache
+def _compiled_varlen(H, d_k, d_v, chunk_size, block_dv, dtype):
+    """Stage 5's prepare and the varlen recurrence, compiled once for any batch: the token count, the
+    chunk count and the sequence count are run-time sizes. The outputs are the caller's (out_idx
+    none): TileLang allocates an output only when each of its sizes is a symbol of its own."""
+    import tilelang
+    import tilelang.language as T
+
+    from stages.s05_fast_kda.kernel import build_prepare_program
+
+    T_padded, n_chunks, N_seq = T.dynamic("T_padded"), T.dynamic("n_chunks"), T.dynamic("N_seq")
+    prepare = build_prepare_program(1, T_padded, H, d_k, d_v, chunk_size, dtype)
+    recurrence = build_varlen_recurrence_program(T_padded, n_chunks, N_seq, H, d_k, d_v, chunk_size, block_dv, dtype)
+    return tilelang.compile(prepare, target="cuda"), tilelang.compile(recurrence, target="cuda")
+
+
 # --8<-- [start:prefill]
 def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
             cu_seqlens: "torch.Tensor | None" = None, initial_state: "torch.Tensor | None" = None,
-            output_final_state: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
+            output_final_state: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int | None = None,
             check_values: bool = True) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
     """The forward pass of a batch of sequences, each from its own state, in FLA's conventions.
 
@@ -167,91 +271,102 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     packed, B = 1, and sequence i is tokens cu_seqlens[i] to cu_seqlens[i + 1] - 1; without it each
     of the B rows is a sequence. initial_state: S_0^T (N_seq, H, d_k, d_v) fp32 or None (zeros).
     Returns o (B, T, H, d_v) in the input dtype, and with output_final_state also the final states
-    S^T (N_seq, H, d_k, d_v) fp32. check_values=False skips the check of g's and beta's values.
+    S^T (N_seq, H, d_k, d_v) fp32. check_values=False skips the check of g's and beta's values;
+    block_dv=None takes stage 5's default_block_dv for N_seq sequences.
+
+    With cu_seqlens: one gather lays the tokens out chunk-aligned (each sequence from a chunk's
+    first row, zero rows after its last token), stage 5's prepare runs on that layout as on one
+    long sequence, the varlen recurrence walks each sequence's chunks from its own state, and one
+    gather brings o back to the packed rows. Two kernel launches per call, whatever the lengths, and
+    one compiled pair of kernels for every batch; cu_seqlens is read to the host once (one sync).
     """
-    from stages.s05_fast_kda.kernel import forward
+    from stages.s05_fast_kda.kernel import default_block_dv, forward, streaming_multiprocessors, zero_state
 
     B, T, H, d_k, d_v = check_qkv(q, k, v)
     check_gate("g", g, (B, T, H, d_k), "(B, T, H, d_k)")
     check_gate("beta", beta, (B, T, H), "(B, T, H)")
     if cu_seqlens is None:
-        return forward(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+        return forward(q, k, v, g, beta, chunk_size=chunk_size, block_dv=block_dv, initial_state=initial_state,
                        output_final_state=output_final_state, check_values=check_values)
     offsets = check_cu_seqlens(cu_seqlens, B, T)
     N_seq = len(offsets) - 1
     if initial_state is not None:
         check_gate("initial_state", initial_state, (N_seq, H, d_k, d_v), "(N_seq, H, d_k, d_v)")
+    _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
+    token_rows, chunk_offsets = chunk_aligned_rows(np.asarray(offsets), chunk_size)
+    T_padded = int(chunk_offsets[-1]) * chunk_size
+    _check_int32_indexing(T_padded, H, max(d_k, d_v, chunk_size))
     if check_values:
         check_gate_values(g, beta)
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens}
     check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
+    if initial_state is None:
+        initial_state = zero_state(N_seq, H, d_k, d_v, q.device)
+    if block_dv is None:
+        block_dv = default_block_dv(N_seq, H, d_v, streaming_multiprocessors(q.device))
 
-    def chunked_forward(*padded, initial_state):
-        return forward(*padded, chunk_size=chunk_size, initial_state=initial_state, output_final_state=True,
-                       check_values=False)
-
-    o, final_state = prefill_by_buckets(q, k, v, g, beta, offsets, initial_state, chunk_size, chunked_forward)
+    o, final_state = prefill_chunk_aligned(q, k, v, g, beta, token_rows, chunk_offsets, initial_state, chunk_size,
+                                           _compiled_varlen(H, d_k, d_v, chunk_size, block_dv, dtype_name(q)))
     return (o, final_state) if output_final_state else o
 # --8<-- [end:prefill]
 
 
-# --8<-- [start:prefill_by_buckets]
-def prefill_by_buckets(q, k, v, g, beta, offsets, initial_state, chunk_size, chunked_forward):
-    """The packed batch (1, T, ...) with sequences at `offsets` through `chunked_forward`, an
-    equal-length forward pass (B, N, ...) -> (o, final states) that takes initial states (stage 5's).
-
-    The sequences are grouped by length, each group padded with zero tokens to one length, a power
-    of two times chunk_size (so that no group pads more than it holds, and the kernels are compiled
-    for few shapes). A zero token changes no state, so the padding is exact. Returns (o (1, T, H,
-    d_v), the final states (N_seq, H, d_k, d_v) fp32); an empty sequence keeps its initial state.
+# --8<-- [start:prefill_chunk_aligned]
+def prefill_chunk_aligned(q, k, v, g, beta, token_rows, chunk_offsets, initial_state, chunk_size, kernels):
+    """The packed batch (1, T, ...) through the chunk-aligned layout: q, k, v, g, beta gathered to
+    their rows `token_rows` (T,) (reference.chunk_aligned_rows) of T_padded = chunk_offsets[-1] * C
+    rows, zeros elsewhere (a zero token changes no state: exact), `chunk_aligned_forward` there, o
+    gathered back. Returns (o (1, T, H, d_v), final states (N_seq, H, d_k, d_v) fp32).
     """
     import torch
 
-    N_seq, (H, d_k), d_v = len(offsets) - 1, q.shape[2:], v.shape[3]
-    lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
-    o = torch.empty_like(v)  # every token's row is written by its group
-    final_state = (torch.zeros((N_seq, H, d_k, d_v), dtype=torch.float32, device=q.device) if initial_state is None
-                   else initial_state.clone())
-    for padded_length, members in length_groups(lengths, chunk_size).items():
-        source, destination = _group_rows(offsets, members, padded_length, q.device)
-        sequences = torch.tensor(members, device=q.device)
-        group = (_padded_rows(x, source, destination, len(members), padded_length) for x in (q, k, v, g, beta))
-        group_o, group_state = chunked_forward(*group, initial_state=final_state[sequences].contiguous())
-        o[0, source] = group_o.reshape(-1, H, d_v)[destination]
-        final_state[sequences] = group_state
-    return o, final_state
-# --8<-- [end:prefill_by_buckets]
+    T_padded = int(chunk_offsets[-1]) * chunk_size
+    if T_padded == 0:  # every sequence empty: nothing to launch, the states stay
+        return torch.empty_like(v), initial_state.clone()
+    taken = np.zeros(T_padded, dtype=bool)
+    taken[token_rows] = True
+    rows, padding = (torch.from_numpy(index).to(q.device, non_blocking=True)
+                     for index in (token_rows, np.flatnonzero(~taken)))
+
+    def chunk_aligned(x):  # x (1, T, ...) -> (1, T_padded, ...): one index copy of whole token rows
+        out = x.new_empty((T_padded, *x.shape[2:]))
+        out.index_fill_(0, padding, 0)
+        return out.index_copy_(0, rows, x[0]).unsqueeze(0)
+
+    offsets = torch.from_numpy(chunk_offsets.astype(np.int32)).to(q.device, non_blocking=True)
+    o, final_state = chunk_aligned_forward(*(chunk_aligned(x) for x in (q, k, v, g, beta)), offsets, initial_state,
+                                           chunk_size, kernels)
+    return o[0].index_select(0, rows).unsqueeze(0), final_state
+# --8<-- [end:prefill_chunk_aligned]
 
 
-def length_groups(lengths: list[int], chunk_size: int) -> dict[int, list[int]]:
-    """{padded length: the sequences padded to it}: n tokens go to chunk_size times the smallest power
-    of two >= ceil(n / chunk_size). Empty sequences go nowhere."""
-    groups = {}
-    for i, n in enumerate(lengths):
-        if n:
-            chunks = -(-n // chunk_size)
-            groups.setdefault(chunk_size * (1 << (chunks - 1).bit_length()), []).append(i)
-    return groups
-
-
-def _padded_rows(x, source, destination, count, padded_length):
-    """x (1, T, ...) -> (count, padded_length, ...): token source[j] at row destination[j], zeros elsewhere."""
-    rows = x.new_zeros((count * padded_length, *x.shape[2:]))
-    rows[destination] = x[0, source]
-    return rows.view(count, padded_length, *x.shape[2:])
-
-
-def _group_rows(offsets, members, padded_length, device):
-    """(source, destination) (n_tokens,): token source[j] of the packed batch goes to row
-    destination[j] of the group's (len(members) * padded_length) padded rows."""
+def chunk_aligned_forward(q, k, v, g, beta, chunk_offsets, initial_state, chunk_size, kernels):
+    """kernels = (prepare, varlen recurrence) on a batch laid out chunk-aligned, (1, T_padded, ...),
+    chunk_offsets (N_seq + 1,) int32 on the device: their outputs allocated, their two launches.
+    Returns (o (1, T_padded, H, d_v), final states (N_seq, H, d_k, d_v) fp32)."""
     import torch
 
-    starts = torch.tensor([offsets[i] for i in members], device=device)
-    lengths = torch.tensor([offsets[i + 1] - offsets[i] for i in members], device=device)
-    first_row = torch.cumsum(lengths, 0) - lengths  # where each member's tokens begin in the group's list
-    position = torch.arange(int(lengths.sum()), device=device) - torch.repeat_interleave(first_row, lengths)
-    member = torch.repeat_interleave(torch.arange(len(members), device=device), lengths)
-    return starts[member] + position, member * padded_length + position
+    prepare, recurrence = kernels
+    (_, T_padded, H, d_k), d_v = q.shape, v.shape[3]
+
+    def empty(*shape, dtype=q.dtype):
+        return torch.empty(shape, dtype=dtype, device=q.device)
+
+    prepared = (empty(1, T_padded, H, d_k), empty(1, T_padded, H, d_v), empty(1, T_padded, H, d_k),
+                empty(1, T_padded, H, d_k), empty(1, T_padded, H, chunk_size),
+                empty(1, T_padded // chunk_size, H, d_k, dtype=torch.float32))  # W, U, Q e^gamma, K e^.., A_qk, e^gamma_C
+    prepare(q, k, v, g, beta, *prepared)
+    o, final_state = empty(1, T_padded, H, d_v), torch.empty_like(initial_state)
+    recurrence(*prepared, initial_state, chunk_offsets, o, final_state)
+    return o, final_state
+
+
+def _check_int32_indexing(T_padded, H, width):
+    """The kernels compiled for run-time sizes index in 32 bits: a buffer of T_padded x H x width
+    entries must stay below 2^31 (about 524,000 tokens at H = 32 and d = 128)."""
+    if T_padded * H * width >= 2**31:
+        raise ValueError(f"the chunk-aligned batch has {T_padded} rows of {H} x {width} entries, 2^31 or more: "
+                         f"prefill it in smaller batches")
 
 
 def _check_block(d_v, block_dv):
@@ -270,15 +385,35 @@ def compile_report(B=64, P=256, H=32, d_k=128, d_v=128, block_dv=DEFAULT_BLOCK_D
     return _compile_report(build_decode_program(B, P, H, d_k, d_v, block_dv, dtype, "float32", threads))
 
 
+@functools.cache
+def varlen_compile_report(kernel="recurrence", H=32, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=64,
+                          dtype="bfloat16"):
+    """Lower and compile one of prefill's kernels ("prepare", stage 5's, or "recurrence", the varlen
+    one) for sm_90a as prefill compiles them: the token, chunk and sequence counts run-time sizes."""
+    import tilelang.language as T
+
+    from stages.s05_fast_kda.kernel import build_prepare_program
+
+    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    T_padded, n_chunks, N_seq = T.dynamic("T_padded"), T.dynamic("n_chunks"), T.dynamic("N_seq")
+    if kernel == "prepare":
+        return _compile_report(build_prepare_program(1, T_padded, H, d_k, d_v, chunk_size, dtype))
+    if kernel == "recurrence":
+        return _compile_report(build_varlen_recurrence_program(T_padded, n_chunks, N_seq, H, d_k, d_v, chunk_size,
+                                                               block_dv, dtype))
+    raise ValueError(f"kernel must be 'prepare' or 'recurrence', got {kernel!r}")
+
+
 def main():
-    import numpy as np
     import torch
 
     from stages.common.errors import error_report
     from stages.common.inputs import l2_normalize
     from stages.s07_serving.reference import decode_step
 
-    print("sm_90a:", compile_report().summary())
+    print("decode sm_90a:", compile_report().summary())
+    for kernel in ("prepare", "recurrence"):
+        print(f"prefill's {kernel} sm_90a:", varlen_compile_report(kernel).summary())
     if not torch.cuda.is_available():
         print("no CUDA device: compile-only")
         return

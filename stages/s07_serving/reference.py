@@ -154,6 +154,25 @@ def chunk_table(cu_seqlens: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np
 # --8<-- [end:chunk_table]
 
 
+# --8<-- [start:chunk_aligned_rows]
+def chunk_aligned_rows(cu_seqlens: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each token of a packed batch goes when every sequence starts a new chunk: (token_rows,
+    chunk_offsets).
+
+    token_rows (T,): token t of sequence i (cu_seqlens[i] <= t < cu_seqlens[i + 1]) goes to row
+    chunk_offsets[i] * chunk_size + t - cu_seqlens[i] of a layout of chunk_offsets[-1] * chunk_size
+    rows; the rows no token takes are the zero padding at the end of each sequence's last chunk.
+    chunk_offsets (N_seq + 1,) as `chunk_table` gives it. In that layout no chunk holds two
+    sequences, so stage 5's prepare runs on it unchanged, as on one long sequence.
+    """
+    _, chunk_offsets = chunk_table(cu_seqlens, chunk_size)
+    lengths = np.diff(cu_seqlens)
+    sequence = np.repeat(np.arange(len(lengths)), lengths)  # the sequence of each token
+    position = np.arange(cu_seqlens[-1]) - cu_seqlens[sequence]  # its place in the sequence
+    return chunk_offsets[sequence] * chunk_size + position, chunk_offsets
+# --8<-- [end:chunk_aligned_rows]
+
+
 def chunk_rows(x: np.ndarray, start: int, end: int, chunk_size: int) -> np.ndarray:
     """Rows start to end - 1 of x's token axis (axis 1), zero rows after them up to chunk_size: a
     kernel's masked load, which reads nothing of the next sequence."""
