@@ -212,3 +212,27 @@ def test_inputs_draw_beta_for_the_gates_that_take_it(gate, has_beta):
     if has_beta:
         assert x.beta.shape == (1, 8, 2) and np.all((x.beta >= 0.1) & (x.beta <= 0.9))
         assert np.array_equal(x.beta, make_inputs(1, 8, 2, 4, 4, gate=gate, beta_range=(0.1, 0.9), seed=0).beta)
+
+
+def test_compile_in_threads_runs_every_job_at_once_and_keeps_failures():
+    """Each job in its own thread (all four wait on one barrier: run one after another they would time
+    out), results by key in the jobs' order, a failure kept as its exception and logged."""
+    import threading
+
+    from stages.common.tilelang_tools import compile_in_threads
+
+    together = threading.Barrier(4, timeout=10)
+
+    def job(value):
+        together.wait()
+        if value == "bad":
+            raise ValueError("no valid warp partition")
+        return value * 2
+
+    heard = []
+    results = compile_in_threads({key: (lambda key=key: job(key)) for key in ("a", "b", "bad", "c")}, heard.append)
+    assert list(results) == ["a", "b", "bad", "c"]
+    assert [results[key] for key in ("a", "b", "c")] == ["aa", "bb", "cc"]
+    assert isinstance(results["bad"], ValueError)
+    assert len(heard) == 4 and any("FAILED to compile bad: ValueError: no valid warp partition" in m for m in heard)
+    assert compile_in_threads({}) == {}

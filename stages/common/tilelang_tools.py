@@ -136,3 +136,34 @@ def _parse_ptxas(log, source, dynamic_shared, threads, grid):
         cuda_source=source,
         ptxas_log=log,
     )
+
+
+def compile_in_threads(compilers, log=None):
+    """{key: what compilers[key]() returns, or the exception it raised}, every call in its own thread.
+
+    compilers: {key: a function of no arguments that compiles one kernel}. TileLang's lowering runs in
+    C++ without the GIL and nvcc is a subprocess, so n compiles take about as long as the slowest, not
+    their sum. log(message), if given, hears each one finish with its seconds.
+    """
+    import concurrent.futures
+    import time
+
+    def timed(key):
+        started = time.monotonic()
+        result = compilers[key]()
+        return result, time.monotonic() - started
+
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(compilers))) as pool:
+        futures = {pool.submit(timed, key): key for key in compilers}
+        for future in concurrent.futures.as_completed(futures):
+            key = futures[future]
+            try:
+                results[key], seconds = future.result()
+                message = f"compiled {key} in {seconds:.0f} s"
+            except Exception as failure:  # kept for the caller, who decides
+                results[key] = failure
+                message = f"FAILED to compile {key}: {type(failure).__name__}: {str(failure).strip()[-300:]}"
+            if log is not None:
+                log(message)
+    return {key: results[key] for key in compilers}
