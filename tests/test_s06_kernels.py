@@ -11,6 +11,8 @@ error against reference A is held above u / 4 (the casts round at all) and withi
 floor, the error that q, k, v and do rounded to the dtype give an exact backward.
 """
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -27,7 +29,7 @@ STATE_AXES = ("batch", "head", "d_k", "d_v")
 
 
 def _interpreted(name, *arguments):
-    """The kernel `name` run by the tile interpreter: run_kernels' `kernel` argument on a CPU."""
+    """The kernel `name`, built with `arguments`, run by the tile interpreter."""
     from stages.s06_backward.kernel import BUILDERS
 
     build, outputs = BUILDERS[name]
@@ -37,7 +39,7 @@ def _interpreted(name, *arguments):
 def _interpret_backward(x, do, initial_state, d_final_state, chunk_size, block_dv, dtype):
     """The wrapper's steps on NumPy arrays: pad, the five kernels through the interpreter, crop."""
     from stages.common.checks import padded_length
-    from stages.s06_backward.kernel import run_kernels
+    from stages.s06_backward.kernel import kernel_arguments, run_kernels
 
     B, N, H, d_k = x.q.shape
     d_v = x.v.shape[3]
@@ -47,9 +49,11 @@ def _interpret_backward(x, do, initial_state, d_final_state, chunk_size, block_d
         return np.pad(a, [(0, 0), (0, N_padded - N)] + [(0, 0)] * (a.ndim - 2))
 
     zero = np.zeros((B, H, d_k, d_v))
-    gradients = run_kernels(_interpreted, *(pad(a) for a in (x.q, x.k, x.v, x.g, x.beta, do)),
+    arguments = kernel_arguments(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype)
+    kernels = {name: _interpreted(name, *arguments[name]) for name in arguments}
+    gradients = run_kernels(kernels, *(pad(a) for a in (x.q, x.k, x.v, x.g, x.beta, do)),
                             zero if initial_state is None else initial_state,
-                            zero if d_final_state is None else d_final_state, chunk_size, block_dv, dtype)
+                            zero if d_final_state is None else d_final_state)
     return [a if name == "d_initial_state" else a[:, :N] for name, a in zip(GRADIENTS, gradients)]
 
 
@@ -212,17 +216,69 @@ def test_wrapper_rejects_bad_input():
 # ------------------------------------------------------------------------------------------ compile, GPU
 
 
+# The GPU tests' cases. A case compiles the five kernels once for its (B, N padded, H, D, dtype, block_dv)
+# (compiled_kernels caches them); the cases share most compiles, so that the GPU tests take a minute on
+# a fresh machine, and the compile tests below lower every one of them on a CPU. d = 128 at
+# (2, 300, 2, 128) in bf16: the shape and dtype of test_s06_autograd's and test_s06_layer's GPU tests.
+GPU_CASES = {
+    # name: (B, N, H, D, dtype, with S_0 and dS_N, block_dv: None is the wrapper's choice)
+    "d=64 fp16": (2, 1000, 2, 64, "float16", True, None),
+    "d=64 bf16": (2, 1000, 2, 64, "bfloat16", True, None),
+    "d=128 bf16": (2, 300, 2, 128, "bfloat16", True, None),
+    "d=128 bf16, 64 value columns": (2, 300, 2, 128, "bfloat16", False, 64),
+}
+FLA_CASE = "d=128 bf16"  # the comparison with FLA's backward reuses this case's kernels
+H200_SMS = 132  # the GPU the tests run on: the wrapper's block_dv for None there
+
+
+def _gpu_kernel_shapes():
+    """{case: the arguments of compiled_kernels} for every GPU case, as the wrapper calls it on an H200."""
+    from stages.common.checks import padded_length
+    from stages.s05_fast_kda.kernel import DEFAULT_CHUNK_SIZE, default_block_dv
+
+    shapes = {}
+    for name, (B, N, H, D, dtype, _, block_dv) in GPU_CASES.items():
+        block_dv = block_dv or default_block_dv(B, H, D, H200_SMS)
+        shapes[name] = (B, padded_length(N, DEFAULT_CHUNK_SIZE), H, D, D, DEFAULT_CHUNK_SIZE, block_dv, dtype)
+    return shapes
+
+
+def _gpu_compiles(dtype):
+    """[(kernel, compiled_kernels' arguments)]: each distinct compile of the GPU cases in `dtype`."""
+    from stages.s06_backward.kernel import kernel_arguments
+
+    compiles = {}
+    for shape in _gpu_kernel_shapes().values():
+        for kernel, arguments in kernel_arguments(*shape).items():
+            if shape[-1] == dtype:
+                compiles.setdefault((kernel, arguments), (kernel, shape))
+    return list(compiles.values())
+
+
 @pytest.mark.compile
-@pytest.mark.parametrize("kernel", ["states", "state_gradient", "state_products", "intra"])
-def test_kernel_compiles_for_sm90a_without_spills(kernel):
-    """At the benchmark's head size (d = 128, chunks of 64, bf16): no spills, within one SM's shared memory."""
+@pytest.mark.parametrize("kernel, shape", _gpu_compiles("bfloat16"), ids=str)
+def test_kernel_compiles_for_sm90a_without_spills(kernel, shape):
+    """Every bf16 kernel the GPU tests compile (d = 64 and d = 128, and the chunk loops at 64 value
+    columns, the wrapper's choice where B * H * d_v / 64 >= SMs): no spills, within one SM's shared
+    memory. The first GPU run stopped here: at d = 64 the intra kernel's 16 x 32 score slab did not
+    lower for 8 warps."""
     from stages.s06_backward.kernel import compile_report
 
-    report = compile_report(kernel, B=1, N=4096, H=8)
-    print(f"{kernel} sm_90a:", report.summary())
+    report = compile_report(kernel, *shape)
+    print(f"{kernel} at {shape} sm_90a:", report.summary())
     assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
     assert 0 < report.registers <= 255
     assert report.shared_memory <= 227 * 1024, report.summary()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kernel, shape", _gpu_compiles("float16"), ids=str)
+def test_kernel_lowers_for_sm90a(kernel, shape):
+    """Every fp16 kernel the GPU tests compile, lowered (nvcc's registers are bf16's above)."""
+    from stages.common.tilelang_tools import lower
+    from stages.s06_backward.kernel import BUILDERS, kernel_arguments
+
+    lower(BUILDERS[kernel][0](*kernel_arguments(*shape)[kernel]))
 
 
 def _cuda(x, do, S_0, dS_N, dtype):
@@ -234,46 +290,65 @@ def _cuda(x, do, S_0, dS_N, dtype):
     return (q, k, v, g, beta, do), states
 
 
+@pytest.fixture(scope="module")
+def gpu_kernels():
+    """Every GPU case's kernels compiled at once, in threads (a minute, not one per case)."""
+    from stages.common.tilelang_tools import compile_in_threads
+    from stages.s06_backward.kernel import compiled_kernels
+
+    shapes = set(_gpu_kernel_shapes().values())
+    compiled = compile_in_threads({shape: functools.partial(compiled_kernels, *shape) for shape in shapes},
+                                  log=print)
+    failures = {shape: result for shape, result in compiled.items() if isinstance(result, Exception)}
+    assert not failures, failures
+
+
+def _gpu_case(name):
+    """The case's inputs and reference A's gradients; on CUDA, the wrapper's arguments and states."""
+    import torch
+
+    B, N, H, D, dtype, with_states, block_dv = GPU_CASES[name]
+    x, do, S_0, dS_N = _inputs(B, N, H, D, D, seed=N + D)
+    S_0, dS_N = (S_0, dS_N) if with_states else (None, None)
+    expected = reference.recurrent_backward(x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N)
+    arguments, (S_0_cuda, dS_N_cuda) = _cuda(x, do, S_0, dS_N, getattr(torch, dtype))
+    return expected, arguments, dict(initial_state=S_0_cuda, d_final_state=dS_N_cuda, block_dv=block_dv)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("N_gpu, D_gpu, with_states", [(1000, 64, True), (512, 128, False)])
-def test_backward_on_gpu_matches_reference_a(dtype_name, N_gpu, D_gpu, with_states):
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_backward_on_gpu_matches_reference_a(gpu_kernels, case):
     """Gates down to 0.5, beta at 0 and 1, N not a multiple of the chunk; within 4u of reference A;
     the inputs unchanged and a second call bitwise equal."""
     import torch
 
     from stages.s06_backward.kernel import backward
 
-    x, do, S_0, dS_N = _inputs(2, N_gpu, 2, D_gpu, D_gpu, seed=N_gpu)
-    S_0, dS_N = (S_0, dS_N) if with_states else (None, None)
-    expected = reference.recurrent_backward(x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N)
-    arguments, (S_0_cuda, dS_N_cuda) = _cuda(x, do, S_0, dS_N, getattr(torch, dtype_name))
+    dtype = GPU_CASES[case][4]
+    expected, arguments, options = _gpu_case(case)
     before = [a.clone() for a in arguments]
-    result = backward(*arguments, initial_state=S_0_cuda, d_final_state=dS_N_cuda)
-    u = UNIT_ROUNDOFF[dtype_name]
+    result = backward(*arguments, **options)
+    u = UNIT_ROUNDOFF[dtype]
     for name, actual in zip(GRADIENTS, result):
         report = error_report(actual, getattr(expected, name))
-        print(f"s06 backward {dtype_name} N={N_gpu} d={D_gpu} {name}: {report} ({report.rel_l2 / u:.2f}u)")
+        print(f"s06 backward {case} {name}: {report} ({report.rel_l2 / u:.2f}u)")
         assert report.rel_l2 <= ROUNDING_WINDOW[1] * u, name
     assert all(torch.equal(a, b) for a, b in zip(arguments, before)), "the backward changed an input"
-    again = backward(*arguments, initial_state=S_0_cuda, d_final_state=dS_N_cuda)
+    again = backward(*arguments, **options)
     assert all(torch.equal(a, b) for a, b in zip(result, again)), "a second call gave another answer"
 
 
 @pytest.mark.gpu
-def test_backward_on_gpu_matches_fla_chunk_kda():
-    """bf16 at B=2, N=500, H=4, d=128, both states: each of our gradients is within twice FLA's own
+def test_backward_on_gpu_matches_fla_chunk_kda(gpu_kernels):
+    """bf16 at B=2, N=300, H=2, d=128, both states: each of our gradients is within twice FLA's own
     error against the float64 reference A (or within u, where FLA's is smaller than that)."""
-    import torch
-
     fla_ops = pytest.importorskip("fla.ops")
     from stages.s06_backward.kernel import backward
 
-    x, do, S_0, dS_N = _inputs(2, 500, 4, 128, 128, seed=15)
-    expected = reference.recurrent_backward(x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N)
-    arguments, (S_0_cuda, dS_N_cuda) = _cuda(x, do, S_0, dS_N, torch.bfloat16)
-    ours = backward(*arguments, initial_state=S_0_cuda, d_final_state=dS_N_cuda)
+    expected, arguments, options = _gpu_case(FLA_CASE)
+    ours = backward(*arguments, **options)
 
+    S_0_cuda, dS_N_cuda = options["initial_state"], options["d_final_state"]
     leaves = [a.detach().clone().requires_grad_() for a in (*arguments[:5], S_0_cuda)]
     o, final_state = fla_ops.chunk_kda(*leaves[:5], scale=1.0, initial_state=leaves[5], output_final_state=True)
     ((o.float() * arguments[5].float()).sum() + (final_state * dS_N_cuda).sum()).backward()

@@ -46,12 +46,13 @@ import functools
 from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
-from stages.common.tilelang_tools import LOG2_E
+from stages.common.tilelang_tools import LOG2_E, compile_in_threads
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, dtype_name,
                                         pad_tokens)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK,
-                                        _check_tile_sizes, _compiled_prepare, build_prepare_program, zero_state)
+                                        _check_tile_sizes, _compiled_prepare, build_prepare_program,
+                                        default_block_dv, streaming_multiprocessors, zero_state)
 
 if TYPE_CHECKING:
     import torch
@@ -265,7 +266,7 @@ def build_state_products_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
 
 
 # --8<-- [start:intra_setup]
-def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=256,
+def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
                         channel_passes=CHANNEL_PASSES):
     """The chunk's own gradients: q, k (B, N, H, d_k), v, dO, V_new, dV_new (B, N, H, d_v) in `dtype`;
     g (B, N, H, d_k), beta (B, N, H), d(Q e^gamma), d(K e^{gamma_C - gamma}), dW (B, N, H, d_k) and
@@ -273,10 +274,12 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
     dg (B, N, H, d_k) and dbeta (B, N, H) in fp32.
 
     The score GEMMs (A_kk, and the gradients through A_kk and A_qk) work on d_k / channel_passes
-    channels at a time, as stage 5's prepare kernel does.
+    channels at a time, as stage 5's prepare kernel does. threads=None takes
+    default_intra_threads(chunk_size, d_k, channel_passes).
     """
     import tilelang.language as T
 
+    threads = threads or default_intra_threads(chunk_size, d_k, channel_passes)
     C, sub = chunk_size, SUB_BLOCK
     accum_dtype = "float32"
     num_chunks = N // C
@@ -550,6 +553,18 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
 # --8<-- [end:intra_gates]
 
 
+def default_intra_threads(chunk_size, d_k, channel_passes=CHANNEL_PASSES):
+    """As many warps as the intra kernel's smallest GEMM can share, at most 8 (256 threads).
+
+    A warp of a tensor-core GEMM owns whole 16 x 8 tiles of the output. The smallest outputs are
+    sub-block rows (16) by d_k / channel_passes channels (the score slabs) and by C columns (the
+    block inverse's merges): min(C, d_k / channel_passes) / 8 warps can share them. 256 threads at
+    C = 64, d_k = 128; 128 at d_k = 64, where 8 warps would leave a 16 x 32 slab 4 columns a warp.
+    """
+    tiles = (SUB_BLOCK // 16) * (min(chunk_size, d_k // channel_passes) // 8)
+    return 32 * min(tiles, 8)
+
+
 # every kernel of the backward, in launch order: its builder and the indices of its outputs (as
 # tilelang.compile's and the interpreter's out_idx take them)
 BUILDERS = {
@@ -562,6 +577,14 @@ BUILDERS = {
 WITH_BLOCK_DV = ("states", "state_gradient")  # the two chunk loops split d_v; the per-chunk kernels do not
 
 
+def kernel_arguments(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
+    """{kernel: its builder's arguments} for one backward on inputs of N tokens (a multiple of
+    chunk_size), in launch order: each takes the shape, chunk_size and dtype, the two chunk loops
+    block_dv too."""
+    shape = (B, N, H, d_k, d_v, chunk_size)
+    return {name: (*shape, *((block_dv,) if name in WITH_BLOCK_DV else ()), dtype) for name in BUILDERS}
+
+
 @functools.cache
 def _compiled(kernel, *arguments):
     import tilelang
@@ -572,23 +595,33 @@ def _compiled(kernel, *arguments):
     return tilelang.compile(build(*arguments), out_idx=outputs, target="cuda")
 
 
+@functools.cache
+def compiled_kernels(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
+    """{kernel: compiled for the GPU} for one backward shape (kernel_arguments' arguments). The five
+    compile at once in threads on the first call: about the time of the slowest, not of all five."""
+    arguments = kernel_arguments(B, N, H, d_k, d_v, chunk_size, block_dv, dtype)
+    compiled = compile_in_threads({name: functools.partial(_compiled, name, *arguments[name]) for name in arguments})
+    for kernel in compiled.values():
+        if isinstance(kernel, Exception):
+            raise kernel
+    return compiled
+
+
 # --8<-- [start:run_kernels]
-def run_kernels(kernel, q, k, v, g, beta, do, initial_state, d_final_state, chunk_size, block_dv, dtype):
+def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state):
     """The five launches of the backward, in order, on inputs already padded to a multiple of chunk_size.
 
-    kernel(name, B, N, H, d_k, d_v, chunk_size, [block_dv,] dtype) returns a callable for the kernel
-    `name` of BUILDERS: compiled for the GPU (`backward`), or run by the tile interpreter on a CPU
-    (the tests), so the wiring below is the same in both. Returns (dq, dk, dv, dg, dbeta, dS_0^T).
+    kernels: {name: callable} for the names of BUILDERS, made for these inputs' shape (kernel_arguments):
+    compiled for the GPU (`backward`), or run by the tile interpreter on a CPU (the tests), so the
+    wiring below is the same in both. Returns (dq, dk, dv, dg, dbeta, dS_0^T).
     """
-    B, N, H, d_k = q.shape
-    shape = (B, N, H, d_k, v.shape[3], chunk_size)
-    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = kernel("prepare", *shape, dtype)(q, k, v, g, beta)
-    states, v_new = kernel("states", *shape, block_dv, dtype)(w, u, k_to_chunk_end, chunk_decay, initial_state)
-    d_states, dv_new, d_initial_state = kernel("state_gradient", *shape, block_dv, dtype)(
+    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = kernels["prepare"](q, k, v, g, beta)
+    states, v_new = kernels["states"](w, u, k_to_chunk_end, chunk_decay, initial_state)
+    d_states, dv_new, d_initial_state = kernels["state_gradient"](
         q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do, d_final_state)
-    dq_decayed, dk_to_chunk_end, dw, d_gamma_last = kernel("state_products", *shape, dtype)(
+    dq_decayed, dk_to_chunk_end, dw, d_gamma_last = kernels["state_products"](
         states, d_states, v_new, dv_new, do, chunk_decay)
-    dq, dk, dv, dg, dbeta = kernel("intra", *shape, dtype)(
+    dq, dk, dv, dg, dbeta = kernels["intra"](
         q, k, v, g, beta, do, v_new, dv_new, dq_decayed, dk_to_chunk_end, dw, d_gamma_last)
     return dq, dk, dv, dg, dbeta, d_initial_state
 # --8<-- [end:run_kernels]
@@ -598,7 +631,7 @@ def run_kernels(kernel, q, k, v, g, beta, do, initial_state, d_final_state, chun
 def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
              do: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
              d_final_state: "torch.Tensor | None" = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-             block_dv: int = DEFAULT_BLOCK_DV, check_values: bool = True) -> tuple["torch.Tensor", ...]:
+             block_dv: int | None = None, check_values: bool = True) -> tuple["torch.Tensor", ...]:
     """The gradients of KDA's output (and final state) on CUDA tensors, as stage 5's `forward` takes them:
     q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16), g: (B, N, H, d_k) fp32 log gates (<= 0),
     beta: (B, N, H) fp32 in [0, 1], do = dLoss/do: (B, N, H, d_v) in q's dtype; initial_state S_0^T
@@ -607,8 +640,10 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     Returns (dq, dk, dv, dg, dbeta, d_initial_state): dq, dk (B, N, H, d_k) and dv (B, N, H, d_v) in
     q's dtype, dg (B, N, H, d_k), dbeta (B, N, H) and dS_0^T (B, H, d_k, d_v) in fp32 (computed even
     when initial_state is None: it is then the gradient of a zero initial state). N need not be a
-    multiple of chunk_size: the sequence is zero-padded, which is exact. check_values=False skips
-    the check of g's and beta's values (a pass over both and a device sync), as in `forward`.
+    multiple of chunk_size: the sequence is zero-padded, which is exact. block_dv: the value columns
+    a program of the two chunk loops (states, state_gradient) walks; None takes stage 5's
+    default_block_dv for this shape and GPU, as the forward's recurrence does. check_values=False
+    skips the check of g's and beta's values (a pass over both and a device sync), as in `forward`.
     """
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate("g", g, (B, N, H, d_k), "(B, N, H, d_k)")
@@ -617,19 +652,21 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     for name, state in (("initial_state", initial_state), ("d_final_state", d_final_state)):
         if state is not None:
             check_gate(name, state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
-    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
     if check_values:
         check_gate_values(g, beta)
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
                "d_final_state": d_final_state}
     check_on_cuda({name: x for name, x in tensors.items() if x is not None})
+    if block_dv is None:
+        block_dv = default_block_dv(B, H, d_v, streaming_multiprocessors(q.device))
 
     N_padded = padded_length(N, chunk_size)
     q, k, v, g, beta, do = pad_tokens(N_padded, q, k, v, g, beta, do)
     initial_state = zero_state(B, H, d_k, d_v, q.device) if initial_state is None else initial_state
     d_final_state = zero_state(B, H, d_k, d_v, q.device) if d_final_state is None else d_final_state
-    dq, dk, dv, dg, dbeta, d_initial_state = run_kernels(_compiled, q, k, v, g, beta, do, initial_state,
-                                                         d_final_state, chunk_size, block_dv, dtype_name(q))
+    kernels = compiled_kernels(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q))
+    dq, dk, dv, dg, dbeta, d_initial_state = run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state)
     return dq[:, :N], dk[:, :N], dv[:, :N], dg[:, :N], dbeta[:, :N], d_initial_state
 # --8<-- [end:backward]
 
@@ -646,12 +683,12 @@ def _check_output_gradient(do, q, v):
 @functools.cache  # the page's report and the compile test share one nvcc run
 def compile_report(kernel="intra", B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
                    block_dv=DEFAULT_BLOCK_DV, dtype="bfloat16"):
-    """Lower and compile one backward kernel (one of KERNELS) for sm_90a without a GPU."""
+    """Lower and compile one kernel of the backward (one of BUILDERS) for sm_90a without a GPU."""
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    tiles = (block_dv,) if kernel in WITH_BLOCK_DV else ()
-    return _compile_report(BUILDERS[kernel][0](B, N, H, d_k, d_v, chunk_size, *tiles, dtype=dtype))
+    if kernel not in BUILDERS:
+        raise ValueError(f"kernel must be one of {tuple(BUILDERS)}, got {kernel!r}")
+    arguments = kernel_arguments(B, N, H, d_k, d_v, chunk_size, block_dv, dtype)[kernel]
+    return _compile_report(BUILDERS[kernel][0](*arguments))
 
 
 def main():
