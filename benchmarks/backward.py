@@ -1,30 +1,38 @@
 """Stage 6 against FLA 0.6.0's chunk_kda, forward and backward, measured as benchmarks/fair.py measures
 the forward: kernels alone and whole calls apart, in interleaved rounds, with the spread over rounds.
 
-    python -m benchmarks.backward --out DIR [--quick] [--rounds 3] [--shapes ...] [--deadline SECONDS]
+    python -m benchmarks.backward --out DIR [--quick] [--rounds 3] [--shapes ...] [--block-dv 32|64]
+                                  [--no-fla] [--deadline SECONDS]
 
 At each shape (bench.SHAPES by default; bf16, d_k = d_v = 128, the benchmark's inputs and a random
-dLoss/do) it first compiles, autotunes, captures and checks (our gradients against FLA's), then
-times, in each round:
+dLoss/do) it times:
 
 - ours `fwd_bwd_kernels`: stage 5's two forward kernels and the five backward kernels
   (stages.s06_backward.kernel.run_kernels) on preallocated inputs, as one CUDA graph; `backward_kernels`
   the backward's five alone; each backward kernel alone (`prepare`, `states`, `state_gradient`,
-  `state_products`, `intra`) on the outputs of the one before;
+  `state_products`, `intra`) on the outputs of the one before. Each is built as the wrappers build
+  it at this shape: the forward's recurrence and the backward's chunk loops take stage 5's
+  default_block_dv (64 value columns where B * H * d_v / 64 programs fill the SMs, else 32), the
+  backward's unless --block-dv sets it;
 - ours `fwd_bwd_call`: stage 5's `forward` then stage 6's `backward`, as a caller runs them, value
   checks off (check_values=False: FLA checks no values either);
 - FLA `fwd_bwd_call`: chunk_kda forward, then torch.autograd.grad of its output with dLoss/do, as a
   caller runs them; FLA `fwd_bwd_kernels`: the same captured as a CUDA graph, if it captures; FLA
   `backward_call`: torch.autograd.grad alone, on a kept forward graph.
 
-A measurement that does not capture as a graph is timed with CUDA events around the launches instead
-(the row's `method` says which). Every time is the median of triton.testing.do_bench's timings after
-warm-up; each round runs the measurements in the reverse order of the one before.
+The order, each step logged with the seconds since the start: every kernel of every shape compiled
+at once in threads (TileLang lowers without the GIL, nvcc is a subprocess); then per shape, ours
+captured and timed (round 1, in the CSV before FLA is touched), FLA's first call (Triton compiles and
+autotunes its kernels there: minutes on a fresh machine), our gradients checked against FLA's, FLA
+timed (round 1), then rounds 2 on with every measurement, each round in the reverse order of the one
+before. --no-fla times ours alone. A measurement that does not capture as a graph is timed with CUDA
+events around the launches instead (the row's `method` says which). Every time is the median of
+triton.testing.do_bench's timings after warm-up.
 
 Writes DIR/backward.csv (one row per round and measurement) and DIR/backward_meta.json (machine,
-versions, command, the backward kernel's digest, rel L2 of our gradients against FLA's per shape;
-"complete": false until the run ends). Commit them as benchmarks/results/backward.csv and
-backward_meta.json.
+versions, command, the backward kernel's digest, per shape the block_dv of both passes and rel L2 of
+our gradients against FLA's; "complete": false until the run ends). Commit them as
+benchmarks/results/backward.csv and backward_meta.json.
 """
 
 import argparse
@@ -64,6 +72,7 @@ def parse_args(argv=None):
                         help="B,N,H,D;B,N,H,D;... instead of the benchmark shapes")
     parser.add_argument("--block-dv", type=int, default=None,
                         help="value columns per program of the two chunk loops (default: the wrapper's)")
+    parser.add_argument("--no-fla", action="store_true", help="time ours alone (no FLA set-up, no ratios)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new shape or round is started (what was measured is kept)")
     args = parser.parse_args(argv)
@@ -100,10 +109,51 @@ def open_writer(path):
 
 # ------------------------------------------------------------------ on the GPU
 
-class Shape:
-    """One shape's inputs, callables and captured graphs, kept for all rounds."""
+def block_dvs(B, H, D, num_sms, backward_block_dv=None):
+    """(the forward recurrence's block_dv, the backward chunk loops' block_dv) at this shape: what
+    stage 5's forward and stage 6's backward take (both stage 5's default_block_dv rule), unless
+    --block-dv sets the backward's."""
+    from stages.s05_fast_kda.kernel import default_block_dv
 
-    def __init__(self, B, N, H, D, block_dv, log):
+    return fair.forward_block_dv(B, H, D, num_sms), backward_block_dv or default_block_dv(B, H, D, num_sms)
+
+
+def compile_all(shapes, backward_block_dv, num_sms, log):
+    """Every kernel of every shape compiled up front, all at once in threads (the forward's recurrence,
+    and the backward's five, whose prepare is the forward's); returns {shape: the first failure's
+    message} for the shapes that did not compile."""
+    import functools
+
+    from stages.common.tilelang_tools import compile_in_threads
+    from stages.s05_fast_kda import kernel as stage5
+    from stages.s06_backward import kernel
+
+    o = fair._forward_defaults()
+    jobs, shape_of = {}, {}
+    for B, N, H, D in shapes:
+        forward_block_dv, block_dv = block_dvs(B, H, D, num_sms, backward_block_dv)
+        calls = {"prepare": (stage5._compiled_prepare, B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"]),
+                 "recurrence": (stage5._compiled_recurrence, B, N, H, D, D, o["chunk_size"], forward_block_dv, DTYPE,
+                                o["num_stages"], o["threads"])}
+        for name, arguments in kernel.kernel_arguments(B, N, H, D, D, o["chunk_size"], block_dv, DTYPE).items():
+            if name != "prepare":  # the backward's prepare is the forward's
+                calls[name] = (kernel._compiled, name, *arguments)
+        for name, (function, *arguments) in calls.items():
+            key = f"{name} at B={B} N={N} H={H} D={D}"
+            jobs[key], shape_of[key] = functools.partial(function, *arguments), (B, N, H, D)
+    log(f"compiling {len(jobs)} kernels in threads")
+    failures = {}
+    for key, result in compile_in_threads(jobs, log).items():
+        if isinstance(result, Exception):
+            failures.setdefault(shape_of[key], f"{key}: {fair._error(result)}")
+    return failures
+
+
+class Shape:
+    """One shape's inputs, callables and captured graphs, kept for all rounds: ours set up first
+    (compiled already, by compile_all), FLA's by setup_fla."""
+
+    def __init__(self, B, N, H, D, backward_block_dv, log):
         import torch
 
         from stages.s05_fast_kda import kernel as stage5
@@ -114,71 +164,95 @@ class Shape:
         self.errors, self.methods, self.functions = {}, {}, {}
         q, k, v, g, beta = bench.make_inputs(bench.STAGES["s05"], B, N, H, D, torch.bfloat16)
         do = torch.randn(q.shape, device=q.device, generator=torch.Generator(device="cuda").manual_seed(1)).to(q.dtype)
+        self.inputs = (q, k, v, g, beta, do)
         state = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device)
-        C = kernel.DEFAULT_CHUNK_SIZE
-        block_dv = block_dv or kernel.DEFAULT_BLOCK_DV
-        shape = (B, N, H, D, D, C)
+        o = fair._forward_defaults()
+        C = o["chunk_size"]
         if N % C:
             raise ValueError(f"N = {N} must be a multiple of the chunk size {C} here (the kernels take padded inputs)")
-        forward_prepare = stage5._compiled_prepare(*shape, DTYPE, None)
-        recurrence = stage5._compiled_recurrence(*shape, stage5.DEFAULT_BLOCK_DV, DTYPE, 2, 128)
+        self.forward_block_dv, self.block_dv = block_dvs(B, H, D, stage5.streaming_multiprocessors(q.device),
+                                                         backward_block_dv)
+        # the forward's two kernels as forward() launches them at this shape, the backward's as backward() does
+        forward_prepare = stage5._compiled_prepare(B, N, H, D, D, C, DTYPE, o["prepare_threads"])
+        recurrence = stage5._compiled_recurrence(B, N, H, D, D, C, self.forward_block_dv, DTYPE, o["num_stages"],
+                                                 o["threads"])
+        kernels = kernel.compiled_kernels(B, N, H, D, D, C, self.block_dv, DTYPE)
 
         def backward_kernels():
-            return kernel.run_kernels(kernel._compiled, q, k, v, g, beta, do, state, state, C, block_dv, DTYPE)
+            return kernel.run_kernels(kernels, q, k, v, g, beta, do, state, state)
 
         def forward_and_backward_kernels():
             recurrence(*forward_prepare(q, k, v, g, beta), state)
             return backward_kernels()
 
-        self._graph_or_events(("ours", "fwd_bwd_kernels"), forward_and_backward_kernels, log)
-        self._graph_or_events(("ours", "backward_kernels"), backward_kernels, log)
-        for what, launch in self._kernels_alone(kernel, q, k, v, g, beta, do, state, shape, block_dv).items():
+        launches = {"fwd_bwd_kernels": forward_and_backward_kernels, "backward_kernels": backward_kernels,
+                    **self._kernels_alone(kernels, q, k, v, g, beta, do, state)}
+        for what, launch in launches.items():
+            started = time.monotonic()
             self._graph_or_events(("ours", what), launch, log)
+            log(f"{self.label}: ours {what} captured ({self.methods[('ours', what)]}) in "
+                f"{time.monotonic() - started:.1f} s")
 
         def ours_call():
             stage5.forward(q, k, v, g, beta, check_values=False)
-            return kernel.backward(q, k, v, g, beta, do, block_dv=block_dv, check_values=False)
+            return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv, check_values=False)
 
         self.functions[("ours", "fwd_bwd_call")], self.methods[("ours", "fwd_bwd_call")] = ours_call, "events"
-        ours = backward_kernels()[:5]
+        self.ours_gradients = backward_kernels()[:5]
         self.rel_l2_vs_fla = None
+        torch.cuda.synchronize()
+
+    def setup_fla(self, log):
+        """FLA's first forward + backward (Triton compiles and autotunes its kernels: minutes on a fresh
+        machine), our gradients against its, then its calls and its CUDA graph."""
+        import torch
+
+        started = time.monotonic()
         try:
-            fla_forward_backward, fla_backward = _fla_calls(q, k, v, g, beta, do)
+            fla_forward_backward, fla_backward = _fla_calls(*self.inputs)
             fla_gradients = fla_forward_backward()
-            self.rel_l2_vs_fla = {name: bench.relative_l2(a, b) for name, a, b in zip(GRADIENTS, ours, fla_gradients)}
+            torch.cuda.synchronize()
+            log(f"{self.label}: FLA's first forward + backward (compile, autotune) in {time.monotonic() - started:.0f} s")
+            self.rel_l2_vs_fla = {name: bench.relative_l2(a, b)
+                                  for name, a, b in zip(GRADIENTS, self.ours_gradients, fla_gradients)}
             del fla_gradients
             for what, function in (("fwd_bwd_call", fla_forward_backward), ("backward_call", fla_backward)):
                 self.functions[("fla", what)], self.methods[("fla", what)] = function, "events"
+            started = time.monotonic()
             self._graph(("fla", "fwd_bwd_kernels"), fla_forward_backward, log)
+            log(f"{self.label}: FLA fwd_bwd_kernels capture tried in {time.monotonic() - started:.1f} s")
         except Exception as failure:  # FLA missing or failing: ours is still measured
             for what in ("fwd_bwd_call", "backward_call", "fwd_bwd_kernels"):
                 self.errors.setdefault(("fla", what), fair._error(failure))
             log(f"{self.label}: FLA failed: {fair._error(failure)}")
-        del ours
         torch.cuda.synchronize()
 
+    def notes(self):
+        """What the meta file keeps of this shape."""
+        return {"rel_l2_ours_vs_fla": self.rel_l2_vs_fla, "forward_block_dv": self.forward_block_dv,
+                "backward_block_dv": self.block_dv, "methods": {f"{i} {w}": m for (i, w), m in self.methods.items()}}
+
     @staticmethod
-    def _kernels_alone(kernel, q, k, v, g, beta, do, state, shape, block_dv):
+    def _kernels_alone(kernels, q, k, v, g, beta, do, state):
         """{kernel name: a launch of it alone}, each on the outputs of the kernels before it (computed once)."""
-        compiled = {name: kernel._compiled(name, *shape, *((block_dv,) if name in kernel.WITH_BLOCK_DV else ()),
-                                           DTYPE) for name in BACKWARD_KERNELS}
-        w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = compiled["prepare"](q, k, v, g, beta)
-        states, v_new = compiled["states"](w, u, k_to_chunk_end, chunk_decay, state)
-        d_states, dv_new, _ = compiled["state_gradient"](q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do, state)
-        products = compiled["state_products"](states, d_states, v_new, dv_new, do, chunk_decay)
+        w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = kernels["prepare"](q, k, v, g, beta)
+        states, v_new = kernels["states"](w, u, k_to_chunk_end, chunk_decay, state)
+        d_states, dv_new, _ = kernels["state_gradient"](q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do, state)
+        products = kernels["state_products"](states, d_states, v_new, dv_new, do, chunk_decay)
         return {
-            "prepare": lambda: compiled["prepare"](q, k, v, g, beta),
-            "states": lambda: compiled["states"](w, u, k_to_chunk_end, chunk_decay, state),
-            "state_gradient": lambda: compiled["state_gradient"](q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do,
-                                                                 state),
-            "state_products": lambda: compiled["state_products"](states, d_states, v_new, dv_new, do, chunk_decay),
-            "intra": lambda: compiled["intra"](q, k, v, g, beta, do, v_new, dv_new, *products),
+            "prepare": lambda: kernels["prepare"](q, k, v, g, beta),
+            "states": lambda: kernels["states"](w, u, k_to_chunk_end, chunk_decay, state),
+            "state_gradient": lambda: kernels["state_gradient"](q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do,
+                                                                state),
+            "state_products": lambda: kernels["state_products"](states, d_states, v_new, dv_new, do, chunk_decay),
+            "intra": lambda: kernels["intra"](q, k, v, g, beta, do, v_new, dv_new, *products),
         }
 
     _graph = fair.Shape._graph
     _graph_or_events = fair.Shape._graph_or_events
 
     def measure(self, round_number, writer, log, order, timer):
+        """Time the measurements of `order` that this shape has (a failed set-up is written as its error)."""
         for key in order:
             impl, what = key
             row = dict(round=round_number, B=self.B, N=self.N, H=self.H, D=self.D, dtype=DTYPE, impl=impl,
@@ -229,7 +303,12 @@ def make_timer(quick):
 
 
 def run(args, log, started):
+    """Compile everything, then shape by shape: ours set up and timed (round 1), FLA set up and timed
+    (round 1), then rounds 2 on with everything interleaved. Ours' times are in the CSV and the log
+    before FLA's first call, which can take minutes on a fresh machine."""
     import torch
+
+    from stages.s05_fast_kda.kernel import streaming_multiprocessors
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,34 +316,43 @@ def run(args, log, started):
     timer = make_timer(args.quick)
     notes = {}
     writer, f = open_writer(out / CSV_NAME)
+    measurements = [key for key in MEASUREMENTS if key[0] == "ours" or not args.no_fla]
     try:
+        failed = compile_all(args.shapes, args.block_dv, streaming_multiprocessors(torch.device("cuda")), log)
         for B, N, H, D in args.shapes:
             bench.check_deadline(deadline)
-            log(f"B={B} N={N} H={H} D={D}: compile, autotune, capture, check")
+            label = f"B={B} N={N} H={H} D={D}"
+            log(f"{label}: set up ours (capture graphs)")
             try:
+                if (B, N, H, D) in failed:
+                    raise RuntimeError(failed[(B, N, H, D)])
                 shape = Shape(B, N, H, D, args.block_dv, log)
             except Exception as failure:
                 traceback.print_exc()
-                notes[f"B={B} N={N} H={H} D={D}"] = {"error": fair._error(failure)}
+                notes[label] = {"error": fair._error(failure)}
                 writer.writerow(dict(round=0, B=B, N=N, H=H, D=D, dtype=DTYPE, impl="ours", what="setup",
                                      error=fair._error(failure)))
                 torch.cuda.empty_cache()
                 continue
-            notes[shape.label] = {"rel_l2_ours_vs_fla": shape.rel_l2_vs_fla,
-                                  "methods": {f"{i} {w}": m for (i, w), m in shape.methods.items()}}
-            log(f"{shape.label}: rel L2 ours vs FLA {shape.rel_l2_vs_fla}")
             try:
-                for round_number in range(1, args.rounds + 1):
-                    if round_number > 1:
-                        bench.check_deadline(deadline)
-                    order = MEASUREMENTS if round_number % 2 else MEASUREMENTS[::-1]
+                notes[label] = shape.notes()
+                shape.measure(1, writer, log, [key for key in measurements if key[0] == "ours"], timer)
+                if not args.no_fla:
+                    bench.check_deadline(deadline)
+                    shape.setup_fla(log)
+                    notes[label] = shape.notes()
+                    log(f"{label}: rel L2 ours vs FLA {shape.rel_l2_vs_fla}")
+                    shape.measure(1, writer, log, [key for key in measurements if key[0] == "fla"], timer)
+                for round_number in range(2, args.rounds + 1):
+                    bench.check_deadline(deadline)
+                    order = measurements if round_number % 2 else measurements[::-1]
                     shape.measure(round_number, writer, log, order, timer)
             finally:
                 del shape
                 gc.collect()
                 torch.cuda.empty_cache()
     except bench.Deadline:
-        log("deadline reached: no new shape or round started")
+        log("deadline reached: no new shape, round or FLA set-up started")
     finally:
         f.close()
     return notes
@@ -309,7 +397,7 @@ def run_meta(args, argv, torch):
                 python=platform.python_version(),
                 command="python -m benchmarks.backward " + " ".join(sys.argv[1:] if argv is None else argv),
                 date=time.strftime("%Y-%m-%d"), rounds=args.rounds, quick=args.quick, dtype=DTYPE,
-                block_dv=args.block_dv, kernel=kernel_digest())
+                block_dv=args.block_dv, no_fla=args.no_fla, kernel=kernel_digest())
 
 
 def kernel_digest():

@@ -9,8 +9,10 @@ from benchmarks import backward, bench, fair
 def test_arguments_default_to_the_benchmark_shapes_and_three_rounds(tmp_path):
     args = backward.parse_args(["--out", str(tmp_path)])
     assert args.shapes == bench.SHAPES and args.rounds == 3 and args.block_dv is None and args.deadline is None
-    quick = backward.parse_args(["--out", "x", "--quick", "--block-dv", "16"])
+    assert not args.no_fla
+    quick = backward.parse_args(["--out", "x", "--quick", "--block-dv", "16", "--no-fla"])
     assert quick.shapes == backward.QUICK_SHAPES and quick.rounds == backward.QUICK_ROUNDS and quick.block_dv == 16
+    assert quick.no_fla
     chosen = backward.parse_args(["--out", "x", "--shapes", "2,1024,4,64", "--rounds", "5"])
     assert chosen.shapes == [(2, 1024, 4, 64)] and chosen.rounds == 5
 
@@ -70,3 +72,45 @@ def test_kernel_digest_is_the_stage_6_builders():
 
     digest = backward.kernel_digest()
     assert len(digest) == 12 and digest == bench.program_digest(Path(kernel.__file__).read_text())
+
+
+def test_both_passes_take_64_value_columns_where_that_still_fills_the_sms():
+    """H200 (132 SMs): B=8 H=16 gives 256 programs of 64 columns, B=1 H=32 only 64 (32 columns then);
+    --block-dv sets the backward's alone."""
+    assert backward.block_dvs(8, 16, 128, 132) == (64, 64)
+    assert backward.block_dvs(1, 32, 128, 132) == (32, 32)
+    assert backward.block_dvs(8, 16, 128, 132, backward_block_dv=32) == (64, 32)
+
+
+def test_compile_all_builds_each_kernel_once_as_the_wrappers_launch_it(monkeypatch):
+    """The forward's prepare (shared with the backward) and recurrence, and the backward's four others,
+    with each pass's block_dv; a shape whose kernel fails is reported with the kernel's name, and the
+    other shapes compile."""
+    from stages.s05_fast_kda import kernel as stage5
+    from stages.s06_backward import kernel
+
+    calls = []
+    monkeypatch.setattr(stage5, "_compiled_prepare", lambda *arguments: calls.append(("prepare", *arguments)))
+    monkeypatch.setattr(stage5, "_compiled_recurrence", lambda *arguments: calls.append(("recurrence", *arguments)))
+
+    def backward_kernel(name, *arguments):
+        if name == "intra" and arguments[0] == 8:
+            raise RuntimeError("No valid warp partition for T.gemm")
+        calls.append((name, *arguments))
+
+    monkeypatch.setattr(kernel, "_compiled", backward_kernel)
+    heard = []
+    failed = backward.compile_all([(1, 4096, 32, 128), (8, 4096, 16, 128)], None, 132, heard.append)
+    assert list(failed) == [(8, 4096, 16, 128)] and "intra at B=8" in failed[(8, 4096, 16, 128)]
+    assert "No valid warp partition" in failed[(8, 4096, 16, 128)]
+    o = fair._forward_defaults()
+    expected = []
+    for B, H, block_dv in ((1, 32, 32), (8, 16, 64)):
+        shape = (B, 4096, H, 128, 128, 64)
+        expected += [("prepare", *shape, "bfloat16", o["prepare_threads"]),
+                     ("recurrence", *shape, block_dv, "bfloat16", o["num_stages"], o["threads"]),
+                     ("states", *shape, block_dv, "bfloat16"), ("state_gradient", *shape, block_dv, "bfloat16"),
+                     ("state_products", *shape, "bfloat16")]
+    expected.append(("intra", 1, 4096, 32, 128, 128, 64, "bfloat16"))
+    assert sorted(calls, key=str) == sorted(expected, key=str)
+    assert len(heard) == 13 and heard[0] == "compiling 12 kernels in threads"
