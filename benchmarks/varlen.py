@@ -102,7 +102,7 @@ def chunk_aligned_kernels(inputs, cu_seqlens, initial_state, chunk_size=64):
     import torch
 
     from stages.s05_fast_kda.kernel import default_block_dv, streaming_multiprocessors
-    from stages.s07_serving.kernel import _compiled_varlen, chunk_aligned_forward
+    from stages.s07_serving.kernel import chunk_aligned_forward, compiled_prefill_kernels
     from stages.s07_serving.reference import chunk_aligned_rows
 
     q, v = inputs[0], inputs[2]
@@ -111,7 +111,7 @@ def chunk_aligned_kernels(inputs, cu_seqlens, initial_state, chunk_size=64):
     aligned = [x.new_zeros((int(chunk_offsets[-1]) * chunk_size, *x.shape[2:])).index_copy_(0, rows, x[0])[None]
                for x in inputs]
     block_dv = default_block_dv(len(chunk_offsets) - 1, q.shape[2], v.shape[3], streaming_multiprocessors(q.device))
-    kernels = _compiled_varlen(q.shape[2], q.shape[3], v.shape[3], chunk_size, block_dv, str(q.dtype).split(".")[1])
+    kernels = compiled_prefill_kernels(q.shape[2], q.shape[3], v.shape[3], chunk_size, block_dv, str(q.dtype).split(".")[1])
     offsets = torch.from_numpy(chunk_offsets).to(device=q.device, dtype=torch.int32)
     return lambda: chunk_aligned_forward(*aligned, offsets, initial_state, chunk_size, kernels)
 

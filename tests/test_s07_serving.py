@@ -831,6 +831,11 @@ def test_prefill_matches_float64_and_fla_with_cu_seqlens(dtype_name):
     print(f"{dtype_name} FLA chunk_kda vs float64: o {fla[0]}, states {fla[1]}; ours vs FLA {error_report(o, fla_o)}")
     assert ours[0].rel_l2 <= max(2 * fla[0].rel_l2, u), "our output is further from float64 than FLA's"
     assert ours[1].rel_l2 <= max(2 * fla[1].rel_l2, u), "our final states are further from float64 than FLA's"
+    from_zero = prefill(*args, cu_seqlens=cu, output_final_state=True)  # no initial_state: zeros
+    expected_from_zero = chunkwise(x.q, x.k, x.v, x.g, x.beta, 64, cu_seqlens, output_final_state=True)
+    assert_close(from_zero[0].double().cpu().numpy(), expected_from_zero[0], rel_l2=8 * u, name="o from zero states")
+    assert_close(from_zero[1].double().cpu().numpy(), expected_from_zero[1], rel_l2=8 * u,
+                 name="the final states from zero", axes=POOL_AXES)
 
 
 @pytest.mark.gpu

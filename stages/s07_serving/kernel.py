@@ -243,20 +243,39 @@ def build_varlen_recurrence_program(T_padded, n_chunks, N_seq, H, d_k, d_v, chun
 # --8<-- [end:varlen_recurrence_program]
 
 
-@functools.cache
-def _compiled_varlen(H, d_k, d_v, chunk_size, block_dv, dtype):
-    """Stage 5's prepare and the varlen recurrence, compiled once for any batch: the token count, the
-    chunk count and the sequence count are run-time sizes. The outputs are the caller's (out_idx
-    none): TileLang allocates an output only when each of its sizes is a symbol of its own."""
-    import tilelang
+def _run_time_sizes():
+    """The token count, the chunk count and the sequence count of a batch, as TileLang symbols: the
+    kernels compiled with them serve every batch."""
     import tilelang.language as T
+
+    return T.dynamic("T_padded"), T.dynamic("n_chunks"), T.dynamic("N_seq")
+
+
+@functools.cache
+def _compiled_prepare(H, d_k, d_v, chunk_size, dtype):
+    """Stage 5's prepare for a chunk-aligned batch of any length. The outputs are the caller's (no
+    out_idx): TileLang allocates an output only when each of its sizes is a symbol of its own, and
+    the chunk decays have T_padded / C rows."""
+    import tilelang
 
     from stages.s05_fast_kda.kernel import build_prepare_program
 
-    T_padded, n_chunks, N_seq = T.dynamic("T_padded"), T.dynamic("n_chunks"), T.dynamic("N_seq")
-    prepare = build_prepare_program(1, T_padded, H, d_k, d_v, chunk_size, dtype)
-    recurrence = build_varlen_recurrence_program(T_padded, n_chunks, N_seq, H, d_k, d_v, chunk_size, block_dv, dtype)
-    return tilelang.compile(prepare, target="cuda"), tilelang.compile(recurrence, target="cuda")
+    T_padded, _, _ = _run_time_sizes()
+    return tilelang.compile(build_prepare_program(1, T_padded, H, d_k, d_v, chunk_size, dtype), target="cuda")
+
+
+@functools.cache
+def _compiled_varlen_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype):
+    import tilelang
+
+    program = build_varlen_recurrence_program(*_run_time_sizes(), H, d_k, d_v, chunk_size, block_dv, dtype)
+    return tilelang.compile(program, target="cuda")
+
+
+def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype):
+    """(prepare, varlen recurrence) compiled for sm_90a once per head shape, block and dtype."""
+    return (_compiled_prepare(H, d_k, d_v, chunk_size, dtype),
+            _compiled_varlen_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype))
 
 
 # --8<-- [start:prefill]
@@ -306,7 +325,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
         block_dv = default_block_dv(N_seq, H, d_v, streaming_multiprocessors(q.device))
 
     o, final_state = prefill_chunk_aligned(q, k, v, g, beta, token_rows, chunk_offsets, initial_state, chunk_size,
-                                           _compiled_varlen(H, d_k, d_v, chunk_size, block_dv, dtype_name(q)))
+                                           compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype_name(q)))
     return (o, final_state) if output_final_state else o
 # --8<-- [end:prefill]
 
@@ -390,12 +409,10 @@ def varlen_compile_report(kernel="recurrence", H=32, d_k=128, d_v=128, chunk_siz
                           dtype="bfloat16"):
     """Lower and compile one of prefill's kernels ("prepare", stage 5's, or "recurrence", the varlen
     one) for sm_90a as prefill compiles them: the token, chunk and sequence counts run-time sizes."""
-    import tilelang.language as T
-
     from stages.s05_fast_kda.kernel import build_prepare_program
 
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-    T_padded, n_chunks, N_seq = T.dynamic("T_padded"), T.dynamic("n_chunks"), T.dynamic("N_seq")
+    T_padded, n_chunks, N_seq = _run_time_sizes()
     if kernel == "prepare":
         return _compile_report(build_prepare_program(1, T_padded, H, d_k, d_v, chunk_size, dtype))
     if kernel == "recurrence":
