@@ -243,14 +243,14 @@ def _gpu_kernel_shapes():
     return shapes
 
 
-def _gpu_compiles(dtype):
-    """[(kernel, compiled_kernels' arguments)]: each distinct compile of the GPU cases in `dtype`."""
+def _gpu_compiles(*dtypes):
+    """[(kernel, compiled_kernels' arguments)]: each distinct compile of the GPU cases in `dtypes`."""
     from stages.s06_backward.kernel import kernel_arguments
 
     compiles = {}
     for shape in _gpu_kernel_shapes().values():
         for kernel, arguments in kernel_arguments(*shape).items():
-            if shape[-1] == dtype:
+            if shape[-1] in dtypes:
                 compiles.setdefault((kernel, arguments), (kernel, shape))
     return list(compiles.values())
 
@@ -292,14 +292,15 @@ def _cuda(x, do, S_0, dS_N, dtype):
 
 @pytest.fixture(scope="module")
 def gpu_kernels():
-    """Every GPU case's kernels compiled at once, in threads (a minute, not one per case)."""
+    """Every distinct kernel of the GPU cases compiled at once, in threads (a minute, not one per case);
+    the wrapper then finds them in _compiled's cache."""
     from stages.common.tilelang_tools import compile_in_threads
-    from stages.s06_backward.kernel import compiled_kernels
+    from stages.s06_backward.kernel import _compiled, kernel_arguments
 
-    shapes = set(_gpu_kernel_shapes().values())
-    compiled = compile_in_threads({shape: functools.partial(compiled_kernels, *shape) for shape in shapes},
-                                  log=print)
-    failures = {shape: result for shape, result in compiled.items() if isinstance(result, Exception)}
+    jobs = {f"{kernel} at {shape}": functools.partial(_compiled, kernel, *kernel_arguments(*shape)[kernel])
+            for kernel, shape in _gpu_compiles("float16", "bfloat16")}
+    failures = {key: result for key, result in compile_in_threads(jobs, log=print).items()
+                if isinstance(result, Exception)}
     assert not failures, failures
 
 
