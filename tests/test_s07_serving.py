@@ -541,18 +541,19 @@ def test_varlen_recurrence_program_matches_reference_c():
     assert np.array_equal(final_states[1], S0[1].astype(np.float32)), "the empty sequence's state moved"
 
 
-@pytest.mark.parametrize("with_state", [True, False])
-def test_prefill_through_the_interpreter_matches_reference_c(with_state):
+@pytest.mark.parametrize("lengths, with_state", [(PREFILL_LENGTHS, True), (PREFILL_LENGTHS, False),
+                                                 ((64, 0, 32), True)])  # the last: no gathers needed
+def test_prefill_through_the_interpreter_matches_reference_c(lengths, with_state):
     """The whole prefill path (gathers, stage 5's prepare, the varlen recurrence) in float64 against
     reference C: within the TF32 rounding of stage 5's block-inverse merges; inputs unchanged and a
     second call the same."""
     from stages.s07_serving.reference import kernel_mirror
 
-    x, cu_seqlens, S0 = _prefill_case(seed=52, with_state=with_state)
+    x, cu_seqlens, S0 = _prefill_case(seed=52, lengths=lengths, with_state=with_state)
     kept = [a.copy() for a in (x.q, x.k, x.v, x.g, x.beta, S0)]
     expected_o, expected_states = kernel_mirror(x.q, x.k, x.v, x.g, x.beta, PREFILL_C, PREFILL_BLOCK_DV, cu_seqlens,
                                                 S0 if with_state else None, output_final_state=True, sub_block=16)
-    kernels = _interpreted_kernels(PREFILL_LENGTHS, "float64")
+    kernels = _interpreted_kernels(lengths, "float64")
     o, final_states = _prefill_on_the_cpu(x, cu_seqlens, S0, "float64", kernels)
     assert_close(o, expected_o, rel_l2=TF32_FLOOR, chunk_size=PREFILL_C)
     assert_close(final_states, expected_states, rel_l2=TF32_FLOOR, name="the final states", axes=POOL_AXES)

@@ -335,13 +335,17 @@ def prefill_chunk_aligned(q, k, v, g, beta, token_rows, chunk_offsets, initial_s
     """The packed batch (1, T, ...) through the chunk-aligned layout: q, k, v, g, beta gathered to
     their rows `token_rows` (T,) (reference.chunk_aligned_rows) of T_padded = chunk_offsets[-1] * C
     rows, zeros elsewhere (a zero token changes no state: exact), `chunk_aligned_forward` there, o
-    gathered back. Returns (o (1, T, H, d_v), final states (N_seq, H, d_k, d_v) fp32).
+    gathered back; no gathers when every length is a multiple of C (as a server's prefill pieces
+    often are). Returns (o (1, T, H, d_v), final states (N_seq, H, d_k, d_v) fp32).
     """
     import torch
 
     T_padded = int(chunk_offsets[-1]) * chunk_size
     if T_padded == 0:  # every sequence empty: nothing to launch, the states stay
         return torch.empty_like(v), initial_state.clone()
+    offsets = torch.from_numpy(chunk_offsets.astype(np.int32)).to(q.device, non_blocking=True)
+    if T_padded == q.shape[1]:  # every length a multiple of C: the packed batch is already chunk-aligned
+        return chunk_aligned_forward(q, k, v, g, beta, offsets, initial_state, chunk_size, kernels)
     taken = np.zeros(T_padded, dtype=bool)
     taken[token_rows] = True
     rows, padding = (torch.from_numpy(index).to(q.device, non_blocking=True)
@@ -352,7 +356,6 @@ def prefill_chunk_aligned(q, k, v, g, beta, token_rows, chunk_offsets, initial_s
         out.index_fill_(0, padding, 0)
         return out.index_copy_(0, rows, x[0]).unsqueeze(0)
 
-    offsets = torch.from_numpy(chunk_offsets.astype(np.int32)).to(q.device, non_blocking=True)
     o, final_state = chunk_aligned_forward(*(chunk_aligned(x) for x in (q, k, v, g, beta)), offsets, initial_state,
                                            chunk_size, kernels)
     return o[0].index_select(0, rows).unsqueeze(0), final_state
