@@ -878,3 +878,133 @@ def test_prefill_in_pieces_then_decode_on_gpu(dtype_name):
     print(f"{dtype_name} served: o {error_report(o, expected_o)}, states {error_report(host_pool[slots], expected_state)}")
     assert_close(o, expected_o, rel_l2=8 * u)
     assert_close(host_pool[slots], expected_state, rel_l2=8 * u, name="the final states", axes=POOL_AXES)
+
+
+# ------------------------------------------------------------------------------------------ a layer served
+
+LAYER_PIECES = [1, 3, 7, 13, 16, 1, 1, 1]  # prefill pieces around the chunk of 8, then three decode steps
+
+
+class _ServedKernel:
+    """chunk_kda's calling convention, as stage 6's KDALayer calls it, served as an engine serves the
+    layer's B sequences: a call of one token each is a decode step over a state pool (the sequences'
+    states at scattered slots of a larger pool, copied there from the cache), any longer call one
+    packed prefill of the B sequences (cu_seqlens = 0, T, 2T, ...) from their states.
+
+    prefill(q, k, v, g, beta, cu_seqlens, states) -> (o, final states) on the packed batch;
+    decode(q, k, v, g, beta, pool, slots) -> o, advancing pool[slots] in place. `calls` records which
+    path each call took.
+    """
+
+    def __init__(self, prefill, decode, pool, slots):
+        self.prefill, self.decode, self.pool, self.slots, self.calls = prefill, decode, pool, slots, []
+
+    def __call__(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, scale=None):
+        import torch
+
+        from stages.s06_backward.autograd import _l2_normalize
+
+        B, T, H, d_k = q.shape
+        if use_qk_l2norm_in_kernel:
+            q, k = _l2_normalize(q), _l2_normalize(k)
+        q = q * (d_k**-0.5 if scale is None else scale)
+        states = (torch.zeros(B, H, d_k, v.shape[3], dtype=self.pool.dtype, device=q.device) if initial_state is None
+                  else initial_state.to(self.pool.dtype))
+        if T == 1:
+            self.calls.append("decode")
+            self.pool[self.slots] = states
+            o = self.decode(*(x[:, 0].contiguous() for x in (q, k, v, g, beta)), self.pool, self.slots)
+            return o[:, None], self.pool[self.slots].clone()
+        self.calls.append("prefill")
+        cu_seqlens = np.arange(B + 1) * T
+        o, final_states = self.prefill(*(x.reshape(1, B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)),
+                                       cu_seqlens, states.contiguous())
+        return o.reshape(B, T, *o.shape[2:]), final_states
+
+
+def _serve_layer(layer, x, pieces):
+    """y of x (B, T, d_model) through `layer`, prefilled and decoded piece by piece with the cache
+    carried between calls; and the last cache."""
+    import torch
+
+    cache, ys, start = None, [], 0
+    for length in pieces:
+        y, cache = layer(x[:, start:start + length], cache, use_cache=True)
+        ys.append(y)
+        start += length
+    return torch.cat(ys, dim=1), cache
+
+
+def test_a_layer_served_in_pieces_and_decode_steps_equals_one_forward():
+    """Stage 6's KDALayer (float64, CPU) with its kernel served by stage 7: packed prefill through
+    reference C in pieces of 1, 3, C - 1, C + 5 and 2C tokens, then decode steps through the decode
+    reference over a pool, the cache carried: y and the final cache equal one forward of the layer on
+    its own kernel (rel L2 <= 1e-12); the pool's other slots untouched."""
+    import torch
+
+    from stages.s06_backward.layer import KDALayer
+    from stages.s07_serving.reference import kernel_mirror
+
+    def prefill(q, k, v, g, beta, cu_seqlens, states):
+        o, final_states = kernel_mirror(*(a.numpy() for a in (q, k, v, g, beta)), 8, 4, cu_seqlens, states.numpy(),
+                                        output_final_state=True, sub_block=4)
+        return torch.from_numpy(o), torch.from_numpy(final_states)
+
+    def decode(q, k, v, g, beta, pool, slots):
+        return torch.from_numpy(decode_step(*(a.numpy() for a in (q, k, v, g, beta)), pool.numpy(), slots))
+
+    torch.manual_seed(0)
+    layer = KDALayer(d_model=24, n_heads=2, head_dim=8).double()
+    x = torch.randn(3, sum(LAYER_PIECES), 24, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pool = torch.randn(7, 2, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    others, slots = pool[[0, 1, 3, 6]].clone(), np.array([5, 2, 4])
+    with torch.no_grad():
+        whole, whole_cache = layer(x, use_cache=True)
+        layer.kernel = served = _ServedKernel(prefill, decode, pool, slots)
+        y, cache = _serve_layer(layer, x, LAYER_PIECES)
+    assert served.calls == ["decode", "prefill", "prefill", "prefill", "prefill", "decode", "decode", "decode"]
+    assert error_report(y, whole).rel_l2 <= 1e-12
+    for name, expected, actual in zip(whole_cache._fields, whole_cache, cache):
+        assert error_report(actual, expected).rel_l2 <= 1e-12, name
+    assert torch.equal(pool[[0, 1, 3, 6]], others), "a slot of another sequence changed"
+
+
+@pytest.mark.gpu
+def test_a_layer_served_by_prefill_and_decode_on_gpu():
+    """The same on CUDA under bf16 autocast (H=4, d=128): stage 7's prefill (cu_seqlens, the varlen
+    kernels) in pieces of 1, 3, 63, 69 and 128 tokens, then three steps of the decode kernel over a
+    pool: y within twice the error of one prefill call on the whole, both against the float64 layer
+    on the CPU."""
+    import torch
+
+    from stages.s06_backward.layer import KDALayer
+    from stages.s07_serving.kernel import decode, prefill
+
+    def prefill_on_gpu(q, k, v, g, beta, cu_seqlens, states):
+        return prefill(*(a.to(torch.bfloat16) for a in (q, k, v)), g.float(), beta.float(),
+                       cu_seqlens=torch.tensor(cu_seqlens, device="cuda"), initial_state=states,
+                       output_final_state=True)
+
+    def decode_on_gpu(q, k, v, g, beta, pool, slots):
+        return decode(*(a.to(torch.bfloat16) for a in (q, k, v)), g.float(), beta.float(), pool, slots)
+
+    torch.manual_seed(11)
+    layer = KDALayer(d_model=256, n_heads=4, head_dim=128)
+    pieces = [1, 3, 63, 69, 128, 1, 1, 1]
+    x = torch.randn(3, sum(pieces), 256, generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        truth = layer.double()(x.double())[0]
+    layer, x = layer.float().cuda(), x.cuda()
+    pool = torch.zeros(9, 4, 128, 128, device="cuda")
+    layer.kernel = served = _ServedKernel(prefill_on_gpu, decode_on_gpu, pool,
+                                          torch.tensor([7, 2, 4], dtype=torch.int32, device="cuda"))
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        whole = layer(x)[0]
+        y, cache = _serve_layer(layer, x, pieces)
+    assert served.calls == ["prefill", "decode", "prefill", "prefill", "prefill", "prefill", "decode", "decode",
+                            "decode"]
+    whole_error, pieces_error = error_report(whole, truth), error_report(y, truth)
+    print(f"served layer vs float64: one prefill {whole_error}, in pieces and decode steps {pieces_error}")
+    assert whole_error.rel_l2 <= 1e-2
+    assert pieces_error.rel_l2 <= max(2 * whole_error.rel_l2, 1e-2)
