@@ -106,7 +106,7 @@ def chunk_aligned_kernels(inputs, cu_seqlens, initial_state, chunk_size=64):
     from stages.s07_serving.reference import chunk_aligned_rows
 
     q, v = inputs[0], inputs[2]
-    token_rows, chunk_offsets = chunk_aligned_rows(cu_seqlens.cpu().numpy(), chunk_size)
+    token_rows, chunk_offsets, _ = chunk_aligned_rows(cu_seqlens.cpu().numpy(), chunk_size)
     rows = torch.from_numpy(token_rows).to(q.device)
     aligned = [x.new_zeros((int(chunk_offsets[-1]) * chunk_size, *x.shape[2:])).index_copy_(0, rows, x[0])[None]
                for x in inputs]

@@ -458,12 +458,14 @@ def test_chunk_aligned_rows_start_every_sequence_on_a_chunk():
 
     lengths, C = [5, 0, 17, 16, 1, 33], 8
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
-    token_rows, chunk_offsets = chunk_aligned_rows(cu_seqlens, C)
-    expected, row = [], 0
+    token_rows, chunk_offsets, padding_rows = chunk_aligned_rows(cu_seqlens, C)
+    expected, expected_padding, row = [], [], 0
     for n in lengths:
         expected += list(range(row, row + n))
+        expected_padding += list(range(row + n, row + C * ((n + C - 1) // C)))
         row += C * ((n + C - 1) // C)
     assert token_rows.tolist() == expected
+    assert padding_rows.tolist() == expected_padding
     assert chunk_offsets[-1] * C == row
     assert len(set((token_rows // C).tolist())) == chunk_offsets[-1], "a chunk without a token"
 
@@ -496,12 +498,12 @@ def _prefill_on_the_cpu(x, cu_seqlens, S0, dtype, kernels):
     from stages.s07_serving.kernel import prefill_chunk_aligned
     from stages.s07_serving.reference import chunk_aligned_rows
 
-    token_rows, chunk_offsets = chunk_aligned_rows(cu_seqlens, PREFILL_C)
+    token_rows, chunk_offsets, padding_rows = chunk_aligned_rows(cu_seqlens, PREFILL_C)
     operand = {"float64": torch.float64, "bfloat16": torch.bfloat16}[dtype]
     state = torch.float64 if dtype == "float64" else torch.float32
     args = [torch.tensor(a, dtype=operand) for a in (x.q, x.k, x.v)] + [torch.tensor(a, dtype=state) for a in (x.g, x.beta)]
-    o, final_states = prefill_chunk_aligned(*args, token_rows, chunk_offsets, torch.tensor(S0, dtype=state), PREFILL_C,
-                                            kernels)
+    o, final_states = prefill_chunk_aligned(*args, token_rows, padding_rows, chunk_offsets,
+                                            torch.tensor(S0, dtype=state), PREFILL_C, kernels)
     return o.double().numpy(), final_states.double().numpy()
 
 
@@ -522,7 +524,7 @@ def test_varlen_recurrence_program_matches_reference_c():
     x, cu_seqlens, S0 = _prefill_case(seed=51)
     tensors = prepare_varlen(x.q, x.k, x.v, x.g, x.beta, cu_seqlens, PREFILL_C, sub_block=16)
     expected_o, expected_states = recurrence_varlen(tensors, cu_seqlens, PREFILL_BLOCK_DV, S0)
-    token_rows, chunk_offsets = chunk_aligned_rows(cu_seqlens, PREFILL_C)
+    token_rows, chunk_offsets, _ = chunk_aligned_rows(cu_seqlens, PREFILL_C)
     n_chunks = int(chunk_offsets[-1])
     program_fields = ("w", "u", "q_decayed", "k_to_chunk_end", "a_qk")  # the program's parameter order
 

@@ -312,7 +312,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     if initial_state is not None:
         check_gate("initial_state", initial_state, (N_seq, H, d_k, d_v), "(N_seq, H, d_k, d_v)")
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
-    token_rows, chunk_offsets = chunk_aligned_rows(np.asarray(offsets), chunk_size)
+    token_rows, chunk_offsets, padding_rows = chunk_aligned_rows(np.asarray(offsets), chunk_size)
     T_padded = int(chunk_offsets[-1]) * chunk_size
     _check_int32_indexing(T_padded, H, max(d_k, d_v, chunk_size))
     if check_values:
@@ -324,17 +324,19 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     if block_dv is None:
         block_dv = default_block_dv(N_seq, H, d_v, streaming_multiprocessors(q.device))
 
-    o, final_state = prefill_chunk_aligned(q, k, v, g, beta, token_rows, chunk_offsets, initial_state, chunk_size,
+    o, final_state = prefill_chunk_aligned(q, k, v, g, beta, token_rows, padding_rows, chunk_offsets, initial_state,
+                                           chunk_size,
                                            compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype_name(q)))
     return (o, final_state) if output_final_state else o
 # --8<-- [end:prefill]
 
 
 # --8<-- [start:prefill_chunk_aligned]
-def prefill_chunk_aligned(q, k, v, g, beta, token_rows, chunk_offsets, initial_state, chunk_size, kernels):
+def prefill_chunk_aligned(q, k, v, g, beta, token_rows, padding_rows, chunk_offsets, initial_state, chunk_size,
+                          kernels):
     """The packed batch (1, T, ...) through the chunk-aligned layout: q, k, v, g, beta gathered to
     their rows `token_rows` (T,) (reference.chunk_aligned_rows) of T_padded = chunk_offsets[-1] * C
-    rows, zeros elsewhere (a zero token changes no state: exact), `chunk_aligned_forward` there, o
+    rows, zeros at `padding_rows` (a zero token changes no state: exact), `chunk_aligned_forward` there, o
     gathered back; no gathers when every length is a multiple of C (as a server's prefill pieces
     often are). Returns (o (1, T, H, d_v), final states (N_seq, H, d_k, d_v) fp32).
     """
@@ -346,10 +348,7 @@ def prefill_chunk_aligned(q, k, v, g, beta, token_rows, chunk_offsets, initial_s
     offsets = torch.from_numpy(chunk_offsets.astype(np.int32)).to(q.device, non_blocking=True)
     if T_padded == q.shape[1]:  # every length a multiple of C: the packed batch is already chunk-aligned
         return chunk_aligned_forward(q, k, v, g, beta, offsets, initial_state, chunk_size, kernels)
-    taken = np.zeros(T_padded, dtype=bool)
-    taken[token_rows] = True
-    rows, padding = (torch.from_numpy(index).to(q.device, non_blocking=True)
-                     for index in (token_rows, np.flatnonzero(~taken)))
+    rows, padding = (torch.from_numpy(index).to(q.device, non_blocking=True) for index in (token_rows, padding_rows))
 
     def chunk_aligned(x):  # x (1, T, ...) -> (1, T_padded, ...): one index copy of whole token rows
         out = x.new_empty((T_padded, *x.shape[2:]))
