@@ -114,3 +114,46 @@ def test_compile_all_builds_each_kernel_once_as_the_wrappers_launch_it(monkeypat
     expected.append(("intra", 1, 4096, 32, 128, 128, 64, "bfloat16"))
     assert sorted(calls, key=str) == sorted(expected, key=str)
     assert len(heard) == 13 and heard[0] == "compiling 12 kernels in threads"
+
+
+class _FakeShape:
+    """Stands in for backward.Shape on a CPU: records what run() asks of it, in order."""
+
+    events = []
+
+    def __init__(self, B, N, H, D, block_dv, log):
+        self.label, self.rel_l2_vs_fla = f"B={B}", None
+        self.events.append(("setup ours", B))
+
+    def setup_fla(self, log):
+        self.events.append(("setup fla", self.label))
+
+    def notes(self):
+        return {}
+
+    def measure(self, round_number, writer, log, order, timer):
+        self.events.append((round_number, self.label, tuple(sorted({impl for impl, _ in order}))))
+
+
+@pytest.mark.parametrize("no_fla", [False, True])
+def test_ours_is_timed_before_fla_is_set_up_and_no_fla_leaves_fla_out(tmp_path, monkeypatch, no_fla):
+    pytest.importorskip("torch")
+    from stages.s05_fast_kda import kernel as stage5
+
+    _FakeShape.events = []
+    monkeypatch.setattr(backward, "Shape", _FakeShape)
+    monkeypatch.setattr(backward, "compile_all", lambda *arguments: {(2, 4096, 16, 128): "RuntimeError: boom"})
+    monkeypatch.setattr(stage5, "streaming_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(backward, "make_timer", lambda quick: None)  # triton's do_bench: the fake times nothing
+    argv = ["--out", str(tmp_path), "--shapes", "1,4096,32,128;2,4096,16,128", "--rounds", "3"]
+    args = backward.parse_args(argv + (["--no-fla"] if no_fla else []))
+    notes = backward.run(args, print, 0.0)
+    if no_fla:
+        assert _FakeShape.events == [("setup ours", 1), (1, "B=1", ("ours",)), (2, "B=1", ("ours",)),
+                                     (3, "B=1", ("ours",))]
+    else:
+        assert _FakeShape.events == [("setup ours", 1), (1, "B=1", ("ours",)), ("setup fla", "B=1"),
+                                     (1, "B=1", ("fla",)), (2, "B=1", ("fla", "ours")), (3, "B=1", ("fla", "ours"))]
+    assert notes["B=2 N=4096 H=16 D=128"] == {"error": "RuntimeError: RuntimeError: boom"}
+    rows = fair.read_rows(tmp_path / backward.CSV_NAME)
+    assert [(row["B"], row["what"]) for row in rows] == [("2", "setup")]
