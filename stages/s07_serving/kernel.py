@@ -336,8 +336,8 @@ def prefill_chunk_aligned(q, k, v, g, beta, token_rows, padding_rows, chunk_offs
                           kernels):
     """The packed batch (1, T, ...) through the chunk-aligned layout: q, k, v, g, beta gathered to
     their rows `token_rows` (T,) (reference.chunk_aligned_rows) of T_padded = chunk_offsets[-1] * C
-    rows, zeros at `padding_rows` (a zero token changes no state: exact), `chunk_aligned_forward` there, o
-    gathered back; no gathers when every length is a multiple of C (as a server's prefill pieces
+    rows, zeros at `padding_rows` (a zero token changes no state: exact), `chunk_aligned_forward`
+    there, o gathered back; no gathers when every length is a multiple of C (as a server's prefill pieces
     often are). Returns (o (1, T, H, d_v), final states (N_seq, H, d_k, d_v) fp32).
     """
     import torch
@@ -373,9 +373,10 @@ def chunk_aligned_forward(q, k, v, g, beta, chunk_offsets, initial_state, chunk_
     def empty(*shape, dtype=q.dtype):
         return torch.empty(shape, dtype=dtype, device=q.device)
 
+    # W, U, Q e^gamma, K e^{gamma_C - gamma}, A_qk, e^{gamma_C}: the prepare kernel's outputs in order
     prepared = (empty(1, T_padded, H, d_k), empty(1, T_padded, H, d_v), empty(1, T_padded, H, d_k),
                 empty(1, T_padded, H, d_k), empty(1, T_padded, H, chunk_size),
-                empty(1, T_padded // chunk_size, H, d_k, dtype=torch.float32))  # W, U, Q e^gamma, K e^.., A_qk, e^gamma_C
+                empty(1, T_padded // chunk_size, H, d_k, dtype=torch.float32))
     prepare(q, k, v, g, beta, *prepared)
     o, final_state = empty(1, T_padded, H, d_v), torch.empty_like(initial_state)
     recurrence(*prepared, initial_state, chunk_offsets, o, final_state)
