@@ -93,6 +93,19 @@ def comparisons(rows):
             for shape, measured in fair.times(rows).items()}
 
 
+def summary(rows):
+    """One line per shape: ours' median times over rounds (ms), then the FLA / ours ratios measured."""
+    ratios = comparisons(rows)
+    lines = []
+    for shape, measured in sorted(fair.summarize(rows).items()):
+        ours = [f"{what} {measured[('ours', what)].text()} ms"
+                for what in ("fwd_bwd_kernels", "fwd_bwd_call", "backward_kernels") if ("ours", what) in measured]
+        named = [f"{name} {spread.text('{:.2f}')}" for name, spread in ratios[shape].items() if spread is not None]
+        lines.append(f"B={shape[0]} N={shape[1]} H={shape[2]} D={shape[3]}: ours " + ", ".join(ours)
+                     + "".join(f"; {text}" for text in named))
+    return lines
+
+
 def _ratio(a, b):
     return a / b
 
@@ -379,9 +392,8 @@ def main(argv=None):
     write_meta(args.out, meta, started, complete=False)
     meta["shapes"] = run(args, log, started)
     write_meta(args.out, meta, started, complete=True)
-    for shape, named in sorted(comparisons(fair.read_rows(Path(args.out) / CSV_NAME)).items()):
-        log(f"B={shape[0]} N={shape[1]} H={shape[2]} D={shape[3]}: "
-            + "; ".join(f"{name} {spread.text('{:.2f}')}" for name, spread in named.items() if spread is not None))
+    for line in summary(fair.read_rows(Path(args.out) / CSV_NAME)):
+        log(line)
     log(f"done: {args.out}/{CSV_NAME}, {META_NAME}")
     return 0
 

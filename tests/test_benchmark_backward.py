@@ -55,6 +55,14 @@ def test_ratios_are_taken_round_by_round_from_the_csv(tmp_path):
     calls = named["fwd+bwd call FLA / ours"]
     assert (calls.median, calls.low, calls.high) == (2.0, 1.5, 3.0)
     assert named["backward FLA call / ours kernels"].median == 2.0
+    assert backward.summary(rows)[0] == (
+        "B=1 N=4096 H=32 D=128: ours fwd_bwd_kernels 2.000 (2.000 to 3.000) ms, fwd_bwd_call 3.000 (2.000 to 4.000) ms, "
+        "backward_kernels 1.500 (1.000 to 2.000) ms; fwd+bwd kernels FLA / ours 2.00 (1.20 to 2.20); "
+        "fwd+bwd call FLA / ours 2.00 (1.50 to 3.00); backward FLA call / ours kernels 2.00 (1.50 to 3.00)")
+    ours_alone = [row for row in rows if row["impl"] == "ours"]
+    assert backward.summary(ours_alone) == [  # --no-fla: ours' times, no ratio
+        "B=1 N=4096 H=32 D=128: ours fwd_bwd_kernels 2.000 (2.000 to 3.000) ms, fwd_bwd_call 3.000 (2.000 to 4.000) ms, "
+        "backward_kernels 1.500 (1.000 to 2.000) ms"]
 
 
 def test_every_measurement_is_timed_once_per_round_in_alternating_order():
