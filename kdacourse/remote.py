@@ -22,6 +22,8 @@ import builtins
 import os
 import stat
 
+import numpy as np
+
 from kdacourse.sandbox import ChildFailed, Limits, SandboxedProcess
 from kdacourse.sandbox_child import WireError, decode, encode, library_record_class
 
@@ -180,8 +182,24 @@ class _RemoteFile:
     def call(self, name, args, kwargs):
         self.ensure_loaded()
         generation = self.child.generation
-        return self.child.request({"op": "call", "name": name, "args": list(args), "kwargs": dict(kwargs)},
-                                  make_program=lambda number: RemoteProgram(self, generation, number))
+        reply = self.child.request({"op": "call", "name": name, "args": list(args), "kwargs": dict(kwargs)},
+                                   make_program=lambda number: RemoteProgram(self, generation, number))
+        if not isinstance(reply, dict) or set(reply) != {"value", "arguments"}:
+            raise SandboxCallFailed("the sandboxed process sent a malformed reply")
+        _copy_back([a for a in (*args, *kwargs.values()) if isinstance(a, np.ndarray)], reply["arguments"])
+        return reply["value"]
+
+
+def _copy_back(sent, returned):
+    """The array arguments as the sandboxed function left them, copied into the caller's arrays (what
+    an in-place update does in one process); a reply that does not match what was sent is refused."""
+    if not isinstance(returned, list) or len(returned) != len(sent):
+        raise SandboxCallFailed("the sandboxed process sent a malformed reply")
+    for mine, theirs in zip(sent, returned):
+        if not isinstance(theirs, np.ndarray) or theirs.shape != mine.shape or theirs.dtype != mine.dtype:
+            raise SandboxCallFailed("the sandboxed process sent a malformed reply")
+        if mine.flags.writeable and not np.array_equal(mine, theirs, equal_nan=mine.dtype.kind in "fc"):
+            np.copyto(mine, theirs)
 
 
 class RemoteFunction:

@@ -8,8 +8,14 @@ Wire format, in both directions: one message is an 8-byte big-endian length, the
 and a JSON header, then the arrays the header refers to, each in NumPy's .npy format (read with
 allow_pickle=False: nothing is ever unpickled). In the JSON, an array is {"$array": i}, a NumPy
 scalar {"$scalar": i}, a tuple {"$tuple": [...]}, a dict {"$dict": {...}} (string keys), a NumPy
-dtype {"$dtype": "float16"}, a dataclass of the course library {"$record": "stages.x.y:Name",
-"fields": {...}}, a TileLang program the child keeps {"$program": n}.
+dtype {"$dtype": "float16"}, a dataclass or named tuple of the course library {"$record":
+"stages.x.y:Name", "fields": {...}}, a module-level function of the course library {"$function":
+"stages.x.y:name"} (imported by name on the other side, never sent as code), a TileLang program the
+child keeps {"$program": n}.
+
+A call's reply is {"ok": {"$dict": {"value": ..., "arguments": [...]}}}: the value, and the array
+arguments as the function left them, which the parent copies back into its own (a function that
+updates an argument in place, as a state pool is updated, does so across the sandbox too).
 
 Requests (parent -> child): {"op": "load", "stage", "file", "source", "forbidden"}, {"op": "call",
 "name", "args", "kwargs"}, {"op": "interpret", "program", "inputs", "out_idx"}, {"op": "program_json",
@@ -62,18 +68,21 @@ def encode(value, programs=None):
             return {"$dtype": np.dtype(item).name}
         if isinstance(item, tuple) and not hasattr(item, "_fields"):
             return {"$tuple": [walk(x, depth + 1) for x in item]}
+        if isinstance(item, tuple) or (dataclasses.is_dataclass(item) and not isinstance(item, type)):
+            cls = type(item)
+            if not cls.__module__.startswith(RECORD_MODULE_PREFIX):
+                raise WireError(f"a {cls.__name__} cannot be sent (only the course library's records)")
+            names = item._fields if isinstance(item, tuple) else [f.name for f in dataclasses.fields(item)]
+            fields = {name: walk(getattr(item, name), depth + 1) for name in names}
+            return {"$record": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
+        if type(item).__name__ == "function" and library_function(_function_name(item)) is item:
+            return {"$function": _function_name(item)}
         if isinstance(item, list):
             return [walk(x, depth + 1) for x in item]
         if isinstance(item, dict):
             if not all(isinstance(key, str) for key in item):
                 raise WireError("a dict with keys other than strings cannot be sent")
             return {"$dict": {key: walk(x, depth + 1) for key, x in item.items()}}
-        if dataclasses.is_dataclass(item) and not isinstance(item, type):
-            cls = type(item)
-            if not cls.__module__.startswith(RECORD_MODULE_PREFIX):
-                raise WireError(f"a {cls.__name__} cannot be sent (only the course library's records)")
-            fields = {f.name: walk(getattr(item, f.name), depth + 1) for f in dataclasses.fields(item)}
-            return {"$record": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
         if programs is not None and type(item).__name__ == "PrimFunc":
             programs.append(item)
             return {"$program": len(programs) - 1}
@@ -144,6 +153,11 @@ def decode(body, make_program=None, record_class=None):
             return dtype.type
         if "$program" in item and isinstance(item["$program"], int) and make_program is not None:
             return make_program(item["$program"])
+        if "$function" in item and isinstance(item["$function"], str):
+            function = library_function(item["$function"])
+            if function is None:
+                raise WireError(f"not a function of the course library: {item['$function'][:100]!r}")
+            return function
         if "$record" in item and isinstance(item.get("fields"), dict) and record_class is not None:
             cls = record_class(item["$record"])
             if cls is None:
@@ -154,18 +168,34 @@ def decode(body, make_program=None, record_class=None):
     return walk(header, 0)
 
 
-def library_record_class(name):
-    """The dataclass `stages.x.y:Name` of the course library, or None."""
+def _library_attribute(name):
+    """The module-level object `stages.x.y:name` of the course library, or None."""
     module_name, _, qualname = name.partition(":")
     if not module_name.startswith(RECORD_MODULE_PREFIX) or not qualname.isidentifier():
         return None
     import importlib
 
     try:
-        cls = getattr(importlib.import_module(module_name), qualname)
+        return getattr(importlib.import_module(module_name), qualname)
     except (ImportError, AttributeError):
         return None
-    return cls if isinstance(cls, type) and dataclasses.is_dataclass(cls) else None
+
+
+def library_record_class(name):
+    """The dataclass or named tuple `stages.x.y:Name` of the course library, or None."""
+    cls = _library_attribute(name)
+    is_record = isinstance(cls, type) and (dataclasses.is_dataclass(cls) or (issubclass(cls, tuple) and hasattr(cls, "_fields")))
+    return cls if is_record else None
+
+
+def _function_name(function):
+    return f"{getattr(function, '__module__', '')}:{getattr(function, '__qualname__', '')}"
+
+
+def library_function(name):
+    """The module-level function `stages.x.y:name` of the course library, or None."""
+    function = _library_attribute(name)
+    return function if type(function).__name__ == "function" and _function_name(function) == name else None
 
 
 def read_message(stream, limit=MAX_MESSAGE_BYTES):
@@ -222,7 +252,10 @@ class Child:
             function = getattr(self.module, str(request["name"]), None)
             if not callable(function):
                 raise AttributeError(f"the module has no function {request['name']!r}")
-            return function(*request.get("args", ()), **request.get("kwargs", {}))
+            args, kwargs = request.get("args", ()), request.get("kwargs", {})
+            value = function(*args, **kwargs)
+            arrays = [a for a in (*args, *kwargs.values()) if isinstance(a, np.ndarray)]
+            return {"value": value, "arguments": arrays}
         if op == "interpret" and self.mode == "student":
             from stages.common.interpreter import interpret
 

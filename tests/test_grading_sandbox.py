@@ -399,6 +399,39 @@ def test_the_wire_refuses_pickles_and_objects():
     assert decoded["dtype"] is np.float16
 
 
+def test_the_wire_carries_library_named_tuples_and_functions_by_name_only():
+    from kdacourse.sandbox_child import library_record_class
+    from stages.common import oracles
+    from stages.s06_backward.reference import Gradients
+
+    gradients = Gradients(*(np.full(2, float(i)) for i in range(8)))
+    decoded = decode(encode(gradients)[8:], record_class=library_record_class)
+    assert type(decoded) is Gradients and decoded.dbeta.tolist() == [4.0, 4.0]
+    assert decode(encode([oracles.kda_delta_rule_from_state])[8:]) == [oracles.kda_delta_rule_from_state]
+
+    def not_the_library(x):
+        return x
+
+    for value in (not_the_library, lambda x: x, print, np.add):
+        with pytest.raises(WireError):
+            encode(value)
+    for name in ("os:system", "stages.common.oracles:np", "stages.common.oracles:nowhere"):
+        sizes, header = json.dumps([]).encode(), json.dumps({"$function": name}).encode()
+        with pytest.raises(WireError):
+            decode(struct.pack(">I", len(sizes)) + sizes + struct.pack(">I", len(header)) + header)
+
+
+def test_arrays_updated_in_the_sandbox_are_updated_in_the_caller():
+    from kdacourse.remote import SandboxCallFailed, _copy_back
+
+    pool, untouched = np.zeros((3, 2)), np.ones(4)
+    _copy_back([pool, untouched], [np.arange(6.0).reshape(3, 2), np.ones(4)])
+    assert pool.tolist() == [[0, 1], [2, 3], [4, 5]] and untouched.tolist() == [1, 1, 1, 1]
+    for reply in ([np.zeros((3, 2))], [np.zeros((2, 3)), np.ones(4)], [np.zeros((3, 2), np.float32), np.ones(4)]):
+        with pytest.raises(SandboxCallFailed):
+            _copy_back([pool, untouched], reply)
+
+
 @pytest.mark.parametrize("command", ["grade", "grade-all"])
 def test_grading_refuses_without_a_sandbox_and_names_trust(tmp_path, monkeypatch, capsys, command):
     from kdacourse.gradeall import grade_all

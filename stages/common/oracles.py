@@ -46,18 +46,26 @@ def kda_delta_rule(q, k, v, g, beta):
     """KDA in the prediction-error form of the delta rule, one decay per key channel:
         S^T <- Diag(a_t) S^T;   S^T <- S^T + beta_t k_t (v_t - S k_t)^T;   o_t = S q_t
     with no Householder matrix formed. q, k: (B, N, H, d_k); v: (B, N, H, d_v); g = log(a):
-    (B, N, H, d_k); beta: (B, N, H). State S^T: (d_k, d_v)."""
+    (B, N, H, d_k); beta: (B, N, H). State S^T: (d_k, d_v), zero at the start."""
+    return kda_delta_rule_from_state(q, k, v, g, beta, None)[0]
+
+
+def kda_delta_rule_from_state(q, k, v, g, beta, initial_state):
+    """kda_delta_rule from S_0^T = initial_state (B, H, d_k, d_v), or zeros for None.
+    Returns (o, the final state S^T (B, H, d_k, d_v))."""
     B, N, H, d_k = q.shape
-    o = np.zeros(v.shape)
+    d_v = v.shape[3]
+    o, final_state = np.zeros((B, N, H, d_v)), np.zeros((B, H, d_k, d_v))
     for b in range(B):
         for h in range(H):
-            S_T = np.zeros((d_k, v.shape[3]))
+            S_T = np.zeros((d_k, d_v)) if initial_state is None else np.array(initial_state[b, h], dtype=np.float64)
             for t in range(N):
                 S_T = np.exp(g[b, t, h])[:, None] * S_T  # row d of S^T decays at its own rate
                 prediction_error = v[b, t, h] - k[b, t, h] @ S_T
                 S_T = S_T + beta[b, t, h] * np.outer(k[b, t, h], prediction_error)
                 o[b, t, h] = q[b, t, h] @ S_T
-    return o
+            final_state[b, h] = S_T
+    return o, final_state
 
 
 def channel_gated_linear_attention(q, k, v, g):

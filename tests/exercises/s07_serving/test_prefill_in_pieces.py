@@ -6,6 +6,7 @@ import pytest
 
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
+from stages.common.oracles import kda_delta_rule_from_state
 from tests.exercises.s05_fast_kda.oracle import kda_delta_rule
 
 STAGE = "s07_serving"
@@ -16,10 +17,6 @@ def prefill_in_pieces(target_module):
     return target_module(STAGE, "prefill_in_pieces.py").prefill_in_pieces
 
 
-def _forward(q, k, v, g, beta, initial_state):
-    return kda_delta_rule(q, k, v, g, beta, initial_state)
-
-
 @pytest.mark.parametrize("pieces, d_v", [((1, 3, 20, 16, 24), 4), ((30, 34), 5), ((64,), 4), ((0, 9, 0, 55), 4)])
 def test_pieces_equal_one_pass(prefill_in_pieces, pieces, d_v):
     """Every output and the state after the last token, from a nonzero initial state (d_k = d_v = 4,
@@ -27,7 +24,7 @@ def test_pieces_equal_one_pass(prefill_in_pieces, pieces, d_v):
     x = make_inputs(2, 64, 2, 4, d_v, gate="channel", gate_range=(0.5, 1.0), beta_range=(0.1, 0.9), seed=sum(pieces))
     S0 = np.random.default_rng(len(pieces)).standard_normal((2, 2, 4, d_v))
     expected_o, expected_state = kda_delta_rule(x.q, x.k, x.v, x.g, x.beta, S0)
-    o, state = prefill_in_pieces(_forward, x.q, x.k, x.v, x.g, x.beta, list(pieces), initial_state=S0)
+    o, state = prefill_in_pieces(kda_delta_rule_from_state, x.q, x.k, x.v, x.g, x.beta, list(pieces), initial_state=S0)
     assert_close(o, expected_o, rel_l2=1e-12)
     assert_close(state, expected_state, rel_l2=1e-12, name="the state after the last piece",
                  axes=("batch", "head", "key channel", "value channel"))
