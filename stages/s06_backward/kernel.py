@@ -43,6 +43,7 @@ ptxas reports (no GPU needed), or to check the wrapper against the float64 refer
 """
 
 import functools
+import math
 from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
@@ -554,15 +555,15 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
 
 
 def default_intra_threads(chunk_size, d_k, channel_passes=CHANNEL_PASSES):
-    """As many warps as the intra kernel's smallest GEMM can share, at most 8 (256 threads).
+    """As many warps as the intra kernel's smallest GEMMs can share, at most 8 (256 threads).
 
-    A warp of a tensor-core GEMM owns whole 16 x 8 tiles of the output. The smallest outputs are
-    sub-block rows (16) by d_k / channel_passes channels (the score slabs) and by C columns (the
-    block inverse's merges): min(C, d_k / channel_passes) / 8 warps can share them. 256 threads at
-    C = 64, d_k = 128; 128 at d_k = 64, where 8 warps would leave a 16 x 32 slab 4 columns a warp.
+    A warp of a tensor-core GEMM owns whole 16 x 8 tiles of the output. The smallest outputs are one
+    sub-block high (16 rows, one tile) and d_k / channel_passes channels (the score slabs) or C
+    columns (the block inverse's merges) wide: the warps must split both widths into whole tiles,
+    so their number divides gcd(C, d_k / channel_passes) / 8. 256 threads at C = 64, d_k = 128; 128
+    at d_k = 64, where 8 warps would leave a 16 x 32 slab 4 columns a warp.
     """
-    tiles = (SUB_BLOCK // 16) * (min(chunk_size, d_k // channel_passes) // 8)
-    return 32 * min(tiles, 8)
+    return 32 * min(8, math.gcd(chunk_size, d_k // channel_passes) // 8)
 
 
 # every kernel of the backward, in launch order: its builder and the indices of its outputs (as
