@@ -114,9 +114,14 @@ def _copy(out):
 # -------------------------------------------------------------------------------------- library
 
 
+ANSWER_LINES_THAT_GIVE_IT_AWAY = 4  # lines of a fill's answer that make another function hold it (boilerplate slicing lines are shared by up to 3)
+
+
 def exercise_functions():
     """{(stage, library module, function name): exercise id} for every public function of a solution
-    file that the stage's library also defines at the top level."""
+    file that the stage's library also defines at the top level, and for every other library function
+    (of any stage) that holds lines of a fill exercise's answer: a later stage's kernel may reuse an
+    earlier stage's code, and would give that exercise away."""
     from kdacourse.catalog import exercises
 
     found = {}
@@ -131,7 +136,33 @@ def exercise_functions():
             defined = {node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
             for name in sorted(names & defined):
                 found[(exercise.stage, module, name)] = exercise
+    for exercise in exercises():
+        if exercise.kind != "fill":
+            continue
+        answer = answer_lines(exercise)
+        for path in sorted((REPO_ROOT / "stages").glob("s[0-9][0-9]_*/*.py")):
+            if path.name not in LIBRARY_MODULES:
+                continue
+            source = path.read_text()
+            for node in ast.parse(source).body:
+                key = (path.parent.name, path.name, node.name) if isinstance(node, ast.FunctionDef) else None
+                if key is None or key in found:
+                    continue
+                lines = {line.strip() for line in ast.get_source_segment(source, node).splitlines()}
+                if len(answer & lines) >= ANSWER_LINES_THAT_GIVE_IT_AWAY:
+                    found[key] = exercise
     return found
+
+
+def answer_lines(exercise):
+    """The lines of a fill exercise's solution region that its shipped file does not hold (code of 25
+    characters or more, no comments): the answer."""
+    from kdacourse.shipped import split_region
+
+    region = split_region((REPO_ROOT / "solutions" / exercise.stage / exercise.file).read_text())[1]
+    shipped = {line.strip() for line in (REPO_ROOT / "exercises" / exercise.stage / exercise.file).read_text().splitlines()}
+    return {line.strip() for line in region.splitlines()
+            if len(line.strip()) >= 25 and not line.strip().startswith("#") and line.strip() not in shipped}
 
 
 def _function_spans(source):
@@ -191,12 +222,20 @@ def _stub(source, name, exercise, delegate=False):
     indent = re.match(r"\s*", lines[body.lineno - 1]).group(0)
     message = (f"{exercise.id} is an exercise: this handout leaves {name} out of the library. Write it in "
                f"exercises/{exercise.stage}/{exercise.file} (course check {exercise.stage.split('_')[0]})")
+    if name not in _public_names(REPO_ROOT / "solutions" / exercise.stage / exercise.file):
+        message = (f"{name} holds the answer of exercise {exercise.id} (exercises/{exercise.stage}/{exercise.file}), "
+                   "so this handout leaves it out of the library; the instructor's copy of the course runs it")
     header = "".join(lines[first - 1:body.lineno - 1])
     docstring = _exercise_docstring(exercise, name) if has_docstring else ""
     body_text = docstring + (_delegating_body(name, exercise, node.args, indent) if delegate
                  else f"{indent}raise NotImplementedError({message!r})\n")
     stub = header + body_text
     return "".join(lines[:first - 1]) + stub + "".join(lines[node.end_lineno:])
+
+
+def _public_names(path):
+    return {node.name for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")}
 
 
 def stub_library(out):

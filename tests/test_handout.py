@@ -52,15 +52,20 @@ def _library_names():
 def distinctive_solution_lines():
     """{fill exercise id: lines of its solution region that the course shows nowhere but in the
     solution and in the library function it asks for}: text a handout must not hold."""
-    names = _library_names()
+    from kdacourse.handout import exercise_functions
+
+    left_out = {}  # {(stage, module): names the handout stubs}
+    for stage, module, name in exercise_functions():
+        left_out.setdefault((stage, module), set()).add(name)
     corpus = []
     for pattern in ("exercises/**/*.py", "tests/**/*.py", "kdacourse/**/*.py", "docs/**/*.md", "stages/**/*.py"):
         for path in REPO_ROOT.glob(pattern):
             text = path.read_text()
-            if path.relative_to(REPO_ROOT).parts[0] == "stages" and path.parent.name in names:
+            names = left_out.get((path.parent.name, path.name), set())
+            if path.relative_to(REPO_ROOT).parts[0] == "stages" and names:
                 lines = text.splitlines(keepends=True)
                 functions = [node for node in ast.parse(text).body
-                             if isinstance(node, ast.FunctionDef) and node.name in names[path.parent.name]]
+                             if isinstance(node, ast.FunctionDef) and node.name in names]
                 for node in sorted(functions, key=lambda node: -node.lineno):
                     del lines[node.lineno - 1:node.end_lineno]
                 text = "".join(lines)
