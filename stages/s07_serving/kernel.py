@@ -273,9 +273,17 @@ def _compiled_varlen_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype):
 
 
 def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype):
-    """(prepare, varlen recurrence) compiled for sm_90a once per head shape, block and dtype."""
-    return (_compiled_prepare(H, d_k, d_v, chunk_size, dtype),
-            _compiled_varlen_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype))
+    """(prepare, varlen recurrence) compiled once per head shape, block and dtype, both at once (each
+    compile in its own thread: the first call waits for the slower one, not for their sum)."""
+    from stages.common.tilelang_tools import compile_in_threads
+
+    kernels = compile_in_threads({"prepare": lambda: _compiled_prepare(H, d_k, d_v, chunk_size, dtype),
+                                  "recurrence": lambda: _compiled_varlen_recurrence(H, d_k, d_v, chunk_size,
+                                                                                    block_dv, dtype)})
+    for kernel in kernels.values():
+        if isinstance(kernel, Exception):
+            raise kernel
+    return kernels["prepare"], kernels["recurrence"]
 
 
 # --8<-- [start:prefill]
