@@ -43,9 +43,10 @@ def _roofs(meta):
     return roofs.DESIGN_COPY_BANDWIDTH, roofs.DESIGN_GEMM_FLOPS, "measured before the runs (DESIGN.md)"
 
 
-def _about(meta):
-    """One line on the run: when, where, how many rounds, and whether its kernel is the committed one."""
-    current = STAGES["s05"].kernel_digest()
+def _about(meta, current=None):
+    """One line on the run: when, where, how many rounds, and whether its kernel is the committed one
+    (`current`: the committed kernel's digest, stage 5's unless given)."""
+    current = current or STAGES["s05"].kernel_digest()
     kernel = "the committed kernel" if meta.get("kernel") == current else "an earlier kernel (changed since)"
     complete = "" if meta.get("complete", True) else " The run was stopped before it finished."
     return (f"Run of {meta['date']} on an {meta['device']} (`{_shown_command(meta['command'])}`, "
