@@ -1,7 +1,8 @@
 """The site's page generators: every generated file under docs/, each made by code in the repository.
 
 One module per page that has generated content: kdacourse/pages/<stage>.py for each stage's page,
-benchmarks.py for the benchmarks page (and fair.py for its section on stage 5 measured fairly),
+benchmarks.py for the benchmarks page (fair.py for its section on stage 5 measured fairly,
+serving_benchmarks.py for its sections on stage 6's backward and stage 7's prefill and decode),
 course.py for the course machinery's tables (exercises, bugs, the kill matrix, the `course`
 commands, the Reference page's sections). Each defines
 `generated_files()` -> {path relative to the repository: function(path) that writes it}.
@@ -24,13 +25,14 @@ PAGES = Path(__file__).parent
 
 def generators():
     """{relative path: writer}, from every page module."""
-    from kdacourse.pages import benchmarks, course, fair, interpreter, layouts
+    from kdacourse.pages import benchmarks, course, fair, interpreter, layouts, serving_benchmarks
 
     table = {}
     for page in sorted(PAGES.glob("s[0-9][0-9]_*.py")):
         table.update(importlib.import_module(f"kdacourse.pages.{page.stem}").generated_files())
     table.update(benchmarks.generated_files())
     table.update(fair.generated_files())
+    table.update(serving_benchmarks.generated_files())
     table.update(course.generated_files())
     table.update(layouts.generated_files())
     table.update(interpreter.generated_files())

@@ -1,0 +1,202 @@
+"""The benchmarks page's sections on training and serving: stage 6's forward + backward, stage 7's
+variable-length prefill and its decode step, each timed beside FLA 0.6.0.
+
+Reads what the GPU runs wrote, committed to benchmarks/results/:
+- backward.csv, backward_meta.json: `python -m benchmarks.backward --out DIR`;
+- varlen.csv, varlen_meta.json: `python -m benchmarks.varlen --out DIR`;
+- decode.csv: `python -m benchmarks.decode --out DIR`;
+and writes docs/generated/{backward,varlen,decode}_timings.md. Rounds are summarized as the forward's
+fair timings are (benchmarks/fair.py): each cell the median over the rounds with (min to max), a
+ratio taken within one round, then summarized. Without a run's files its table says so.
+"""
+
+import json
+from collections import defaultdict
+
+from benchmarks import backward, fair
+from kdacourse import REPO_ROOT
+from kdacourse.pages.benchmarks import _shown_command
+from kdacourse.pages.fair import _about
+from kdacourse.pages.tables import markdown_table
+
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+NOT_COMMITTED = ("No {what} timings are committed yet: `python -m benchmarks.{module} --out DIR` on a CUDA machine "
+                 "writes {files}; copied to benchmarks/results/, `course regenerate` puts them here.\n")
+
+
+def _committed(csv_name, meta_name=None):
+    """(rows, meta) of a committed run ({} for a run without a meta file), or (None, None) if absent or empty."""
+    csv_path = RESULTS / csv_name
+    meta_path = RESULTS / meta_name if meta_name else None
+    if not csv_path.exists() or (meta_path is not None and not meta_path.exists()):
+        return None, None
+    rows = fair.read_rows(csv_path)
+    return (rows, json.loads(meta_path.read_text()) if meta_path else {}) if rows else (None, None)
+
+
+def _cell(spread, form="{:.3f}"):
+    """A Spread as "median (min to max)", or a dash for a measurement the run does not have."""
+    return spread.text(form) if spread is not None else "–"
+
+
+def _shape(shape):
+    return "{}, {}, {}, {}".format(*shape)
+
+
+def _failures(rows, where):
+    """A bullet list of the rows that carry an error (each placed by `where(row)`), or ""."""
+    failed = sorted({f"{row['impl']} {row['what']} at {where(row)}: {row['error']}" for row in rows if row.get("error")})
+    return "\nNot measured:\n\n" + "".join(f"- {line}\n" for line in failed) if failed else ""
+
+
+# ------------------------------------------------------------------ stage 6: forward and backward
+
+BACKWARD_TIMES = [("ours", "fwd_bwd_kernels", "ours fwd+bwd kernels"), ("ours", "fwd_bwd_call", "ours fwd+bwd call"),
+                  ("ours", "backward_kernels", "ours backward kernels"),
+                  ("fla", "fwd_bwd_kernels", "FLA fwd+bwd as a graph"), ("fla", "fwd_bwd_call", "FLA fwd+bwd call"),
+                  ("fla", "backward_call", "FLA backward call")]
+
+
+def write_backward_timings(path):
+    """FLA / ours for forward + backward (kernels, calls) and the backward alone; the times; each backward
+    kernel alone; our gradients against FLA's and the block_dv of both passes."""
+    rows, meta = _committed(backward.CSV_NAME, backward.META_NAME)
+    if rows is None:
+        path.write_text(NOT_COMMITTED.format(what="backward", module="backward",
+                                             files="DIR/backward.csv and DIR/backward_meta.json"))
+        return
+    named, summary = backward.comparisons(rows), fair.summarize(rows)
+    ratio_names = list(next(iter(named.values()), {}))
+    ratios = markdown_table(["B, N, H, D", *(name.replace("fwd+bwd", "forward + backward") for name in ratio_names)],
+                            [(_shape(shape), *(_cell(n[name], "{:.2f}") for name in ratio_names))
+                             for shape, n in sorted(named.items())])
+    times = markdown_table(["B, N, H, D", *(f"{label} (ms)" for _, _, label in BACKWARD_TIMES)],
+                           [(_shape(shape), *(_cell(measured.get((impl, what))) for impl, what, _ in BACKWARD_TIMES))
+                            for shape, measured in sorted(summary.items())])
+    kernels = markdown_table(["B, N, H, D", *(f"{kernel} (ms)" for kernel in backward.BACKWARD_KERNELS)],
+                             [(_shape(shape), *(_cell(measured.get(("ours", kernel)))
+                                                for kernel in backward.BACKWARD_KERNELS))
+                              for shape, measured in sorted(summary.items())])
+
+    def gradient_row(label, notes):
+        errors = notes.get("rel_l2_ours_vs_fla") or {}
+        return (label.replace("=", " = "), *(f"{errors[name]:.2e}" if name in errors else "–"
+                                             for name in backward.GRADIENTS),
+                notes.get("forward_block_dv", "–"), notes.get("backward_block_dv", "–"))
+
+    gradients = markdown_table(["shape", *(f"{name}: rel L2 vs FLA" for name in backward.GRADIENTS),
+                                "forward block_dv", "backward block_dv"],
+                               [gradient_row(label, notes) for label, notes in meta.get("shapes", {}).items()])
+    path.write_text(_about(meta, backward.kernel_digest()) + ratios
+                    + "\nThe times, medians over the rounds (min to max):\n\n" + times
+                    + "\nThe backward's five kernels, each alone on the outputs of the one before (ms):\n\n" + kernels
+                    + "\nOur gradients against FLA's at each shape, and the value columns per program of each pass:\n\n"
+                    + gradients + _failures(rows, lambda row: f"{row['B']}, {row['N']}, {row['H']}, {row['D']}"))
+
+
+# ------------------------------------------------------------------ stage 7: variable-length prefill
+
+VARLEN_TIMES = [("ours", "call", "ours call"), ("ours", "call_unchecked", "ours call, checks off"),
+                ("ours", "kernels", "ours kernels alone"), ("ours", "one_sequence", "stage 5, one sequence"),
+                ("fla", "call", "FLA call"), ("fla", "graph", "FLA as a graph")]
+
+
+def varlen_times(rows):
+    """{mix: {(impl, what): {round: ms}}} from varlen.csv's rows (rows without a time left out), the
+    form benchmarks.fair.paired and Spread read."""
+    table = defaultdict(lambda: defaultdict(dict))
+    for row in rows:
+        if row.get("time_ms"):
+            table[row["mix"]][(row["impl"], row["what"])][int(row["round"])] = float(row["time_ms"])
+    return table
+
+
+def write_varlen_timings(path):
+    """Per mix: its tokens, FLA / ours for the calls, the times over rounds, ours against FLA's output."""
+    rows, meta = _committed("varlen.csv", "varlen_meta.json")
+    if rows is None:
+        path.write_text(NOT_COMMITTED.format(what="variable-length prefill", module="varlen",
+                                             files="DIR/varlen.csv and DIR/varlen_meta.json"))
+        return
+    first = {row["mix"]: row for row in reversed(rows)}  # per mix, its sizes (the same on every row)
+    mixes = list(dict.fromkeys(row["mix"] for row in rows))
+    measured = varlen_times(rows)
+    rounds = max(int(row["round"]) for row in rows)
+
+    def ratio(mix, fla, ours):
+        return _cell(fair.paired(measured[mix], fla, ours, lambda a, b: a / b), "{:.2f}")
+
+    def checked(mix, key):
+        value = meta.get("mixes", {}).get(mix, {}).get(key)
+        return f"{value:.2e}" if value is not None else "–"
+
+    sizes = markdown_table(
+        ["mix", "sequences", "tokens", "rows chunk-aligned", "H, D", "FLA call / ours call",
+         "FLA call / ours call, checks off", "o: rel L2 vs FLA", "final states: rel L2 vs FLA"],
+        [(mix, first[mix]["sequences"], first[mix]["tokens"], first[mix]["padded_tokens"],
+          f"{first[mix]['H']}, {first[mix]['D']}", ratio(mix, ("fla", "call"), ("ours", "call")),
+          ratio(mix, ("fla", "call"), ("ours", "call_unchecked")), checked(mix, "rel_l2_o_ours_vs_fla"),
+          checked(mix, "rel_l2_state_ours_vs_fla")) for mix in mixes])
+    times = markdown_table(
+        ["mix", *(f"{label} (ms)" for _, _, label in VARLEN_TIMES)],
+        [(mix, *(_cell(fair.Spread.of(measured[mix].get((impl, what), {}).values())) for impl, what, _ in VARLEN_TIMES))
+         for mix in mixes])
+    about = (f"Run on an {meta.get('device', '?')} (`{_shown_command(meta.get('command', '?'))}`, {rounds} "
+             f"round{'s' if rounds > 1 else ''}, {first[mixes[0]]['dtype']}).\n\n")
+    path.write_text(about + sizes + "\nThe times, medians over the rounds (min to max):\n\n" + times
+                    + _failures(rows, lambda row: f"the {row['mix']} mix, round {row['round']}"))
+
+
+# ------------------------------------------------------------------ stage 7: the decode step
+
+def _decode_command(rows):
+    """The command that writes a decode.csv of these rows' sizes and block_dvs (decode.csv keeps no command)."""
+    row = rows[0]
+    block_dvs = ",".join(dict.fromkeys(r["block_dv"] for r in rows if r["impl"] == "ours" and r["what"] == "kernel"))
+    return (f"python -m benchmarks.decode --out DIR --B {row['B']} --H {row['H']} --d {row['d_k']} "
+            f"--pool {row['pool']} --block-dv {block_dvs} --dtype {row['dtype']}")
+
+
+def write_decode_timings(path):
+    """Each measurement of the decode step: its time (median, 20th to 80th percentile of the repeats), the
+    bytes it moves per second as a fraction of the copy bandwidth measured in the same run, FLA / ours
+    against FLA in the same form (graph or call), and the errors against the float64 step."""
+    rows, _ = _committed("decode.csv")
+    if rows is None:
+        path.write_text(NOT_COMMITTED.format(what="decode", module="decode", files="DIR/decode.csv"))
+        return
+    timed = [row for row in rows if row.get("time_ms")]
+    fla = {row["what"]: float(row["time_ms"]) for row in timed if row["impl"] == "fla"}
+    same_form = {"kernel": "kernel", "call": "call", "call_unchecked": "call"}  # ours' measurement: FLA's of the same form
+
+    def microseconds(row):
+        return (f"{float(row['time_ms']) * 1e3:.1f} ({float(row['time_ms_p20']) * 1e3:.1f} to "
+                f"{float(row['time_ms_p80']) * 1e3:.1f})")
+
+    def versus_fla(row):
+        against = fla.get(same_form.get(row["what"])) if row["impl"] == "ours" else None
+        return f"{against / float(row['time_ms']):.2f}" if against else "–"
+
+    forms = {"graph": "CUDA graph", "events": "CUDA events"}
+    table = markdown_table(
+        ["impl", "what", "block_dv", "timed as", "time (µs)", "TB/s", "of the copy bandwidth", "FLA / ours, timed alike",
+         "o: rel L2 vs float64", "states: rel L2 vs float64"],
+        [("FLA" if row["impl"] == "fla" else "ours", row["what"].replace("_", " "), row["block_dv"] or "–",
+          forms.get(row["method"], row["method"]), microseconds(row), f"{float(row['bytes_per_s']) / 1e12:.2f}",
+          f"{float(row['fraction_of_copy']):.1%}", versus_fla(row), row["rel_l2_o"] or "–", row["rel_l2_state"] or "–")
+         for row in timed])
+    shape = rows[0]
+    about = (f"B = {shape['B']} sequences, H = {shape['H']}, d_k = d_v = {shape['d_k']}, a pool of {shape['pool']} "
+             f"fp32 states, {shape['dtype']} q, k, v (`{_decode_command(rows)}`). One step moves "
+             f"{int(shape['bytes']) / 2**20:.1f} MiB, {int(shape['state_bytes']) / 2**20:.0f} MiB of them the states "
+             f"read and written; the copy bandwidth measured in the same run: "
+             f"{float(shape['copy_bytes_per_s']) / 1e12:.2f} TB/s.\n\n")
+    path.write_text(about + table + _failures(rows, lambda row: f"block_dv {row['block_dv'] or '–'}"))
+
+
+def generated_files():
+    return {
+        "docs/generated/backward_timings.md": write_backward_timings,
+        "docs/generated/varlen_timings.md": write_varlen_timings,
+        "docs/generated/decode_timings.md": write_decode_timings,
+    }
