@@ -43,7 +43,7 @@ def test_without_results_each_table_says_none_are_committed(tmp_path, monkeypatc
 
 
 def test_a_backward_csv_without_its_meta_counts_as_absent(tmp_path, monkeypatch):
-    _write_csv(tmp_path / backward.CSV_NAME, backward.FIELDS, [])
+    _write_csv(tmp_path / backward.CSV_NAME, backward.FIELDS, [_backward_row(1, "ours", "fwd_bwd_call", 1.5)])
     assert _written(tmp_path, monkeypatch, page.write_backward_timings).startswith("No backward timings")
 
 
@@ -94,9 +94,9 @@ def test_backward_table_gives_medians_ratios_round_by_round_and_the_gradients(tm
     kernels = text.split("The backward's five kernels")[1]
     assert _table_row(kernels, "1, 4096, 32, 128")[1:3] == ["0.020 (0.010 to 0.030)", "0.040 (0.020 to 0.060)"]
     gradients = text.split("Our gradients against FLA's")[1]
-    assert _table_row(gradients, "B = 1 N = 4096 H = 32 D = 128")[1:] == [
+    assert _table_row(gradients, "1, 4096, 32, 128")[1:] == [
         "4.00e-03", "5.00e-03", "6.00e-03", "1.00e-02", "2.00e-03", "32", "64"]
-    assert _table_row(gradients, "B = 8 N = 4096 H = 16 D = 128")[1:] == ["–"] * 7
+    assert _table_row(gradients, "8, 4096, 16, 128")[1:] == ["–"] * 7
     assert "- ours setup at 8, 4096, 16, 128: RuntimeError: no compile" in text
 
 
@@ -161,6 +161,7 @@ def test_decode_table_gives_bandwidth_and_fla_timed_alike(tmp_path, monkeypatch)
     rows = [_decode_row("ours", "kernel", "16", "graph", 0.2, 0.19, 0.21, **checked),
             _decode_row("ours", "kernel", "32", "graph", 0.1, 0.09, 0.11, **checked),
             _decode_row("ours", "call", "32", "events", 0.4, 0.38, 0.45),
+            _decode_row("ours", "call_unchecked", "32", "events", 0.125, 0.12, 0.13),
             _decode_row("fla", "call", "", "events", 0.2, 0.18, 0.3, **checked),
             _decode_row("fla", "kernel", "", "graph", 0.15, 0.14, 0.16, **checked),
             dict(impl="ours", what="kernel", block_dv="64", error="RuntimeError: no compile")]
@@ -170,10 +171,11 @@ def test_decode_table_gives_bandwidth_and_fla_timed_alike(tmp_path, monkeypatch)
             "--dtype bfloat16`") in text
     assert "One step moves 250.0 MiB, 248 MiB of them the states" in text and "same run: 4.00 TB/s" in text
     table = [line for line in text.splitlines() if line.startswith("| ours") or line.startswith("| FLA")]
-    # 250 MiB in 0.1 ms: 2.62 TB/s, 65.5 % of 4 TB/s; FLA's graph 0.15 ms / 0.1 ms = 1.50, its call 0.2 / 0.4 = 0.50
+    # 250 MiB in 0.1 ms: 2.62 TB/s, 65.5 % of 4 TB/s; FLA's graph 0.15 ms / 0.1 ms = 1.50; FLA's call against
+    # each of ours' calls: 0.2 / 0.4 = 0.50 and 0.2 / 0.125 = 1.60
     assert table[1] == ("| ours | kernel | 32 | CUDA graph | 100.0 (90.0 to 110.0) | 2.62 | 65.5% | 1.50 | 1.6e-03 "
                         "| 5.1e-08 |")
-    assert table[0].split(" | ")[7] == "0.75" and table[2].split(" | ")[7] == "0.50"
-    assert table[2].endswith("| – | – |") and table[3].split(" | ")[2:4] == ["–", "CUDA events"]
-    assert table[4].split(" | ")[7] == "–" and len(table) == 5
+    assert [line.split(" | ")[7] for line in table] == ["0.75", "1.50", "0.50", "1.60", "–", "–"]
+    assert table[2].endswith("| – | – |") and table[3].split(" | ")[1] == "call unchecked"
+    assert table[4].split(" | ")[1:4] == ["call", "–", "CUDA events"]
     assert "- ours kernel at block_dv 64: RuntimeError: no compile" in text

@@ -11,6 +11,7 @@ ratio taken within one round, then summarized. Without a run's files its table s
 """
 
 import json
+import re
 from collections import defaultdict
 
 from benchmarks import backward, fair
@@ -80,11 +81,11 @@ def write_backward_timings(path):
 
     def gradient_row(label, notes):
         errors = notes.get("rel_l2_ours_vs_fla") or {}
-        return (label.replace("=", " = "), *(f"{errors[name]:.2e}" if name in errors else "–"
-                                             for name in backward.GRADIENTS),
+        shape = re.findall(r"=(\d+)", label)  # the meta names a shape "B=1 N=4096 H=32 D=128"
+        return (", ".join(shape), *(f"{errors[name]:.2e}" if name in errors else "–" for name in backward.GRADIENTS),
                 notes.get("forward_block_dv", "–"), notes.get("backward_block_dv", "–"))
 
-    gradients = markdown_table(["shape", *(f"{name}: rel L2 vs FLA" for name in backward.GRADIENTS),
+    gradients = markdown_table(["B, N, H, D", *(f"{name}: rel L2 vs FLA" for name in backward.GRADIENTS),
                                 "forward block_dv", "backward block_dv"],
                                [gradient_row(label, notes) for label, notes in meta.get("shapes", {}).items()])
     path.write_text(_about(meta, backward.kernel_digest()) + ratios
