@@ -66,7 +66,8 @@ def _backward_run(folder, kernel=None):
                  _backward_row(r, "fla", "fwd_bwd_call", fla_call), _backward_row(r, "ours", "fwd_bwd_call", ours_call),
                  _backward_row(r, "fla", "backward_call", fla_backward),
                  _backward_row(r, "ours", "backward_kernels", ours_backward),
-                 *(_backward_row(r, "ours", name, 0.01 * (i + 1) * r) for i, name in enumerate(backward.BACKWARD_KERNELS))]
+                 *(_backward_row(r, "ours", name, 0.01 * (i + 1) * r)
+                   for i, name in enumerate(backward.BACKWARD_KERNELS))]
     rows.append(_backward_row(0, "ours", "setup", shape=(8, 4096, 16, 128), error="RuntimeError: no compile"))
     _write_csv(folder / backward.CSV_NAME, backward.FIELDS, rows)
     meta = dict(device="NVIDIA H200", date="2026-12-01", command="python -m benchmarks.backward --out /root/out/b",

@@ -46,7 +46,8 @@ def _shape(shape):
 
 def _failures(rows, where):
     """A bullet list of the rows that carry an error (each placed by `where(row)`), or ""."""
-    failed = sorted({f"{row['impl']} {row['what']} at {where(row)}: {row['error']}" for row in rows if row.get("error")})
+    failed = sorted({f"{row['impl']} {row['what']} at {where(row)}: {row['error']}"
+                     for row in rows if row.get("error")})
     return "\nNot measured:\n\n" + "".join(f"- {line}\n" for line in failed) if failed else ""
 
 
@@ -90,7 +91,8 @@ def write_backward_timings(path):
                                [gradient_row(label, notes) for label, notes in meta.get("shapes", {}).items()])
     path.write_text(_about(meta, backward.kernel_digest()) + ratios
                     + "\nThe times, medians over the rounds (min to max):\n\n" + times
-                    + "\nThe backward's five kernels, each alone on the outputs of the one before (ms):\n\n" + kernels
+                    + "\nThe backward's five kernels, each alone on the outputs of the one before, medians over the "
+                    "rounds (min to max):\n\n" + kernels
                     + "\nOur gradients against FLA's at each shape, and the value columns per program of each pass:\n\n"
                     + gradients + _failures(rows, lambda row: f"{row['B']}, {row['N']}, {row['H']}, {row['D']}"))
 
@@ -168,7 +170,8 @@ def write_decode_timings(path):
         return
     timed = [row for row in rows if row.get("time_ms")]
     fla = {row["what"]: float(row["time_ms"]) for row in timed if row["impl"] == "fla"}
-    same_form = {"kernel": "kernel", "call": "call", "call_unchecked": "call"}  # ours' measurement: FLA's of the same form
+    # ours' measurement: FLA's timed the same way
+    same_form = {"kernel": "kernel", "call": "call", "call_unchecked": "call"}
 
     def microseconds(row):
         return (f"{float(row['time_ms']) * 1e3:.1f} ({float(row['time_ms_p20']) * 1e3:.1f} to "
@@ -180,11 +183,13 @@ def write_decode_timings(path):
 
     forms = {"graph": "CUDA graph", "events": "CUDA events"}
     table = markdown_table(
-        ["impl", "what", "block_dv", "timed as", "time (µs)", "TB/s", "of the copy bandwidth", "FLA / ours, timed alike",
+        ["impl", "what", "block_dv", "timed as", "time (µs)", "TB/s", "of the copy bandwidth",
+         "FLA / ours, timed alike",
          "o: rel L2 vs float64", "states: rel L2 vs float64"],
         [("FLA" if row["impl"] == "fla" else "ours", row["what"].replace("_", " "), row["block_dv"] or "–",
           forms.get(row["method"], row["method"]), microseconds(row), f"{float(row['bytes_per_s']) / 1e12:.2f}",
-          f"{float(row['fraction_of_copy']):.1%}", versus_fla(row), row["rel_l2_o"] or "–", row["rel_l2_state"] or "–")
+          f"{float(row['fraction_of_copy']):.1%}", versus_fla(row), row["rel_l2_o"] or "–",
+          row["rel_l2_state"] or "–")
          for row in timed])
     shape = rows[0]
     about = (f"B = {shape['B']} sequences, H = {shape['H']}, d_k = d_v = {shape['d_k']}, a pool of {shape['pool']} "
