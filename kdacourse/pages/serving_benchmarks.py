@@ -147,7 +147,7 @@ def write_varlen_timings(path):
     about = (f"Run on an {meta.get('device', '?')} (`{_shown_command(meta.get('command', '?'))}`, {rounds} "
              f"round{'s' if rounds > 1 else ''}, {first[mixes[0]]['dtype']}).\n\n")
     path.write_text(about + sizes + "\nThe times, medians over the rounds (min to max):\n\n" + times
-                    + _failures(rows, lambda row: f"the {row['mix']} mix, round {row['round']}"))
+                    + _failures(rows, lambda row: f"the {row['mix']} mix"))
 
 
 # ------------------------------------------------------------------ stage 7: the decode step
