@@ -96,24 +96,21 @@ def make_inputs(lengths, H, d, dtype, seed):
     return (q.to(dtype), k.to(dtype), v.to(dtype), g, beta), cu_seqlens, initial_state
 
 
-def chunk_aligned_kernels(inputs, cu_seqlens, initial_state, chunk_size=64):
-    """A function that runs prefill's two kernels alone (stages.s07_serving.kernel.chunk_aligned_forward,
-    with prefill's block_dv) on the inputs, gathered chunk-aligned once here."""
+def prefill_kernels(inputs, cu_seqlens, initial_state, chunk_size=64):
+    """A function that runs prefill's two kernels alone (stages.s07_serving.kernel.varlen_forward, with
+    prefill's block_dv) on the packed inputs, the index built and copied to the device once here."""
     import torch
 
     from stages.s05_fast_kda.kernel import default_block_dv, streaming_multiprocessors
-    from stages.s07_serving.kernel import chunk_aligned_forward, compiled_prefill_kernels
-    from stages.s07_serving.reference import chunk_aligned_rows
+    from stages.s07_serving.kernel import compiled_prefill_kernels, varlen_forward, varlen_index
 
     q, v = inputs[0], inputs[2]
-    token_rows, chunk_offsets, _ = chunk_aligned_rows(cu_seqlens.cpu().numpy(), chunk_size)
-    rows = torch.from_numpy(token_rows).to(q.device)
-    aligned = [x.new_zeros((int(chunk_offsets[-1]) * chunk_size, *x.shape[2:])).index_copy_(0, rows, x[0])[None]
-               for x in inputs]
-    block_dv = default_block_dv(len(chunk_offsets) - 1, q.shape[2], v.shape[3], streaming_multiprocessors(q.device))
+    N_seq = len(cu_seqlens) - 1
+    index = varlen_index(cu_seqlens.cpu().numpy(), chunk_size)
+    block_dv = default_block_dv(N_seq, q.shape[2], v.shape[3], streaming_multiprocessors(q.device))
     kernels = compiled_prefill_kernels(q.shape[2], q.shape[3], v.shape[3], chunk_size, block_dv, str(q.dtype).split(".")[1])
-    offsets = torch.from_numpy(chunk_offsets).to(device=q.device, dtype=torch.int32)
-    return lambda: chunk_aligned_forward(*aligned, offsets, initial_state, chunk_size, kernels)
+    on_device, n_chunks = torch.from_numpy(index).to(q.device), int(index[2 * N_seq + 1])
+    return lambda: varlen_forward(*inputs, on_device, n_chunks, initial_state, chunk_size, kernels)
 
 
 def measurements(inputs, cu_seqlens, initial_state):
@@ -132,7 +129,7 @@ def measurements(inputs, cu_seqlens, initial_state):
                          cu_seqlens=cu_seqlens)
 
     table = {("ours", "call"): (ours, "events"), ("ours", "call_unchecked"): (lambda: ours(False), "events"),
-             ("ours", "kernels"): (chunk_aligned_kernels(inputs, cu_seqlens, initial_state), "events"),
+             ("ours", "kernels"): (prefill_kernels(inputs, cu_seqlens, initial_state), "events"),
              ("ours", "one_sequence"): (lambda: forward(*inputs, check_values=False), "events"),
              ("fla", "call"): (fla, "events")}
     replay, method = graph_or_events(fla)

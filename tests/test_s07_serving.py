@@ -458,52 +458,49 @@ def test_chunk_aligned_rows_start_every_sequence_on_a_chunk():
 
     lengths, C = [5, 0, 17, 16, 1, 33], 8
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
-    token_rows, chunk_offsets, padding_rows = chunk_aligned_rows(cu_seqlens, C)
-    expected, expected_padding, row = [], [], 0
+    token_rows, chunk_offsets = chunk_aligned_rows(cu_seqlens, C)
+    expected, row = [], 0
     for n in lengths:
         expected += list(range(row, row + n))
-        expected_padding += list(range(row + n, row + C * ((n + C - 1) // C)))
         row += C * ((n + C - 1) // C)
     assert token_rows.tolist() == expected
-    assert padding_rows.tolist() == expected_padding
     assert chunk_offsets[-1] * C == row
     assert len(set((token_rows // C).tolist())) == chunk_offsets[-1], "a chunk without a token"
 
 
 # prefill's CPU checks: shapes the interpreter runs in a few seconds (d_k in two 16-wide channel
-# passes, C = 32), lengths 0, 1, C - 1, C, C + 1 and several chunks, packed in no order of length
-PREFILL_LENGTHS, PREFILL_C, PREFILL_H, PREFILL_D, PREFILL_BLOCK_DV = (33, 0, 1, 31, 70, 32), 32, 2, 32, 16
+# passes, C = 32), lengths 0, 1, C - 1, C, C + 1 and several chunks, packed in no order of length; the
+# last one short, so that a load or store past a sequence's end runs off the batch (the interpreter
+# raises: its programs run in order, and a later sequence would overwrite a store into its rows)
+PREFILL_LENGTHS, PREFILL_C, PREFILL_H, PREFILL_D, PREFILL_BLOCK_DV = (32, 0, 1, 31, 70, 33), 32, 2, 32, 16
 
 
 def _interpreted_kernels(lengths, dtype):
-    """(prepare, varlen recurrence) through the tile interpreter, built for the chunk-aligned layout of
-    `lengths`, as prefill_chunk_aligned calls them (torch tensors, outputs written in place)."""
+    """(varlen prepare, varlen recurrence) through the tile interpreter, built for the packed batch of
+    `lengths`, as varlen_forward calls them (torch tensors, outputs written in place)."""
     from stages.common.interpreter import interpret
-    from stages.s05_fast_kda.kernel import build_prepare_program
-    from stages.s07_serving.kernel import build_varlen_recurrence_program
+    from stages.s07_serving.kernel import build_varlen_prepare_program, build_varlen_recurrence_program
     from stages.s07_serving.reference import chunk_table
 
     n_chunks = int(chunk_table(np.concatenate([[0], np.cumsum(lengths)]), PREFILL_C)[1][-1])
-    H, D = PREFILL_H, PREFILL_D
-    return (interpret(build_prepare_program(1, n_chunks * PREFILL_C, H, D, D, PREFILL_C, dtype)),
-            interpret(build_varlen_recurrence_program(n_chunks * PREFILL_C, n_chunks, len(lengths), H, D, D, PREFILL_C,
-                                                      PREFILL_BLOCK_DV, dtype)))
+    sizes = (sum(lengths), n_chunks * PREFILL_C, n_chunks, len(lengths), PREFILL_H, PREFILL_D, PREFILL_D, PREFILL_C)
+    return (interpret(build_varlen_prepare_program(*sizes, dtype)),
+            interpret(build_varlen_recurrence_program(*sizes, PREFILL_BLOCK_DV, dtype)))
 
 
 def _prefill_on_the_cpu(x, cu_seqlens, S0, dtype, kernels):
-    """stages.s07_serving.kernel.prefill_chunk_aligned on CPU torch tensors with interpreted kernels:
-    the wrapper's gathers and the kernels' launches as on the GPU. Returns float64 (o, final states)."""
+    """stages.s07_serving.kernel.varlen_forward on CPU torch tensors with interpreted kernels: the
+    wrapper's index and the kernels' launches as on the GPU. Returns float64 (o, final states)."""
     import torch
 
-    from stages.s07_serving.kernel import prefill_chunk_aligned
-    from stages.s07_serving.reference import chunk_aligned_rows
+    from stages.s07_serving.kernel import varlen_forward, varlen_index
 
-    token_rows, chunk_offsets, padding_rows = chunk_aligned_rows(cu_seqlens, PREFILL_C)
     operand = {"float64": torch.float64, "bfloat16": torch.bfloat16}[dtype]
     state = torch.float64 if dtype == "float64" else torch.float32
     args = [torch.tensor(a, dtype=operand) for a in (x.q, x.k, x.v)] + [torch.tensor(a, dtype=state) for a in (x.g, x.beta)]
-    o, final_states = prefill_chunk_aligned(*args, token_rows, padding_rows, chunk_offsets,
-                                            torch.tensor(S0, dtype=state), PREFILL_C, kernels)
+    index = varlen_index(cu_seqlens, PREFILL_C)
+    o, final_states = varlen_forward(*args, torch.from_numpy(index), int(index[2 * len(S0) + 1]),
+                                     torch.tensor(S0, dtype=state), PREFILL_C, kernels)
     return o.double().numpy(), final_states.double().numpy()
 
 
@@ -513,10 +510,51 @@ def _prefill_case(seed, lengths=PREFILL_LENGTHS, with_state=True):
     return x, cu_seqlens, (0.1 * S0.astype(np.float32).astype(np.float64) if with_state else np.zeros_like(S0))
 
 
+def _varlen_sizes(cu_seqlens):
+    """(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_v, C) of the CPU checks' packed batch."""
+    from stages.s07_serving.reference import chunk_table
+
+    n_chunks = int(chunk_table(cu_seqlens, PREFILL_C)[1][-1])
+    return (int(cu_seqlens[-1]), n_chunks * PREFILL_C, n_chunks, len(cu_seqlens) - 1, PREFILL_H, PREFILL_D, PREFILL_D,
+            PREFILL_C)
+
+
+def test_varlen_prepare_program_matches_reference_c():
+    """The varlen prepare alone (float64 operands, fp32 on chip) against reference C's prepare_varlen:
+    each token's outputs at its chunk-aligned row within the TF32 rounding of stage 5's block-inverse
+    merges, the rows past each sequence's end exactly zero (the recurrence reads them as zero tokens),
+    the chunk decays by row of the chunk table; the packed inputs read in place, unchanged."""
+    from stages.common.interpreter import interpret
+    from stages.s07_serving.kernel import build_varlen_prepare_program, varlen_index
+    from stages.s07_serving.reference import CHUNK_FIELDS, chunk_aligned_rows, prepare_varlen
+
+    x, cu_seqlens, _ = _prefill_case(seed=50)
+    inputs = (x.q, x.k, x.v, x.g, x.beta)
+    kept = [a.copy() for a in inputs]
+    expected = prepare_varlen(*inputs, cu_seqlens, PREFILL_C, sub_block=16)
+    sizes = _varlen_sizes(cu_seqlens)
+    index, N_seq = varlen_index(cu_seqlens, PREFILL_C), sizes[3]
+    program = build_varlen_prepare_program(*sizes, "float64")
+    outputs = interpret(program, out_idx=[7, 8, 9, 10, 11, 12])(
+        *inputs, index[2 * N_seq + 2:].reshape(-1, 2), index[:N_seq + 1])
+    prepared, chunk_decay = dict(zip(("w", "u", "q_decayed", "k_to_chunk_end", "a_qk"), outputs[:5])), outputs[5]
+    token_rows, _ = chunk_aligned_rows(cu_seqlens, PREFILL_C)
+    padding_rows = np.setdiff1d(np.arange(sizes[1]), token_rows)
+    assert len(padding_rows) == sizes[1] - sizes[0] > 0
+    for field in CHUNK_FIELDS:
+        assert_close(prepared[field][:, token_rows], getattr(expected, field), rel_l2=TF32_FLOOR, name=field)
+        assert np.array_equal(prepared[field][:, padding_rows], np.zeros_like(prepared[field][:, padding_rows])), \
+            f"{field}: a row past a sequence's end is not zero"
+    assert_close(chunk_decay, expected.chunk_decay, rel_l2=FP32_FLOOR, name="the chunk decays")
+    for given, before in zip(inputs, kept):
+        assert np.array_equal(given, before), "the prepare changed an input"
+
+
 def test_varlen_recurrence_program_matches_reference_c():
     """The varlen recurrence alone (float64 operands, its fp32 state) against reference C's
-    recurrence_varlen on reference C's prepare_varlen, laid out chunk-aligned: fp32's rounding, and a
-    program per (d_v block, sequence x head) that reads only its own sequence's chunks."""
+    recurrence_varlen on reference C's prepare_varlen, laid out chunk-aligned: fp32's rounding, a
+    program per (d_v block, sequence x head) that reads only its own sequence's chunks, and o stored
+    straight to the packed rows (every row written once: o's buffer starts as NaN in the interpreter)."""
     from stages.common.interpreter import interpret
     from stages.s07_serving.kernel import build_varlen_recurrence_program
     from stages.s07_serving.reference import chunk_aligned_rows, prepare_varlen, recurrence_varlen
@@ -524,7 +562,7 @@ def test_varlen_recurrence_program_matches_reference_c():
     x, cu_seqlens, S0 = _prefill_case(seed=51)
     tensors = prepare_varlen(x.q, x.k, x.v, x.g, x.beta, cu_seqlens, PREFILL_C, sub_block=16)
     expected_o, expected_states = recurrence_varlen(tensors, cu_seqlens, PREFILL_BLOCK_DV, S0)
-    token_rows, chunk_offsets, _ = chunk_aligned_rows(cu_seqlens, PREFILL_C)
+    token_rows, chunk_offsets = chunk_aligned_rows(cu_seqlens, PREFILL_C)
     n_chunks = int(chunk_offsets[-1])
     program_fields = ("w", "u", "q_decayed", "k_to_chunk_end", "a_qk")  # the program's parameter order
 
@@ -533,20 +571,19 @@ def test_varlen_recurrence_program_matches_reference_c():
         out[0, token_rows] = a[0]
         return out
 
-    program = build_varlen_recurrence_program(n_chunks * PREFILL_C, n_chunks, len(PREFILL_LENGTHS), PREFILL_H,
-                                              PREFILL_D, PREFILL_D, PREFILL_C, PREFILL_BLOCK_DV, "float64")
-    o, final_states = interpret(program, out_idx=[8, 9])(
+    program = build_varlen_recurrence_program(*_varlen_sizes(cu_seqlens), PREFILL_BLOCK_DV, "float64")
+    o, final_states = interpret(program, out_idx=[9, 10])(
         *(chunk_aligned(getattr(tensors, field)) for field in program_fields), tensors.chunk_decay, S0,
-        chunk_offsets.astype(np.int32))
-    assert_close(o[:, token_rows], expected_o, rel_l2=FP32_FLOOR)
+        chunk_offsets.astype(np.int32), cu_seqlens.astype(np.int32))
+    assert_close(o, expected_o, rel_l2=FP32_FLOOR)
     assert_close(final_states, expected_states, rel_l2=FP32_FLOOR, name="the final states", axes=POOL_AXES)
     assert np.array_equal(final_states[1], S0[1].astype(np.float32)), "the empty sequence's state moved"
 
 
 @pytest.mark.parametrize("lengths, with_state", [(PREFILL_LENGTHS, True), (PREFILL_LENGTHS, False),
-                                                 ((64, 0, 32), True)])  # the last: no gathers needed
+                                                 ((64, 0, 32), True)])  # the last: every length whole chunks
 def test_prefill_through_the_interpreter_matches_reference_c(lengths, with_state):
-    """The whole prefill path (gathers, stage 5's prepare, the varlen recurrence) in float64 against
+    """The whole prefill path (the index, the varlen prepare, the varlen recurrence) in float64 against
     reference C: within the TF32 rounding of stage 5's block-inverse merges; inputs unchanged and a
     second call the same."""
     from stages.s07_serving.reference import kernel_mirror
@@ -731,7 +768,7 @@ def test_prefill_kernels_compile_for_any_batch_without_spills(kernel):
     print(f"{kernel} sm_90a:", report.summary())
     assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
     assert report.shared_memory <= 227 * 1024, report.summary()
-    assert "N_seq" in str(report.grid) if kernel == "recurrence" else "T_padded" in str(report.grid), report.grid
+    assert "N_seq" in str(report.grid) if kernel == "recurrence" else "n_chunks" in str(report.grid), report.grid
 
 
 def test_prefill_refuses_a_batch_past_32_bit_indices():

@@ -15,11 +15,14 @@ v, g; everything else happens in registers. The kernel is bound by memory, and i
 fraction of the copy bandwidth it reaches (benchmarks/decode.py).
 
 `prefill` runs a packed batch of sequences of any lengths (FLA's `cu_seqlens`), each from its own
-initial state, in two kernel launches: stage 5's prepare, unchanged, on the batch gathered into a
-chunk-aligned layout (every sequence from a chunk's first row, zero rows after its end: exact),
-then the varlen recurrence, stage 5's recurrence with reference C's grid, one program per (block of
-d_v columns, sequence x head) walking only its sequence's chunks from its own state. Both are
-compiled once for any batch (the token, chunk and sequence counts are run-time sizes).
+initial state, in two kernel launches and no copy of the tokens: the varlen prepare, stage 5's
+prepare with reference C's grid, one program per (row of the chunk table, head) that reads its
+chunk straight from the packed rows (zeros past the sequence's end: exact) and writes a
+chunk-aligned layout (every sequence from a chunk's first row); then the varlen recurrence, stage 5's
+recurrence with reference C's grid, one program per (block of d_v columns, sequence x head) walking
+only its sequence's chunks from its own state and storing o at the packed rows (masked at the
+sequence's end). Both are compiled once for any batch (the token, row, chunk and sequence counts
+are run-time sizes).
 
 Run `python -m stages.s07_serving.kernel` to compile the kernels for sm_90a and print their ptxas
 reports (no GPU needed), or to check them against the references on a GPU.
@@ -34,8 +37,9 @@ from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_gate, check_gate_values, check_kernel_tensor,
                                         check_on_cuda, check_qkv, check_same, check_slot_values, check_slots, dtype_name)
-from stages.s05_fast_kda.kernel import DEFAULT_CHUNK_SIZE, _check_tile_sizes
-from stages.s07_serving.reference import chunk_aligned_rows
+from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, _check_tile_sizes,
+                                        default_prepare_threads)
+from stages.s07_serving.reference import chunk_table
 
 if TYPE_CHECKING:
     import torch
@@ -159,20 +163,191 @@ def decode(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Te
 # --8<-- [end:decode]
 
 
+# --8<-- [start:varlen_prepare_program]
+def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE,
+                                 dtype="float16", threads=None, channel_passes=CHANNEL_PASSES):
+    """Stage 5's prepare on a packed batch: q, k, g (1, T_tokens, H, d_k), v (1, T_tokens, H, d_v), beta
+    (1, T_tokens, H), packed by Cu_seqlens (N_seq + 1,) int32, and the chunk table Chunks (n_chunks, 2)
+    int32 (stages.s07_serving.reference.chunk_table) -> W, U, Q e^gamma, K e^{gamma_C - gamma}, A_qk
+    chunk-aligned (1, T_padded = n_chunks * C, H, ...) in `dtype`, e^{gamma_C} (1, n_chunks, H, d_k) fp32.
+
+    One program per (row p of the chunk table, head): it reads chunk `chunk` of sequence `sequence`
+    straight from the packed rows, zeros past the sequence's end (masked loads, as reference C's
+    prepare_varlen), and writes rows p * C to p * C + C - 1 of the chunk-aligned layout the varlen
+    recurrence reads. From the loads on, stage 5's prepare as it is. T_tokens, T_padded, n_chunks and
+    N_seq may be TileLang symbols (T.dynamic). Parameters in order: Q, K, V, G, Beta, Chunks,
+    Cu_seqlens, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay.
+    """
+    import tilelang.language as T
+
+    threads = threads or default_prepare_threads(chunk_size)
+    C, sub = chunk_size, SUB_BLOCK
+    accum_dtype = "float32"
+    channels_per_pass = d_k // channel_passes
+
+    @T.prim_func
+    def kda_prepare_varlen(
+        Q: T.Tensor((1, T_tokens, H, d_k), dtype),
+        K: T.Tensor((1, T_tokens, H, d_k), dtype),
+        V: T.Tensor((1, T_tokens, H, d_v), dtype),
+        G: T.Tensor((1, T_tokens, H, d_k), accum_dtype),
+        Beta: T.Tensor((1, T_tokens, H), accum_dtype),
+        Chunks: T.Tensor((n_chunks, 2), "int32"),
+        Cu_seqlens: T.Tensor((N_seq + 1,), "int32"),
+        W: T.Tensor((1, T_padded, H, d_k), dtype),
+        U: T.Tensor((1, T_padded, H, d_v), dtype),
+        Q_decayed: T.Tensor((1, T_padded, H, d_k), dtype),
+        K_to_chunk_end: T.Tensor((1, T_padded, H, d_k), dtype),
+        A_qk: T.Tensor((1, T_padded, H, C), dtype),
+        Chunk_decay: T.Tensor((1, n_chunks, H, d_k), accum_dtype),
+    ):
+        with T.Kernel(n_chunks, H, threads=threads) as (i_c, h):
+            sequence = Chunks[i_c, 0]
+            start = Cu_seqlens[sequence] + Chunks[i_c, 1] * C  # the chunk's first token in the packed batch
+            rows = T.min(C, Cu_seqlens[sequence + 1] - start)  # a sequence's last chunk may be short
+            t0 = i_c * C  # the chunk's first row in the chunk-aligned outputs
+
+            Q_s = T.alloc_shared((C, d_k), dtype)
+            K_s = T.alloc_shared((C, d_k), dtype)
+            gamma_s = T.alloc_shared((C, d_k), accum_dtype)
+            beta_s = T.alloc_shared((C,), accum_dtype)
+            Q_row_s = T.alloc_shared((C, channels_per_pass), dtype)  # GEMM operands: decay from the anchor to the row
+            K_row_s = T.alloc_shared((C, channels_per_pass), dtype)
+            K_col_s = T.alloc_shared((C, channels_per_pass), dtype)  # ... and from the column to the anchor
+            L_s = T.alloc_shared((C, C), accum_dtype)  # L = beta_i A_kk, strictly lower
+            T_s = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}
+            T_diag_s = T.alloc_shared((C, sub), accum_dtype)  # the diagonal blocks T[P, P], stacked
+            merge_s = T.alloc_shared((sub, C), accum_dtype)  # L[P, :] T of one block row
+            A_hat_s = T.alloc_shared((C, C), dtype)  # diag(beta) T
+            # A_qk is staged in A_hat's bytes and copied out before A_hat is formed
+            A_qk_s = A_hat_s
+            V_s = T.alloc_shared((C, d_v), dtype)
+            Kg_s = T.alloc_shared((C, d_k), dtype)  # K e^gamma (TileLang gives it the dead operands' bytes)
+            W_s = T.alloc_shared((C, d_k), dtype)  # W and U staged for whole-row stores to HBM
+            U_s = T.alloc_shared((C, d_v), dtype)
+
+            kk_f = T.alloc_fragment((C, C), accum_dtype)
+            qk_f = T.alloc_fragment((C, C), accum_dtype)
+            kk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
+            qk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
+            w_f = T.alloc_fragment((C, d_k), accum_dtype)
+            u_f = T.alloc_fragment((C, d_v), accum_dtype)
+            block_row_f = T.alloc_fragment((sub, C), accum_dtype)
+
+            # masked loads: a row past the sequence's end is a zero token (g = 0, beta = 0), which
+            # changes nothing of the rows before it; the next sequence's tokens are never read. The
+            # 2-byte and the 4-byte loads in loops of their own: each vectorizes to 16 bytes a lane
+            for r, d in T.Parallel(C, d_k):
+                Q_s[r, d] = T.if_then_else(r < rows, Q[0, start + r, h, d], 0)
+                K_s[r, d] = T.if_then_else(r < rows, K[0, start + r, h, d], 0)
+            for r, d in T.Parallel(C, d_k):
+                gamma_s[r, d] = T.if_then_else(r < rows, G[0, start + r, h, d], 0)
+            for r in T.Parallel(C):
+                beta_s[r] = T.if_then_else(r < rows, Beta[0, start + r, h], 0)
+            # gamma[r] = g[0] + ... + g[r]: one thread per channel walks the rows in a register
+            for d in T.Parallel(d_k):
+                running = T.alloc_var(accum_dtype)
+                running = 0
+                for r in T.unroll(C):
+                    running += gamma_s[r, d]
+                    gamma_s[r, d] = running
+
+            # from here to V's load, stage 5's prepare as it is (b = 0)
+            for channel_pass in range(channel_passes):
+                d0 = channel_pass * channels_per_pass
+                for r, d in T.Parallel(C, channels_per_pass):
+                    from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
+                    key = K_s[r, d0 + d]
+                    to_row = T.exp2(from_anchor)
+                    Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
+                    K_row_s[r, d] = key * to_row
+                    K_col_s[r, d] = key * T.exp2(-from_anchor)
+                T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=channel_pass == 0)
+                T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=channel_pass == 0)
+            for r, j in T.Parallel(C, C):
+                same_block = r // sub == j // sub
+                L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
+                if j // sub >= r // sub:
+                    A_qk_s[r, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
+            for s0 in tuple(range(sub, C, sub)):
+                for channel_pass in range(channel_passes):
+                    d0 = channel_pass * channels_per_pass
+                    for r, d in T.Parallel(C - s0 + sub, channels_per_pass):
+                        row = s0 - sub + r
+                        from_anchor = (gamma_s[row, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
+                        key = K_s[row, d0 + d]
+                        if r >= sub:
+                            to_row = T.exp2(from_anchor)
+                            Q_row_s[row, d] = Q_s[row, d0 + d] * to_row
+                            K_row_s[row, d] = key * to_row
+                        else:
+                            K_col_s[r, d] = key * T.exp2(-from_anchor)
+                    first = channel_pass == 0
+                    T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
+                    T.gemm(Q_row_s, K_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
+                for r, j in T.Parallel(C, sub):
+                    if r >= s0:
+                        L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
+                        A_qk_s[r, s0 - sub + j] = qk_slab_f[r, j]
+            T.copy(A_qk_s, A_qk[0, t0:t0 + C, h, :])
+
+            for r, d in T.Parallel(C, d_k):
+                decay_from_start = T.exp2(gamma_s[r, d] * LOG2_E)
+                Q_decayed[0, t0 + r, h, d] = Q_s[r, d] * decay_from_start
+                K_to_chunk_end[0, t0 + r, h, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
+                Kg_s[r, d] = K_s[r, d] * decay_from_start
+            for d in T.Parallel(d_k):
+                Chunk_decay[0, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
+            for r, d in T.Parallel(C, d_v):  # masked as the others
+                V_s[r, d] = T.if_then_else(r < rows, V[0, start + r, h, d], 0)
+
+            T.clear(T_s)
+            for r in T.serial(sub):
+                for blk, col in T.Parallel(C // sub, sub):
+                    i = blk * sub + r
+                    solved = T.alloc_var(accum_dtype)
+                    solved = T.if_then_else(col == r, 1, 0)
+                    for j in T.serial(r):
+                        solved -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
+                    T_s[i, blk * sub + col] = solved
+                    T_diag_s[i, col] = solved
+            for p0 in range(sub, C, sub):
+                T.gemm(L_s[p0:p0 + sub, :], T_s, block_row_f, clear_accum=True)
+                T.copy(block_row_f, merge_s)
+                T.gemm(T_diag_s[p0:p0 + sub, :], merge_s, block_row_f, clear_accum=True)
+                for r, c in T.Parallel(sub, C):
+                    if c < p0:
+                        T_s[p0 + r, c] = -block_row_f[r, c]
+
+            for r, c in T.Parallel(C, C):
+                A_hat_s[r, c] = T_s[r, c] * beta_s[r]
+            T.gemm(A_hat_s, Kg_s, w_f, clear_accum=True)
+            T.gemm(A_hat_s, V_s, u_f, clear_accum=True)
+            T.copy(w_f, W_s)
+            T.copy(u_f, U_s)
+            T.copy(W_s, W[0, t0:t0 + C, h, :])
+            T.copy(U_s, U[0, t0:t0 + C, h, :])
+
+    return kda_prepare_varlen
+# --8<-- [end:varlen_prepare_program]
+
+
 # --8<-- [start:varlen_recurrence_program]
-def build_varlen_recurrence_program(T_padded, n_chunks, N_seq, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE,
+def build_varlen_recurrence_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE,
                                     block_dv=DEFAULT_BLOCK_DV, dtype="float16", num_stages=2, threads=128):
-    """Stage 5's recurrence over a packed batch laid out chunk-aligned (stages.s07_serving.reference.
-    chunk_aligned_rows): the prepare kernel's outputs for T_padded rows (n_chunks = T_padded / C
-    chunks), chunk_offsets (N_seq + 1,) int32 and S_0^T (N_seq, H, d_k, d_v) fp32 -> o (1, T_padded,
-    H, d_v) in `dtype` and the final states S^T (N_seq, H, d_k, d_v) fp32.
+    """Stage 5's recurrence over the varlen prepare's chunk-aligned outputs (T_padded rows, n_chunks =
+    T_padded / C chunks, each sequence from a chunk's first row), chunk_offsets (N_seq + 1,) int32
+    (stages.s07_serving.reference.chunk_table), cu_seqlens (N_seq + 1,) int32 and S_0^T (N_seq, H,
+    d_k, d_v) fp32 -> o (1, T_tokens, H, d_v) in `dtype`, packed as the inputs, and the final states
+    S^T (N_seq, H, d_k, d_v) fp32.
 
     One program per (block of d_v columns, sequence x head): it walks chunks chunk_offsets[i] to
     chunk_offsets[i + 1] - 1 of its sequence i, a loop whose trip count is read at run time (none
-    for an empty sequence: its final state is its initial state). T_padded, n_chunks and N_seq may
-    be TileLang symbols (T.dynamic), so that one compiled kernel serves every batch. Parameters in
-    order: W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, Initial_state, Chunk_offsets, O,
-    Final_state.
+    for an empty sequence: its final state is its initial state), and stores each chunk's o at the
+    sequence's packed rows, masked at its end. T_tokens, T_padded, n_chunks and N_seq may be
+    TileLang symbols (T.dynamic), so that one compiled kernel serves every batch. Parameters in
+    order: W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, Initial_state, Chunk_offsets,
+    Cu_seqlens, O, Final_state.
     """
     import tilelang.language as T
 
@@ -189,7 +364,8 @@ def build_varlen_recurrence_program(T_padded, n_chunks, N_seq, H, d_k, d_v, chun
         Chunk_decay: T.Tensor((1, n_chunks, H, d_k), accum_dtype),
         Initial_state: T.Tensor((N_seq, H, d_k, d_v), accum_dtype),
         Chunk_offsets: T.Tensor((N_seq + 1,), "int32"),
-        O: T.Tensor((1, T_padded, H, d_v), dtype),
+        Cu_seqlens: T.Tensor((N_seq + 1,), "int32"),
+        O: T.Tensor((1, T_tokens, H, d_v), dtype),
         Final_state: T.Tensor((N_seq, H, d_k, d_v), accum_dtype),
     ):
         with T.Kernel(d_v // block_dv, N_seq * H, threads=threads) as (i_v, i_nh):
@@ -205,7 +381,7 @@ def build_varlen_recurrence_program(T_padded, n_chunks, N_seq, H, d_k, d_v, chun
             chunk_decay_s = T.alloc_shared((d_k,), accum_dtype)
             S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
             V_new_s = T.alloc_shared((C, block_dv), dtype)
-            O_s = T.alloc_shared((C, block_dv), dtype)  # o staged for a store of whole rows
+            O_s = T.alloc_shared((C, block_dv), dtype)  # o staged for stores of whole rows
 
             S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across chunks
             V_new_f = T.alloc_fragment((C, block_dv), accum_dtype)
@@ -214,7 +390,9 @@ def build_varlen_recurrence_program(T_padded, n_chunks, N_seq, H, d_k, d_v, chun
             T.copy(Initial_state[sequence, h, :, v0:v0 + block_dv], S_f)  # its own state, once
             for i in T.Pipelined(Chunk_offsets[sequence + 1] - first_chunk, num_stages=num_stages):
                 i_c = first_chunk + i  # the chunk's index in the whole batch
-                t0 = i_c * C
+                t0 = i_c * C  # its first row in the chunk-aligned layout
+                start = Cu_seqlens[sequence] + i * C  # ... and its first token in the packed batch
+                rows = T.min(C, Cu_seqlens[sequence + 1] - start)  # a sequence's last chunk may be short
                 T.copy(W[0, t0:t0 + C, h, :], W_s)
                 T.copy(U[0, t0:t0 + C, h, v0:v0 + block_dv], U_s)
                 T.copy(Q_decayed[0, t0:t0 + C, h, :], Q_decayed_s)
@@ -232,7 +410,9 @@ def build_varlen_recurrence_program(T_padded, n_chunks, N_seq, H, d_k, d_v, chun
                 T.gemm(Q_decayed_s, S_s, acc_o, clear_accum=True)
                 T.gemm(A_qk_s, V_new_s, acc_o)
                 T.copy(acc_o, O_s)
-                T.copy(O_s, O[0, t0:t0 + C, h, v0:v0 + block_dv])
+                for r, j in T.Parallel(C, block_dv):  # masked store: the rows past the end are the next sequence's
+                    if r < rows:
+                        O[0, start + r, h, v0 + j] = O_s[r, j]
 
                 for d, j in T.Parallel(d_k, block_dv):
                     S_f[d, j] *= chunk_decay_s[d]
@@ -244,24 +424,21 @@ def build_varlen_recurrence_program(T_padded, n_chunks, N_seq, H, d_k, d_v, chun
 
 
 def _run_time_sizes():
-    """The token count, the chunk count and the sequence count of a batch, as TileLang symbols: the
-    kernels compiled with them serve every batch."""
+    """The token count, the chunk-aligned row count, the chunk count and the sequence count of a batch,
+    as TileLang symbols: the kernels compiled with them serve every batch."""
     import tilelang.language as T
 
-    return T.dynamic("T_padded"), T.dynamic("n_chunks"), T.dynamic("N_seq")
+    return T.dynamic("T_tokens"), T.dynamic("T_padded"), T.dynamic("n_chunks"), T.dynamic("N_seq")
 
 
 @functools.cache
-def _compiled_prepare(H, d_k, d_v, chunk_size, dtype):
-    """Stage 5's prepare for a chunk-aligned batch of any length. The outputs are the caller's (no
-    out_idx): TileLang allocates an output only when each of its sizes is a symbol of its own, and
-    the chunk decays have T_padded / C rows."""
+def _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype):
+    """The varlen prepare for a packed batch of any length. The outputs are the caller's (no out_idx):
+    TileLang allocates an output only when each of its sizes is a symbol of its own."""
     import tilelang
 
-    from stages.s05_fast_kda.kernel import build_prepare_program
-
-    T_padded, _, _ = _run_time_sizes()
-    return tilelang.compile(build_prepare_program(1, T_padded, H, d_k, d_v, chunk_size, dtype), target="cuda")
+    program = build_varlen_prepare_program(*_run_time_sizes(), H, d_k, d_v, chunk_size, dtype)
+    return tilelang.compile(program, target="cuda")
 
 
 @functools.cache
@@ -273,11 +450,11 @@ def _compiled_varlen_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype):
 
 
 def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype):
-    """(prepare, varlen recurrence) compiled once per head shape, block and dtype, both at once (each
-    compile in its own thread: the first call waits for the slower one, not for their sum)."""
+    """(varlen prepare, varlen recurrence) compiled once per head shape, block and dtype, both at once
+    (each compile in its own thread: the first call waits for the slower one, not for their sum)."""
     from stages.common.tilelang_tools import compile_in_threads
 
-    kernels = compile_in_threads({"prepare": lambda: _compiled_prepare(H, d_k, d_v, chunk_size, dtype),
+    kernels = compile_in_threads({"prepare": lambda: _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype),
                                   "recurrence": lambda: _compiled_varlen_recurrence(H, d_k, d_v, chunk_size,
                                                                                     block_dv, dtype)})
     for kernel in kernels.values():
@@ -301,12 +478,14 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     S^T (N_seq, H, d_k, d_v) fp32. check_values=False skips the check of g's and beta's values;
     block_dv=None takes stage 5's default_block_dv for N_seq sequences.
 
-    With cu_seqlens: one gather lays the tokens out chunk-aligned (each sequence from a chunk's
-    first row, zero rows after its last token), stage 5's prepare runs on that layout as on one
-    long sequence, the varlen recurrence walks each sequence's chunks from its own state, and one
-    gather brings o back to the packed rows. Two kernel launches per call, whatever the lengths, and
-    one compiled pair of kernels for every batch; cu_seqlens is read to the host once (one sync).
+    With cu_seqlens: the varlen prepare reads each chunk of each sequence straight from the packed
+    tensors (zeros past the sequence's end) and writes the chunk-aligned layout, the varlen recurrence
+    walks each sequence's chunks from its own state and writes o to the packed rows. Two kernel
+    launches per call, whatever the lengths, one compiled pair of kernels for every batch, and no
+    copy of the tokens: cu_seqlens is read to the host once (one sync) to build the chunk table.
     """
+    import torch
+
     from stages.s05_fast_kda.kernel import default_block_dv, forward, streaming_multiprocessors, zero_state
 
     B, T, H, d_k, d_v = check_qkv(q, k, v)
@@ -315,14 +494,14 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     if cu_seqlens is None:
         return forward(q, k, v, g, beta, chunk_size=chunk_size, block_dv=block_dv, initial_state=initial_state,
                        output_final_state=output_final_state, check_values=check_values)
-    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    offsets = np.asarray(check_cu_seqlens(cu_seqlens, B, T))
     N_seq = len(offsets) - 1
     if initial_state is not None:
         check_gate("initial_state", initial_state, (N_seq, H, d_k, d_v), "(N_seq, H, d_k, d_v)")
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
-    token_rows, chunk_offsets, padding_rows = chunk_aligned_rows(np.asarray(offsets), chunk_size)
-    T_padded = int(chunk_offsets[-1]) * chunk_size
-    _check_int32_indexing(T_padded, H, max(d_k, d_v, chunk_size))
+    index = varlen_index(offsets, chunk_size)
+    n_chunks = int(index[2 * N_seq + 1])  # chunk_offsets[-1]
+    _check_int32_indexing(max(T, n_chunks * chunk_size), H, max(d_k, d_v, chunk_size))
     if check_values:
         check_gate_values(g, beta)
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens}
@@ -332,51 +511,36 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     if block_dv is None:
         block_dv = default_block_dv(N_seq, H, d_v, streaming_multiprocessors(q.device))
 
-    o, final_state = prefill_chunk_aligned(q, k, v, g, beta, token_rows, padding_rows, chunk_offsets, initial_state,
-                                           chunk_size,
-                                           compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype_name(q)))
+    o, final_state = varlen_forward(q, k, v, g, beta, torch.from_numpy(index).to(q.device, non_blocking=True),
+                                    n_chunks, initial_state, chunk_size,
+                                    compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype_name(q)))
     return (o, final_state) if output_final_state else o
 # --8<-- [end:prefill]
 
 
-# --8<-- [start:prefill_chunk_aligned]
-def prefill_chunk_aligned(q, k, v, g, beta, token_rows, padding_rows, chunk_offsets, initial_state, chunk_size,
-                          kernels):
-    """The packed batch (1, T, ...) through the chunk-aligned layout: q, k, v, g, beta gathered to
-    their rows `token_rows` (T,) (reference.chunk_aligned_rows) of T_padded = chunk_offsets[-1] * C
-    rows, zeros at `padding_rows` (a zero token changes no state: exact), `chunk_aligned_forward`
-    there, o gathered back; no gathers when every length is a multiple of C (as a server's prefill pieces
-    often are). Returns (o (1, T, H, d_v), final states (N_seq, H, d_k, d_v) fp32).
-    """
-    import torch
-
-    T_padded = int(chunk_offsets[-1]) * chunk_size
-    if T_padded == 0:  # every sequence empty: nothing to launch, the states stay
-        return torch.empty_like(v), initial_state.clone()
-    offsets = torch.from_numpy(chunk_offsets.astype(np.int32)).to(q.device, non_blocking=True)
-    if T_padded == q.shape[1]:  # every length a multiple of C: the packed batch is already chunk-aligned
-        return chunk_aligned_forward(q, k, v, g, beta, offsets, initial_state, chunk_size, kernels)
-    rows, padding = (torch.from_numpy(index).to(q.device, non_blocking=True) for index in (token_rows, padding_rows))
-
-    def chunk_aligned(x):  # x (1, T, ...) -> (1, T_padded, ...): one index copy of whole token rows
-        out = x.new_empty((T_padded, *x.shape[2:]))
-        out.index_fill_(0, padding, 0)
-        return out.index_copy_(0, rows, x[0]).unsqueeze(0)
-
-    o, final_state = chunk_aligned_forward(*(chunk_aligned(x) for x in (q, k, v, g, beta)), offsets, initial_state,
-                                           chunk_size, kernels)
-    return o[0].index_select(0, rows).unsqueeze(0), final_state
-# --8<-- [end:prefill_chunk_aligned]
+# --8<-- [start:varlen_forward]
+def varlen_index(cu_seqlens: np.ndarray, chunk_size: int) -> np.ndarray:
+    """The kernels' whole index of a packed batch, built on the host in one int32 array that crosses
+    to the device in one copy: cu_seqlens (N_seq + 1), chunk_offsets (N_seq + 1; its last entry,
+    index[2 * N_seq + 1], is n_chunks), then the chunk table's rows (sequence, chunk in the
+    sequence), 2 * n_chunks entries (reference.chunk_table)."""
+    chunks, chunk_offsets = chunk_table(cu_seqlens, chunk_size)
+    return np.concatenate([cu_seqlens, chunk_offsets, chunks.ravel()]).astype(np.int32)
 
 
-def chunk_aligned_forward(q, k, v, g, beta, chunk_offsets, initial_state, chunk_size, kernels):
-    """kernels = (prepare, varlen recurrence) on a batch laid out chunk-aligned, (1, T_padded, ...),
-    chunk_offsets (N_seq + 1,) int32 on the device: their outputs allocated, their two launches.
-    Returns (o (1, T_padded, H, d_v), final states (N_seq, H, d_k, d_v) fp32)."""
+def varlen_forward(q, k, v, g, beta, index, n_chunks, initial_state, chunk_size, kernels):
+    """kernels = (varlen prepare, varlen recurrence) on the packed batch (1, T, ...) as the caller gave
+    it; index: `varlen_index` as an int32 tensor on the inputs' device, n_chunks its chunk count:
+    the kernels' outputs allocated, their two launches (no host sync). Returns (o (1, T, H, d_v),
+    final states (N_seq, H, d_k, d_v) fp32)."""
     import torch
 
     prepare, recurrence = kernels
-    (_, T_padded, H, d_k), d_v = q.shape, v.shape[3]
+    (_, T, H, d_k), d_v, N_seq = q.shape, v.shape[3], initial_state.shape[0]
+    if n_chunks == 0:  # every sequence empty: nothing to launch, the states stay
+        return torch.empty_like(v), initial_state.clone()
+    cu_seqlens, chunk_offsets, chunks = index[:N_seq + 1], index[N_seq + 1:2 * N_seq + 2], index[2 * N_seq + 2:]
+    T_padded = n_chunks * chunk_size
 
     def empty(*shape, dtype=q.dtype):
         return torch.empty(shape, dtype=dtype, device=q.device)
@@ -384,18 +548,20 @@ def chunk_aligned_forward(q, k, v, g, beta, chunk_offsets, initial_state, chunk_
     # W, U, Q e^gamma, K e^{gamma_C - gamma}, A_qk, e^{gamma_C}: the prepare kernel's outputs in order
     prepared = (empty(1, T_padded, H, d_k), empty(1, T_padded, H, d_v), empty(1, T_padded, H, d_k),
                 empty(1, T_padded, H, d_k), empty(1, T_padded, H, chunk_size),
-                empty(1, T_padded // chunk_size, H, d_k, dtype=torch.float32))
-    prepare(q, k, v, g, beta, *prepared)
-    o, final_state = empty(1, T_padded, H, d_v), torch.empty_like(initial_state)
-    recurrence(*prepared, initial_state, chunk_offsets, o, final_state)
+                empty(1, n_chunks, H, d_k, dtype=torch.float32))
+    prepare(q, k, v, g, beta, chunks.view(n_chunks, 2), cu_seqlens, *prepared)
+    o, final_state = empty(1, T, H, d_v), torch.empty_like(initial_state)
+    recurrence(*prepared, initial_state, chunk_offsets, cu_seqlens, o, final_state)
     return o, final_state
+# --8<-- [end:varlen_forward]
 
 
-def _check_int32_indexing(T_padded, H, width):
-    """The kernels compiled for run-time sizes index in 32 bits: a buffer of T_padded x H x width
-    entries must stay below 2^31 (about 524,000 tokens at H = 32 and d = 128)."""
-    if T_padded * H * width >= 2**31:
-        raise ValueError(f"the chunk-aligned batch has {T_padded} rows of {H} x {width} entries, 2^31 or more: "
+def _check_int32_indexing(rows, H, width):
+    """The kernels compiled for run-time sizes index in 32 bits: a buffer of rows x H x width entries
+    (rows: the packed tokens or the chunk-aligned rows, the more) must stay below 2^31 (about
+    524,000 rows at H = 32 and d = 128)."""
+    if rows * H * width >= 2**31:
+        raise ValueError(f"the batch has {rows} rows of {H} x {width} entries, 2^31 or more: "
                          f"prefill it in smaller batches")
 
 
@@ -418,17 +584,14 @@ def compile_report(B=64, P=256, H=32, d_k=128, d_v=128, block_dv=DEFAULT_BLOCK_D
 @functools.cache
 def varlen_compile_report(kernel="recurrence", H=32, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=64,
                           dtype="bfloat16"):
-    """Lower and compile one of prefill's kernels ("prepare", stage 5's, or "recurrence", the varlen
-    one) for sm_90a as prefill compiles them: the token, chunk and sequence counts run-time sizes."""
-    from stages.s05_fast_kda.kernel import build_prepare_program
-
+    """Lower and compile one of prefill's kernels ("prepare" or "recurrence", both varlen) for sm_90a
+    as prefill compiles them: the token, row, chunk and sequence counts run-time sizes."""
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-    T_padded, n_chunks, N_seq = _run_time_sizes()
     if kernel == "prepare":
-        return _compile_report(build_prepare_program(1, T_padded, H, d_k, d_v, chunk_size, dtype))
+        return _compile_report(build_varlen_prepare_program(*_run_time_sizes(), H, d_k, d_v, chunk_size, dtype))
     if kernel == "recurrence":
-        return _compile_report(build_varlen_recurrence_program(T_padded, n_chunks, N_seq, H, d_k, d_v, chunk_size,
-                                                               block_dv, dtype))
+        return _compile_report(build_varlen_recurrence_program(*_run_time_sizes(), H, d_k, d_v, chunk_size, block_dv,
+                                                               dtype))
     raise ValueError(f"kernel must be 'prepare' or 'recurrence', got {kernel!r}")
 
 

@@ -155,23 +155,20 @@ def chunk_table(cu_seqlens: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np
 
 
 # --8<-- [start:chunk_aligned_rows]
-def chunk_aligned_rows(cu_seqlens: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def chunk_aligned_rows(cu_seqlens: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Where each token of a packed batch goes when every sequence starts a new chunk: (token_rows,
-    chunk_offsets, padding_rows).
+    chunk_offsets).
 
     In that layout of chunk_offsets[-1] * chunk_size rows (chunk_offsets as `chunk_table` gives it),
     sequence i starts at row chunk_size * chunk_offsets[i] and keeps its tokens in order: token_rows
-    (T,) is each token's row, the packed rows shifted sequence by sequence. padding_rows lists the
-    rows no token takes, the end of each sequence's last chunk (zeros in the layout). No chunk holds
-    two sequences, so stage 5's prepare runs on the layout unchanged, as on one long sequence.
+    (T,) is each token's row, the packed rows shifted sequence by sequence. The rows no token takes,
+    the end of each sequence's last chunk, hold zero tokens. No chunk holds two sequences: the varlen
+    prepare writes this layout, row p * chunk_size on for row p of the chunk table.
     """
     _, chunk_offsets = chunk_table(cu_seqlens, chunk_size)
-    lengths = np.diff(cu_seqlens)
     starts = chunk_size * chunk_offsets[:-1]  # each sequence's first row in the layout
-    token_rows = np.arange(cu_seqlens[-1]) + np.repeat(starts - cu_seqlens[:-1], lengths)
-    padding = chunk_size * np.diff(chunk_offsets) - lengths  # rows after each sequence's last token
-    padding_rows = np.arange(padding.sum()) + np.repeat(starts + lengths - (np.cumsum(padding) - padding), padding)
-    return token_rows, chunk_offsets, padding_rows
+    token_rows = np.arange(cu_seqlens[-1]) + np.repeat(starts - cu_seqlens[:-1], np.diff(cu_seqlens))
+    return token_rows, chunk_offsets
 # --8<-- [end:chunk_aligned_rows]
 
 
