@@ -45,6 +45,31 @@ def test_fp16_variant_through_the_recurrence(name, inputs):
                  name=f"{name} (fp16) through the recurrence")
 
 
+def test_fp16_score_operands_cut_the_bf16_error():
+    """bf16 inputs (rounded from float64 ones), gates down to 0.5: o against float64 of the unrounded
+    inputs, through the committed recurrence. The fp16 score operands must do clearly better than the
+    bf16 ones (the committed kernel), and no kernel can beat rounding the inputs and the output alone."""
+    from stages.common.interpreter import round_to_dtype
+
+    B_, N_, H_, D_ = 1, 256, 2, 128
+    x = make_inputs(B_, N_, H_, D_, D_, gate="channel", gate_range=(0.5, 0.999), beta_range=(0.0, 1.0), seed=0)
+    q, k, v = (np.asarray(round_to_dtype(a, "bfloat16"), dtype=np.float64) for a in (x.q, x.k, x.v))
+    expected = recurrent(x.q, x.k, x.v, x.g, x.beta)
+    recurrence = interpret(build_recurrence_program(B_, N_, H_, D_, D_, C, 32, "bfloat16"), out_idx=[7, 8])
+
+    def error(name):
+        prepared = interpret(s05_variants.VARIANTS[name](B_, N_, H_, D_, D_, C, "bfloat16"),
+                             out_idx=s05_variants.PREPARE_OUT)(q, k, v, x.g, x.beta)
+        o, _ = recurrence(*prepared, np.zeros((B_, H_, D_, D_)))
+        o = np.asarray(o, dtype=np.float64)
+        return np.linalg.norm(o - expected) / np.linalg.norm(expected)
+
+    committed, fp16 = error("staged_all"), error("fp16_scores")
+    rounded_only = round_to_dtype(recurrent(q, k, v, x.g, x.beta), "bfloat16")
+    floor = np.linalg.norm(rounded_only - expected) / np.linalg.norm(expected)
+    assert floor < fp16 < 0.95 * committed, (floor, fp16, committed)
+
+
 def test_arguments():
     args = s05_variants.parse_args(["--out", "x"])
     assert args.variants == list(s05_variants.VARIANTS)
