@@ -236,3 +236,37 @@ def test_compile_in_threads_runs_every_job_at_once_and_keeps_failures():
     assert isinstance(results["bad"], ValueError)
     assert len(heard) == 4 and any("FAILED to compile bad: ValueError: no valid warp partition" in m for m in heard)
     assert compile_in_threads({}) == {}
+
+
+def test_barriers_in_thread_branches_finds_a_full_barrier_that_warps_skip():
+    """The shape of stage 6's intra kernel at 256 threads (it hung on the H200): __syncthreads() in a
+    loop under `if (32 <= (threadIdx.x & 127))`; in the else of such a branch too. Barriers in plain
+    loops, partial barriers, and branches on other values are fine."""
+    from stages.common.tilelang_tools import barriers_in_thread_branches
+
+    source = """extern "C" __global__ void k(float* x) {
+  __syncthreads();
+  for (int i = 0; i < 8; ++i) {
+    __syncthreads();
+  }
+  if (32 <= (((int)threadIdx.x) & 127)) {
+    tl::__sync_thread_partial(4, 192);
+    #pragma unroll
+    for (int i_33 = 0; i_33 < 8; ++i_33) {
+      __syncthreads();
+      x[i_33] = 0;
+    }
+  }
+  if (blockIdx.x == 0) {
+    __syncthreads();
+  }
+  if (((int)threadIdx.x) < 64) {
+    x[0] = 1;
+  } else {
+    __syncthreads();
+  }
+  __syncthreads();
+}"""
+    assert barriers_in_thread_branches(source) == [(10, "if (32 <= (((int)threadIdx.x) & 127)) {"),
+                                                    (20, "if (((int)threadIdx.x) < 64) {")]
+    assert barriers_in_thread_branches(source.replace("threadIdx", "blockIdx")) == []

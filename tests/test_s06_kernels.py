@@ -261,7 +261,9 @@ def test_kernel_compiles_for_sm90a_without_spills(kernel, shape):
     """Every bf16 kernel the GPU tests compile (d = 64 and d = 128, and the chunk loops at 64 value
     columns, the wrapper's choice where B * H * d_v / 64 >= SMs): no spills, within one SM's shared
     memory. The first GPU run stopped here: at d = 64 the intra kernel's 16 x 32 score slab did not
-    lower for 8 warps."""
+    lower for 8 warps. No __syncthreads() in a branch on the thread index: the second run hung at d = 128,
+    where the intra kernel's 256 threads had one in a branch that two warps skip."""
+    from stages.common.tilelang_tools import barriers_in_thread_branches
     from stages.s06_backward.kernel import compile_report
 
     report = compile_report(kernel, *shape)
@@ -269,16 +271,19 @@ def test_kernel_compiles_for_sm90a_without_spills(kernel, shape):
     assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
     assert 0 < report.registers <= 255
     assert report.shared_memory <= 227 * 1024, report.summary()
+    assert barriers_in_thread_branches(report.cuda_source) == []
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("kernel, shape", _gpu_compiles("float16"), ids=str)
 def test_kernel_lowers_for_sm90a(kernel, shape):
-    """Every fp16 kernel the GPU tests compile, lowered (nvcc's registers are bf16's above)."""
-    from stages.common.tilelang_tools import lower
+    """Every fp16 kernel the GPU tests compile, lowered (nvcc's registers are bf16's above), with no
+    __syncthreads() in a branch on the thread index."""
+    from stages.common.tilelang_tools import barriers_in_thread_branches, lower
     from stages.s06_backward.kernel import BUILDERS, kernel_arguments
 
-    lower(BUILDERS[kernel][0](*kernel_arguments(*shape)[kernel]))
+    source = lower(BUILDERS[kernel][0](*kernel_arguments(*shape)[kernel])).kernel_source
+    assert barriers_in_thread_branches(source) == []
 
 
 def _cuda(x, do, S_0, dS_N, dtype):

@@ -109,6 +109,28 @@ def compile_report(prim_func):
     return _parse_ptxas(log, source, dynamic_shared, threads, grid)
 
 
+def barriers_in_thread_branches(cuda_source):
+    """[(line number, the branch's opening line)] for each __syncthreads() of a generated CUDA source
+    that lies inside an `if` (or its `else`) whose condition reads threadIdx.
+
+    __syncthreads() waits for every thread of the block: where a branch on the thread index leaves
+    whole warps out, the others wait for them, and the kernel hangs or its barriers pair up wrongly.
+    (TileLang's own barrier for some of the threads, tl::__sync_thread_partial, is not counted.)
+    The source is read as TileLang writes it: one statement a line, braces at the ends of lines.
+    """
+    found, branches = [], []  # branches: the opening line of each block we are in
+    for number, line in enumerate(cuda_source.splitlines(), 1):
+        text = line.strip()
+        if "__syncthreads()" in text and any("threadIdx" in opening for opening in branches):
+            found.append((number, next(o for o in reversed(branches) if "threadIdx" in o)))
+        closed = None
+        for _ in range(text.count("}")):
+            closed = branches.pop() if branches else None
+        for _ in range(text.count("{")):  # an `else` belongs to the branch it closes
+            branches.append(closed if text.startswith("} else") and closed else text)
+    return found
+
+
 def _int_or_text(extent):
     """A launch extent: an int, or the text of its expression when it is sized at run time."""
     try:

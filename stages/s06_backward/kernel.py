@@ -512,12 +512,14 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                     T.gemm(dM_T_s[slab:s0, :], K_col_s[0:sub, :], rows_k_f, transpose_A=True, clear_accum=True)
                     T.gemm(dM_T_s[slab:s0, :], K_row_s, slab_columns_f, clear_accum=True)
                     T.gemm(dA_qk_T_s[slab:s0, :], Q_row_s, slab_columns_f)
+                    # every row takes part, rows above s0 adding zeros (their to_row is 0, and so are their
+                    # rows of Q_row_s and K_row_s): at 256 threads, `if r >= s0` here lowered to a branch
+                    # that whole warps skip around a __syncthreads(), and the d = 128 runs stalled
                     for r, d in T.Parallel(C, channels):
-                        if r >= s0:
-                            to_row = T.exp2((gamma_s[r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E)
-                            dQ_scores_s[r, d] += rows_f[r, d] * to_row
-                            dK_rows_s[r, d] += rows_k_f[r, d] * to_row
-                            dgamma_s[r, d] += Q_row_s[r, d] * rows_f[r, d] + K_row_s[r, d] * rows_k_f[r, d]
+                        to_row = T.if_then_else(r >= s0, T.exp2((gamma_s[r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E), 0)
+                        dQ_scores_s[r, d] += rows_f[r, d] * to_row
+                        dK_rows_s[r, d] += rows_k_f[r, d] * to_row
+                        dgamma_s[r, d] += Q_row_s[r, d] * rows_f[r, d] + K_row_s[r, d] * rows_k_f[r, d]
                     for r, d in T.Parallel(sub, channels):
                         dK_columns_s[slab + r, d] += slab_columns_f[r, d] * T.exp2(
                             (gamma_s[s0, d0 + d] - gamma_s[slab + r, d0 + d]) * LOG2_E)
