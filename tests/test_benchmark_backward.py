@@ -165,3 +165,81 @@ def test_ours_is_timed_before_fla_is_set_up_and_no_fla_leaves_fla_out(tmp_path, 
     assert notes["B=2 N=4096 H=16 D=128"] == {"error": "RuntimeError: RuntimeError: boom"}
     rows = fair.read_rows(tmp_path / backward.CSV_NAME)
     assert [(row["B"], row["what"]) for row in rows] == [("2", "setup")]
+
+
+@pytest.fixture
+def empty_compile_caches():
+    """The compiled-kernel caches of stages 5 and 6 emptied before and after a test that fakes compiles."""
+    from stages.s05_fast_kda import kernel as stage5
+    from stages.s06_backward import kernel
+
+    caches = (stage5._compiled_prepare, stage5._compiled_recurrence, kernel._compiled, kernel.compiled_kernels)
+    for cache in caches:
+        cache.cache_clear()
+    yield
+    for cache in caches:
+        cache.cache_clear()
+
+
+def test_a_run_on_the_cpu_compiles_each_kernel_once_before_it_sets_up(tmp_path, monkeypatch, empty_compile_caches):
+    """run() end to end on the CPU: tilelang.compile counted and replaced by the tile interpreter, the
+    torch.cuda calls by stand-ins, a GPU of 2 SMs (so both passes take 64 value columns, where the
+    wrappers' rule and the benchmark's could part). Every kernel is compiled once, all before "set up
+    ours" (none in a capture, none in ours' timed call), and each kernel's first call (which builds its
+    host library on a GPU) is made and logged before the first capture."""
+    torch = pytest.importorskip("torch")
+    tilelang = pytest.importorskip("tilelang")
+    import collections
+
+    from stages.common.interpreter import interpret
+    from stages.s05_fast_kda import kernel as stage5
+    from stages.s06_backward import kernel
+
+    heard, compiles, first_calls = [], [], {}
+
+    def compile_on_the_cpu(program, out_idx, target):
+        name = str(program.attrs["global_symbol"])
+        compiles.append((name, len(heard)))
+        run = interpret(program, out_idx=out_idx)
+
+        def launch(*tensors):
+            first_calls.setdefault(name, len(heard))
+            return [torch.from_numpy(x) for x in run(*tensors)]
+        return launch
+
+    def on_cpu(stage, B, N, H, D, dtype):
+        generator = torch.Generator().manual_seed(0)
+        q, k = (torch.nn.functional.normalize(torch.randn(B, N, H, D, generator=generator), dim=-1).to(dtype)
+                for _ in range(2))
+        v = torch.randn(B, N, H, D, generator=generator).to(dtype)
+        g = torch.log(0.9 + 0.099 * torch.rand(B, N, H, D, generator=generator))
+        return [q, k, v, g, 0.1 + 0.8 * torch.rand(B, N, H, generator=generator)]
+
+    monkeypatch.setattr(tilelang, "compile", compile_on_the_cpu)
+    for name, value in {"is_available": lambda: True, "synchronize": lambda *a: None,
+                        "empty_cache": lambda: None}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(bench, "make_inputs", on_cpu)
+    for module in (stage5, kernel):
+        monkeypatch.setattr(module, "check_on_cuda", lambda tensors: None)
+        monkeypatch.setattr(module, "streaming_multiprocessors", lambda device: 2)
+    monkeypatch.setattr(backward, "make_timer", lambda quick: lambda function: [function(), 1.0][1])
+    args = backward.parse_args(["--out", str(tmp_path), "--shapes", "1,64,2,64", "--rounds", "1", "--no-fla"])
+    notes = backward.run(args, heard.append, 0.0)
+
+    assert notes["B=1 N=64 H=2 D=64"]["forward_block_dv"] == notes["B=1 N=64 H=2 D=64"]["backward_block_dv"] == 64
+    counted = collections.Counter(name for name, _ in compiles)  # one shape: a kernel's name is its compile
+    assert [name for name, count in counted.items() if count > 1] == [], "compiled twice for one shape"
+    assert sorted(counted) == sorted(
+        ["kda_prepare", "kda_recurrence", "kda_states", "kda_state_gradient", "kda_state_products", "kda_intra"])
+    set_up = heard.index("B=1 N=64 H=2 D=64: set up ours (capture graphs)")
+    assert max(position for _, position in compiles) < set_up, "a kernel was compiled after the set-up began"
+    first_capture = next(i for i, line in enumerate(heard) if " captured " in line)
+    assert sorted(first_calls) == sorted(counted)
+    assert all(set_up < position < first_capture for position in first_calls.values()), "a first call in a capture"
+    logged = [line.split("first call of ")[1].split()[0] for line in heard[set_up:first_capture]
+              if "first call of" in line]
+    assert logged == ["prepare", "recurrence", *backward.BACKWARD_KERNELS[1:]]
+    rows = fair.read_rows(tmp_path / backward.CSV_NAME)
+    assert {row["what"] for row in rows if row["time_ms"] == "1.0000"} == {
+        what for impl, what in backward.MEASUREMENTS if impl == "ours"}
