@@ -286,6 +286,39 @@ def test_kernel_lowers_for_sm90a(kernel, shape):
     assert barriers_in_thread_branches(source) == []
 
 
+def test_every_gpu_case_finds_its_kernels_among_the_shared_compiles(monkeypatch):
+    """On the CPU, the wrapper as the GPU tests call it (an H200's 132 SMs): each case asks
+    compiled_kernels for kernels that gpu_kernels compiles up front, so no case (d = 128 included)
+    compiles again, and the two d = 128 cases share all but the chunk loops."""
+    torch = pytest.importorskip("torch")
+    from stages.s06_backward import kernel
+
+    asked = []
+
+    def compiled_kernels(*arguments):
+        asked.append(arguments)
+        return {}
+
+    def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state):
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
+                torch.zeros_like(beta), torch.zeros_like(initial_state))
+
+    monkeypatch.setattr(kernel, "compiled_kernels", compiled_kernels)
+    monkeypatch.setattr(kernel, "run_kernels", run_kernels)
+    monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(kernel, "streaming_multiprocessors", lambda device: H200_SMS)
+    for B, N, H, D, dtype, with_states, block_dv in GPU_CASES.values():
+        q = torch.zeros(B, N, H, D, dtype=getattr(torch, dtype))
+        state = torch.zeros(B, H, D, D) if with_states else None
+        kernel.backward(q, q, q, torch.full((B, N, H, D), -0.1), torch.full((B, N, H), 0.5), q,
+                        initial_state=state, d_final_state=state, block_dv=block_dv)
+    assert asked == list(_gpu_kernel_shapes().values())
+    shared = {(name, kernel.kernel_arguments(*shape)[name]) for name, shape in _gpu_compiles("float16", "bfloat16")}
+    for shape in asked:
+        assert {(name, arguments) for name, arguments in kernel.kernel_arguments(*shape).items()} <= shared, shape
+    assert len(shared) == 17  # 5 per case, the 64-column case adding its two chunk loops
+
+
 def _cuda(x, do, S_0, dS_N, dtype):
     import torch
 
