@@ -1,6 +1,7 @@
 """Stage 7's generated files: the error table of the varlen references against each sequence run
 alone, the state's memory per sequence and the batch it allows, the chunk table of an example batch,
-and the padding of prefill's chunk-aligned layout."""
+the padding of prefill's chunk-aligned layout, and the parts of prefill's call in the committed
+varlen run."""
 
 import numpy as np
 
@@ -125,10 +126,41 @@ def write_padding_table(path):
                           "tokens padded to the longest"], rows))
 
 
+# the committed varlen run, (impl, what) -> its label in the parts' table
+PREFILL_PARTS = [(("ours", "call"), "whole call"), (("ours", "call_unchecked"), "whole call, value checks off"),
+                 (("ours", "kernels"), "the two kernels alone"), (("fla", "call"), "FLA's chunk_kda call")]
+
+
+def write_prefill_parts(path):
+    """The committed run's medians over rounds for prefill's parts, what lay around the kernels (the call
+    with checks off minus the kernels) and the call estimated without it: kernels plus value checks."""
+    from kdacourse.pages.serving_benchmarks import _committed, varlen_times
+    from benchmarks.fair import Spread, paired
+
+    rows, _ = _committed("varlen.csv", "varlen_meta.json")
+    if rows is None:
+        path.write_text(banner(SOURCE) + "No varlen run committed (`python -m benchmarks.varlen --out DIR`).\n")
+        return
+    table = []
+    for mix, measured in varlen_times(rows).items():
+        around = paired(measured, ("ours", "call_unchecked"), ("ours", "kernels"), lambda x, y: x - y)
+        checks = paired(measured, ("ours", "call"), ("ours", "call_unchecked"), lambda x, y: x - y)
+        kernels = Spread.of(measured[("ours", "kernels")].values())
+        estimate = Spread.of([kernels.median + checks.median])
+        table += [(mix, label, Spread.of(measured[key].values()).text()) for key, label in PREFILL_PARTS
+                  if key in measured]
+        table += [(mix, "around the kernels (checks off minus kernels)", around.text()),
+                  (mix, "the value checks (call minus checks off)", checks.text()),
+                  (mix, "estimate without the work around the kernels: kernels + value checks", estimate.text())]
+    path.write_text(banner(SOURCE) + "The committed run of `python -m benchmarks.varlen` (benchmarks/results/varlen.csv), "
+                    "medians over its rounds (min to max), ms.\n\n" + markdown_table(["mix", "part", "ms"], table))
+
+
 def generated_files():
     return {
         "docs/generated/s07_errors.md": write_error_table,
         "docs/generated/s07_state_memory.md": write_state_memory_table,
         "docs/generated/s07_chunk_table.md": write_chunk_table,
         "docs/generated/s07_padding.md": write_padding_table,
+        "docs/generated/s07_prefill_parts.md": write_prefill_parts,
     }
