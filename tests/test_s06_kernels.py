@@ -261,7 +261,7 @@ def test_kernel_compiles_for_sm90a_without_spills(kernel, shape):
     """Every bf16 kernel the GPU tests compile (d = 64 and d = 128, and the chunk loops at 64 value
     columns, the wrapper's choice where B * H * d_v / 64 >= SMs): no spills, within one SM's shared
     memory. The first GPU run stopped here: at d = 64 the intra kernel's 16 x 32 score slab did not
-    lower for 8 warps. No __syncthreads() in a branch on the thread index: the second run hung at d = 128,
+    lower for 8 warps. No __syncthreads() in a branch on the thread index: the second run stalled at d = 128,
     where the intra kernel's 256 threads had one in a branch that two warps skip."""
     from stages.common.tilelang_tools import barriers_in_thread_branches
     from stages.s06_backward.kernel import compile_report
