@@ -753,6 +753,7 @@ def test_kernel_compiles_for_sm90a_without_spills():
     report = compile_report()
     print("decode sm_90a:", report.summary())
     assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
+    assert not report.divergent_barriers, report.divergent_barriers  # a barrier some warps skip hangs the GPU
     assert report.registers <= 128, report.summary()  # 4 blocks of 128 threads per SM at least
     assert report.shared_memory <= 8 * 1024, report.summary()  # q, k, e^g, v and the reductions' scratch
 
@@ -767,6 +768,7 @@ def test_prefill_kernels_compile_for_any_batch_without_spills(kernel):
     report = varlen_compile_report(kernel)
     print(f"{kernel} sm_90a:", report.summary())
     assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
+    assert not report.divergent_barriers, report.divergent_barriers  # a barrier some warps skip hangs the GPU
     assert report.shared_memory <= 227 * 1024, report.summary()
     assert "N_seq" in str(report.grid) if kernel == "recurrence" else "n_chunks" in str(report.grid), report.grid
 

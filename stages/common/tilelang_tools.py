@@ -43,6 +43,11 @@ class CompileReport:
     def shared_memory(self):
         return self.static_shared + self.dynamic_shared
 
+    @property
+    def divergent_barriers(self):
+        """barriers_in_thread_branches of the source: a __syncthreads() that some warps skip."""
+        return barriers_in_thread_branches(self.cuda_source)
+
     def summary(self):
         return (
             f"{self.registers} registers/thread, {self.spill_stores} B spill stores, "

@@ -76,7 +76,8 @@ def tir_facts(analysis, program):
 
 
 def compile_for_sm90a(program, pass_configs=None):
-    """Lower and compile `program` for sm_90a; fails if it spills or asks for too much shared memory."""
+    """Lower and compile `program` for sm_90a; fails if it spills, asks for too much shared memory, or
+    has a barrier that some warps skip (a hang on the GPU the interpreter cannot show)."""
     __tracebackhide__ = True
     from tilelang.transform import PassContext
 
@@ -86,6 +87,12 @@ def compile_for_sm90a(program, pass_configs=None):
         report = compile_report(program)
     if report.spill_stores or report.spill_loads:
         pytest.fail(f"the kernel spills registers to local memory: {report.summary()}", pytrace=False)
+    if report.divergent_barriers:
+        line, branch = report.divergent_barriers[0]
+        pytest.fail(f"the generated CUDA has a __syncthreads() at line {line} inside `{branch}`: the warps "
+                    "that skip the branch never reach it, and the kernel hangs on the GPU. A T.Parallel loop with an "
+                    "`if` around a statement that needs a barrier does this; compute on every lane and select with "
+                    "T.if_then_else instead", pytrace=False)
     if report.shared_memory > 227 * 1024:
         pytest.fail(f"the kernel asks for more shared memory than an H200 block has (227 KiB): "
                     f"{report.summary()}", pytrace=False)
