@@ -106,7 +106,8 @@ def write_beta_bugs(path):
 
 
 def write_identities_table(path):
-    from stages.s03_gated_deltanet.identities import IDENTITIES, REFUTED, counterexample
+    from stages.common.symbolic import counterexample
+    from stages.s03_gated_deltanet.identities import IDENTITIES, REFUTED
 
     refuted = []
     for build in REFUTED:

@@ -165,7 +165,8 @@ def write_bug_costs(path):
 
 
 def write_identities_table(path):
-    from stages.s04_kda.identities import IDENTITIES, REFUTED, counterexample
+    from stages.common.symbolic import counterexample
+    from stages.s04_kda.identities import IDENTITIES, REFUTED
 
     refuted = []
     for build in REFUTED:

@@ -49,3 +49,14 @@ def rows_of(M):
 def causal_mask(size, include_diagonal=True):
     """M[r, j] = 1 for j <= r (or j < r when include_diagonal is False)."""
     return sp.Matrix(size, size, lambda r, j: 1 if (j <= r if include_diagonal else j < r) else 0)
+
+
+def print_identities(identities, refuted=()):
+    """A stage's `python -m stages.<stage>.identities`: each identity proved (or FAILS), each wrong
+    form refuted by a counterexample (or HOLDS)."""
+    for build in identities:
+        identity = build()
+        print(f"{'proved' if identity.holds() else 'FAILS '}  {identity.name}: {identity.statement}")
+    for build in refuted:
+        identity = build()
+        print(f"{'refuted' if counterexample(identity) else 'HOLDS  '}  {identity.name}: {identity.statement}")

@@ -10,7 +10,7 @@ Run `python -m stages.s01_linear_attention.identities` to prove them all.
 
 import sympy as sp
 
-from stages.common.symbolic import Identity, causal_mask, matrix
+from stages.common.symbolic import Identity, causal_mask, matrix, print_identities
 
 N, C, d_k, d_v = 4, 2, 2, 3
 
@@ -79,9 +79,7 @@ IDENTITIES = [chunk_output_equals_recurrence, chunk_state_update_equals_recurren
 
 
 def main():
-    for build in IDENTITIES:
-        identity = build()
-        print(f"{'proved' if identity.holds() else 'FAILS '}  {identity.name}: {identity.statement}")
+    print_identities(IDENTITIES)
 
 
 if __name__ == "__main__":

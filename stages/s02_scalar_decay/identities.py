@@ -11,7 +11,7 @@ Run `python -m stages.s02_scalar_decay.identities` to prove them all.
 
 import sympy as sp
 
-from stages.common.symbolic import Identity, matrix
+from stages.common.symbolic import Identity, matrix, print_identities
 
 N, C, d_k, d_v = 4, 2, 2, 3
 alpha = sp.Symbol("alpha", positive=True)
@@ -138,9 +138,7 @@ IDENTITIES = [chunk_output_equals_recurrence, chunk_state_update_equals_recurren
 
 
 def main():
-    for build in IDENTITIES:
-        identity = build()
-        print(f"{'proved' if identity.holds() else 'FAILS '}  {identity.name}: {identity.statement}")
+    print_identities(IDENTITIES)
 
 
 if __name__ == "__main__":

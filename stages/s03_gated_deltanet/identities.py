@@ -15,7 +15,7 @@ from functools import reduce
 
 import sympy as sp
 
-from stages.common.symbolic import Identity, counterexample, matrix
+from stages.common.symbolic import Identity, matrix, print_identities
 
 C, d_k, d_v = 3, 2, 2
 
@@ -170,12 +170,7 @@ REFUTED = [mixed_beta_pairing]
 
 
 def main():
-    for build in IDENTITIES:
-        identity = build()
-        print(f"{'proved' if identity.holds() else 'FAILS '}  {identity.name}: {identity.statement}")
-    for build in REFUTED:
-        identity = build()
-        print(f"{'refuted' if counterexample(identity) else 'HOLDS  '}  {identity.name}: {identity.statement}")
+    print_identities(IDENTITIES, REFUTED)
 
 
 if __name__ == "__main__":

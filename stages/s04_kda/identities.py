@@ -14,7 +14,7 @@ and the pairing of beta that are not identities.
 
 import sympy as sp
 
-from stages.common.symbolic import Identity, causal_mask, counterexample, matrix
+from stages.common.symbolic import Identity, causal_mask, matrix, print_identities
 
 C, d_k, d_v = 3, 2, 2
 
@@ -217,12 +217,7 @@ REFUTED = [diag_after_householder, diag_before_state, mixed_beta_pairing]
 
 
 def main():
-    for build in IDENTITIES:
-        identity = build()
-        print(f"{'proved' if identity.holds() else 'FAILS '}  {identity.name}: {identity.statement}")
-    for build in REFUTED:
-        identity = build()
-        print(f"{'refuted' if counterexample(identity) else 'HOLDS  '}  {identity.name}: {identity.statement}")
+    print_identities(IDENTITIES, REFUTED)
 
 
 if __name__ == "__main__":

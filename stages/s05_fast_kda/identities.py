@@ -15,7 +15,7 @@ Run `python -m stages.s05_fast_kda.identities` to prove them all.
 
 import sympy as sp
 
-from stages.common.symbolic import Identity, causal_mask, matrix
+from stages.common.symbolic import Identity, causal_mask, matrix, print_identities
 
 C, SUB, d_k = 4, 2, 2  # the chunk of the block inverse and of the anchored scores
 N_SPLIT, C_SPLIT, d_v_SPLIT = 4, 2, 1  # the split forward
@@ -190,9 +190,7 @@ IDENTITIES = [block_inverse_equals_inverse, anchored_scores_equal_definition, of
 
 
 def main():
-    for build in IDENTITIES:
-        identity = build()
-        print(f"{'proved' if identity.holds() else 'FAILS '}  {identity.name}: {identity.statement}")
+    print_identities(IDENTITIES)
 
 
 if __name__ == "__main__":

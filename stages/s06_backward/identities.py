@@ -21,7 +21,7 @@ Run `python -m stages.s06_backward.identities` to prove them all, and to refute 
 
 import sympy as sp
 
-from stages.common.symbolic import Identity, causal_mask, counterexample, matrix
+from stages.common.symbolic import Identity, causal_mask, matrix, print_identities
 
 C_INVERSE, C_UT, C_CUMSUM = 4, 3, 4
 d_k_STEP, d_v_STEP = 3, 2
@@ -348,12 +348,7 @@ REFUTED = [inverse_gradient_untransposed, inverse_gradient_unrestricted, beta_gr
 
 
 def main():
-    for build in IDENTITIES:
-        identity = build()
-        print(f"{'proved' if identity.holds() else 'FAILS '}  {identity.name}: {identity.statement}")
-    for build in REFUTED:
-        identity = build()
-        print(f"{'refuted' if counterexample(identity) else 'HOLDS  '}  {identity.name}: {identity.statement}")
+    print_identities(IDENTITIES, REFUTED)
 
 
 if __name__ == "__main__":
