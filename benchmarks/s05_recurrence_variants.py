@@ -27,7 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.s05_variants import QUICK_ROUNDS, QUICK_SHAPES, ROUNDS, SHAPES, _graph_timer, _rel_l2
+from benchmarks.s05_variants import QUICK_ROUNDS, QUICK_SHAPES, ROUNDS, SHAPES, _graph_timer, _rel_l2, compile_timed
 from stages.s05_fast_kda.kernel import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE
 
 DTYPE = "bfloat16"
@@ -172,30 +172,10 @@ def _label(name, block_dv):
 
 
 def _compile_all(names, shapes, log):
-    """Every (variant, block_dv, shape) compiled in threads; a failure is kept as its message."""
-    import concurrent.futures
-
-    import tilelang
-
-    def one(name, block_dv, shape):
-        B, N, H, D = shape
-        started = time.time()
-        program = VARIANTS[name](B, N, H, D, D, DEFAULT_CHUNK_SIZE, block_dv, DTYPE)
-        return tilelang.compile(program, out_idx=[7, 8], target="cuda"), time.time() - started
-
-    keys = [(name, block_dv, shape) for shape in shapes for name in names for block_dv in BLOCK_DVS]
-    jobs = {}
-    with concurrent.futures.ThreadPoolExecutor(min(len(keys), 16)) as pool:
-        futures = {pool.submit(one, *key): key for key in keys}
-        for future in concurrent.futures.as_completed(futures):
-            key = futures[future]
-            try:
-                jobs[key] = future.result()
-                log(f"compiled {_label(*key[:2])} at {key[2]} in {jobs[key][1]:.0f} s")
-            except Exception as failure:  # recorded, the run goes on
-                jobs[key] = f"{type(failure).__name__}: {str(failure).strip()[-300:]}"
-                log(f"FAILED to compile {_label(*key[:2])} at {key[2]}: {jobs[key]}")
-    return jobs
+    """Every (variant, block_dv, shape) compiled in threads: {key: (kernel, seconds) or the failure's text}."""
+    return compile_timed({(name, block_dv, shape): functools.partial(VARIANTS[name], *shape, shape[3], DEFAULT_CHUNK_SIZE,
+                                                                     block_dv, DTYPE)
+                          for shape in shapes for name in names for block_dv in BLOCK_DVS}, [7, 8], log)
 
 
 def run(args, log):

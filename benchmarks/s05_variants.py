@@ -393,31 +393,26 @@ def parse_args(argv=None):
 
 
 def _compile_all(names, shapes, log):
-    """Every (variant, shape) compiled in threads (TileLang's lowering releases the GIL, nvcc is a
-    subprocess); a failure is kept as its message."""
-    import concurrent.futures
+    """Every (variant, shape) compiled in threads: {(name, shape): (kernel, seconds) or the failure's text}."""
+    return compile_timed({(name, shape): functools.partial(VARIANTS[name], *shape, shape[3], DEFAULT_CHUNK_SIZE, DTYPE)
+                          for shape in shapes for name in names}, PREPARE_OUT, log)
 
+
+def compile_timed(builders, out_idx, log):
+    """{key: (compiled kernel, seconds) or the failure's text} for {key: a function building a program},
+    compiled in threads (stages.common.tilelang_tools.compile_in_threads); a failure is recorded and
+    the run goes on."""
     import tilelang
 
-    def one(name, shape):
-        B, N, H, D = shape
-        started = time.time()
-        program = VARIANTS[name](B, N, H, D, D, DEFAULT_CHUNK_SIZE, DTYPE)
-        kernel = tilelang.compile(program, out_idx=PREPARE_OUT, target="cuda")
-        return kernel, time.time() - started
+    from stages.common.tilelang_tools import compile_in_threads
 
-    jobs = {(name, shape): None for shape in shapes for name in names}
-    with concurrent.futures.ThreadPoolExecutor(min(len(jobs), 16)) as pool:
-        futures = {pool.submit(one, *key): key for key in jobs}
-        for future in concurrent.futures.as_completed(futures):
-            key = futures[future]
-            try:
-                jobs[key] = future.result()
-                log(f"compiled {key[0]} at {key[1]} in {jobs[key][1]:.0f} s")
-            except Exception as failure:  # recorded, the run goes on
-                jobs[key] = f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:300] if str(failure).strip() else ''}"
-                log(f"FAILED to compile {key[0]} at {key[1]}: {jobs[key]}")
-    return jobs
+    def compiler(build):
+        started = time.time()
+        return tilelang.compile(build(), out_idx=out_idx, target="cuda"), time.time() - started
+
+    results = compile_in_threads({key: functools.partial(compiler, build) for key, build in builders.items()}, log)
+    return {key: result if isinstance(result, tuple) else f"{type(result).__name__}: {str(result).strip()[-300:]}"
+            for key, result in results.items()}
 
 
 def _rel_l2(actual, expected):
