@@ -3,8 +3,8 @@ without a GPU.
 
 TileLang parses a `@T.prim_func` into TIR *before* lowering it for a GPU: the grid as loops bound to
 blockIdx, buffers with a scope (global, `shared.dyn`, `local.fragment`, `local.var`), tile operations
-as calls (`tl.tileop.copy`, `tl.tileop.gemm`, `tl.tileop.fill`, `tl.tileop.reduce`,
-`tl.tileop.cumsum`) on regions, and `T.Parallel` loops as parallel `For` nodes. That program is what
+as calls (`tl.tileop.copy`, `tl.tileop.gemm` and `tl.tileop.wgmma_gemm`, `tl.tileop.fill`,
+`tl.tileop.reduce`, `tl.tileop.cumsum`) on regions, and `T.Parallel` loops as parallel `For` nodes. That program is what
 the author wrote, before any layout, pipeline or thread is chosen; this module runs it:
 
 - the grid is a loop over blocks, one block at a time;
