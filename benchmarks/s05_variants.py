@@ -53,7 +53,7 @@ FIELDS = ["round", "B", "N", "H", "D", "variant", "prepare_ms", "recurrence_ms",
 def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
            channel_passes=CHANNEL_PASSES, *, fused_passes=False, unrolled_slabs=False, kg_buffer=False,
            staged_stores=False, staged_a_qk=False, early_v=False, paired_gemms=False, paired_slab_gemms=False,
-           fp16_score_operands=False):
+           fp16_score_operands=False, fp16_slab_operands=False):
     """build_prepare_program with switches; all off is the committed kernel, statement for statement.
 
     fused_passes: each anchored-operand pass reads gamma (and K) once per element and takes one
@@ -72,11 +72,19 @@ def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", th
         and waited for once: K_row K_col^T with Q_row K_col^T on the diagonal blocks, and
         A_hat (K e^gamma) with A_hat V; one wait where there were two.
     paired_slab_gemms: the slabs' two GEMMs likewise.
-    fp16_score_operands: with bf16 inputs, the anchored operands of the score GEMMs (Q_row, K_row,
-        K_col) held in fp16: 10 mantissa bits where bf16 keeps 7, the precision of TF32. Safe in
-        range because every anchored factor is <= 1, so an operand is no larger than its q or k
-        (|q|, |k| < 65504, as L2-normalized keys and queries are); what underflows below fp16's
-        6e-8 contributes less than that to a score.
+    fp16_score_operands: with bf16 inputs, the anchored operands of every score GEMM (Q_row, K_row,
+        K_col, diagonal blocks and slabs) held in fp16: 10 mantissa bits where bf16 keeps 7, the
+        precision of TF32. NOT safe in range: on the diagonal blocks the factor e^{gamma_r - gamma_m}
+        of a row r above its block's middle row m (and e^{gamma_m - gamma_c} of a column below it)
+        exceeds 1, up to a_min^{-8} for the smallest gate a_min (docs/generated/s05_anchor_range.md:
+        about 56 at a_min = 0.5, 709 at 0.3, 6.9e4 at 0.1), and fp16 ends at 65504 where bf16 goes on
+        to fp32's 3e38: with gates near 0.1 or below an operand overflows to inf and the scores are nan.
+    fp16_slab_operands: with bf16 inputs, the off-diagonal slabs' anchored operands held in fp16, in
+        their own buffers (Q_slab_s, K_slab_row_s of (C, channels), K_slab_col_s of (sub, channels));
+        the diagonal blocks keep operands in the input dtype. A slab's factors are products of gates,
+        all <= 1, so a slab operand is no larger than its q or k (|q|, |k| < 65504, as L2-normalized
+        keys and queries are) at any gate; what underflows below fp16's 6e-8 contributes less than
+        that to a score.
     """
     import tilelang.language as T
 
@@ -113,6 +121,15 @@ def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", th
             Q_row_s = T.alloc_shared((C, channels_per_pass), score_dtype)
             K_row_s = T.alloc_shared((C, channels_per_pass), score_dtype)
             K_col_s = T.alloc_shared((C, channels_per_pass), score_dtype)
+            # the slabs' operands: fp16 ones need buffers of their own with bf16 inputs (the diagonal's
+            # stay bf16); else the diagonal's buffers, under a meta_var so that they keep their names
+            slab_dtype = "float16" if fp16_slab_operands and dtype == "bfloat16" else score_dtype
+            own_slab_buffers = slab_dtype != score_dtype
+            Q_slab_s = T.alloc_shared((C, channels_per_pass), slab_dtype) if own_slab_buffers else T.meta_var(Q_row_s)
+            K_slab_row_s = (T.alloc_shared((C, channels_per_pass), slab_dtype) if own_slab_buffers
+                            else T.meta_var(K_row_s))
+            K_slab_col_s = (T.alloc_shared((sub, channels_per_pass), slab_dtype) if own_slab_buffers
+                            else T.meta_var(K_col_s))
             L_s = T.alloc_shared((C, C), accum_dtype)
             T_s = T.alloc_shared((C, C), accum_dtype)
             T_diag_s = T.alloc_shared((C, sub), accum_dtype)
@@ -191,35 +208,35 @@ def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", th
                             key = K_s[row, d0 + d]
                             if r >= sub:
                                 to_row = T.exp2(from_anchor)  # <= 1
-                                Q_row_s[row, d] = Q_s[row, d0 + d] * to_row
-                                K_row_s[row, d] = key * to_row
+                                Q_slab_s[row, d] = Q_s[row, d0 + d] * to_row
+                                K_slab_row_s[row, d] = key * to_row
                             else:
-                                K_col_s[r, d] = key * T.exp2(-from_anchor)  # <= 1
+                                K_slab_col_s[r, d] = key * T.exp2(-from_anchor)  # <= 1
                     elif fused_passes:
                         for r, d in T.Parallel(C - s0, channels_per_pass):
                             to_row = T.exp2((gamma_s[s0 + r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E)
-                            Q_row_s[s0 + r, d] = Q_s[s0 + r, d0 + d] * to_row
-                            K_row_s[s0 + r, d] = K_s[s0 + r, d0 + d] * to_row
+                            Q_slab_s[s0 + r, d] = Q_s[s0 + r, d0 + d] * to_row
+                            K_slab_row_s[s0 + r, d] = K_s[s0 + r, d0 + d] * to_row
                         for j, d in T.Parallel(sub, channels_per_pass):
                             col = s0 - sub + j
-                            K_col_s[j, d] = K_s[col, d0 + d] * T.exp2((gamma_s[s0, d0 + d] - gamma_s[col, d0 + d]) * LOG2_E)
+                            K_slab_col_s[j, d] = K_s[col, d0 + d] * T.exp2((gamma_s[s0, d0 + d] - gamma_s[col, d0 + d]) * LOG2_E)
                     else:
                         for r, d in T.Parallel(C - s0, channels_per_pass):
                             to_row = T.exp2((gamma_s[s0 + r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E)
-                            Q_row_s[s0 + r, d] = Q_s[s0 + r, d0 + d] * to_row
-                            K_row_s[s0 + r, d] = K_s[s0 + r, d0 + d] * to_row
+                            Q_slab_s[s0 + r, d] = Q_s[s0 + r, d0 + d] * to_row
+                            K_slab_row_s[s0 + r, d] = K_s[s0 + r, d0 + d] * to_row
                         for j, d in T.Parallel(sub, channels_per_pass):
                             col = s0 - sub + j
                             to_anchor = T.exp2((gamma_s[s0, d0 + d] - gamma_s[col, d0 + d]) * LOG2_E)
-                            K_col_s[j, d] = K_s[col, d0 + d] * to_anchor
+                            K_slab_col_s[j, d] = K_s[col, d0 + d] * to_anchor
                     first = channel_pass == 0
                     if paired_slab_gemms:
-                        T.wgmma_gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
-                        T.wgmma_gemm(Q_row_s, K_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
+                        T.wgmma_gemm(K_slab_row_s, K_slab_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
+                        T.wgmma_gemm(Q_slab_s, K_slab_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
                         T.wait_wgmma(0)
                     else:
-                        T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
-                        T.gemm(Q_row_s, K_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
+                        T.gemm(K_slab_row_s, K_slab_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
+                        T.gemm(Q_slab_s, K_slab_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
                 for r, j in T.Parallel(C, sub):
                     if r >= s0:
                         L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
@@ -355,17 +372,30 @@ def paired_slabs(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float1
 
 def fp16_scores(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
                 channel_passes=CHANNEL_PASSES):
-    """staged_all, and with bf16 inputs the score GEMMs' anchored operands in fp16 (3 more mantissa
+    """staged_all, and with bf16 inputs every score GEMM's anchored operands in fp16 (3 more mantissa
     bits, the same bytes). Through the tile interpreter (tests/test_s05_variants.py) at B=1 N=256 H=2
     d=128, gates in [0.5, 0.999]: o's rel L2 against float64 4.96e-3 -> 4.53e-3, where the H200 measured
-    4.96e-3 for the committed kernel and 4.47e-3 for FLA (benchmarks/results/precision.csv)."""
+    4.96e-3 for the committed kernel and 4.47e-3 for FLA (benchmarks/results/precision.csv).
+    Kept as the record of what was tried, not to adopt: the diagonal blocks' factors exceed 1 (up to
+    a_min^{-8}), and with gates near 0.1 their fp16 operands overflow to inf and o is nan, where bf16
+    operands are fine (fp16_slabs keeps the gain where it is safe)."""
     return _build(B, N, H, d_k, d_v, chunk_size, dtype, threads, channel_passes, fused_passes=True,
                   unrolled_slabs=True, kg_buffer=True, staged_stores=True, staged_a_qk=True, fp16_score_operands=True)
 
 
+def fp16_slabs(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+               channel_passes=CHANNEL_PASSES):
+    """staged_all, and with bf16 inputs the off-diagonal slabs' anchored operands in fp16, in buffers
+    of their own, where every factor is a product of gates (<= 1) and fp16 cannot overflow; the
+    diagonal blocks, whose factors reach a_min^{-8}, keep bf16 operands."""
+    return _build(B, N, H, d_k, d_v, chunk_size, dtype, threads, channel_passes, fused_passes=True,
+                  unrolled_slabs=True, kg_buffer=True, staged_stores=True, staged_a_qk=True, fp16_slab_operands=True)
+
+
 VARIANTS = {"committed": committed, "vectorized_slabs": vectorized_slabs, "vectorized_kg": vectorized_kg,
             "staged_wu": staged_wu, "staged_all": staged_all, "slabs_early_v": slabs_early_v,
-            "paired": paired, "paired_slabs": paired_slabs, "fp16_scores": fp16_scores}
+            "paired": paired, "paired_slabs": paired_slabs, "fp16_scores": fp16_scores,
+            "fp16_slabs": fp16_slabs}
 
 
 # ------------------------------------------------------------------ the GPU run
