@@ -53,7 +53,7 @@ FIELDS = ["round", "B", "N", "H", "D", "variant", "prepare_ms", "recurrence_ms",
 def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
            channel_passes=CHANNEL_PASSES, *, fused_passes=False, unrolled_slabs=False, kg_buffer=False,
            staged_stores=False, staged_a_qk=False, early_v=False, paired_gemms=False, paired_slab_gemms=False,
-           fp16_score_operands=False, fp16_slab_operands=False):
+           fp16_score_operands=False, fp16_slab_operands=False, tf32_diagonal_operands=False):
     """build_prepare_program with switches; all off is the committed kernel, statement for statement.
 
     fused_passes: each anchored-operand pass reads gamma (and K) once per element and takes one
@@ -85,6 +85,10 @@ def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", th
         all <= 1, so a slab operand is no larger than its q or k (|q|, |k| < 65504, as L2-normalized
         keys and queries are) at any gate; what underflows below fp16's 6e-8 contributes less than
         that to a score.
+    tf32_diagonal_operands: with fp16 or bf16 inputs, the diagonal blocks' anchored operands held in
+        fp32, which the tensor cores read as TF32: fp16's 10 mantissa bits with fp32's range, so the
+        factors up to a_min^{-8} fit at any gate bf16 takes (twice the bytes: 12 KiB more shared memory
+        at two channel passes, and the slabs' operands then need buffers of their own).
     """
     import tilelang.language as T
 
@@ -118,13 +122,15 @@ def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", th
             gamma_s = T.alloc_shared((C, d_k), accum_dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
             score_dtype = "float16" if fp16_score_operands and dtype == "bfloat16" else dtype
-            Q_row_s = T.alloc_shared((C, channels_per_pass), score_dtype)
-            K_row_s = T.alloc_shared((C, channels_per_pass), score_dtype)
-            K_col_s = T.alloc_shared((C, channels_per_pass), score_dtype)
-            # the slabs' operands: fp16 ones need buffers of their own with bf16 inputs (the diagonal's
-            # stay bf16); else the diagonal's buffers, under a meta_var so that they keep their names
+            sixteen_bit = dtype in ("float16", "bfloat16")
+            diagonal_dtype = "float32" if tf32_diagonal_operands and sixteen_bit else score_dtype
+            Q_row_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
+            K_row_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
+            K_col_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
+            # the slabs' operands: buffers of their own where their dtype differs from the diagonal's;
+            # else the diagonal's buffers, under a meta_var so that they keep their names
             slab_dtype = "float16" if fp16_slab_operands and dtype == "bfloat16" else score_dtype
-            own_slab_buffers = slab_dtype != score_dtype
+            own_slab_buffers = slab_dtype != diagonal_dtype
             Q_slab_s = T.alloc_shared((C, channels_per_pass), slab_dtype) if own_slab_buffers else T.meta_var(Q_row_s)
             K_slab_row_s = (T.alloc_shared((C, channels_per_pass), slab_dtype) if own_slab_buffers
                             else T.meta_var(K_row_s))
@@ -387,15 +393,33 @@ def fp16_slabs(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16"
                channel_passes=CHANNEL_PASSES):
     """staged_all, and with bf16 inputs the off-diagonal slabs' anchored operands in fp16, in buffers
     of their own, where every factor is a product of gates (<= 1) and fp16 cannot overflow; the
-    diagonal blocks, whose factors reach a_min^{-8}, keep bf16 operands."""
+    diagonal blocks, whose factors reach a_min^{-8}, keep bf16 operands. Slab buffers of their own
+    shorten the diagonal buffers' lives: 107 KiB of shared memory where staged_all takes 113. Through
+    the tile interpreter, as for fp16_scores: 4.96e-3 -> 4.94e-3 at gates in [0.5, 0.999] (the slab
+    scores are products of many gates there; the error sits on the diagonal), 5.49e-3 -> 5.25e-3 at
+    [0.99, 0.999]."""
     return _build(B, N, H, d_k, d_v, chunk_size, dtype, threads, channel_passes, fused_passes=True,
                   unrolled_slabs=True, kg_buffer=True, staged_stores=True, staged_a_qk=True, fp16_slab_operands=True)
+
+
+def tf32_diagonal(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+                  channel_passes=CHANNEL_PASSES):
+    """fp16_slabs, and the diagonal blocks' anchored operands in fp32, read by the tensor cores as
+    TF32: the precision fp16_scores gave the diagonal, without its overflow. With fp16 inputs too, whose
+    diagonal operands can overflow once gates fall below 0.25 (0.25^{-8} = 65536). TileLang lowers the
+    fp32 GEMMs to mma.sync (m16n8k8, TF32), not wgmma; 112.25 KiB of shared memory, 122 registers
+    (bf16). Through the tile interpreter, as for fp16_scores: 4.53e-3 at gates in [0.5, 0.999] (TF32
+    rounded to nearest; 4.41e-3 with the low bits truncated instead), 4.58e-3 at [0.01, 0.1]
+    (staged_all 5.14e-3, fp16_scores nan); fp16 inputs at [0.01, 0.1]: 5.97e-4 where staged_all is nan."""
+    return _build(B, N, H, d_k, d_v, chunk_size, dtype, threads, channel_passes, fused_passes=True,
+                  unrolled_slabs=True, kg_buffer=True, staged_stores=True, staged_a_qk=True, fp16_slab_operands=True,
+                  tf32_diagonal_operands=True)
 
 
 VARIANTS = {"committed": committed, "vectorized_slabs": vectorized_slabs, "vectorized_kg": vectorized_kg,
             "staged_wu": staged_wu, "staged_all": staged_all, "slabs_early_v": slabs_early_v,
             "paired": paired, "paired_slabs": paired_slabs, "fp16_scores": fp16_scores,
-            "fp16_slabs": fp16_slabs}
+            "fp16_slabs": fp16_slabs, "tf32_diagonal": tf32_diagonal}
 
 
 # ------------------------------------------------------------------ the GPU run

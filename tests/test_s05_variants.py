@@ -45,72 +45,102 @@ def test_fp16_variant_through_the_recurrence(name, inputs):
                  name=f"{name} (fp16) through the recurrence")
 
 
-BF16_SHAPE = (1, 256, 2, 128)  # B, N, H, d: four chunks at the benchmarks' d_k = d_v
-UNIT_ROUNDOFF_BF16 = 2.0**-8
+ROUNDED_SHAPE = (1, 256, 2, 128)  # B, N, H, d: four chunks at the benchmarks' d_k = d_v
+UNIT_ROUNDOFF = {"float16": UNIT_ROUNDOFF_FP16, "bfloat16": 2.0**-8}
+STRONG_GATES = [(0.01, 0.1), (1e-4, 1e-3)]  # log gates down to -4.6 and -9.2
 
 
 @pytest.fixture(scope="module")
-def bf16_error():
-    """error(name, gate_range) -> (o's rel L2, the floor's): bf16 inputs rounded from float64 ones
-    (beta in [0, 1]), prepared by the variant and run through the committed recurrence, o against
-    float64 of the unrounded inputs; the floor rounds the inputs and o alone, no kernel can beat it.
-    Programs are interpreted once per variant."""
+def rounded_error():
+    """error(name, gate_range, dtype="bfloat16") -> (o's rel L2, the floor's): inputs rounded to dtype
+    from float64 ones (beta in [0, 1]), prepared by the variant and run through the committed
+    recurrence, o against float64 of the unrounded inputs; the floor rounds the inputs and o alone, no
+    kernel can beat it. Programs are interpreted once per variant and dtype."""
     from stages.common.interpreter import round_to_dtype
 
-    B_, N_, H_, D_ = BF16_SHAPE
-    recurrence = interpret(build_recurrence_program(B_, N_, H_, D_, D_, C, 32, "bfloat16"), out_idx=[7, 8])
+    B_, N_, H_, D_ = ROUNDED_SHAPE
     programs = {}
+
+    def program(key, build, out_idx):
+        if key not in programs:
+            programs[key] = interpret(build(), out_idx=out_idx)
+        return programs[key]
 
     def rel_l2(actual, expected):
         return np.linalg.norm(np.asarray(actual, dtype=np.float64) - expected) / np.linalg.norm(expected)
 
-    def error(name, gate_range):
-        if name not in programs:
-            programs[name] = interpret(s05_variants.VARIANTS[name](B_, N_, H_, D_, D_, C, "bfloat16"),
-                                       out_idx=s05_variants.PREPARE_OUT)
+    def error(name, gate_range, dtype="bfloat16"):
+        prepare_program = program((name, dtype), lambda: s05_variants.VARIANTS[name](B_, N_, H_, D_, D_, C, dtype),
+                                  s05_variants.PREPARE_OUT)
+        recurrence = program(("recurrence", dtype),
+                             lambda: build_recurrence_program(B_, N_, H_, D_, D_, C, 32, dtype), [7, 8])
         x = make_inputs(B_, N_, H_, D_, D_, gate="channel", gate_range=gate_range, beta_range=(0.0, 1.0), seed=0)
-        q, k, v = (np.asarray(round_to_dtype(a, "bfloat16"), dtype=np.float64) for a in (x.q, x.k, x.v))
+        q, k, v = (np.asarray(round_to_dtype(a, dtype), dtype=np.float64) for a in (x.q, x.k, x.v))
         expected = recurrent(x.q, x.k, x.v, x.g, x.beta)
-        o, _ = recurrence(*programs[name](q, k, v, x.g, x.beta), np.zeros((B_, H_, D_, D_)))
-        floor = rel_l2(round_to_dtype(recurrent(q, k, v, x.g, x.beta), "bfloat16"), expected)
+        o, _ = recurrence(*prepare_program(q, k, v, x.g, x.beta), np.zeros((B_, H_, D_, D_)))
+        floor = rel_l2(round_to_dtype(recurrent(q, k, v, x.g, x.beta), dtype), expected)
         return rel_l2(o, expected), floor
 
     return error
 
 
-def test_fp16_score_operands_cut_the_bf16_error(bf16_error):
+def test_fp16_score_operands_cut_the_bf16_error(rounded_error):
     """Gates down to 0.5: the fp16 score operands must do clearly better than the bf16 ones (the
     committed kernel), and no kernel can beat rounding the inputs and the output alone."""
-    committed, _ = bf16_error("staged_all", (0.5, 0.999))
-    fp16, floor = bf16_error("fp16_scores", (0.5, 0.999))
+    committed, _ = rounded_error("staged_all", (0.5, 0.999))
+    fp16, floor = rounded_error("fp16_scores", (0.5, 0.999))
     assert floor < fp16 < 0.95 * committed, (floor, fp16, committed)
 
 
-def test_fp16_slab_operands_cut_the_bf16_error(bf16_error):
+def test_fp16_slab_operands_cut_the_bf16_error(rounded_error):
     """With gates near 1 the slabs' 6 x 16 x 16 = 1536 scores are three quarters of the 2080 a chunk
     computes (the diagonal blocks' lower triangles are 4 x 136) and decay little, so fp16 slab operands
     alone must win at least half of what fp16 operands everywhere win. With gates down to 0.5 the slab
     scores are products of many gates and most of the error sits on the diagonal: still no worse."""
     gentle = (0.99, 0.999)
-    committed, _ = bf16_error("staged_all", gentle)
-    everywhere, _ = bf16_error("fp16_scores", gentle)
-    slabs, floor = bf16_error("fp16_slabs", gentle)
+    committed, _ = rounded_error("staged_all", gentle)
+    everywhere, _ = rounded_error("fp16_scores", gentle)
+    slabs, floor = rounded_error("fp16_slabs", gentle)
     assert floor < slabs <= committed - 0.5 * (committed - everywhere), (floor, slabs, everywhere, committed)
-    committed, _ = bf16_error("staged_all", (0.5, 0.999))
-    slabs, floor = bf16_error("fp16_slabs", (0.5, 0.999))
+    committed, _ = rounded_error("staged_all", (0.5, 0.999))
+    slabs, floor = rounded_error("fp16_slabs", (0.5, 0.999))
     assert floor < slabs < committed, (floor, slabs, committed)
 
 
-@pytest.mark.parametrize("gate_range", [(0.01, 0.1), (1e-4, 1e-3)])
-def test_fp16_slab_operands_stay_in_range_with_strong_gates(bf16_error, gate_range):
-    """Log gates down to -4.6 and -9.2: a diagonal block's factors reach a_min^{-8} (1e16 and 1e32),
-    past fp16's 65504, so fp16 operands on the diagonal (fp16_scores) give inf and o is nan; the slabs'
-    factors are products of gates, <= 1, and fp16_slabs stays within bf16's rounding, as the committed
-    kernel (bf16 operands, fp32's range) does."""
-    everywhere, _ = bf16_error("fp16_scores", gate_range)
+@pytest.mark.parametrize("gate_range", STRONG_GATES)
+def test_fp16_slab_operands_stay_in_range_with_strong_gates(rounded_error, gate_range):
+    """A diagonal block's factors reach a_min^{-8} (1e16 and 1e32 here), past fp16's 65504, so fp16
+    operands on the diagonal (fp16_scores) give inf and o is nan; the slabs' factors are products of
+    gates, <= 1, and fp16_slabs stays within bf16's rounding, as the committed kernel (bf16 operands,
+    fp32's range) does."""
+    everywhere, _ = rounded_error("fp16_scores", gate_range)
     assert not np.isfinite(everywhere)
-    slabs, floor = bf16_error("fp16_slabs", gate_range)
-    assert floor < slabs < 2 * UNIT_ROUNDOFF_BF16, (floor, slabs)
+    slabs, floor = rounded_error("fp16_slabs", gate_range)
+    assert floor < slabs < 2 * UNIT_ROUNDOFF["bfloat16"], (floor, slabs)
+
+
+@pytest.mark.parametrize("gate_range", [(0.5, 0.999), *STRONG_GATES])
+def test_tf32_diagonal_has_fp16_precision_at_any_gate(rounded_error, gate_range):
+    """bf16 inputs: TF32 diagonal operands keep fp16's 10 mantissa bits with fp32's range, so
+    tf32_diagonal must cut the committed kernel's error as clearly as fp16_scores does where that is
+    finite (the same rounding grid for operands in fp16's normal range: the same error), and go on
+    doing so with the strong gates that make fp16_scores nan."""
+    committed, _ = rounded_error("staged_all", gate_range)
+    tf32, floor = rounded_error("tf32_diagonal", gate_range)
+    assert floor < tf32 < 0.95 * committed, (floor, tf32, committed)
+    everywhere, _ = rounded_error("fp16_scores", gate_range)
+    if np.isfinite(everywhere):
+        assert tf32 <= 1.01 * everywhere, (tf32, everywhere)
+
+
+@pytest.mark.parametrize("gate_range", STRONG_GATES)
+def test_tf32_diagonal_keeps_fp16_inputs_in_range(rounded_error, gate_range):
+    """fp16 inputs: the committed kernel's fp16 diagonal operands overflow (factors up to a_min^{-8})
+    and o is nan; tf32_diagonal stays within the fp16 variants' bound of 4 unit roundoffs."""
+    committed, _ = rounded_error("staged_all", gate_range, "float16")
+    assert not np.isfinite(committed)
+    tf32, floor = rounded_error("tf32_diagonal", gate_range, "float16")
+    assert floor < tf32 < 4 * UNIT_ROUNDOFF["float16"], (floor, tf32)
 
 
 def test_arguments():
