@@ -75,3 +75,18 @@ def make_inputs(
             raise ValueError(f"beta_range must lie in [0, 1], got {beta_range}")
         beta = rng.uniform(beta_lower, beta_upper, (B, N, H))
     return Inputs(q, k, v, g, beta)
+
+
+def make_backward_inputs(B, N, H, d_k, d_v, seed, gate_range=(0.5, 0.999)):
+    """KDA's inputs for a backward pass: strong gates, beta in [0, 1] with a quarter of its entries
+    exactly 0 or exactly 1, and standard normal do = dLoss/do (B, N, H, d_v), S_0^T and dLoss/dS_N^T
+    (B, H, d_k, d_v). Returns (Inputs, do, initial_state, d_final_state)."""
+    x = make_inputs(B, N, H, d_k, d_v, gate="channel", gate_range=gate_range, beta_range=(0.0, 1.0), seed=seed)
+    rng = np.random.default_rng(seed + 1000)
+    flat = x.beta.reshape(-1)
+    picked = rng.choice(flat.size, size=max(2, flat.size // 4), replace=False)
+    flat[picked[::2]], flat[picked[1::2]] = 0.0, 1.0
+    do = rng.standard_normal((B, N, H, d_v))
+    initial_state = rng.standard_normal((B, H, d_k, d_v))
+    d_final_state = rng.standard_normal((B, H, d_k, d_v))
+    return x, do, initial_state, d_final_state
