@@ -53,7 +53,7 @@ FIELDS = ["round", "B", "N", "H", "D", "variant", "prepare_ms", "recurrence_ms",
 def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
            channel_passes=CHANNEL_PASSES, *, fused_passes=False, unrolled_slabs=False, kg_buffer=False,
            staged_stores=False, staged_a_qk=False, early_v=False, paired_gemms=False, paired_slab_gemms=False,
-           fp16_score_operands=False, fp16_slab_operands=False, tf32_diagonal_operands=False):
+           fp16_score_operands=False, fp16_slab_operands=False, tf32_diagonal_operands=()):
     """build_prepare_program with switches; all off is the committed kernel, statement for statement.
 
     fused_passes: each anchored-operand pass reads gamma (and K) once per element and takes one
@@ -85,8 +85,8 @@ def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", th
         all <= 1, so a slab operand is no larger than its q or k (|q|, |k| < 65504, as L2-normalized
         keys and queries are) at any gate; what underflows below fp16's 6e-8 contributes less than
         that to a score.
-    tf32_diagonal_operands: with fp16 or bf16 inputs, the diagonal blocks' anchored operands held in
-        fp32, which the tensor cores read as TF32: fp16's 10 mantissa bits with fp32's range, so the
+    tf32_diagonal_operands: the input dtypes (of "float16", "bfloat16") for which the diagonal blocks'
+        anchored operands are held in fp32, which the tensor cores read as TF32: fp16's 10 mantissa bits with fp32's range, so the
         factors up to a_min^{-8} fit at any gate bf16 takes (twice the bytes: 12 KiB more shared memory
         at two channel passes, and the slabs' operands then need buffers of their own).
     """
@@ -122,15 +122,15 @@ def _build(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", th
             gamma_s = T.alloc_shared((C, d_k), accum_dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
             score_dtype = "float16" if fp16_score_operands and dtype == "bfloat16" else dtype
-            sixteen_bit = dtype in ("float16", "bfloat16")
-            diagonal_dtype = "float32" if tf32_diagonal_operands and sixteen_bit else score_dtype
+            diagonal_dtype = "float32" if dtype in tf32_diagonal_operands else score_dtype
             Q_row_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
             K_row_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
             K_col_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
-            # the slabs' operands: buffers of their own where their dtype differs from the diagonal's;
-            # else the diagonal's buffers, under a meta_var so that they keep their names
+            # the slabs' operands: buffers of their own with fp16_slab_operands (as the library kernel has)
+            # or where their dtype differs from the diagonal's; else the diagonal's buffers, under a
+            # meta_var so that they keep their names
             slab_dtype = "float16" if fp16_slab_operands and dtype == "bfloat16" else score_dtype
-            own_slab_buffers = slab_dtype != diagonal_dtype
+            own_slab_buffers = fp16_slab_operands or slab_dtype != diagonal_dtype
             Q_slab_s = T.alloc_shared((C, channels_per_pass), slab_dtype) if own_slab_buffers else T.meta_var(Q_row_s)
             K_slab_row_s = (T.alloc_shared((C, channels_per_pass), slab_dtype) if own_slab_buffers
                             else T.meta_var(K_row_s))
@@ -413,13 +413,25 @@ def tf32_diagonal(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float
     (staged_all 5.14e-3, fp16_scores nan); fp16 inputs at [0.01, 0.1]: 5.97e-4 where staged_all is nan."""
     return _build(B, N, H, d_k, d_v, chunk_size, dtype, threads, channel_passes, fused_passes=True,
                   unrolled_slabs=True, kg_buffer=True, staged_stores=True, staged_a_qk=True, fp16_slab_operands=True,
-                  tf32_diagonal_operands=True)
+                  tf32_diagonal_operands=("float16", "bfloat16"))
+
+
+def tf32_diagonal_bf16(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+                       channel_passes=CHANNEL_PASSES):
+    """tf32_diagonal for bf16 inputs only; fp16 inputs keep fp16 diagonal operands, as fp16_slabs. On the
+    H200 the fp32 operands read as TF32 gave fp16 inputs 8.37e-4 against float64 where the fp16 ones gave
+    6.59e-4 and FLA 7.34e-4 (gates in [0.9, 0.999], N=4096), likely because the tensor cores take an
+    fp32 operand's leading bits as TF32 without rounding, where the conversion to fp16 rounds to nearest."""
+    return _build(B, N, H, d_k, d_v, chunk_size, dtype, threads, channel_passes, fused_passes=True,
+                  unrolled_slabs=True, kg_buffer=True, staged_stores=True, staged_a_qk=True, fp16_slab_operands=True,
+                  tf32_diagonal_operands=("bfloat16",))
 
 
 VARIANTS = {"committed": committed, "vectorized_slabs": vectorized_slabs, "vectorized_kg": vectorized_kg,
             "staged_wu": staged_wu, "staged_all": staged_all, "slabs_early_v": slabs_early_v,
             "paired": paired, "paired_slabs": paired_slabs, "fp16_scores": fp16_scores,
-            "fp16_slabs": fp16_slabs, "tf32_diagonal": tf32_diagonal}
+            "fp16_slabs": fp16_slabs, "tf32_diagonal": tf32_diagonal,
+            "tf32_diagonal_bf16": tf32_diagonal_bf16}
 
 
 # ------------------------------------------------------------------ the GPU run

@@ -131,12 +131,14 @@ def test_stage5_kernels_move_each_tensor_as_often_as_their_grids_say():
         "W": tokens * d * 2, "U": tokens * d * 2, "Q_decayed": tokens * d * 2, "K_to_chunk_end": tokens * d * 2,
         "A_qk": tokens * C * 2, "Chunk_decay": tokens // C * d * 4}
     sub, slabs, chunks = SUB_BLOCK, C // SUB_BLOCK - 1, B * H * (N // C)
-    # per chunk, over both channel passes: A_kk and A_qk on the whole chunk (C x C x d each), on each
-    # slab (C x sub x d each), then W and U (C x d x C each); the inverse's merges in TF32: per block
-    # row, L[P, :] T (sub x C x C) and T[P, P] times that (sub x C x sub)
+    # per chunk, over both channel passes: A_kk and A_qk on the whole chunk (C x C x d each) from fp32
+    # operands (TF32), on each slab (C x sub x d each) from fp16 ones, then W and U (C x d x C each) in
+    # bf16; the inverse's merges in TF32: per block row, L[P, :] T (sub x C x C) and T[P, P] times that
+    # (sub x C x sub)
     assert prepare.gemm_flops_by_dtype == {
-        "bfloat16": 2 * chunks * (2 * C * C * d + slabs * 2 * C * sub * d + 2 * C * d * C),
-        "float32": 2 * chunks * slabs * (sub * C * C + sub * C * sub)}
+        "bfloat16": 2 * chunks * 2 * C * d * C,
+        "float16": 2 * chunks * slabs * 2 * C * sub * d,
+        "float32": 2 * chunks * (2 * C * C * d + slabs * (sub * C * C + sub * C * sub))}
     recurrence = program_cost(build_recurrence_program(B, N, H, d, d, C, block_dv, "bfloat16"))
     passes = d // block_dv  # each value block's program reads the chunk's W, Q e^gamma, K e^(gamma_C - gamma), A_qk
     state = B * H * d * d * 4

@@ -169,6 +169,7 @@ def test_the_adopted_variant_is_the_library_kernel():
     from kdacourse.pages.s05_fast_kda import ADOPTED_VARIANT
     from stages.s05_fast_kda.kernel import build_prepare_program
 
-    shape = (1, 128, 2, 64, 64)
-    adopted = s05_variants.VARIANTS[ADOPTED_VARIANT](*shape).with_attr("global_symbol", "k").script()
-    assert adopted == build_prepare_program(*shape).with_attr("global_symbol", "k").script()
+    shape = (1, 128, 2, 64, 64, 64)
+    for dtype in ("float16", "bfloat16", "float64"):
+        adopted = s05_variants.VARIANTS[ADOPTED_VARIANT](*shape, dtype).with_attr("global_symbol", "k").script()
+        assert adopted == build_prepare_program(*shape, dtype).with_attr("global_symbol", "k").script(), dtype

@@ -188,7 +188,7 @@ def write_bytes_table(path):
         + markdown_table(["shape", "both kernels (ms)", "least traffic (ms)"], shapes))
 
 
-ADOPTED_VARIANT = "staged_all"  # what stages/s05_fast_kda/kernel.py's prepare kernel is now
+ADOPTED_VARIANT = "tf32_diagonal_bf16"  # what stages/s05_fast_kda/kernel.py's prepare kernel is now
 
 
 def write_variants_table(path):
@@ -262,6 +262,42 @@ def write_later_variants_table(path):
     path.write_text(banner("kdacourse/pages/s05_fast_kda.py") + markdown_table(header, rows))
 
 
+def write_accuracy_table(path):
+    """What the anchored operands' dtypes changed, measured on the H200 on 2026-12-01: o's rel L2 against
+    float64 at N=4096 before (bf16 operands everywhere: benchmarks/results/precision_before_tf32_diagonal.csv)
+    and after (benchmarks/results/precision.csv, `python -m benchmarks.bench --stages s05 --no-timings`),
+    beside FLA's; then the prepare kernel's time, staged_all against tf32_diagonal, whose bf16 program is
+    the adopted one (benchmarks/results/s05_variants_accuracy.csv)."""
+    import csv
+
+    from benchmarks import s05_variants
+    from kdacourse import REPO_ROOT
+
+    results = REPO_ROOT / "benchmarks" / "results"
+
+    def errors(name):
+        with (results / name).open() as f:
+            return {(row["dtype"], row["gate_lower"], row["impl"]): float(row["rel_l2_vs_float64"])
+                    for row in csv.DictReader(f) if row["stage"] == "s05_fast_kda" and row["N"] == "4096"}
+
+    before, after = errors("precision_before_tf32_diagonal.csv"), errors("precision.csv")
+    rows = [[dtype, f"[{lower}, 0.999]", f"{before[dtype, lower, 'ours']:.3e}", f"{after[dtype, lower, 'ours']:.3e}",
+             f"{after[dtype, lower, 'fla']:.3e}", f"{before[dtype, lower, 'ours'] / before[dtype, lower, 'fla']:.2f}",
+             f"{after[dtype, lower, 'ours'] / after[dtype, lower, 'fla']:.2f}"]
+            for dtype in ("bfloat16", "float16") for lower in ("0.5", "0.9")]
+    accuracy = markdown_table(["inputs", "gates", "ours before", "ours after", "FLA", "before / FLA", "after / FLA"], rows)
+    with (results / "s05_variants_accuracy.csv").open() as f:
+        summary = s05_variants.summarize(list(csv.DictReader(f)))
+    times = markdown_table(
+        ["B, N, H", "prepare, bf16 operands (ms)", "prepare, fp32 diagonal and fp16 slab operands (ms)", "cost"],
+        [(f"{B}, {N}, {H}", f"{variants['staged_all'][0]:.3f}", f"{variants['tf32_diagonal'][0]:.3f}",
+          f"+{variants['tf32_diagonal'][0] - variants['staged_all'][0]:.3f} ms")
+         for (B, N, H, _), variants in sorted(summary.items())])
+    path.write_text(banner(SOURCE) + "o against float64, N = 4096, H = 4, d = 128 (the benchmarks page's precision "
+                    "study), before and after the change:\n\n" + accuracy +
+                    "\nThe prepare kernel's time in bf16, the two programs interleaved in 3 rounds (medians):\n\n" + times)
+
+
 def generated_files():
     return {
         "docs/generated/s05_errors.md": write_error_table,
@@ -273,4 +309,5 @@ def generated_files():
         "docs/generated/s05_bytes.md": write_bytes_table,
         "docs/generated/s05_variants.md": write_variants_table,
         "docs/generated/s05_later_variants.md": write_later_variants_table,
+        "docs/generated/s05_accuracy.md": write_accuracy_table,
     }
