@@ -15,8 +15,9 @@ the one before):
 - ours `call` and `call_unchecked`: stages.s07_serving.kernel.prefill with cu_seqlens, initial_state
   and output_final_state, with and without the value checks (it reads cu_seqlens to the host: one
   sync, which no CUDA graph can hold);
-- ours `kernels`: prefill's two kernels alone (stage 5's prepare, the varlen recurrence) on inputs
-  already laid out chunk-aligned: `call_unchecked` less the gathers and the host's work;
+- ours `kernels`: prefill's two kernels alone (the varlen prepare, the varlen recurrence, through
+  varlen_forward) with the chunk table already on the device: `call_unchecked` less the host's work
+  (the checks, cu_seqlens read to the host, the chunk table built and copied);
 - ours `one_sequence`: stage 5's forward on the same T tokens as one sequence (no states, no
   sequence boundaries), for scale;
 - FLA `call`: fla.ops.chunk_kda with the same arguments (scale=1.0, cu_seqlens as int64), and FLA
