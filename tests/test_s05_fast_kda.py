@@ -285,7 +285,36 @@ def test_kernel_wrapper_rejects_bad_input():
         ((q, q, q, -g, beta), {}, ValueError, r"g must be finite and <= 0 .* largest entry is 1"),
         ((q, q, q, g, beta + 1), {}, ValueError, r"beta must lie in \[0, 1\]"),
         ((q.transpose(1, 2).contiguous().transpose(1, 2), q, q, g, beta), {}, ValueError, "q must be contiguous"),
+        # fp16's diagonal operands overflow past e^{8 * 1.39}; bf16's (fp32) do not; unchecked, it runs
+        ((q.half(), q.half(), q.half(), 2 * g, beta), {}, ValueError, "g sums to -16 over 8 consecutive tokens"),
+        ((q, q, q, 2 * g, beta), {}, ValueError, "q must be on a CUDA device"),
+        ((q.half(), q.half(), q.half(), 2 * g, beta), {"check_values": False}, ValueError, "q must be on a CUDA device"),
     ]
     for args, keywords, error, message in cases:
         with pytest.raises(error, match=message):
             forward(*args, **keywords)
+
+
+@pytest.mark.parametrize("N", [3, 8, 40])
+def test_diagonal_range_check_finds_the_largest_window(N):
+    """check_diagonal_range against a loop over every window of up to 8 tokens: gentle gates with one
+    stretch of strong ones, placed anywhere (a packed batch's sub-blocks start anywhere)."""
+    torch = pytest.importorskip("torch")
+    from stages.s05_fast_kda.kernel import FP16_LARGEST_LOG, check_diagonal_range
+
+    rng = np.random.default_rng(N)
+    for trial in range(20):
+        g = -rng.uniform(0.0, 0.2, (2, N, 3, 4))
+        start = rng.integers(0, N)
+        g[rng.integers(0, 2), start:start + rng.integers(1, 9), rng.integers(0, 3), rng.integers(0, 4)] -= \
+            rng.uniform(0.5, 3.0)
+        window = min(8, N)
+        worst = max(-g[:, t:t + window].sum(axis=1).min() for t in range(N - window + 1))
+        overflows = worst > FP16_LARGEST_LOG
+        gates = torch.tensor(g, dtype=torch.float32)
+        check_diagonal_range(gates, "bfloat16")  # bf16 passes at any gate
+        if overflows:
+            with pytest.raises(ValueError, match=f"g sums to -{worst:.3g} over {window} consecutive tokens"):
+                check_diagonal_range(gates, "float16")
+        else:
+            check_diagonal_range(gates, "float16")

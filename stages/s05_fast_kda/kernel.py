@@ -21,6 +21,7 @@ Run `python -m stages.s05_fast_kda.kernel` to compile both for sm_90a and print 
 """
 
 import functools
+import math
 from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
@@ -350,6 +351,7 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
     if check_values:
         check_gate_values(g, beta)
+        check_diagonal_range(g, dtype_name(q))
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
     if block_dv is None:
@@ -442,6 +444,33 @@ def score_operand_dtypes(dtype):
     if dtype == "float16":
         return "float16", "float16"
     return dtype, dtype
+
+
+FP16_LARGEST_LOG = math.log(65504)  # ln of fp16's largest finite value
+
+
+def check_diagonal_range(g, dtype):
+    """With fp16 inputs, no diagonal sub-block's anchored factor overflows its fp16 operand.
+
+    A row r above its sub-block's middle row m gets e^{gamma_r - gamma_m} = e^{-(g_{r+1} + ... + g_m)},
+    a sum of up to SUB_BLOCK / 2 consecutive log gates (a column below m, up to SUB_BLOCK / 2 - 1).
+    Every window of SUB_BLOCK / 2 tokens must keep -sum(g) <= ln 65504 (q and k L2-normalized, so
+    their entries are <= 1): a >= 0.25 always passes. Every window is read, wherever the sub-blocks
+    fall, so packed sequences (stage 7) are covered too; one pass over g per token of the window.
+    bf16 inputs hold these operands in fp32 (score_operand_dtypes) and pass at any gate.
+    """
+    if dtype != "float16" or g.shape[1] == 0:
+        return
+    window = min(SUB_BLOCK // 2, g.shape[1])
+    tokens = g.shape[1] - window + 1
+    window_sums = sum(g[:, start:start + tokens] for start in range(window))
+    worst = -window_sums.min().item()
+    if worst > FP16_LARGEST_LOG:
+        raise ValueError(
+            f"g sums to -{worst:.3g} over {window} consecutive tokens: with fp16 inputs the prepare kernel's "
+            f"anchored score operands reach e^{worst:.3g}, past fp16's largest value 65504 = e^{FP16_LARGEST_LOG:.3g}, "
+            f"where an entry of q or k near 1 overflows and makes the output NaN. Use bf16 inputs (these operands are fp32 there), bound the gates from "
+            f"below (a >= 0.25 always passes), or pass check_values=False to run anyway")
 
 
 def default_prepare_threads(chunk_size):

@@ -52,7 +52,7 @@ from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, dtype_name,
                                         pad_tokens)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK,
-                                        _check_tile_sizes, _compiled_prepare, build_prepare_program,
+                                        _check_tile_sizes, _compiled_prepare, build_prepare_program, check_diagonal_range,
                                         default_block_dv, streaming_multiprocessors, zero_state)
 
 if TYPE_CHECKING:
@@ -663,6 +663,7 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
     if check_values:
         check_gate_values(g, beta)
+        check_diagonal_range(g, dtype_name(q))
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
                "d_final_state": d_final_state}
     check_on_cuda({name: x for name, x in tensors.items() if x is not None})

@@ -38,7 +38,7 @@ from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_gate, check_gate_values, check_kernel_tensor,
                                         check_on_cuda, check_qkv, check_same, check_slot_values, check_slots, dtype_name)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, _check_tile_sizes,
-                                        default_prepare_threads)
+                                        check_diagonal_range, default_prepare_threads)
 from stages.s07_serving.reference import chunk_table
 
 if TYPE_CHECKING:
@@ -504,6 +504,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     _check_int32_indexing(max(T, n_chunks * chunk_size), H, max(d_k, d_v, chunk_size))
     if check_values:
         check_gate_values(g, beta)
+        check_diagonal_range(g, dtype_name(q))
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens}
     check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
     if initial_state is None:
