@@ -303,7 +303,7 @@ def test_diagonal_range_check_finds_the_largest_window(N):
     from stages.s05_fast_kda.kernel import FP16_LARGEST_LOG, check_diagonal_range
 
     rng = np.random.default_rng(N)
-    for trial in range(20):
+    for _ in range(20):
         g = -rng.uniform(0.0, 0.2, (2, N, 3, 4))
         start = rng.integers(0, N)
         g[rng.integers(0, 2), start:start + rng.integers(1, 9), rng.integers(0, 3), rng.integers(0, 4)] -= \
