@@ -270,3 +270,24 @@ def test_barriers_in_thread_branches_finds_a_full_barrier_that_warps_skip():
     assert barriers_in_thread_branches(source) == [(10, "if (32 <= (((int)threadIdx.x) & 127)) {"),
                                                     (20, "if (((int)threadIdx.x) < 64) {")]
     assert barriers_in_thread_branches(source.replace("threadIdx", "blockIdx")) == []
+
+
+def test_warp_group_offsets_between_atoms_finds_a_slice_read_by_the_wrong_warp_group():
+    """Lines as TileLang 0.1.15 wrote them for stage 6's intra kernel at 256 threads: the whole
+    64-row K_col_s moved by one atom (4096 bytes: fine), its 16-row slice by 1024 (wrong), a K-major
+    operand (leading byte offset 1: no atoms along its rows) and a 16-row buffer of its own (fine)."""
+    from stages.common.tilelang_tools import warp_group_offsets_between_atoms
+
+    def gemm(name, layout, buffer, offset):
+        return (f"tl::initialize_wgmma_descriptor<{layout}>({name}, (&(((bfloat16_t*){buffer})[0])));\n"
+                f"tl::wgmma_ss<tl::DataType::kBFloat16, 64, 32, 16, true, true, 1, 1>(uint64_t(desc_a + 0), "
+                f"uint64_t({name} + ((((((int)threadIdx.x) >> 7) * {offset}) + (ki * 1024)) >> 4)), "
+                f"((uint32_t*)(rows_f + 0)), 0);\n")
+
+    whole = gemm("desc_b_11", "2, 256, 32", "K_col_s", 4096)
+    slice_ = gemm("desc_b_15", "2, 256, 32", "K_col_s", 1024)
+    k_major = gemm("desc_b_1", "2, 1, 32", "K_col_s", 512)
+    own = gemm("desc_b_16", "2, 64, 32", "K_slab_col_s", 1024)
+    two_atoms = gemm("desc_b_6", "1, 512, 64", "dV_new_s", 16384)
+    assert warp_group_offsets_between_atoms(whole + k_major + own + two_atoms) == []
+    assert warp_group_offsets_between_atoms(whole + slice_ + own) == [("desc_b_15", "K_col_s", 1024, 4096)]

@@ -156,6 +156,7 @@ def test_kernel_compiles_for_sm90a_without_spills():
     report = compile_report(**COMPILE_SHAPE, chunk_size=64, block_dv=32, threads=128)
     assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
     assert not report.divergent_barriers, report.divergent_barriers  # a barrier some warps skip hangs the GPU
+    assert not report.misplaced_warp_group_operands, report.misplaced_warp_group_operands  # wrong columns read
     assert 0 < report.registers <= 255
     assert report.shared_memory <= 227 * 1024
     assert "scalar_decay_fwd" in report.cuda_source

@@ -754,6 +754,7 @@ def test_kernel_compiles_for_sm90a_without_spills():
     print("decode sm_90a:", report.summary())
     assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
     assert not report.divergent_barriers, report.divergent_barriers  # a barrier some warps skip hangs the GPU
+    assert not report.misplaced_warp_group_operands, report.misplaced_warp_group_operands  # wrong columns read
     assert report.registers <= 128, report.summary()  # 4 blocks of 128 threads per SM at least
     assert report.shared_memory <= 8 * 1024, report.summary()  # q, k, e^g, v and the reductions' scratch
 
@@ -769,6 +770,7 @@ def test_prefill_kernels_compile_for_any_batch_without_spills(kernel):
     print(f"{kernel} sm_90a:", report.summary())
     assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
     assert not report.divergent_barriers, report.divergent_barriers  # a barrier some warps skip hangs the GPU
+    assert not report.misplaced_warp_group_operands, report.misplaced_warp_group_operands  # wrong columns read
     assert report.shared_memory <= 227 * 1024, report.summary()
     assert "N_seq" in str(report.grid) if kernel == "recurrence" else "n_chunks" in str(report.grid), report.grid
 

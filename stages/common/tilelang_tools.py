@@ -48,6 +48,12 @@ class CompileReport:
         """barriers_in_thread_branches of the source: a __syncthreads() that some warps skip."""
         return barriers_in_thread_branches(self.cuda_source)
 
+    @property
+    def misplaced_warp_group_operands(self):
+        """warp_group_offsets_between_atoms of the source: a warp group's GEMM operand read from the
+        wrong place."""
+        return warp_group_offsets_between_atoms(self.cuda_source)
+
     def summary(self):
         return (
             f"{self.registers} registers/thread, {self.spill_stores} B spill stores, "
@@ -133,6 +139,36 @@ def barriers_in_thread_branches(cuda_source):
             closed = branches.pop() if branches else None
         for _ in range(text.count("{")):  # an `else` belongs to the branch it closes
             branches.append(closed if text.startswith("} else") and closed else text)
+    return found
+
+
+# a wgmma operand's shared-memory descriptor: layout (swizzle), leading byte offset and stride byte
+# offset (in 16-byte units), the descriptor's name and the buffer it points into
+_DESCRIPTOR = re.compile(r"initialize_wgmma_descriptor<(\d+), (\d+), (\d+)>\((desc_\w+), .*?\(\(\w+\*\)(\w+)\)")
+# a descriptor moved on per warp group: desc + (... ((int)threadIdx.x) >> 7) * bytes ...)
+_WARP_GROUP_OFFSET = re.compile(r"\b(desc_\w+) \+ [^,]*?\(\(\(int\)threadIdx\.x\) >> 7\) \* (\d+)\)")
+
+
+def warp_group_offsets_between_atoms(cuda_source):
+    """[(descriptor, buffer, offset in bytes, the buffer's atom in bytes)] for each wgmma operand that
+    a program's warp groups split, where the second group's offset is not a whole number of the
+    operand's swizzle atoms.
+
+    With two warp groups (256 threads) TileLang splits a GEMM's N (or M) between them and moves each
+    group's descriptor by its share. For an operand whose N (or M) runs along the rows of its buffer
+    (a leading byte offset above 1: the distance between two atoms of 32 or 64 columns) the share
+    must be a multiple of that distance. TileLang 0.1.15 computes it from the rows of the operand as
+    written in T.gemm: for a row slice such as K_col_s[0:16, :] of a 64-row buffer it moves 16 rows'
+    worth instead of one atom of 64 rows, and the second group reads the first group's columns (stage
+    6's intra kernel gave wrong dq, dk, dg on the H200 so). The source is read as TileLang writes it.
+    """
+    descriptors = {m.group(4): (int(m.group(2)), m.group(5)) for m in _DESCRIPTOR.finditer(cuda_source)}
+    found = []
+    for m in _WARP_GROUP_OFFSET.finditer(cuda_source):
+        leading_byte_offset, buffer = descriptors[m.group(1)]
+        offset, atom = int(m.group(2)), 16 * leading_byte_offset
+        if leading_byte_offset > 1 and offset % atom:
+            found.append((m.group(1), buffer, offset, atom))
     return found
 
 

@@ -317,6 +317,11 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             K_row_s = T.alloc_shared((C, channels), dtype)  # GEMM operands: decay from the anchor to the row
             Q_row_s = T.alloc_shared((C, channels), dtype)
             K_col_s = T.alloc_shared((C, channels), dtype)  # ... and from the column to the anchor
+            # the slabs' column operand in the score gradients' GEMMs, a buffer of its own: as the slice
+            # K_col_s[0:sub, :] it is a B operand whose channels run along the rows, and TileLang 0.1.15
+            # gives the second warp group of a 256-thread program an offset into it computed from the
+            # slice's 16 rows instead of the buffer's C (wrong dq, dk, dg on the H200)
+            K_slab_col_s = T.alloc_shared((sub, channels), dtype)
             A_kk_s = T.alloc_shared((C, C), accum_dtype)  # M, strictly lower
             L_s = T.alloc_shared((C, C), accum_dtype)  # L = A_kk diag(beta)
             T_s = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}
@@ -506,10 +511,10 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                         Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
                         K_row_s[r, d] = K_s[r, d0 + d] * to_row
                         if r < sub:
-                            K_col_s[r, d] = K_s[slab + r, d0 + d] * T.exp2(
+                            K_slab_col_s[r, d] = K_s[slab + r, d0 + d] * T.exp2(
                                 (gamma_s[s0, d0 + d] - gamma_s[slab + r, d0 + d]) * LOG2_E)
-                    T.gemm(dA_qk_T_s[slab:s0, :], K_col_s[0:sub, :], rows_f, transpose_A=True, clear_accum=True)
-                    T.gemm(dM_T_s[slab:s0, :], K_col_s[0:sub, :], rows_k_f, transpose_A=True, clear_accum=True)
+                    T.gemm(dA_qk_T_s[slab:s0, :], K_slab_col_s, rows_f, transpose_A=True, clear_accum=True)
+                    T.gemm(dM_T_s[slab:s0, :], K_slab_col_s, rows_k_f, transpose_A=True, clear_accum=True)
                     T.gemm(dM_T_s[slab:s0, :], K_row_s, slab_columns_f, clear_accum=True)
                     T.gemm(dA_qk_T_s[slab:s0, :], Q_row_s, slab_columns_f)
                     # every row takes part, rows above s0 adding zeros (their to_row is 0, and so are their
@@ -523,7 +528,7 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                     for r, d in T.Parallel(sub, channels):
                         dK_columns_s[slab + r, d] += slab_columns_f[r, d] * T.exp2(
                             (gamma_s[s0, d0 + d] - gamma_s[slab + r, d0 + d]) * LOG2_E)
-                        dgamma_s[slab + r, d] -= K_col_s[r, d] * slab_columns_f[r, d]
+                        dgamma_s[slab + r, d] -= K_slab_col_s[r, d] * slab_columns_f[r, d]
                 # --8<-- [end:intra_scores]
 
                 # --8<-- [start:intra_gates]
@@ -564,11 +569,14 @@ def default_intra_threads(chunk_size, d_k, channel_passes=CHANNEL_PASSES):
     columns (the block inverse's merges) wide: the warps must split both widths into whole tiles,
     so their number divides gcd(C, d_k / channel_passes) / 8: 128 threads at C = 64, d_k = 64 or 128.
     At d_k = 128 eight warps would fit, but the kernel built for 256 threads gave wrong dq, dk and dg
-    on the H200 (rel L2 1.75, 0.17 and 6.4 against reference C; every other kernel and output within
-    bf16's rounding) where the tile interpreter, which runs a program's threads one after another,
-    agrees with reference C to 3e-6 in float64: a race between threads that we have not located
-    (python -m benchmarks.s06_kernel_parts; benchmarks/results/s06_intra_threads.log). At 128
-    threads all five are within bf16's rounding (<= 3.3e-3).
+    on the H200 (rel L2 1.75, 0.17 and 6.4 against reference C, at 128 threads <= 3.3e-3: python -m
+    benchmarks.s06_kernel_parts, benchmarks/results/s06_intra_threads.log). The cause, read in the
+    generated CUDA: the score slabs' GEMMs took K_col_s[0:sub, :] as an operand whose channels the two
+    warp groups split, and TileLang moved the second group 16 rows into the buffer instead of one
+    64-row swizzle atom, onto the first group's channels (the interpreter, which runs no warp groups,
+    cannot see it). That operand now has a buffer of its own and the compile tests check every
+    warp-group offset (CompileReport.misplaced_warp_group_operands); 128 threads stay until a GPU run
+    has checked and timed 256.
     """
     return 32 * min(4, math.gcd(chunk_size, d_k // channel_passes) // 8)
 
