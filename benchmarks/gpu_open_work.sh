@@ -7,7 +7,9 @@
 # dropped); OUT_DIR/steps.log says when each began and how it ended. Then, on the course machine:
 #   part 1: copy OUT_DIR/fair/* to benchmarks/results/, `python -m benchmarks.merge OUT_DIR/bench`;
 #   part 2: copy OUT_DIR/backward/* to benchmarks/results/, OUT_DIR/train to
-#           benchmarks/results/train_kda_cuda; then `course regenerate`.
+#           benchmarks/results/train_kda_cuda, OUT_DIR/intra_threads.log to
+#           benchmarks/results/s06_intra_threads.log (if 256 threads is right and faster, let
+#           stages.s06_backward.kernel.default_intra_threads give it); then `course regenerate`.
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
@@ -29,9 +31,10 @@ case $part in
       --out "$out/bench"
     ;;
   2)
-    step backward 300 python -m benchmarks.backward --out "$out/backward" --quick --deadline 290
-    step layer 120 python -m pytest tests/test_s06_layer.py -m gpu -v -s -p no:cacheprovider
-    step train 150 python -m benchmarks.train_kda --device cuda --steps 300 --compare-fla --out "$out/train"
+    step intra_threads 120 python -m benchmarks.s06_kernel_parts --intra-threads 128,256 --time 1,16384,32
+    step backward 240 python -m benchmarks.backward --out "$out/backward" --quick --deadline 230
+    step layer 90 python -m pytest tests/test_s06_layer.py -m gpu -v -s -p no:cacheprovider
+    step train 130 python -m benchmarks.train_kda --device cuda --steps 300 --compare-fla --out "$out/train"
     ;;
   *)
     echo "part must be 1 or 2, got $part" >&2

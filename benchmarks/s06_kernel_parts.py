@@ -1,6 +1,6 @@
 """Each of stage 6's backward kernels alone on a GPU, against reference C's buffers for it.
 
-    python -m benchmarks.s06_kernel_parts [--dtype bfloat16] [--intra-threads 128,256] [--out FILE]
+    python -m benchmarks.s06_kernel_parts [--dtype bfloat16] [--intra-threads 128,256] [--time 1,16384,32]
 
 The whole backward's GPU test says that a gradient is wrong; this says which kernel makes it wrong.
 At B=1, N=256, H=2, d_k = d_v = 128, C = 64 (gates down to 0.5, both states, as the kernel tests
@@ -8,10 +8,13 @@ draw them), reference C (stages.s06_backward.reference) gives every kernel's inp
 outputs in float64. Each kernel gets those inputs cast to its parameters' dtypes and prints the rel L2
 of each output against reference C: within the dtype's rounding (a few 1e-3 in bf16) or not. The
 intra kernel runs once per thread count of --intra-threads, which is how its 256-thread build was
-found wrong (benchmarks/results/s06_intra_threads.log). Needs CUDA and TileLang.
+found wrong (benchmarks/results/s06_intra_threads.log). With --time B,N,H the intra kernel is then
+timed at each thread count at that shape (d = 128, its inputs random normal: the time does not
+depend on the values), the median of triton's do_bench. Needs CUDA and TileLang.
 """
 
 import argparse
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -74,6 +77,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--intra-threads", default="128,256", help="thread counts to build the intra kernel with")
+    parser.add_argument("--time", default=None, help="B,N,H at which to time the intra kernel at each thread count")
     args = parser.parse_args(argv)
     found = cases(args.dtype, [int(t) for t in args.intra_threads.split(",")])
     with ThreadPoolExecutor(len(found)) as pool:  # TileLang lowers without the GIL: compile all at once
@@ -83,6 +87,24 @@ def main(argv=None):
     for name, (program, _, inputs, expected) in found.items():
         actual = run(compiled[name].result(), program, inputs)
         print(f"{name:24s}", "  ".join(f"{error_report(a, e).rel_l2:.2e}" for a, e in zip(actual, expected)), flush=True)
+    if args.time:
+        time_intra(args.dtype, [int(t) for t in args.intra_threads.split(",")], *map(int, args.time.split(",")))
+
+
+def time_intra(dtype, intra_threads, B_time, N_time, H_time):
+    """The intra kernel alone at (B_time, N_time, H_time), d = 128, for each thread count: ms."""
+    import tilelang
+    import torch
+    from triton.testing import do_bench
+
+    for threads in intra_threads:
+        program = build_intra_program(B_time, N_time, H_time, D, D, C, dtype, threads=threads)
+        kernel = tilelang.compile(program, out_idx=BUILDERS["intra"][1], target="cuda")
+        inputs = [torch.randn(*(int(n) for n in program.buffer_map[param].shape), device="cuda")
+                  .to(getattr(torch, str(program.buffer_map[param].dtype)))
+                  for param in program.params[:BUILDERS["intra"][1][0]]]
+        milliseconds = do_bench(functools.partial(kernel, *inputs), warmup=25, rep=100, return_mode="median")
+        print(f"intra at {threads} threads, B={B_time} N={N_time} H={H_time}: {milliseconds:.4f} ms", flush=True)
 
 
 if __name__ == "__main__":
