@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The measurements issues 14 and 15 still wait for, sized for a device call of at most 600 s each.
+# The measurements issues 14 and 15 still wait for, and the GPU tests of kernels changed since their
+# last GPU run, sized for a device call of at most 600 s each.
 # Usage on a CUDA machine, from the repository root (after `source .gpu/env.sh`):
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 1     # stage 5 measured fairly again, and its precision
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 2     # stage 6: backward timing, layer test, training
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 3     # stage 5's and stage 7's GPU tests on the kernels
+#                                                    # changed since their last run (score operands)
 # Every step runs under its own timeout and writes OUT_DIR/<step>.log (TileLang's compile chatter
 # dropped); OUT_DIR/steps.log says when each began and how it ended. Then, on the course machine:
 #   part 1: copy OUT_DIR/fair/* to benchmarks/results/, `python -m benchmarks.merge OUT_DIR/bench`;
@@ -13,8 +16,8 @@
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
-out=${1:?usage: gpu_open_work.sh OUT_DIR 1|2}
-part=${2:?usage: gpu_open_work.sh OUT_DIR 1|2}
+out=${1:?usage: gpu_open_work.sh OUT_DIR 1|2|3}
+part=${2:?usage: gpu_open_work.sh OUT_DIR 1|2|3}
 mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.log"; }
 step() {
@@ -36,8 +39,13 @@ case $part in
     step layer 90 python -m pytest tests/test_s06_layer.py -m gpu -v -s -p no:cacheprovider
     step train 130 python -m benchmarks.train_kda --device cuda --steps 300 --compare-fla --out "$out/train"
     ;;
+  3)
+    step s05_gpu 280 python -m pytest tests/test_s05_fast_kda.py -m gpu -v -s -p no:cacheprovider
+    step s07_prefill 280 python -m pytest tests/test_s07_serving.py -m gpu -v -s -p no:cacheprovider \
+      -k "prefill or layer_served"
+    ;;
   *)
-    echo "part must be 1 or 2, got $part" >&2
+    echo "part must be 1, 2 or 3, got $part" >&2
     exit 2
     ;;
 esac
