@@ -174,7 +174,9 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     One program per (row p of the chunk table, head): it reads chunk `chunk` of sequence `sequence`
     straight from the packed rows, zeros past the sequence's end (masked loads, as reference C's
     prepare_varlen), and writes rows p * C to p * C + C - 1 of the chunk-aligned layout the varlen
-    recurrence reads. From the loads on, stage 5's prepare as it is. T_tokens, T_padded, n_chunks and
+    recurrence reads. From the loads on, stage 5's prepare as the H200 checked it here, with the
+    input dtype's score operands (stage 5's now holds them in fp32 and fp16: score_operand_dtypes;
+    this kernel follows once a GPU run has checked it). T_tokens, T_padded, n_chunks and
     N_seq may be TileLang symbols (T.dynamic). Parameters in order: Q, K, V, G, Beta, Chunks,
     Cu_seqlens, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay.
     """
