@@ -4,8 +4,9 @@
 # Usage on a CUDA machine, from the repository root (after `source .gpu/env.sh`):
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 1     # stage 5 measured fairly again, and its precision
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 2     # stage 6: backward timing, layer test, training
-#     bash benchmarks/gpu_open_work.sh OUT_DIR 3     # stage 5's and stage 7's GPU tests on the kernels
-#                                                    # changed since their last run (score operands)
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 3     # stage 5's GPU tests (three were cut last time),
+#                            # stage 7's prefill tests: first give the varlen prepare stage 5's score
+#                            # operand types again (`git revert 50b2813`), so that the run checks them
 # Every step runs under its own timeout and writes OUT_DIR/<step>.log (TileLang's compile chatter
 # dropped); OUT_DIR/steps.log says when each began and how it ended. Then, on the course machine:
 #   part 1: copy OUT_DIR/fair/* to benchmarks/results/, `python -m benchmarks.merge OUT_DIR/bench`;
