@@ -468,9 +468,10 @@ def check_diagonal_range(g, dtype):
     if worst > FP16_LARGEST_LOG:
         raise ValueError(
             f"g sums to -{worst:.3g} over {window} consecutive tokens: with fp16 inputs the prepare kernel's "
-            f"anchored score operands reach e^{worst:.3g}, past fp16's largest value 65504 = e^{FP16_LARGEST_LOG:.3g}, "
-            f"where an entry of q or k near 1 overflows and makes the output NaN. Use bf16 inputs (these operands are fp32 there), bound the gates from "
-            f"below (a >= 0.25 always passes), or pass check_values=False to run anyway")
+            f"anchored score operands reach e^{worst:.3g}, past fp16's largest value 65504 = "
+            f"e^{FP16_LARGEST_LOG:.3g}, where an entry of q or k near 1 overflows and makes the output NaN. "
+            f"Use bf16 inputs (these operands are fp32 there), bound the gates from below (a >= 0.25 always "
+            f"passes), or pass check_values=False to run anyway")
 
 
 def default_prepare_threads(chunk_size):

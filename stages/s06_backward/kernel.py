@@ -52,8 +52,9 @@ from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, dtype_name,
                                         pad_tokens)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK,
-                                        _check_tile_sizes, _compiled_prepare, build_prepare_program, check_diagonal_range,
-                                        default_block_dv, streaming_multiprocessors, zero_state)
+                                        _check_tile_sizes, _compiled_prepare, build_prepare_program,
+                                        check_diagonal_range, default_block_dv, streaming_multiprocessors,
+                                        zero_state)
 
 if TYPE_CHECKING:
     import torch
