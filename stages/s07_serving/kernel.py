@@ -38,7 +38,7 @@ from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_gate, check_gate_values, check_kernel_tensor,
                                         check_on_cuda, check_qkv, check_same, check_slot_values, check_slots, dtype_name)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, _check_tile_sizes,
-                                        check_diagonal_range, default_prepare_threads)
+                                        check_diagonal_range, default_prepare_threads, score_operand_dtypes)
 from stages.s07_serving.reference import chunk_table
 
 if TYPE_CHECKING:
@@ -186,6 +186,7 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     C, sub = chunk_size, SUB_BLOCK
     accum_dtype = "float32"
     channels_per_pass = d_k // channel_passes
+    diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
 
     @T.prim_func
     def kda_prepare_varlen(
@@ -213,9 +214,16 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
             K_s = T.alloc_shared((C, d_k), dtype)
             gamma_s = T.alloc_shared((C, d_k), accum_dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
-            Q_row_s = T.alloc_shared((C, channels_per_pass), dtype)  # GEMM operands: decay from the anchor to the row
-            K_row_s = T.alloc_shared((C, channels_per_pass), dtype)
-            K_col_s = T.alloc_shared((C, channels_per_pass), dtype)  # ... and from the column to the anchor
+            # the score GEMMs' operands: decay from the anchor to the row, and from the column to the
+            # anchor. On the diagonal blocks a factor reaches a_min^-8, so 16-bit inputs get fp32 there
+            # (the tensor cores read TF32: fp16's 10 mantissa bits, fp32's range); on the slabs every
+            # factor is <= 1, so fp16 holds them (bf16 would keep 7 bits): |q|, |k| < 65504 suffices
+            Q_row_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
+            K_row_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
+            K_col_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
+            Q_slab_s = T.alloc_shared((C, channels_per_pass), slab_dtype)
+            K_slab_row_s = T.alloc_shared((C, channels_per_pass), slab_dtype)
+            K_slab_col_s = T.alloc_shared((sub, channels_per_pass), slab_dtype)
             L_s = T.alloc_shared((C, C), accum_dtype)  # L = beta_i A_kk, strictly lower
             T_s = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}
             T_diag_s = T.alloc_shared((C, sub), accum_dtype)  # the diagonal blocks T[P, P], stacked
@@ -280,13 +288,13 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
                         key = K_s[row, d0 + d]
                         if r >= sub:
                             to_row = T.exp2(from_anchor)
-                            Q_row_s[row, d] = Q_s[row, d0 + d] * to_row
-                            K_row_s[row, d] = key * to_row
+                            Q_slab_s[row, d] = Q_s[row, d0 + d] * to_row
+                            K_slab_row_s[row, d] = key * to_row
                         else:
-                            K_col_s[r, d] = key * T.exp2(-from_anchor)
+                            K_slab_col_s[r, d] = key * T.exp2(-from_anchor)
                     first = channel_pass == 0
-                    T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
-                    T.gemm(Q_row_s, K_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
+                    T.gemm(K_slab_row_s, K_slab_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
+                    T.gemm(Q_slab_s, K_slab_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
                 for r, j in T.Parallel(C, sub):
                     if r >= s0:
                         L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
