@@ -2,13 +2,13 @@
 # The measurements issues 14 and 15 still wait for, and the GPU tests of kernels changed since their
 # last GPU run, sized for a device call of at most 600 s each.
 # Usage on a CUDA machine, from the repository root (after `source .gpu/env.sh`):
-#     bash benchmarks/gpu_open_work.sh OUT_DIR 1     # stage 5 measured fairly again, and its precision
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 1     # stage 5 measured fairly again (the GPU alone),
+#                            # then three checks side by side: stage 5's precision, stage 5's GPU
+#                            # tests, stage 7's prefill tests (its prepare now has stage 5's operands)
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 2     # stage 6: backward timing, layer test, training
-#     bash benchmarks/gpu_open_work.sh OUT_DIR 3     # stage 5's GPU tests (three were cut last time),
-#                            # stage 7's prefill tests: first give the varlen prepare stage 5's score
-#                            # operand types again (`git revert 50b2813`), so that the run checks them
 # Every step runs under its own timeout and writes OUT_DIR/<step>.log (TileLang's compile chatter
-# dropped); OUT_DIR/steps.log says when each began and how it ended. Then, on the course machine:
+# dropped); OUT_DIR/steps.log says when each began and how it ended. Steps run side by side only
+# where nothing is timed. Then, on the course machine:
 #   part 1: copy OUT_DIR/fair/* to benchmarks/results/, `python -m benchmarks.merge OUT_DIR/bench`;
 #   part 2: copy OUT_DIR/backward/* to benchmarks/results/, OUT_DIR/train to
 #           benchmarks/results/train_kda_cuda, OUT_DIR/intra_threads.log to
@@ -17,8 +17,8 @@
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
-out=${1:?usage: gpu_open_work.sh OUT_DIR 1|2|3}
-part=${2:?usage: gpu_open_work.sh OUT_DIR 1|2|3}
+out=${1:?usage: gpu_open_work.sh OUT_DIR 1|2}
+part=${2:?usage: gpu_open_work.sh OUT_DIR 1|2}
 mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.log"; }
 step() {
@@ -30,9 +30,13 @@ step() {
 }
 case $part in
   1)
-    step fair 330 python -m benchmarks.fair --out "$out/fair" --deadline 320
-    step precision 230 python -m benchmarks.bench --stages s05 --no-timings --precision-lengths 4096,16384 \
-      --out "$out/bench"
+    step fair 310 python -m benchmarks.fair --out "$out/fair" --deadline 300
+    step precision 260 python -m benchmarks.bench --stages s05 --no-timings --precision-lengths 4096,16384 \
+      --out "$out/bench" &
+    step s05_gpu 260 python -m pytest tests/test_s05_fast_kda.py -m gpu -v -s -p no:cacheprovider &
+    step s07_prefill 260 python -m pytest tests/test_s07_serving.py -m gpu -v -s -p no:cacheprovider \
+      -k "prefill or layer_served" &
+    wait
     ;;
   2)
     step intra_threads 120 python -m benchmarks.s06_kernel_parts --intra-threads 128,256 --time 1,16384,32
@@ -40,13 +44,8 @@ case $part in
     step layer 90 python -m pytest tests/test_s06_layer.py -m gpu -v -s -p no:cacheprovider
     step train 130 python -m benchmarks.train_kda --device cuda --steps 300 --compare-fla --out "$out/train"
     ;;
-  3)
-    step s05_gpu 280 python -m pytest tests/test_s05_fast_kda.py -m gpu -v -s -p no:cacheprovider
-    step s07_prefill 280 python -m pytest tests/test_s07_serving.py -m gpu -v -s -p no:cacheprovider \
-      -k "prefill or layer_served"
-    ;;
   *)
-    echo "part must be 1, 2 or 3, got $part" >&2
+    echo "part must be 1 or 2, got $part" >&2
     exit 2
     ;;
 esac

@@ -166,8 +166,8 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                         else:
                             K_slab_col_s[r, d] = key * T.exp2(-from_anchor)  # to the anchor: <= 1
                     first = channel_pass == 0
-                    T.gemm(K_slab_row_s, K_slab_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
-                    T.gemm(Q_slab_s, K_slab_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
+                    T.gemm(K_slab_row_s, K_slab_col_s, kk_slab_f, transpose_B=True, clear_accum=first)
+                    T.gemm(Q_slab_s, K_slab_col_s, qk_slab_f, transpose_B=True, clear_accum=first)
                 for r, j in T.Parallel(C, sub):
                     if r >= s0:
                         L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]

@@ -174,9 +174,8 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     One program per (row p of the chunk table, head): it reads chunk `chunk` of sequence `sequence`
     straight from the packed rows, zeros past the sequence's end (masked loads, as reference C's
     prepare_varlen), and writes rows p * C to p * C + C - 1 of the chunk-aligned layout the varlen
-    recurrence reads. From the loads on, stage 5's prepare as the H200 checked it here, with the
-    input dtype's score operands (stage 5's now holds them in fp32 and fp16: score_operand_dtypes;
-    this kernel follows once a GPU run has checked it). T_tokens, T_padded, n_chunks and
+    recurrence reads. From the loads on, stage 5's prepare as it is, score operand types included
+    (score_operand_dtypes). T_tokens, T_padded, n_chunks and
     N_seq may be TileLang symbols (T.dynamic). Parameters in order: Q, K, V, G, Beta, Chunks,
     Cu_seqlens, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay.
     """
@@ -293,8 +292,8 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
                         else:
                             K_slab_col_s[r, d] = key * T.exp2(-from_anchor)
                     first = channel_pass == 0
-                    T.gemm(K_slab_row_s, K_slab_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=first)
-                    T.gemm(Q_slab_s, K_slab_col_s[0:sub, :], qk_slab_f, transpose_B=True, clear_accum=first)
+                    T.gemm(K_slab_row_s, K_slab_col_s, kk_slab_f, transpose_B=True, clear_accum=first)
+                    T.gemm(Q_slab_s, K_slab_col_s, qk_slab_f, transpose_B=True, clear_accum=first)
                 for r, j in T.Parallel(C, sub):
                     if r >= s0:
                         L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
