@@ -413,6 +413,7 @@ def main(argv=None):
     log("measuring the roofs (benchmarks/roofs.py)")
     meta = run_meta(args, argv, torch)
     meta["roofs"] = roofs.measure_or_error()
+    log(f"roofs {json.dumps(meta['roofs'])}")  # the log alone then holds every figure of the run
     write_meta(args.out, meta, started, complete=False)  # kept if the run is stopped from outside
     meta["shapes"] = run(args, log, started)
     write_meta(args.out, meta, started, complete=True)

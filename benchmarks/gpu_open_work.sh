@@ -5,20 +5,25 @@
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 1     # stage 5 measured fairly again (the GPU alone),
 #                            # then three checks side by side: stage 5's precision, stage 5's GPU
 #                            # tests, stage 7's prefill tests (its prepare now has stage 5's operands)
-#     bash benchmarks/gpu_open_work.sh OUT_DIR 2     # stage 6: backward timing, layer test, training
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 2     # stage 6 timed: the roofs, the intra kernel at
+#                            # 128 and 256 threads, forward + backward beside FLA at the bench shapes
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 3     # stage 6 trains: the layer test and the training
+#                            # demo beside FLA, side by side (nothing timed)
 # Every step runs under its own timeout and writes OUT_DIR/<step>.log (TileLang's compile chatter
-# dropped); OUT_DIR/steps.log says when each began and how it ended. Steps run side by side only
-# where nothing is timed. Then, on the course machine:
-#   part 1: copy OUT_DIR/fair/* to benchmarks/results/, `python -m benchmarks.merge OUT_DIR/bench`;
-#   part 2: copy OUT_DIR/backward/* to benchmarks/results/, OUT_DIR/train to
-#           benchmarks/results/train_kda_cuda, OUT_DIR/intra_threads.log to
+# dropped); OUT_DIR/steps.log says when each began and how it ended. A step that writes files writes
+# them to OUT_DIR/<step>/, packed into OUT_DIR/<step>.tar when it ends: a device call brings back at
+# most 8 files. Steps run side by side only where nothing is timed. Then, on the course machine:
+#   part 1: unpack fair.tar and bench.tar; copy fair/* to benchmarks/results/, `python -m
+#           benchmarks.merge OUT_DIR/bench`;
+#   part 2: copy backward/* to benchmarks/results/, intra_threads.log to
 #           benchmarks/results/s06_intra_threads.log (if 256 threads is right and faster, let
-#           stages.s06_backward.kernel.default_intra_threads give it); then `course regenerate`.
+#           stages.s06_backward.kernel.default_intra_threads give it);
+#   part 3: copy train/* to benchmarks/results/train_kda_cuda; then `course regenerate`.
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
-out=${1:?usage: gpu_open_work.sh OUT_DIR 1|2}
-part=${2:?usage: gpu_open_work.sh OUT_DIR 1|2}
+out=${1:?usage: gpu_open_work.sh OUT_DIR 1|2|3}
+part=${2:?usage: gpu_open_work.sh OUT_DIR 1|2|3}
 mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.log"; }
 step() {
@@ -27,11 +32,14 @@ step() {
   log "start $name ($limit s): $*"
   timeout "$limit" "$@" 2>&1 | grep -v "TileLang begins\|TileLang completes" > "$out/$name.log"
   log "end $name rc=${PIPESTATUS[0]}"
+  if [ -d "$out/$name" ]; then
+    tar -C "$out" -cf "$out/$name.tar" "$name" && rm -r "${out:?}/$name"
+  fi
 }
 case $part in
   1)
     step fair 310 python -m benchmarks.fair --out "$out/fair" --deadline 300
-    step precision 260 python -m benchmarks.bench --stages s05 --no-timings --precision-lengths 4096,16384 \
+    step bench 260 python -m benchmarks.bench --stages s05 --no-timings --precision-lengths 4096,16384 \
       --out "$out/bench" &
     step s05_gpu 260 python -m pytest tests/test_s05_fast_kda.py -m gpu -v -s -p no:cacheprovider &
     step s07_prefill 260 python -m pytest tests/test_s07_serving.py -m gpu -v -s -p no:cacheprovider \
@@ -39,13 +47,17 @@ case $part in
     wait
     ;;
   2)
+    step roofs 30 python -m benchmarks.roofs
     step intra_threads 120 python -m benchmarks.s06_kernel_parts --intra-threads 128,256 --time 1,16384,32
-    step backward 240 python -m benchmarks.backward --out "$out/backward" --quick --deadline 230
-    step layer 90 python -m pytest tests/test_s06_layer.py -m gpu -v -s -p no:cacheprovider
-    step train 130 python -m benchmarks.train_kda --device cuda --steps 300 --compare-fla --out "$out/train"
+    step backward 400 python -m benchmarks.backward --out "$out/backward" --deadline 360
+    ;;
+  3)
+    step layer 200 python -m pytest tests/test_s06_layer.py -m gpu -v -s -p no:cacheprovider &
+    step train 200 python -m benchmarks.train_kda --device cuda --steps 300 --compare-fla --out "$out/train" &
+    wait
     ;;
   *)
-    echo "part must be 1 or 2, got $part" >&2
+    echo "part must be 1, 2 or 3, got $part" >&2
     exit 2
     ;;
 esac
