@@ -5,20 +5,19 @@
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 1     # stage 5 measured fairly again (the GPU alone),
 #                            # then three checks side by side: stage 5's precision, stage 5's GPU
 #                            # tests, stage 7's prefill tests (its prepare now has stage 5's operands)
-#     bash benchmarks/gpu_open_work.sh OUT_DIR 2     # stage 6 timed: the roofs, the intra kernel at
-#                            # 128 and 256 threads, forward + backward beside FLA at the bench shapes
-#     bash benchmarks/gpu_open_work.sh OUT_DIR 3     # stage 6 trains: the layer test and the training
-#                            # demo beside FLA, side by side (nothing timed)
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 2     # stage 6's forward + backward timed beside FLA's
+#                            # at the bench shapes
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 3     # stage 6 checked (kernels, autograd, layer) and
+#                            # the training demo beside FLA, side by side (nothing timed)
 # Every step runs under its own timeout and writes OUT_DIR/<step>.log (TileLang's compile chatter
 # dropped); OUT_DIR/steps.log says when each began and how it ended. A step that writes files writes
 # them to OUT_DIR/<step>/, packed into OUT_DIR/<step>.tar when it ends: a device call brings back at
 # most 8 files. Steps run side by side only where nothing is timed. Then, on the course machine:
 #   part 1: unpack fair.tar and bench.tar; copy fair/* to benchmarks/results/, `python -m
 #           benchmarks.merge OUT_DIR/bench`;
-#   part 2: copy backward/* to benchmarks/results/, intra_threads.log to
-#           benchmarks/results/s06_intra_threads.log (if 256 threads is right and faster, let
-#           stages.s06_backward.kernel.default_intra_threads give it);
-#   part 3: copy train/* to benchmarks/results/train_kda_cuda; then `course regenerate`.
+#   part 2: copy backward/* to benchmarks/results/;
+#   part 3: copy train/* to benchmarks/results/train_kda_cuda, the test logs to tests/gpu_results/;
+#   then `course regenerate`.
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
@@ -47,13 +46,13 @@ case $part in
     wait
     ;;
   2)
-    step roofs 30 python -m benchmarks.roofs
-    step intra_threads 120 python -m benchmarks.s06_kernel_parts --intra-threads 128,256 --time 1,16384,32
-    step backward 400 python -m benchmarks.backward --out "$out/backward" --deadline 360
+    step backward 430 python -m benchmarks.backward --out "$out/backward" --deadline 390
     ;;
   3)
-    step layer 200 python -m pytest tests/test_s06_layer.py -m gpu -v -s -p no:cacheprovider &
-    step train 200 python -m benchmarks.train_kda --device cuda --steps 300 --compare-fla --out "$out/train" &
+    step layer 250 python -m pytest tests/test_s06_layer.py -m gpu -v -s -p no:cacheprovider &
+    step train 250 python -m benchmarks.train_kda --device cuda --steps 300 --compare-fla --out "$out/train" &
+    step s06_kernels 250 python -m pytest tests/test_s06_kernels.py tests/test_s06_autograd.py -m gpu -v -s \
+      -p no:cacheprovider &
     wait
     ;;
   *)

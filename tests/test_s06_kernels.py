@@ -281,8 +281,8 @@ def test_intra_kernel_at_256_threads_gives_each_warp_group_its_own_columns():
     the H200 came from the score slabs' GEMMs reading the row slice K_col_s[0:16, :]: TileLang moved
     the second warp group 16 rows into the buffer instead of one 64-row atom, onto the first group's
     channels (benchmarks/results/s06_intra_threads.log). With the slab operand in a buffer of its own,
-    every warp group's offset is a whole number of atoms. (The wrapper builds 128 threads until a GPU
-    run has checked 256.)"""
+    every warp group's offset is a whole number of atoms (and the H200 then agreed: the wrapper
+    builds 256 threads at d = 128)."""
     from stages.common.tilelang_tools import compile_report
     from stages.s06_backward.kernel import build_intra_program
 

@@ -58,10 +58,10 @@ def _backward_row(round_number, impl, what, ms=None, shape=SHAPE, error=""):
 
 def _backward_run(folder, kernel=None):
     rows = []
-    # per round: FLA fwd+bwd graph, ours fwd+bwd kernels, FLA call, ours call, FLA backward call, ours backward
-    for r, (fla_kernels, ours_kernels, fla_call, ours_call, fla_backward, ours_backward) in enumerate(
-            [(2.0, 1.0, 3.0, 1.5, 0.9, 0.3), (2.4, 1.2, 3.0, 1.5, 0.9, 0.3), (3.3, 1.1, 3.6, 1.5, 1.2, 0.3)], 1):
-        rows += [_backward_row(r, "fla", "fwd_bwd_kernels", fla_kernels),
+    # per round: ours fwd+bwd kernels, FLA call, ours call, FLA backward call, ours backward
+    for r, (ours_kernels, fla_call, ours_call, fla_backward, ours_backward) in enumerate(
+            [(1.0, 3.0, 1.5, 0.9, 0.3), (1.2, 3.0, 1.5, 0.9, 0.3), (1.6, 3.6, 1.5, 1.2, 0.3)], 1):
+        rows += [_backward_row(r, "fla", "fwd_bwd_kernels", None, error=backward.FLA_GRAPH_NOT_TRIED),
                  _backward_row(r, "ours", "fwd_bwd_kernels", ours_kernels),
                  _backward_row(r, "fla", "fwd_bwd_call", fla_call), _backward_row(r, "ours", "fwd_bwd_call", ours_call),
                  _backward_row(r, "fla", "backward_call", fla_backward),
@@ -84,14 +84,14 @@ def test_backward_table_gives_medians_ratios_round_by_round_and_the_gradients(tm
     text = _written(tmp_path, monkeypatch, page.write_backward_timings)
     assert text.startswith("Run of 2026-12-01 on an NVIDIA H200 (`python -m benchmarks.backward --out DIR`, "
                            "3 rounds, 200 s), on the committed kernel.")
-    # kernels: FLA / ours 2.0, 2.0, 3.0 round by round; calls 2.0, 2.0, 2.4; backward 3.0, 3.0, 4.0
-    assert _table_row(text, "1, 4096, 32, 128")[1:4] == ["2.00 (2.00 to 3.00)", "2.00 (2.00 to 2.40)",
+    # FLA call / ours kernels 3.0, 2.5, 2.25 round by round; calls 2.0, 2.0, 2.4; backward 3.0, 3.0, 4.0
+    assert _table_row(text, "1, 4096, 32, 128")[1:4] == ["2.50 (2.25 to 3.00)", "2.00 (2.00 to 2.40)",
                                                          "3.00 (3.00 to 4.00)"]
     times = text.split("The times, medians")[1]
-    # ours fwd+bwd kernels 1.0, 1.2, 1.1: median 1.1; FLA's graph 2.0, 2.4, 3.3: median 2.4
+    # ours fwd+bwd kernels 1.0, 1.2, 1.6: median 1.2; FLA's call 3.0, 3.0, 3.6: median 3.0
     assert _table_row(times, "1, 4096, 32, 128") == [
-        "1, 4096, 32, 128", "1.100 (1.000 to 1.200)", "1.500 (1.500 to 1.500)", "0.300 (0.300 to 0.300)",
-        "2.400 (2.000 to 3.300)", "3.000 (3.000 to 3.600)", "0.900 (0.900 to 1.200)"]
+        "1, 4096, 32, 128", "1.200 (1.000 to 1.600)", "1.500 (1.500 to 1.500)", "0.300 (0.300 to 0.300)",
+        "3.000 (3.000 to 3.600)", "0.900 (0.900 to 1.200)"]
     kernels = text.split("The backward's five kernels")[1]
     assert _table_row(kernels, "1, 4096, 32, 128")[1:3] == ["0.020 (0.010 to 0.030)", "0.040 (0.020 to 0.060)"]
     gradients = text.split("Our gradients against FLA's")[1]
@@ -99,6 +99,7 @@ def test_backward_table_gives_medians_ratios_round_by_round_and_the_gradients(tm
         "4.00e-03", "5.00e-03", "6.00e-03", "1.00e-02", "2.00e-03", "32", "64"]
     assert _table_row(gradients, "8, 4096, 16, 128")[1:] == ["–"] * 7
     assert "- ours setup at 8, 4096, 16, 128: RuntimeError: no compile" in text
+    assert backward.FLA_GRAPH_NOT_TRIED in text  # why FLA has no graph
 
 
 def test_backward_table_says_when_the_kernel_changed_since_the_run(tmp_path, monkeypatch):
@@ -117,7 +118,7 @@ def test_backward_table_of_a_run_without_fla_has_times_and_no_ratios(tmp_path, m
     assert "The run was stopped before it finished." in text
     assert _table_row(text, "1, 4096, 32, 128")[1:] == ["–", "–", "–"]
     assert _table_row(text.split("The times, medians")[1], "1, 4096, 32, 128")[1:] == [
-        "1.500 (1.000 to 2.000)", "1.500 (1.500 to 1.500)", "0.500 (0.500 to 0.500)", "–", "–", "–"]
+        "1.500 (1.000 to 2.000)", "1.500 (1.500 to 1.500)", "0.500 (0.500 to 0.500)", "–", "–"]
 
 
 def _varlen_row(round_number, impl, what, ms=None, mix="chat", error=""):

@@ -563,23 +563,22 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
 
 
 def default_intra_threads(chunk_size, d_k, channel_passes=CHANNEL_PASSES):
-    """As many warps as the intra kernel's smallest GEMMs can share, at most 4 (128 threads).
+    """As many warps as the intra kernel's smallest GEMMs can share, at most 8 (two warp groups).
 
     A warp of a tensor-core GEMM owns whole 16 x 8 tiles of the output. The smallest outputs are one
     sub-block high (16 rows, one tile) and d_k / channel_passes channels (the score slabs) or C
     columns (the block inverse's merges) wide: the warps must split both widths into whole tiles,
-    so their number divides gcd(C, d_k / channel_passes) / 8: 128 threads at C = 64, d_k = 64 or 128.
-    At d_k = 128 eight warps would fit, but the kernel built for 256 threads gave wrong dq, dk and dg
-    on the H200 (rel L2 1.75, 0.17 and 6.4 against reference C, at 128 threads <= 3.3e-3: python -m
-    benchmarks.s06_kernel_parts, benchmarks/results/s06_intra_threads.log). The cause, read in the
-    generated CUDA: the score slabs' GEMMs took K_col_s[0:sub, :] as an operand whose channels the two
-    warp groups split, and TileLang moved the second group 16 rows into the buffer instead of one
-    64-row swizzle atom, onto the first group's channels (the interpreter, which runs no warp groups,
-    cannot see it). That operand now has a buffer of its own and the compile tests check every
-    warp-group offset (CompileReport.misplaced_warp_group_operands); 128 threads stay until a GPU run
-    has checked and timed 256.
+    so their number divides gcd(C, d_k / channel_passes) / 8: 256 threads at C = 64, d_k = 128, and
+    128 at d_k = 64. On the H200, B=1 N=16384 H=32 d=128 bf16, the kernel took 4.02 ms at 256
+    threads and 7.03 ms at 128, with the same rel L2 against reference C for all five outputs
+    (python -m benchmarks.s06_kernel_parts --intra-threads 128,256 --time 1,16384,32,
+    benchmarks/results/s06_intra_threads.log). Before that, 256 threads gave wrong dq, dk, dg: the
+    score slabs' GEMMs took a row slice of a 64-row buffer as their B operand, and TileLang 0.1.15
+    moved the second warp group's descriptor 16 rows into the buffer instead of one swizzle atom
+    (the page tells it). The slab operand has its own buffer now, and the compile tests check every
+    warp-group offset (CompileReport.misplaced_warp_group_operands).
     """
-    return 32 * min(4, math.gcd(chunk_size, d_k // channel_passes) // 8)
+    return 32 * min(8, math.gcd(chunk_size, d_k // channel_passes) // 8)
 
 
 # every kernel of the backward, in launch order: its builder and the indices of its outputs (as
