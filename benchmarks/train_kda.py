@@ -14,6 +14,11 @@ each value under its key, and the short convolution lets the value's token see i
 
 The model (`TinyKDAModel`): an embedding, `layers` blocks of x + KDALayer(RMSNorm(x)) and
 x + MLP(RMSNorm(x)), a final RMSNorm and a linear head. AdamW, the loss on the query positions only.
+The forget gate is bounded below (--lower-bound, FLA's safe gate at -5): the kernels' diagonal
+blocks scale q and k by up to e^{-(8 consecutive log gates)}, which fp32 holds only down to a sum of
+-88. With the unbounded gate the model learns strong gates: on the H200 (2026-12-01) our loss
+followed FLA's (whose default path takes any gate) to the third decimal for 164 steps and was NaN at
+step 165; the CPU run of the same model had 8-token sums near -65 by then.
 
 On the CPU every step runs stage 5's forward and stage 6's backward references in float64 (the model
 in float32), a few minutes for the default 300 steps. On CUDA the model's matmuls run under bf16
@@ -40,6 +45,7 @@ from torch import nn
 from stages.s06_backward.layer import KDALayer
 
 IGNORED = -100  # cross_entropy's ignore_index: positions without a target
+LOWER_BOUND = -5.0  # the forget gate's floor, log space: FLA's recommended safe-gate bound
 
 
 # --8<-- [start:task]
@@ -64,10 +70,10 @@ def recall_batch(generator: torch.Generator, batch: int, pairs: int, queries: in
 class Block(nn.Module):
     """x + KDALayer(RMSNorm(x)), then x + MLP(RMSNorm(x)): a pre-norm residual block."""
 
-    def __init__(self, d_model: int, n_heads: int, head_dim: int):
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, lower_bound: float | None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(d_model)
-        self.attention = KDALayer(d_model, n_heads, head_dim)
+        self.attention = KDALayer(d_model, n_heads, head_dim, lower_bound=lower_bound)
         self.mlp_norm = nn.RMSNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.SiLU(), nn.Linear(4 * d_model, d_model))
 
@@ -79,10 +85,11 @@ class Block(nn.Module):
 class TinyKDAModel(nn.Module):
     """tokens (B, T) -> logits (B, T, vocab_size): embedding, KDA blocks, RMSNorm, linear head."""
 
-    def __init__(self, vocab_size: int, d_model: int, layers: int, n_heads: int, head_dim: int):
+    def __init__(self, vocab_size: int, d_model: int, layers: int, n_heads: int, head_dim: int,
+                 lower_bound: float | None = LOWER_BOUND):
         super().__init__()
         self.embedding = nn.Embedding(vocab_size, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, head_dim) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, head_dim, lower_bound) for _ in range(layers))
         self.norm = nn.RMSNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
@@ -119,8 +126,11 @@ def train(args) -> list[dict]:
     """Train (and with --compare-fla, train FLA's copy beside it); one row per step."""
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    model = TinyKDAModel(2 * args.vocab, args.d_model, args.layers, args.heads, args.head_dim).to(device)
+    model = TinyKDAModel(2 * args.vocab, args.d_model, args.layers, args.heads, args.head_dim,
+                         args.lower_bound).to(device)
     models = {"ours": model}
+    if args.nan_trap:
+        model.use_kernel(NanTrap(args.out / "nan_trap.pt"))
     if args.compare_fla:
         from fla.ops import chunk_kda as fla_chunk_kda
 
@@ -141,6 +151,35 @@ def train(args) -> list[dict]:
         _progress(step, args.steps, row, time.perf_counter() - started)
     print(file=sys.stderr)
     return rows
+
+
+class NanTrap:
+    """chunk_kda (ours) that stops at its first non-finite output or gradient and saves what it was
+    called with to `path` (torch.save: q, k, v, g, beta, the keyword arguments, and do = dLoss/do
+    once the backward has it), so that the failing call can be run again kernel by kernel. One device
+    sync per check: for finding a fault, not for timing."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, q, k, v, g, beta, **options):
+        from stages.s06_backward.autograd import chunk_kda
+
+        saved = {"inputs": [x.detach().clone() for x in (q, k, v, g, beta)], "options": options}
+        o, final_state = chunk_kda(q, k, v, g, beta, **options)
+        self._check(saved, "the forward's output", o, final_state)
+        if o.requires_grad:
+            o.register_hook(lambda do: saved.__setitem__("do", do.detach().clone()))
+            for name, x in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta)):
+                if x.requires_grad:
+                    x.register_hook(lambda grad, name=name: self._check(saved, f"the gradient of {name}", grad))
+        return o, final_state
+
+    def _check(self, saved, what, *tensors):
+        if all(t is None or bool(torch.isfinite(t).all()) for t in tensors):
+            return
+        torch.save(saved, self.path)
+        raise FloatingPointError(f"{what} is not finite; the call's inputs are saved in {self.path}")
 
 
 def _progress(step, steps, row, elapsed, width=30):
@@ -221,9 +260,15 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=_positive, default=2)
     parser.add_argument("--head-dim", type=_positive, default=32,
                         help="d_k = d_v per head (default 32; stage 5's kernels need a multiple of 32 on CUDA)")
+    parser.add_argument("--lower-bound", type=_lower_bound, default=LOWER_BOUND,
+                        help=f"the forget gate's floor in log space (default {LOWER_BOUND}, FLA's safe gate); "
+                             "'none': the unbounded gate, which the kernels refuse once 8 gates sum below -88")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-fla", action="store_true", help="also train the same model on FLA's chunk_kda (CUDA)")
+    parser.add_argument("--nan-trap", action="store_true",
+                        help="stop at our chunk_kda's first non-finite output or gradient, its inputs saved in "
+                             "DIR/nan_trap.pt")
     parser.add_argument("--replot", action="store_true",
                         help="train nothing: draw DIR/train_kda_loss.svg from DIR/train_kda.csv (give the run's --vocab)")
     args = parser.parse_args(argv)
@@ -232,6 +277,15 @@ def parse_args(argv=None):
     if args.pairs > args.vocab:
         parser.error(f"--pairs must be at most --vocab = {args.vocab}: the keys of a sequence are distinct")
     return args
+
+
+def _lower_bound(text):
+    if text.lower() == "none":
+        return None
+    value = float(text)
+    if not value < 0:
+        raise argparse.ArgumentTypeError(f"must be a negative log gate or 'none', got {text}")
+    return value
 
 
 def _positive(text):

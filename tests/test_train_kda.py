@@ -52,3 +52,68 @@ def test_compare_fla_needs_cuda(capsys):
     with pytest.raises(SystemExit):
         train_kda.parse_args(["--out", "x", "--compare-fla"])
     assert "--compare-fla needs --device cuda" in capsys.readouterr().err
+
+
+def test_the_default_gate_floor_keeps_the_kernels_in_range(capsys):
+    """The demo's gates lie in [LOWER_BOUND, 0] (the ends where the sigmoid saturates): 8 of them at the floor must pass the kernels' range
+    check for bf16 inputs (the GPU run's autocast dtype). 'none' gives the unbounded gate; a floor
+    at or above 0 is no floor."""
+    from stages.s05_fast_kda.kernel import check_diagonal_range
+
+    args = train_kda.parse_args(["--out", "x"])
+    assert args.lower_bound == train_kda.LOWER_BOUND < 0
+    model = train_kda.TinyKDAModel(8, 16, 2, 2, 8, args.lower_bound)
+    gates = [block.attention.forget_gate for block in model.blocks]
+    assert [gate.lower_bound for gate in gates] == [train_kda.LOWER_BOUND] * 2
+    floor = torch.full((1, 8, 2, 8), train_kda.LOWER_BOUND)
+    check_diagonal_range(floor, "bfloat16", train_kda.LOWER_BOUND)
+    g = gates[0](1e3 * torch.randn(1, 8, 16))  # pushed hard both ways, the sigmoid saturates at the ends
+    assert (g >= train_kda.LOWER_BOUND).all() and (g <= 0).all() and g.min() == train_kda.LOWER_BOUND
+    assert train_kda.parse_args(["--out", "x", "--lower-bound", "none"]).lower_bound is None
+    with pytest.raises(SystemExit):
+        train_kda.parse_args(["--out", "x", "--lower-bound", "0"])
+    assert "must be a negative log gate or 'none'" in capsys.readouterr().err
+
+
+def test_nan_trap_saves_the_call_that_went_non_finite(tmp_path, monkeypatch):
+    """The trap passes a finite call through unchanged, and stops at a non-finite output (forward,
+    here a kernel that writes one NaN) or gradient (backward), with the call's inputs (and do) saved
+    for a replay."""
+    import stages.s06_backward.autograd as autograd
+    from stages.s06_backward.autograd import chunk_kda
+
+    trap = train_kda.NanTrap(tmp_path / "nan_trap.pt")
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 5, 2, 4, generator=generator) for _ in range(3))
+    g = -torch.rand(1, 5, 2, 4, generator=generator)
+    beta = torch.rand(1, 5, 2, generator=generator)
+    o, _ = trap(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    assert torch.equal(o, chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0])
+    assert not (tmp_path / "nan_trap.pt").exists()
+
+    def one_nan(*arguments, **options):
+        o, final_state = chunk_kda(*arguments, **options)
+        o[0, 3, 1, 2] = float("nan")
+        return o, final_state
+
+    with monkeypatch.context() as patched:
+        patched.setattr(autograd, "chunk_kda", one_nan)
+        with pytest.raises(FloatingPointError, match="the forward's output is not finite"):
+            trap(q, k, v, g, beta)
+    saved = torch.load(tmp_path / "nan_trap.pt")
+    assert all(torch.equal(a, b) for a, b in zip(saved["inputs"], (q, k, v, g, beta))) and "do" not in saved
+
+    backward = autograd._cpu_backward
+
+    def nan_dg(*arguments):
+        dq, dk, dv, dg, dbeta, d_initial_state = backward(*arguments)
+        return dq, dk, dv, torch.full_like(dg, float("nan")), dbeta, d_initial_state
+
+    monkeypatch.setattr(autograd, "_cpu_backward", nan_dg)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o, _ = trap(*leaves, scale=0.5)
+    do = torch.randn(o.shape, generator=generator)
+    with pytest.raises(FloatingPointError, match="the gradient of g is not finite"):
+        o.backward(do)
+    saved = torch.load(tmp_path / "nan_trap.pt")
+    assert torch.equal(saved["do"], do) and saved["options"] == {"scale": 0.5}

@@ -95,7 +95,8 @@ def check_gate(name, x, shape, axes):
 # --8<-- [start:gate_values]
 def check_gate_values(g, beta=None):
     """g = log(a) finite and <= 0 (a decay, never a growth), beta (if given) in [0, 1]: one read of
-    both to the host, one device sync.
+    both to the host, one device sync. Returns g's smallest entry (0.0 for an empty g), which the
+    kernels' range checks read.
 
     g > 0 is a growth, not a decay: a^(r - j) > 1 grows without bound along the sequence.
     g = -inf (a = 0) is a valid limit of the math (the state keeps the current token only) but not of
@@ -117,6 +118,7 @@ def check_gate_values(g, beta=None):
                          f"{g.max().item():.3g}")
     if bad_beta:
         raise ValueError(f"beta must lie in [0, 1]; its entries span [{beta.min().item():.3g}, {beta.max().item():.3g}]")
+    return g_min
 # --8<-- [end:gate_values]
 
 

@@ -350,8 +350,7 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
         check_gate("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
     if check_values:
-        check_gate_values(g, beta)
-        check_diagonal_range(g, dtype_name(q))
+        check_diagonal_range(g, dtype_name(q), check_gate_values(g, beta))
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
     if block_dv is None:
@@ -447,31 +446,41 @@ def score_operand_dtypes(dtype):
 
 
 FP16_LARGEST_LOG = math.log(65504)  # ln of fp16's largest finite value
+FP32_LARGEST_LOG = math.log(3.4028234663852886e38)  # ln of fp32's (bf16's and TF32's: the same exponent)
 
 
-def check_diagonal_range(g, dtype):
-    """With fp16 inputs, no diagonal sub-block's anchored factor overflows its fp16 operand.
+def check_diagonal_range(g, dtype, smallest_gate=None):
+    """No diagonal sub-block's anchored factor overflows its score operand.
 
     A row r above its sub-block's middle row m gets e^{gamma_r - gamma_m} = e^{-(g_{r+1} + ... + g_m)},
     a sum of up to SUB_BLOCK / 2 consecutive log gates (a column below m, up to SUB_BLOCK / 2 - 1).
-    Every window of SUB_BLOCK / 2 tokens must keep -sum(g) <= ln 65504 (q and k L2-normalized, so
-    their entries are <= 1): a >= 0.25 always passes. Every window is read, wherever the sub-blocks
-    fall, so packed sequences (stage 7) are covered too; one pass over g per token of the window.
-    bf16 inputs hold these operands in fp32 (score_operand_dtypes) and pass at any gate.
+    Every window of SUB_BLOCK / 2 tokens must keep -sum(g) below the log of the operand's largest
+    value (q and k L2-normalized, so their entries are <= 1): fp16 operands (fp16 inputs) 65504, so
+    a >= 0.25 always passes; fp32 or bf16 operands (bf16 inputs) 3.4e38, so a >= e^-11 always passes.
+    FLA's tensor-core path for these blocks (safe_gate) has the same bound and asks for gates >= -5.
+    smallest_gate (check_gate_values returns it) skips the windows when no window can reach the
+    bound; otherwise every window is read, wherever the sub-blocks fall, so packed sequences (stage 7)
+    are covered too: one pass over g per token of the window.
     """
-    if dtype != "float16" or g.shape[1] == 0:
+    if g.shape[1] == 0:
         return
+    largest_log = FP16_LARGEST_LOG if dtype == "float16" else FP32_LARGEST_LOG
     window = min(SUB_BLOCK // 2, g.shape[1])
+    if smallest_gate is not None and -smallest_gate * window <= largest_log:
+        return
     tokens = g.shape[1] - window + 1
     window_sums = sum(g[:, start:start + tokens] for start in range(window))
     worst = -window_sums.min().item()
-    if worst > FP16_LARGEST_LOG:
+    if worst > largest_log:
+        largest, remedy = (("65504", "Use bf16 inputs (these operands are fp32 there), bound the gates from below "
+                            "(a >= 0.25 always passes)") if dtype == "float16" else
+                           ("3.4e38", "Bound the gates from below (g >= -11 always passes; FLA's safe_gate path has "
+                            "the same bound and asks for lower_bound -5)"))
         raise ValueError(
-            f"g sums to -{worst:.3g} over {window} consecutive tokens: with fp16 inputs the prepare kernel's "
-            f"anchored score operands reach e^{worst:.3g}, past fp16's largest value 65504 = "
-            f"e^{FP16_LARGEST_LOG:.3g}, where an entry of q or k near 1 overflows and makes the output NaN. "
-            f"Use bf16 inputs (these operands are fp32 there), bound the gates from below (a >= 0.25 always "
-            f"passes), or pass check_values=False to run anyway")
+            f"g sums to -{worst:.3g} over {window} consecutive tokens: with {dtype} inputs the prepare kernel's "
+            f"anchored score operands reach e^{worst:.3g}, past their largest value {largest} = e^{largest_log:.3g}, "
+            f"where an entry of q or k near 1 overflows and makes the output NaN. {remedy}, or pass "
+            f"check_values=False to run anyway")
 
 
 def default_prepare_threads(chunk_size):

@@ -670,8 +670,7 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
             check_gate(name, state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
     if check_values:
-        check_gate_values(g, beta)
-        check_diagonal_range(g, dtype_name(q))
+        check_diagonal_range(g, dtype_name(q), check_gate_values(g, beta))
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
                "d_final_state": d_final_state}
     check_on_cuda({name: x for name, x in tensors.items() if x is not None})

@@ -512,8 +512,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     n_chunks = int(index[2 * N_seq + 1])  # chunk_offsets[-1]
     _check_int32_indexing(max(T, n_chunks * chunk_size), H, max(d_k, d_v, chunk_size))
     if check_values:
-        check_gate_values(g, beta)
-        check_diagonal_range(g, dtype_name(q))
+        check_diagonal_range(g, dtype_name(q), check_gate_values(g, beta))
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens}
     check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
     if initial_state is None:
