@@ -54,8 +54,11 @@ case $part in
     ;;
   3)
     step train 330 python -m benchmarks.train_kda --device cuda --steps 300 --compare-fla --out "$out/train" &
-    step train_unbounded 300 python -m benchmarks.train_kda --device cuda --steps 300 --lower-bound none \
-      --nan-trap --out "$out/train_unbounded" &
+    # unbounded gates with the trap; a saved call is then run again kernel by kernel, compiled and interpreted
+    step train_unbounded 300 bash -c "python -m benchmarks.train_kda --device cuda --steps 300 --lower-bound none \
+      --nan-trap --out $out/train_unbounded; if [ -f $out/train_unbounded/nan_trap.pt ]; then \
+      python -m benchmarks.replay_call $out/train_unbounded/nan_trap.pt; \
+      python -m benchmarks.replay_call $out/train_unbounded/nan_trap.pt --device cpu; fi" &
     step layer 330 python -m pytest tests/test_s06_layer.py -m gpu -v -s -p no:cacheprovider &
     step s05_rest 330 python -m pytest tests/test_s05_fast_kda.py -m gpu -v -s -p no:cacheprovider \
       -k "carry or fla" &

@@ -128,7 +128,7 @@ def test_block_dv_is_wide_only_where_every_sm_keeps_a_program():
     assert default_block_dv(8, 16, 96, 132) == 32  # 64 does not divide d_v
 
 
-def _committed_run(folder, complete=True):
+def _committed_run(folder, complete=True, **meta_extra):
     """A fair run's files as committed: two rounds at one shape, the roofs of the run."""
     import json
 
@@ -148,7 +148,7 @@ def _committed_run(folder, complete=True):
     meta = dict(device="NVIDIA H200", date="2026-12-01", command="python -m benchmarks.fair --out /root/x",
                 rounds=2, seconds=100, kernel=STAGES["s05"].kernel_digest(), complete=complete,
                 roofs=dict(copy_bytes=1, copy_ms=1.0, bandwidth_bytes_per_s=4e12, gemm_size=8192, gemm_ms=1.0,
-                           bf16_flops_per_s=600e12))
+                           bf16_flops_per_s=600e12), **meta_extra)
     (folder / fair.META_NAME).write_text(json.dumps(meta))
 
 
@@ -241,3 +241,16 @@ def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, 
     meta = __import__("json").loads((out / fair.META_NAME).read_text())
     assert meta["complete"] and meta["device"] == "a CPU" and "error" in meta["roofs"]
     assert "B=1 N=128 H=2 D=128" in meta["shapes"] and "did not capture" in capsys.readouterr().out
+
+
+def test_a_runs_note_and_the_roofs_source_are_shown(tmp_path, monkeypatch):
+    """A meta rebuilt after the run (its roofs measured apart) says so above the table and the roofline."""
+    from kdacourse.pages import fair as page
+
+    _committed_run(tmp_path, note="Rebuilt from the log.", roofs_from="measured on an H200 after the run")
+    monkeypatch.setattr(page, "RESULTS", tmp_path)
+    page.write_timings(tmp_path / "t.md")
+    page.write_roofline_table(tmp_path / "r.md")
+    assert "on the committed kernel. Rebuilt from the log.\n" in (tmp_path / "t.md").read_text()
+    roofline = (tmp_path / "r.md").read_text()
+    assert "600 TFLOP/s bf16, measured on an H200 after the run" in roofline and "measured by the run" not in roofline

@@ -39,7 +39,8 @@ def _roofs(meta):
     """(bandwidth bytes/s, bf16 FLOP/s, where they come from)."""
     measured = roofs.from_meta(meta or {})
     if measured is not None:
-        return measured["bandwidth_bytes_per_s"], measured["bf16_flops_per_s"], f"measured by the run on its {meta['device']}"
+        where = meta.get("roofs_from") or f"measured by the run on its {meta['device']}"
+        return measured["bandwidth_bytes_per_s"], measured["bf16_flops_per_s"], where
     return roofs.DESIGN_COPY_BANDWIDTH, roofs.DESIGN_GEMM_FLOPS, "measured before the runs (DESIGN.md)"
 
 
@@ -49,8 +50,9 @@ def _about(meta, current=None):
     current = current or STAGES["s05"].kernel_digest()
     kernel = "the committed kernel" if meta.get("kernel") == current else "an earlier kernel (changed since)"
     complete = "" if meta.get("complete", True) else " The run was stopped before it finished."
+    note = f" {meta['note']}" if meta.get("note") else ""
     return (f"Run of {meta['date']} on an {meta['device']} (`{_shown_command(meta['command'])}`, "
-            f"{meta['rounds']} rounds, {meta.get('seconds', '?')} s), on {kernel}.{complete}\n\n")
+            f"{meta['rounds']} rounds, {meta.get('seconds', '?')} s), on {kernel}.{complete}{note}\n\n")
 
 
 def write_timings(path):

@@ -1,0 +1,48 @@
+"""benchmarks/replay_call.py on the CPU: a saved call run again kernel by kernel through the tile
+interpreter names the first kernel whose output is not finite, and none for a sound call."""
+
+import pytest
+import torch
+
+from benchmarks import replay_call
+
+
+def _saved_call(path, strong_gate):
+    """A bf16 call as the layer makes it (q, k unnormalized, fp32 gates), with one channel's gates at
+    `strong_gate` on tokens 1 to 8: eight of them above the first sub-block's middle row."""
+    generator = torch.Generator().manual_seed(0)
+    B, N, H, d = 1, 20, 1, 32
+    q, k, v, do = (torch.randn(B, N, H, d, generator=generator).bfloat16() for _ in range(4))
+    g = -0.05 * torch.rand(B, N, H, d, generator=generator)
+    g[0, 1:9, 0, 3] = strong_gate
+    beta = torch.rand(B, N, H, generator=generator)
+    torch.save({"inputs": [q, k, v, g, beta], "options": {"use_qk_l2norm_in_kernel": True}, "do": do}, path)
+    return g
+
+
+@pytest.mark.parametrize("strong_gate, first_failure", [(-11.0, None), (-12.0, "prepare")])
+def test_replay_names_the_first_kernel_that_overflows(tmp_path, capsys, strong_gate, first_failure):
+    """Eight gates of -11 sum to -88, inside fp32's range (e^88.7): every kernel finite. Eight of -12
+    (e^96) overflow the prepare kernel's diagonal operands, the bound check_diagonal_range holds
+    bf16 inputs to."""
+    from stages.s05_fast_kda.kernel import check_diagonal_range
+
+    g = _saved_call(tmp_path / "call.pt", strong_gate)
+    assert replay_call.main([str(tmp_path / "call.pt"), "--device", "cpu"]) == first_failure
+    printed = capsys.readouterr().out
+    assert printed.count("outputs finite") == 7  # prepare and recurrence, then the backward's five
+    assert f"first kernel with a non-finite output: {first_failure or 'none'}" in printed
+    if first_failure is None:
+        check_diagonal_range(g, "bfloat16", float(g.min()))
+    else:
+        with pytest.raises(ValueError, match="g sums to -96 over 8 consecutive tokens"):
+            check_diagonal_range(g, "bfloat16", float(g.min()))
+
+
+def test_cuda_replay_needs_a_gpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    _saved_call(tmp_path / "call.pt", -1.0)
+    with pytest.raises(SystemExit):
+        replay_call.main([str(tmp_path / "call.pt")])
+    assert "--device cuda needs a CUDA device" in capsys.readouterr().err
