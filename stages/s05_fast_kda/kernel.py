@@ -434,8 +434,8 @@ def score_operand_dtypes(dtype):
     keeps 7 (bf16 operands gave 1.11x FLA's bf16 error against float64 at gates down to 0.5:
     variant staged_all in benchmarks/s05_variants.py). A diagonal block's factor e^{gamma_r - gamma_m}
     above its middle row m is at worst a_min^-8 for the smallest gate a_min (65504, fp16's largest
-    value, at a_min = 0.25). bf16 inputs take any gate, so their diagonal operands are fp32, which the
-    GEMM reads as TF32 (fp16's 10 bits). fp16 inputs keep fp16 there: TF32 made their error 1.27x
+    value, at a_min = 0.25). bf16 inputs take gates down to fp32's range (check_diagonal_range), so
+    their diagonal operands are fp32, which the GEMM reads as TF32 (fp16's 10 bits). fp16 inputs keep fp16 there: TF32 made their error 1.27x
     larger on the H200 (variant tf32_diagonal), and their range ends where fp16's does.
     """
     if dtype == "bfloat16":
