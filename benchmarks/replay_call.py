@@ -25,6 +25,7 @@ import torch
 
 from stages.common.checks import padded_length
 
+
 class Checked:
     """A kernel whose every call reports whether its outputs are finite, and remembers the first that was not."""
 
