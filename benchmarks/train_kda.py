@@ -149,10 +149,11 @@ def train(args) -> list[dict]:
 
 
 class NanTrap:
-    """chunk_kda (ours) that stops at its first non-finite output or gradient and saves what it was
-    called with to `path` (torch.save: q, k, v, g, beta, the keyword arguments, and do = dLoss/do
-    once the backward has it), so that the failing call can be run again kernel by kernel. One device
-    sync per check: for finding a fault, not for timing."""
+    """chunk_kda (ours) that stops at its first non-finite output or gradient, or at a call its value
+    check refuses, and saves what it was called with to `path` (torch.save: q, k, v, g, beta, the
+    keyword arguments, do = dLoss/do once the backward has it, and the refusal's message), so that
+    the failing call can be run again kernel by kernel. One device sync per check: for finding a
+    fault, not for timing."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -161,7 +162,13 @@ class NanTrap:
         from stages.s06_backward.autograd import chunk_kda
 
         saved = {"inputs": [x.detach().clone() for x in (q, k, v, g, beta)], "options": options}
-        o, final_state = chunk_kda(q, k, v, g, beta, **options)
+        try:
+            o, final_state = chunk_kda(q, k, v, g, beta, **options)
+        except ValueError as error:  # the kernels' value check refused the call: keep it, to replay past the check
+            saved["refused"] = str(error)
+            torch.save(saved, self.path)
+            raise FloatingPointError(f"our chunk_kda refused the call ({error}); its inputs are saved in "
+                                     f"{self.path}") from error
         self._check(saved, "the forward's output", o, final_state)
         if o.requires_grad:
             o.register_hook(lambda do: saved.__setitem__("do", do.detach().clone()))
@@ -262,8 +269,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-fla", action="store_true", help="also train the same model on FLA's chunk_kda (CUDA)")
     parser.add_argument("--nan-trap", action="store_true",
-                        help="stop at our chunk_kda's first non-finite output or gradient, its inputs saved in "
-                             "DIR/nan_trap.pt")
+                        help="stop at our chunk_kda's first non-finite output or gradient, or at a call its value "
+                             "check refuses, the call's inputs saved in DIR/nan_trap.pt")
     parser.add_argument("--replot", action="store_true",
                         help="train nothing: draw DIR/train_kda_loss.svg from DIR/train_kda.csv (give the run's --vocab)")
     args = parser.parse_args(argv)

@@ -39,6 +39,20 @@ def test_replay_names_the_first_kernel_that_overflows(tmp_path, capsys, strong_g
             check_diagonal_range(g, "bfloat16", float(g.min()))
 
 
+def test_a_refused_call_is_replayed_past_the_check(tmp_path, capsys):
+    """A call the range check refused (NanTrap saved its message) is run through every kernel, and
+    the replay says so first."""
+    _saved_call(tmp_path / "call.pt", -12.0)
+    saved = torch.load(tmp_path / "call.pt")
+    saved["refused"] = "g sums to -96 over 8 consecutive tokens"
+    torch.save(saved, tmp_path / "call.pt")
+    assert replay_call.main([str(tmp_path / "call.pt"), "--device", "cpu"]) == "prepare"
+    printed = capsys.readouterr().out
+    assert printed.startswith("the kernels' value check refused this call: g sums to -96 over 8 consecutive "
+                              "tokens\nrun again past the check:\n")
+    assert printed.count("outputs finite") == 7
+
+
 def test_cuda_replay_needs_a_gpu(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -77,8 +77,9 @@ def test_the_default_gate_floor_keeps_the_kernels_in_range(capsys):
 
 def test_nan_trap_saves_the_call_that_went_non_finite(tmp_path, monkeypatch):
     """The trap passes a finite call through unchanged, and stops at a non-finite output (forward,
-    here a kernel that writes one NaN) or gradient (backward), with the call's inputs (and do) saved
-    for a replay."""
+    here a kernel that writes one NaN), at a call the kernels' value check refuses, or at a
+    non-finite gradient (backward), with the call's inputs (and do, and the refusal) saved for a
+    replay."""
     import stages.s06_backward.autograd as autograd
     from stages.s06_backward.autograd import chunk_kda
 
@@ -102,6 +103,17 @@ def test_nan_trap_saves_the_call_that_went_non_finite(tmp_path, monkeypatch):
             trap(q, k, v, g, beta)
     saved = torch.load(tmp_path / "nan_trap.pt")
     assert all(torch.equal(a, b) for a, b in zip(saved["inputs"], (q, k, v, g, beta))) and "do" not in saved
+
+    def refused(*arguments, **options):
+        raise ValueError("g sums to -90 over 8 consecutive tokens")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(autograd, "chunk_kda", refused)
+        with pytest.raises(FloatingPointError, match=r"refused the call \(g sums to -90"):
+            trap(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    saved = torch.load(tmp_path / "nan_trap.pt")
+    assert saved["refused"] == "g sums to -90 over 8 consecutive tokens"
+    assert all(torch.equal(a, b) for a, b in zip(saved["inputs"], (q, k, v, g, beta)))
 
     backward = autograd._cpu_backward
 
