@@ -8,10 +8,14 @@
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 2     # stage 6's forward + backward timed beside FLA's
 #                            # at the bench shapes
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 3     # side by side (nothing timed): the training demo
-#                            # beside FLA with the bounded gate, the unbounded gate with the NaN trap
-#                            # (its NaN at step 165 is not explained yet), stage 6's layer tests, and
-#                            # stage 5's two GPU tests that timeouts cut (state carried, FLA)
-# Parts 1 and 2 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*); part 3 is what is left.
+#                            # beside FLA with the bounded gate, the unbounded gate with the NaN trap,
+#                            # stage 6's layer tests, and stage 5's two GPU tests that timeouts cut
+#                            # (state carried, FLA)
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 4     # the unbounded gate with the trap alone, and the
+#                            # replays of the call it saved (part 3's step)
+# Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda); in part 3
+# the kernels' range check refused the unbounded gate's call at step 161, which the trap did not save
+# then: part 4 runs that step again with the trap that does.
 # Every step runs under its own timeout and writes OUT_DIR/<step>.log (TileLang's compile chatter
 # dropped); OUT_DIR/steps.log says when each began and how it ended. A step that writes files writes
 # them to OUT_DIR/<step>/, packed into OUT_DIR/<step>.tar when it ends: a device call brings back at
@@ -25,8 +29,8 @@
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
-out=${1:?usage: gpu_open_work.sh OUT_DIR 1|2|3}
-part=${2:?usage: gpu_open_work.sh OUT_DIR 1|2|3}
+out=${1:?usage: gpu_open_work.sh OUT_DIR 1|2|3|4}
+part=${2:?usage: gpu_open_work.sh OUT_DIR 1|2|3|4}
 mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.log"; }
 step() {
@@ -38,6 +42,13 @@ step() {
   if [ -d "$out/$name" ]; then
     tar -C "$out" -cf "$out/$name.tar" "$name" && rm -r "${out:?}/$name"
   fi
+}
+train_unbounded() {
+  # unbounded gates with the trap; a saved call is then run again kernel by kernel, compiled and interpreted
+  step train_unbounded 300 bash -c "python -m benchmarks.train_kda --device cuda --steps 300 --lower-bound none \
+    --nan-trap --out $out/train_unbounded; if [ -f $out/train_unbounded/nan_trap.pt ]; then \
+    python -m benchmarks.replay_call $out/train_unbounded/nan_trap.pt; \
+    python -m benchmarks.replay_call $out/train_unbounded/nan_trap.pt --device cpu; fi"
 }
 case $part in
   1)
@@ -54,18 +65,17 @@ case $part in
     ;;
   3)
     step train 330 python -m benchmarks.train_kda --device cuda --steps 300 --compare-fla --out "$out/train" &
-    # unbounded gates with the trap; a saved call is then run again kernel by kernel, compiled and interpreted
-    step train_unbounded 300 bash -c "python -m benchmarks.train_kda --device cuda --steps 300 --lower-bound none \
-      --nan-trap --out $out/train_unbounded; if [ -f $out/train_unbounded/nan_trap.pt ]; then \
-      python -m benchmarks.replay_call $out/train_unbounded/nan_trap.pt; \
-      python -m benchmarks.replay_call $out/train_unbounded/nan_trap.pt --device cpu; fi" &
+    train_unbounded &
     step layer 330 python -m pytest tests/test_s06_layer.py -m gpu -v -s -p no:cacheprovider &
     step s05_rest 330 python -m pytest tests/test_s05_fast_kda.py -m gpu -v -s -p no:cacheprovider \
       -k "carry or fla" &
     wait
     ;;
+  4)
+    train_unbounded
+    ;;
   *)
-    echo "part must be 1, 2 or 3, got $part" >&2
+    echo "part must be 1, 2, 3 or 4, got $part" >&2
     exit 2
     ;;
 esac
