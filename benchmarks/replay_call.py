@@ -3,9 +3,9 @@
     python -m benchmarks.replay_call PATH [--device cuda|cpu]
 
 PATH is what `python -m benchmarks.train_kda --nan-trap` saved (NanTrap: q, k, v, g, beta as the
-layer passed them, chunk_kda's keyword arguments, and do once the backward had it). A call that the
-kernels' range check refused (check_diagonal_range) runs past the check, to show what it prevented;
-the interpreter's path never runs the check. Every kernel of
+layer passed them, chunk_kda's keyword arguments, do once the backward had it, and the message of the
+kernels' range check if it refused the call). The replay runs past that check (check_diagonal_range),
+on both paths: it shows what the kernels do with the gates, not what the check allows. Every kernel of
 the call (stage 5's prepare and recurrence, stage 6's five backward kernels) is wrapped so that each
 output is checked as it comes out, and the call runs again as the training step ran it:
 
@@ -61,8 +61,7 @@ def replay_on_cuda(saved):
     stage5._compiled_prepare = lambda *a: Checked("prepare", prepare(*a))
     stage5._compiled_recurrence = lambda *a: Checked("recurrence", recurrence(*a))
     stage6.compiled_kernels = lambda *a: {name: Checked(name, kernel) for name, kernel in backward_kernels(*a).items()}
-    if "refused" in saved:  # run what the range check stopped, to see what it prevented
-        stage5.check_diagonal_range = lambda *arguments: None
+    stage5.check_diagonal_range = lambda *arguments: None  # what the kernels do, not what the check allows
     leaves = [x.cuda().requires_grad_(x.is_floating_point()) for x in saved["inputs"]]
     o, _ = chunk_kda(*leaves, **saved["options"])
     if "do" in saved:

@@ -29,6 +29,7 @@ the CSV (for a run on a machine without matplotlib).
 import argparse
 import copy
 import csv
+import functools
 import math
 import sys
 import time
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from stages.s06_backward.autograd import chunk_kda
 from stages.s06_backward.layer import KDALayer
 
 IGNORED = -100  # cross_entropy's ignore_index: positions without a target
@@ -124,8 +126,10 @@ def train(args) -> list[dict]:
     model = TinyKDAModel(2 * args.vocab, args.d_model, args.layers, args.heads, args.head_dim,
                          args.lower_bound).to(device)
     models = {"ours": model}
+    kernel = chunk_kda if args.check_values else functools.partial(chunk_kda, check_values=False)
     if args.nan_trap:
-        model.use_kernel(NanTrap(args.out / "nan_trap.pt"))
+        kernel = NanTrap(args.out / "nan_trap.pt", kernel)
+    model.use_kernel(kernel)
     if args.compare_fla:
         from fla.ops import chunk_kda as fla_chunk_kda
 
@@ -149,21 +153,19 @@ def train(args) -> list[dict]:
 
 
 class NanTrap:
-    """chunk_kda (ours) that stops at its first non-finite output or gradient, or at a call its value
+    """`kernel` (our chunk_kda, by default) that stops at its first non-finite output or gradient, or at a call its value
     check refuses, and saves what it was called with to `path` (torch.save: q, k, v, g, beta, the
     keyword arguments, do = dLoss/do once the backward has it, and the refusal's message), so that
     the failing call can be run again kernel by kernel. One device sync per check: for finding a
     fault, not for timing."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, kernel=chunk_kda):
+        self.path, self.kernel = path, kernel
 
     def __call__(self, q, k, v, g, beta, **options):
-        from stages.s06_backward.autograd import chunk_kda
-
         saved = {"inputs": [x.detach().clone() for x in (q, k, v, g, beta)], "options": options}
         try:
-            o, final_state = chunk_kda(q, k, v, g, beta, **options)
+            o, final_state = self.kernel(q, k, v, g, beta, **options)
         except ValueError as error:  # the kernels' value check refused the call: keep it, to replay past the check
             saved["refused"] = str(error)
             torch.save(saved, self.path)
@@ -271,6 +273,9 @@ def parse_args(argv=None):
     parser.add_argument("--nan-trap", action="store_true",
                         help="stop at our chunk_kda's first non-finite output or gradient, or at a call its value "
                              "check refuses, the call's inputs saved in DIR/nan_trap.pt")
+    parser.add_argument("--no-value-check", dest="check_values", action="store_false",
+                        help="our kernels skip the check of g and beta (which refuses gates whose 8-token sums "
+                             "could overflow the anchored factors): to see what they do with such gates")
     parser.add_argument("--replot", action="store_true",
                         help="train nothing: draw DIR/train_kda_loss.svg from DIR/train_kda.csv (give the run's --vocab)")
     args = parser.parse_args(argv)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks import train_kda
+from stages.s06_backward.autograd import chunk_kda
 
 SMALL = ["--batch", "8", "--d-model", "32", "--heads", "2", "--head-dim", "16", "--layers", "1"]
 
@@ -81,7 +82,6 @@ def test_nan_trap_saves_the_call_that_went_non_finite(tmp_path, monkeypatch):
     non-finite gradient (backward), with the call's inputs (and do, and the refusal) saved for a
     replay."""
     import stages.s06_backward.autograd as autograd
-    from stages.s06_backward.autograd import chunk_kda
 
     trap = train_kda.NanTrap(tmp_path / "nan_trap.pt")
     generator = torch.Generator().manual_seed(0)
@@ -97,20 +97,16 @@ def test_nan_trap_saves_the_call_that_went_non_finite(tmp_path, monkeypatch):
         o[0, 3, 1, 2] = float("nan")
         return o, final_state
 
-    with monkeypatch.context() as patched:
-        patched.setattr(autograd, "chunk_kda", one_nan)
-        with pytest.raises(FloatingPointError, match="the forward's output is not finite"):
-            trap(q, k, v, g, beta)
+    with pytest.raises(FloatingPointError, match="the forward's output is not finite"):
+        train_kda.NanTrap(tmp_path / "nan_trap.pt", one_nan)(q, k, v, g, beta)
     saved = torch.load(tmp_path / "nan_trap.pt")
     assert all(torch.equal(a, b) for a, b in zip(saved["inputs"], (q, k, v, g, beta))) and "do" not in saved
 
     def refused(*arguments, **options):
         raise ValueError("g sums to -90 over 8 consecutive tokens")
 
-    with monkeypatch.context() as patched:
-        patched.setattr(autograd, "chunk_kda", refused)
-        with pytest.raises(FloatingPointError, match=r"refused the call \(g sums to -90"):
-            trap(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    with pytest.raises(FloatingPointError, match=r"refused the call \(g sums to -90"):
+        train_kda.NanTrap(tmp_path / "nan_trap.pt", refused)(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     saved = torch.load(tmp_path / "nan_trap.pt")
     assert saved["refused"] == "g sums to -90 over 8 consecutive tokens"
     assert all(torch.equal(a, b) for a, b in zip(saved["inputs"], (q, k, v, g, beta)))
@@ -129,3 +125,20 @@ def test_nan_trap_saves_the_call_that_went_non_finite(tmp_path, monkeypatch):
         o.backward(do)
     saved = torch.load(tmp_path / "nan_trap.pt")
     assert torch.equal(saved["do"], do) and saved["options"] == {"scale": 0.5}
+
+
+def test_no_value_check_reaches_our_kernels(tmp_path, monkeypatch):
+    """--no-value-check hands check_values=False to every call of our chunk_kda (the default checks)."""
+    seen = []
+
+    def recording(*arguments, **options):
+        seen.append(options.get("check_values", True))
+        return chunk_kda(*arguments, **options)
+
+    monkeypatch.setattr(train_kda, "chunk_kda", recording)
+    tiny = ["--steps", "1", "--batch", "2", "--pairs", "2", "--queries", "2", "--vocab", "4", "--d-model", "16",
+            "--heads", "1", "--head-dim", "8"]
+    for flags, expected in (([], True), (["--no-value-check"], False), (["--no-value-check", "--nan-trap"], False)):
+        seen.clear()
+        train_kda.train(train_kda.parse_args(["--out", str(tmp_path), *tiny, *flags]))
+        assert seen == [expected] * 2  # one call per layer

@@ -80,7 +80,7 @@ REFUSED = {
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: float | None = None, initial_state: torch.Tensor | None = None,
               output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-              chunk_size: int | None = None, **fla_options) -> tuple[torch.Tensor, torch.Tensor | None]:
+              chunk_size: int | None = None, check_values: bool = True, **fla_options) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward with autograd, FLA's chunk_kda convention. Returns (o (B, T, H, V), final state
     S_T^T (B, H, K, V) or None).
 
@@ -88,8 +88,11 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     CPU. g: (B, T, H, K) log gates (<= 0), beta: (B, T, H) in [0, 1], cast to float32 on CUDA.
     scale: o = scale * S q, None for 1 / sqrt(K). initial_state: S_0^T (B, H, K, V) float32 (float64
     too on the CPU) or None for zeros. chunk_size: None for the device's default (64 on CUDA,
-    CPU_CHUNK_SIZE on the CPU). FLA's other options (fla_options) are refused unless they hold FLA's
-    default value (see REFUSED).
+    CPU_CHUNK_SIZE on the CPU). check_values=False (the course's, not FLA's) skips the CUDA
+    forward's check of g's and beta's values (stages.s05_fast_kda.kernel.forward), which refuses
+    gates strong enough to overflow the kernels' anchored factors: to see what the kernels do with
+    them. FLA's other options (fla_options) are refused unless they hold FLA's default value (see
+    REFUSED).
     """
     _refuse_unsupported(fla_options)
     _check_inputs(q, k, v, g, beta, initial_state, scale)
@@ -105,26 +108,26 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         g, beta = g.float(), beta.float()
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     initial_state = None if initial_state is None else initial_state.contiguous()
-    o, final_state = ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, chunk_size)
+    o, final_state = ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, chunk_size, check_values)
     return o, (final_state if output_final_state else None)
 # --8<-- [end:chunk_kda]
 
 
 # --8<-- [start:function]
 class ChunkKDAFunction(torch.autograd.Function):
-    """(q, k, v, g, beta, initial_state, chunk_size) -> (o, final_state), and the way back.
+    """(q, k, v, g, beta, initial_state, chunk_size, check_values) -> (o, final_state), and the way back.
 
     The final state is always an output, so that a loss on it sends its gradient dS_T^T into the
     backward; when nobody uses it, that gradient is None and the backward starts from zero.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, chunk_size):
+    def forward(ctx, q, k, v, g, beta, initial_state, chunk_size, check_values):
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros
         ctx.chunk_size = chunk_size
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         if q.is_cuda:
-            return _cuda_forward(q, k, v, g, beta, initial_state, chunk_size)
+            return _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, check_values)
         return _cpu_forward(q, k, v, g, beta, initial_state, chunk_size)
 
     @staticmethod
@@ -139,7 +142,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, d_initial_state = gradients
         if initial_state is None:
             d_initial_state = None
-        return dq, dk, dv, dg, dbeta, d_initial_state, None
+        return dq, dk, dv, dg, dbeta, d_initial_state, None, None
 # --8<-- [end:function]
 
 
@@ -166,11 +169,12 @@ def _cpu_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size
 
 
 # --8<-- [start:cuda_path]
-def _cuda_forward(q, k, v, g, beta, initial_state, chunk_size):
+def _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, check_values):
     """Stage 5's two kernels; the final state is fp32."""
     from stages.s05_fast_kda.kernel import forward
 
-    return forward(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state, output_final_state=True)
+    return forward(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state, output_final_state=True,
+                   check_values=check_values)
 
 
 def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size):
