@@ -60,3 +60,22 @@ def test_cuda_replay_needs_a_gpu(tmp_path, capsys):
     with pytest.raises(SystemExit):
         replay_call.main([str(tmp_path / "call.pt")])
     assert "--device cuda needs a CUDA device" in capsys.readouterr().err
+
+
+def test_the_unbounded_demos_nan_is_the_prepare_kernels_overflow(capsys):
+    """The call that went NaN at step 165 of the unbounded demo on the H200 (saved by NanTrap with
+    the value check off): eight gates of one sub-block, rows 1 to 8 after its first, sum past fp32's
+    e^88.7, and the interpreter names the prepare kernel as the GPU did, so the GPU's arithmetic is
+    not the cause. The range check refuses the call."""
+    from kdacourse import REPO_ROOT
+    from stages.s05_fast_kda.kernel import FP32_LARGEST_LOG, SUB_BLOCK, check_diagonal_range
+
+    path = REPO_ROOT / "benchmarks/results/train_kda_cuda_unbounded/nan_trap_step165.pt"
+    g = torch.load(path, map_location="cpu")["inputs"][3]
+    sub_blocks = g.unflatten(1, (-1, SUB_BLOCK))  # (B, N / 16, 16, H, d_k): N = 32, two sub-blocks
+    anchored_exponent = -sub_blocks[:, :, 1:SUB_BLOCK // 2 + 1].sum(2)  # row 0's factor e^{gamma_0 - gamma_8}
+    assert anchored_exponent.max() > FP32_LARGEST_LOG
+    assert replay_call.main([str(path), "--device", "cpu"]) == "prepare"
+    assert "first kernel with a non-finite output: prepare" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="over 8 consecutive tokens"):
+        check_diagonal_range(g, "bfloat16", float(g.min()))
