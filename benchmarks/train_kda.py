@@ -17,9 +17,10 @@ x + MLP(RMSNorm(x)), a final RMSNorm and a linear head. AdamW, the loss on the q
 The forget gate is bounded below by default (--lower-bound, FLA's safe gate at -5), as FLA's
 tensor-core path asks: the kernels' diagonal blocks scale q and k by up to e^{-(8 consecutive log
 gates)}, which fp32 holds only down to a sum of -88.7. With the unbounded gate, on the H200
-(2026-12-01), our loss followed FLA's to the third decimal for 164 steps and was NaN at step 165, for
-a reason not found yet (the CPU run's sums stayed near -65); --nan-trap saves the first failing call
-for `python -m benchmarks.replay_call`.
+(2026-12-01), our loss followed FLA's to the third decimal until the kernels' value check refused
+the call at step 161; past the check (--no-value-check) the output was NaN at step 165, where eight
+gates of one sub-block summed to -93.5 (benchmarks/results/train_kda_cuda_unbounded). --nan-trap
+saves the first failing or refused call for `python -m benchmarks.replay_call`.
 
 Writes DIR/train_kda.csv (step, loss, query accuracy, and FLA's with --compare-fla) and
 DIR/train_kda_loss.svg (the loss curves), and prints a summary. --replot draws the plot again from

@@ -101,25 +101,28 @@ def write_storage_table(path):
 
 
 TRAINING_RUN = "benchmarks/results/train_kda_cpu"  # committed by `python -m benchmarks.train_kda --out ...`
+CUDA_TRAINING_RUN = "benchmarks/results/train_kda_cuda"  # `... --device cuda --compare-fla`, on the H200
+CPU_LABELS = {"ours": "stage 5 forward + stage 6 backward (CPU references)"}
+CUDA_LABELS = {"ours": "stage 5 + stage 6 kernels (H200)", "fla": "FLA chunk_kda (H200)"}
 
 
-def _training_run():
-    """(rows of the committed run's CSV, the loss of a guess among the values, log(vocab))."""
+def _training_run(run):
+    """(rows of a committed run's CSV, the loss of a guess among the values, log(vocab))."""
     import math
     import re
 
     from benchmarks.train_kda import read_csv
     from kdacourse import REPO_ROOT
 
-    run = REPO_ROOT / TRAINING_RUN
-    vocab = int(re.search(r"--vocab (\d+)", (run / "train_kda.log").read_text()).group(1))
-    return read_csv(run / "train_kda.csv"), math.log(vocab)
+    folder = REPO_ROOT / run
+    vocab = int(re.search(r"--vocab (\d+)", (folder / "train_kda.log").read_text()).group(1))
+    return read_csv(folder / "train_kda.csv"), math.log(vocab)
 
 
 def write_training_table(path):
     from benchmarks.train_kda import summary
 
-    rows, guess = _training_run()
+    rows, guess = _training_run(TRAINING_RUN)
     result = summary(rows)
     path.write_text(
         banner(f"{SOURCE}, from {TRAINING_RUN}/train_kda.csv") + markdown_table(
@@ -130,22 +133,49 @@ def write_training_table(path):
         + f"\n`{TRAINING_RUN}/train_kda.log` holds the command and the machine.\n")
 
 
-def write_training_plot(path):
+def write_cuda_training_table(path):
+    from benchmarks.train_kda import summary
+
+    rows, guess = _training_run(CUDA_TRAINING_RUN)
+    result = summary(rows)
+    gaps = [abs(r["loss_ours"] - r["loss_fla"]) for r in rows]
+    widest = rows[gaps.index(max(gaps))]["step"]
+    path.write_text(
+        banner(f"{SOURCE}, from {CUDA_TRAINING_RUN}/train_kda.csv") + markdown_table(
+            ["kernels", "loss, first 10 steps", "loss, last 10 steps", "query accuracy, last 10 steps"],
+            [(label, f"{result[f'first_loss_{name}']:.3f}", f"{result[f'last_loss_{name}']:.3f}",
+              f"{result[f'last_accuracy_{name}']:.3f}") for name, label in CUDA_LABELS.items()])
+        + f"\nOver the {len(rows)} steps the two losses differ by {result['mean_loss_gap']:.4f} on average and by "
+        f"{result['max_loss_gap']:.3f} at most (step {widest}); a guess among the values scores {guess:.3f}. "
+        f"`{CUDA_TRAINING_RUN}/train_kda.log` holds the command and the machine.\n")
+
+
+def _write_loss_plot(path, run, labels):
+    """Each labelled run's loss against the step, and a guess's loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, guess = _training_run()
+    rows, guess = _training_run(run)
     figure, axes = plt.subplots(figsize=(6.4, 3.6))
-    axes.plot([r["step"] for r in rows], [r["loss_ours"] for r in rows], linewidth=1.0,
-              label="stage 5 forward + stage 6 backward (CPU references)")
+    for (name, label), style in zip(labels.items(), ("-", "--")):
+        axes.plot([r["step"] for r in rows], [r[f"loss_{name}"] for r in rows], linewidth=1.0, linestyle=style,
+                  label=label)
     axes.axhline(guess, color="grey", linewidth=0.8, linestyle=":", label="a guess among the values")
     axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy on the queries")
     axes.legend()
     save_svg(figure, path)
     plt.close(figure)
+
+
+def write_training_plot(path):
+    _write_loss_plot(path, TRAINING_RUN, CPU_LABELS)
+
+
+def write_cuda_training_plot(path):
+    _write_loss_plot(path, CUDA_TRAINING_RUN, CUDA_LABELS)
 
 
 def generated_files():
@@ -155,4 +185,6 @@ def generated_files():
         "docs/generated/s06_chunk_states.md": write_storage_table,
         "docs/generated/s06_training.md": write_training_table,
         "docs/generated/s06_training.svg": write_training_plot,
+        "docs/generated/s06_training_cuda.md": write_cuda_training_table,
+        "docs/generated/s06_training_cuda.svg": write_cuda_training_plot,
     }
