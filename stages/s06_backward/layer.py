@@ -25,7 +25,9 @@ Why each part is there:
   take g itself (log space): the chunk's cumulative decays are sums of g, and e^{gamma} is formed
   only where it is bounded. With `lower_bound` (FLA's safe gate), g = lower_bound sigmoid(e^{A_log}
   (f + dt_bias)) lies in (lower_bound, 0): a floor under the gates, which stage 5's anchored
-  factors (at most a_min^{-8}) then can never overflow.
+  factors (at most a_min^{-8}) then can never overflow. Without it (the default, as in FLA's layer)
+  training can learn gates that the CUDA kernels refuse: the tiny demo's did by step 161 (the
+  stage 6 page, "Why the unbounded gate stops"); the CPU path takes any gate.
 - **beta = sigmoid(W_beta x).** The delta rule's write strength, one scalar per token and head, in
   (0, 1): 0 keeps the state, 1 replaces what the state recalls for k_t by v_t.
 - **q, k L2-normalized, scaled by 1 / sqrt(d_k).** ||k|| = 1 makes I - beta k k^T a contraction for
