@@ -154,11 +154,11 @@ def train(args) -> list[dict]:
 
 
 class NanTrap:
-    """`kernel` (our chunk_kda, by default) that stops at its first non-finite output or gradient, or at a call its value
-    check refuses, and saves what it was called with to `path` (torch.save: q, k, v, g, beta, the
-    keyword arguments, do = dLoss/do once the backward has it, and the refusal's message), so that
-    the failing call can be run again kernel by kernel. One device sync per check: for finding a
-    fault, not for timing."""
+    """`kernel` (our chunk_kda, by default) that stops at its first non-finite output or gradient,
+    or at a call its value check refuses, and saves what it was called with to `path` (torch.save:
+    q, k, v, g, beta, the keyword arguments, do = dLoss/do once the backward has it, and the
+    refusal's message), so that the failing call can be run again kernel by kernel. One device sync
+    per check: for finding a fault, not for timing."""
 
     def __init__(self, path: Path, kernel=chunk_kda):
         self.path, self.kernel = path, kernel

@@ -461,8 +461,8 @@ def check_diagonal_range(g, dtype, smallest_gate=None):
     smallest_gate (check_gate_values returns it) skips the windows when no window can reach the
     bound; otherwise every window is read, wherever the sub-blocks fall, so packed sequences (stage 7)
     are covered too: one pass over g per token of the window. A factor's gates all lie in one
-    sub-block, between rows s + 1 and m (s its first row); a window across two sub-blocks is refused
-    too, so the check can refuse a call that would have run: the unbounded demo's gates at step 161
+    sub-block (g_{r+1} .. g_m for a row r above m, g_{m+1} .. g_j for a column j below it); a window
+    across two sub-blocks is refused too, so the check can refuse a call that would have run: the unbounded demo's gates at step 161
     summed to -90 across two sub-blocks, and that call, replayed past the check, was finite in every
     kernel (benchmarks/results/train_kda_cuda_unbounded).
     """
@@ -484,7 +484,7 @@ def check_diagonal_range(g, dtype, smallest_gate=None):
             f"g sums to -{worst:.3g} over {window} consecutive tokens: with {dtype} inputs the prepare kernel's "
             f"anchored score operands can reach e^{worst:.3g}, past their largest value {largest} = "
             f"e^{largest_log:.3g}, where they overflow and make the output NaN (when the window lies within one "
-            f"16-token sub-block). {remedy}, or pass check_values=False to run anyway")
+            f"{SUB_BLOCK}-token sub-block). {remedy}, or pass check_values=False to run anyway")
 
 
 def default_prepare_threads(chunk_size):

@@ -80,7 +80,8 @@ REFUSED = {
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: float | None = None, initial_state: torch.Tensor | None = None,
               output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-              chunk_size: int | None = None, check_values: bool = True, **fla_options) -> tuple[torch.Tensor, torch.Tensor | None]:
+              chunk_size: int | None = None, check_values: bool = True,
+              **fla_options) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward with autograd, FLA's chunk_kda convention. Returns (o (B, T, H, V), final state
     S_T^T (B, H, K, V) or None).
 
