@@ -6,8 +6,10 @@ substitution for [K ⊙ e^{gamma} | V], beta after it, the output, then the stat
 the seed's seven ordering constraints where they apply.
 
 This program compiles and looks right, and carries one known bug, one that no compiler sees. Find
-it and fix it. Without a GPU, the tests compile it for sm_90a and check the ordering constraints
-on its TIR; on a GPU they also run it against the float64 reference.
+it and fix it. Without a GPU the tests run the program through the course's tile interpreter
+(stages.common.interpreter): in float64 it must equal reference C, in fp16 it must match the exact
+result within fp16's rounding; they also check the ordering constraints on its TIR. With nvcc they
+compile it for sm_90a, and on a GPU they run it against the delta-rule form of KDA.
 Read: docs, stage 4, "The kernel".  Check: course check s04
 """
 
