@@ -33,7 +33,7 @@ def main(argv=None):
     _grading_options(grade_all, "folder for gradebook.csv and each student's reports")
 
     serve = commands.add_parser("serve", help="build the course site and serve it locally")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="the port to serve on (default: 8000)")
     serve.add_argument("--no-browser", action="store_true", help="do not open a browser")
 
     commands.add_parser("build", help="build the site into site/ with mkdocs --strict")
@@ -42,10 +42,16 @@ def main(argv=None):
     handout = commands.add_parser("handout", help="write a student handout: the course without its answers")
     handout.add_argument("out", help="a new or empty folder outside the course")
 
-    test = commands.add_parser("test", help="run the test suite (what .ci/run runs)")
+    test = commands.add_parser("test", help="run the test suite (what .ci/run runs)",
+                               description="Lint with ruff, then run the test suite on the solutions (what .ci/run "
+                               "runs). Every argument goes to pytest, e.g. `course test tests/test_handout.py -x -q`; "
+                               "pytest's own options: python -m pytest --help.")
     test.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed on to pytest")
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["test"] and argv[1:] in (["-h"], ["--help"]):  # the course's help, not pytest's
+        test.print_help()
+        return 0
     if argv[:1] == ["test"]:  # everything after `test` belongs to pytest, options included
         from kdacourse.handout import refuse_in_handout
 

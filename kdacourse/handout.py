@@ -1,5 +1,11 @@
 """`course handout OUT`: the folder a student receives, without the answers.
 
+It is made from the course as committed (HEAD), never from the working tree: `git archive` writes the
+commit into a temporary folder, and that snapshot's own code (`python -m kdacourse.handout OUT`) makes
+the handout from it. An instructor who solves an exercise to try it, or half rewrites a page, hands
+none of it out; the uncommitted changes left out are listed on stderr. A course that is not a git
+checkout is refused, with the commands that make it one.
+
 It holds what a student works with, and works on its own (`make setup` there, or
 `pip install -e '.[site,test]'`): `course check`, `course build` and `course serve` run there.
 
@@ -19,18 +25,22 @@ It holds what a student works with, and works on its own (`make setup` there, or
 - the catalog's exercises, without any bug entry (a bug's `find` text is solution code, and the bug
   a fix exercise ships with is its answer);
 - the course machinery (kdacourse/), the site's configuration, benchmarks/results/ (a page includes
-  one of its files), the setup files; no solutions/, no library tests, no benchmark code.
+  one of its files), the setup files; no solutions/, no library tests, no benchmark code;
+- a README for students (kdacourse/handout_README.md): setup, `course check`, the pages, handing in.
 
 A handout-based submission is graded in the instructor's copy: `course grade` on the student's
 exercises folder.
 """
 
 import ast
+import io
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -38,9 +48,13 @@ from kdacourse import HANDOUT_MARKER, REPO_ROOT, is_handout
 
 MARKER = HANDOUT_MARKER
 # What a handout copies from the course, relative to its root (folders whole, less caches).
-COPIED = ["README.md", "Makefile", "pyproject.toml", "mkdocs.yml", ".gitignore", "scripts", "kdacourse", "stages",
+COPIED = ["Makefile", "pyproject.toml", "mkdocs.yml", ".gitignore", "scripts", "kdacourse", "stages",
           "exercises", "docs", "benchmarks/results", "tests/__init__.py", "tests/conftest.py", "tests/exercises"]
 LIBRARY_MODULES = ("reference.py", "kernel.py", "numerics.py")
+# The README a student reads at the handout's root, in place of the course's (kdacourse/handout_README.md).
+STUDENT_README = "kdacourse/handout_README.md"
+# A snapshot of a commit, which make_handout writes and builds the handout from, holds this file.
+SNAPSHOT_FILE = ".course-snapshot"
 NO_SOLUTION = "*The solution is with your instructor: a handout leaves it out.*"
 # A collapsed block the reader opens "after" a check passes holds an answer.
 ANSWER_BLOCK = re.compile(r'^(?P<indent>\s*)\?\?\?\+? \w+ "[^"]*\(open after [^"]*\)"\s*$')
@@ -62,8 +76,15 @@ def refuse_in_handout(command):
     return 2
 
 
-def make_handout(out, record=True):
-    """Write the handout into `out` (a new or empty folder); returns the exit code."""
+def make_handout(out, record=True, commit="HEAD"):
+    """Write the handout of the course as committed at `commit` into `out` (a new or empty folder
+    outside the course); returns the exit code.
+
+    The handout is made from the commit, never from the working tree: `git archive` writes the
+    committed course into a temporary folder, and that copy's own `python -m kdacourse.handout`
+    makes the handout from it. So an instructor's edits (a solved exercise, a page half rewritten)
+    cannot reach students; what the working tree holds and the commit does not is listed on stderr.
+    A course that is not a git checkout is refused, with the commands that make it one."""
     out = Path(out).expanduser().resolve()
     try:
         if is_handout():
@@ -72,26 +93,122 @@ def make_handout(out, record=True):
             raise HandoutError(f"{out} exists and is not empty")
         if out.is_relative_to(REPO_ROOT):
             raise HandoutError(f"{out} is inside the course: write the handout somewhere else")
+        commit, prefix = _resolve_commit(commit)
+        left_out = _uncommitted(commit)
+        if left_out:
+            _say_left_out(commit, left_out)
+        with tempfile.TemporaryDirectory(prefix="course-handout-") as folder:
+            snapshot = Path(folder) / "course"
+            _export(commit, prefix, snapshot)
+            # The snapshot's own code, not this one's: with the snapshot first on the path, its
+            # kdacourse, stages and tests are the ones imported, and its REPO_ROOT is the snapshot.
+            path = [str(snapshot), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+            environment = dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONDONTWRITEBYTECODE="1")
+            command = [sys.executable, "-m", "kdacourse.handout", str(out), *([] if record else ["--no-record"])]
+            return subprocess.run(command, cwd=snapshot, env=environment).returncode
+    except HandoutError as error:
+        print(f"course handout: {error}", file=sys.stderr)
+        return 2
+
+
+def build_from_snapshot(out, record=True):
+    """Write the handout into `out` from this copy of the course, which must be a snapshot that
+    make_handout exported (it holds SNAPSHOT_FILE); returns the exit code."""
+    out = Path(out).resolve()
+    try:
+        if not (REPO_ROOT / SNAPSHOT_FILE).is_file():
+            raise HandoutError(f"{REPO_ROOT} is not a snapshot of a commit: run `course handout OUT` in the course, "
+                               "which makes the handout from the committed course only")
+        commit = (REPO_ROOT / SNAPSHOT_FILE).read_text().strip()
+        if out.exists() and any(out.iterdir()):
+            raise HandoutError(f"{out} exists and is not empty")
         _copy(out)
+        (out / "README.md").write_text((REPO_ROOT / STUDENT_README).read_text())
         stubbed = stub_library(out)
         rewrite_pages(out, stubbed)
         write_catalog(out)
-        (out / MARKER).write_text(_marker_text())
+        (out / MARKER).write_text(_marker_text(commit))
         if record:
             record_library_values(out)
     except HandoutError as error:
         print(f"course handout: {error}", file=sys.stderr)
         return 2
-    print(f"wrote the handout into {out}: {len(stubbed)} library functions left out as exercises", flush=True)
+    print(f"wrote the handout of commit {commit[:12]} into {out}: {len(stubbed)} library functions left out as "
+          "exercises", flush=True)
     return 0
 
 
-def _marker_text():
+def _marker_text(commit):
     return ("# A student handout of the course\n\n"
-            "Made by `course handout` from the instructor's copy. It has the exercises, their tests and the course\n"
-            "pages, and the library without the functions that are exercises (they raise NotImplementedError).\n"
-            "Check your work with `course check`; read the pages with `course serve`. Your instructor grades\n"
-            "your `exercises/` folder in the full course (`course grade`).\n")
+            "Made by `course handout` from the instructor's copy of the course, as committed at\n"
+            f"{commit}. It has the exercises, their tests and the course pages, and the library without\n"
+            "the functions that are exercises (they raise NotImplementedError). Check your work with\n"
+            "`course check`; read the pages with `course serve`. Your instructor grades your `exercises/`\n"
+            "folder in the full course (`course grade`). README.md says how to start.\n")
+
+
+# ------------------------------------------------------------------------------------- the commit
+
+
+def _git(*arguments):
+    """The output of `git arguments` run in the course; HandoutError, with git's message, when it fails."""
+    result = subprocess.run(["git", *arguments], cwd=REPO_ROOT, capture_output=True)
+    if result.returncode != 0:
+        raise HandoutError(f"git {' '.join(arguments)}: {result.stderr.decode(errors='replace').strip()}")
+    return result.stdout
+
+
+NOT_A_CHECKOUT = (
+    "a handout is made from the committed course (git archive), so that nothing uncommitted, such as an "
+    "exercise you solved to try it, reaches students; here {why}. Make the course a git checkout first, "
+    "with its exercises as shipped: git init && git add -A && git commit -m course")
+
+
+def _resolve_commit(commit):
+    """(the full hash of `commit`, the course's folder inside its repository: '' or 'path/')."""
+    if shutil.which("git") is None:
+        raise HandoutError(NOT_A_CHECKOUT.format(why="git is not installed"))
+    try:
+        prefix = _git("rev-parse", "--show-prefix").decode().strip()
+    except HandoutError:
+        raise HandoutError(NOT_A_CHECKOUT.format(why=f"{REPO_ROOT} is not a git checkout")) from None
+    try:
+        full = _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").decode().strip()
+    except HandoutError:
+        raise HandoutError(f"{commit} is not a commit of the course's repository (one without commits has "
+                           "none: commit the course first)") from None
+    return full, prefix
+
+
+def _uncommitted(commit):
+    """[(what, path)] of the course's working tree that the commit does not hold: tracked files that
+    differ from it (modified, added, deleted, changed type) and untracked files that git does not ignore."""
+    kinds = {"M": "modified", "A": "added", "D": "deleted", "T": "changed type"}
+    fields = _git("diff", "--name-status", "--no-renames", "--relative", "-z", commit, "--").decode().split("\0")
+    changed = [(kinds.get(status, status), path) for status, path in zip(fields[0::2], fields[1::2]) if path]
+    untracked = _git("ls-files", "--others", "--exclude-standard", "-z", "--", ".").decode().split("\0")
+    return changed + [("untracked", path) for path in untracked if path]
+
+
+def _say_left_out(commit, left_out, shown=20):
+    lines = [f"course handout: the handout is made from commit {commit[:12]}, not from the working tree, which "
+             f"holds {len(left_out)} uncommitted change(s) that the handout leaves out:"]
+    lines += [f"  {what:<12} {path}" for what, path in left_out[:shown]]
+    lines += [f"  ... and {len(left_out) - shown} more (git status)"] if len(left_out) > shown else []
+    lines.append("Commit what students should have (never a solved exercise) and make the handout again.")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _export(commit, prefix, snapshot):
+    """Write the course as committed into `snapshot`, with SNAPSHOT_FILE naming the commit."""
+    archive = _git("archive", "--format=tar", f"{commit}:{prefix}" if prefix else commit)
+    snapshot.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        if hasattr(tarfile, "data_filter"):  # Python 3.10.12+, 3.11.4+: no links or paths out of the folder
+            tar.extractall(snapshot, filter="data")
+        else:
+            tar.extractall(snapshot)
+    (snapshot / SNAPSHOT_FILE).write_text(commit + "\n")
 
 
 # ------------------------------------------------------------------------------------------ copy
@@ -447,3 +564,17 @@ def record_library_values(out):
     result = subprocess.run(command, cwd=REPO_ROOT, env=environment, capture_output=True, text=True)
     if result.returncode != 0:
         raise HandoutError(f"the tests that record the library's values failed on the solutions:\n{result.stdout[-3000:]}")
+
+
+def main(argv=None):
+    """`python -m kdacourse.handout OUT [--no-record]`: what make_handout runs in the snapshot it exports."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0].startswith("-") or set(argv[1:]) - {"--no-record"}:
+        print("usage: python -m kdacourse.handout OUT [--no-record]  (in a snapshot; `course handout OUT` makes one)",
+              file=sys.stderr)
+        return 2
+    return build_from_snapshot(argv[0], record="--no-record" not in argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

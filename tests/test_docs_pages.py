@@ -131,6 +131,18 @@ def test_readme_lists_the_course_commands_as_the_cli_does():
     assert listing in (REPO_ROOT / "README.md").read_text(encoding="utf-8"), "README's `course` list differs from cli.py's"
 
 
+def test_command_help_says_what_the_course_does(capsys):
+    """`course test --help` is the course's help (not pytest's hundreds of lines); `serve --port` has one."""
+    from kdacourse import cli
+
+    assert cli.main(["test", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: course test") and "ruff" in text and len(text.splitlines()) < 20, text[:2000]
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    assert re.search(r"--port PORT[ \t]+\S", capsys.readouterr().out), "course serve --port has no help"
+
+
 def test_readme_links_to_pages_that_exist():
     for link in re.findall(r"\]\((docs/[^)#]+)", (REPO_ROOT / "README.md").read_text(encoding="utf-8")):
         assert (REPO_ROOT / link).is_file(), f"README links to {link}, which does not exist"

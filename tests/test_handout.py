@@ -1,15 +1,21 @@
 """`course handout OUT`: what a student receives has no answers, and still works on its own.
 
-One handout is made per run (a few seconds: the copy, then the solutions' tests that record the
-library's values). In it: no solutions/, no bug catalog, the library's exercise functions are stubs,
-no distinctive line of a fill exercise's solution anywhere (files and built site), the site builds
-with --strict; its exercise tests pass on the solutions copied in from this course and fail on the
-exercises as shipped; `course check --target=solutions` and `course regenerate` refuse. Every stage
-is covered: the exercise tests of all stages take about 5 s here.
+One full handout is made per run (half a minute: the export of the commit, the copy, then the
+solutions' tests that record the library's values). In it: no solutions/, no bug catalog, the
+library's exercise functions are stubs, no distinctive line of a fill exercise's solution anywhere
+(files and built site), the site builds with --strict; its exercise tests pass on the solutions
+copied in from this course and fail on the exercises as shipped; `course check --target=solutions`
+and `course regenerate` refuse; its README is the students'. Every stage is covered: the exercise
+tests of all stages take about 5 s here.
+
+The handout is made from the commit, not the working tree: in a clone of the course, an exercise
+solved and a page edited without a commit do not reach a second handout (made without recording
+values, a few seconds), and the clone without its git history is refused.
 """
 
 import ast
 import html
+import os
 import re
 import shutil
 import subprocess
@@ -31,10 +37,27 @@ def _run(command, cwd, timeout=600):
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def _git(*arguments, cwd=REPO_ROOT):
+    result = _run(["git", *arguments], cwd)
+    assert result.returncode == 0, f"git {arguments}: {result.stderr}"
+    return result.stdout.strip()
+
+
+def _tracked_files_commit():
+    """A commit of the working tree's tracked files as they are now (`git stash create`, which no
+    branch holds and which changes nothing), or HEAD when they are as committed: the handout is
+    made from a commit, and the tests check the code as edited, not as last committed."""
+    return _git("stash", "create") or "HEAD"
+
+
+MAKE_HANDOUT = "import sys; from kdacourse.handout import make_handout; sys.exit(make_handout(*sys.argv[1:2], {}))"
+
+
 @pytest.fixture(scope="module")
 def handout(tmp_path_factory):
     out = tmp_path_factory.mktemp("handout") / "course"
-    result = _run([sys.executable, "-m", "kdacourse.cli", "handout", str(out)], REPO_ROOT)
+    code = MAKE_HANDOUT.format(f"commit={_tracked_files_commit()!r}")
+    result = _run([sys.executable, "-c", code, str(out)], REPO_ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     return out
 
@@ -175,3 +198,49 @@ def test_commands_that_need_the_full_course_refuse(handout):
     for command in (["regenerate"], ["test"], ["handout", str(handout.parent / "again")]):
         result = _run([*course, *command], handout)
         assert result.returncode == 2 and "handout" in result.stderr, (command, result.stderr)
+
+
+def test_readme_is_the_students(handout):
+    """Setup, `course check`, the pages, how to hand in; nothing of the instructor's."""
+    readme = (handout / "README.md").read_text()
+    for needed in ("make setup", "course check", "course serve", "docs/", "Hand in", "exercises/"):
+        assert needed in readme, f"the handout's README does not say {needed!r}"
+    for instructors in ("make test", "solutions/", "course test [", "course grade FOLDER", "regenerate every"):
+        assert instructors not in readme, f"the handout's README says {instructors!r}, which is the instructor's"
+    for link in re.findall(r"\]\(([^)#]+)", readme):
+        assert (handout / link).is_file(), f"the handout's README links to {link}, which the handout lacks"
+
+
+def test_handout_is_made_from_the_commit_not_the_working_tree(tmp_path):
+    """An instructor solves an exercise and edits a page in their copy without committing: the
+    handout holds the exercise as shipped and the page as committed, and stderr names what it left out."""
+    clone = tmp_path / "course"
+    _git("clone", "--quiet", "--shared", "--no-checkout", str(REPO_ROOT), str(clone))  # shared: the stash commit too
+    _git("checkout", "--quiet", "--detach", _git("rev-parse", _tracked_files_commit()), cwd=clone)
+    stage = "s01_linear_attention"
+    solved = clone / "exercises" / stage / "kernel_program.py"
+    shipped = solved.read_text()
+    solution = (clone / "solutions" / stage / "kernel_program.py").read_text()
+    assert shipped != solution
+    solved.write_text(solution)
+    page = clone / "docs" / f"{stage}.md"
+    page.write_text(page.read_text() + "\nAn instructor's note, not committed.\n")
+    (clone / "exercises" / stage / "my_attempt.py").write_text("# not committed\n")
+
+    out = tmp_path / "handout"
+    result = _run([sys.executable, "-c", MAKE_HANDOUT.format("record=False"), str(out)], clone)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (out / "exercises" / stage / "kernel_program.py").read_text() == shipped, "the solved exercise reached the handout"
+    assert "An instructor's note" not in (out / "docs" / f"{stage}.md").read_text()
+    assert not (out / "exercises" / stage / "my_attempt.py").exists()
+    assert _git("rev-parse", "HEAD", cwd=clone) in (out / "HANDOUT.md").read_text()
+    for line in (f"modified     exercises/{stage}/kernel_program.py", f"modified     docs/{stage}.md",
+                 f"untracked    exercises/{stage}/my_attempt.py"):
+        assert line in result.stderr, f"stderr does not list {line!r}:\n{result.stderr}"
+
+    shutil.rmtree(clone / ".git")
+    out = tmp_path / "from_no_checkout"
+    result = subprocess.run([sys.executable, "-c", MAKE_HANDOUT.format("record=False"), str(out)], cwd=clone,
+                            capture_output=True, text=True, env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path)})
+    assert result.returncode == 2 and "is not a git checkout" in result.stderr, result.stderr
+    assert not out.exists()
