@@ -1,9 +1,11 @@
 """The kill matrix: which exercise test catches which catalog bug.
 
-For every bug, the exercise tests of its stage run against the solutions with that bug applied
-(`--target=bug:<id>`), each run in its own process. A bug no test catches is a hole in the tests:
-test_exercise_model.py fails on it. kdacourse/pages/course.py writes the matrix to
-docs/generated/kill_matrix.md.
+For every bug, the tests of the file it is seeded into (tests/exercises/<stage>/test_<file>) run
+against the solutions with that bug applied (`--target=bug:<id>`), each run in its own process. An
+exercise test loads only the file it is named after (tests/exercises/conftest.py's target_module),
+so the stage's other tests run the solutions unchanged and cannot catch the bug: they are not run.
+A bug no test catches is a hole in the tests: test_exercise_model.py fails on it.
+kdacourse/pages/course.py writes the matrix to docs/generated/kill_matrix.md.
 """
 
 import re
@@ -18,14 +20,19 @@ def stage_tests(stage):
     return f"tests/exercises/{stage}"
 
 
+def file_tests(stage, file):
+    """The tests of one exercise file: the only tests that load it."""
+    return f"{stage_tests(stage)}/test_{file}"
+
+
 @cache
 def compute():
-    """{bug id: RunResult of the stage's exercise tests against the solutions with that bug}."""
+    """{bug id: RunResult of its file's exercise tests against the solutions with that bug}."""
     catalog = bugs()
     with ThreadPoolExecutor(max_workers=2) as pool:
         # compile tests look for spills and shared memory, not for wrong values: a bug is caught (or
         # missed) by the tests that run the code, so the matrix spares itself an nvcc run per bug
-        results = pool.map(lambda bug: run_tests(f"bug:{bug.id}", [stage_tests(bug.stage)],
+        results = pool.map(lambda bug: run_tests(f"bug:{bug.id}", [file_tests(bug.stage, bug.file)],
                                                  extra_args=("-m", "not compile")), catalog)
         return {bug.id: result for bug, result in zip(catalog, results)}
 

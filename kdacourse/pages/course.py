@@ -24,6 +24,8 @@ from kdacourse.pages.tables import banner, markdown_table, table_cell
 
 CATALOG_TABLES_DIR = "docs/generated/catalog"
 KILL_MATRIX_PATH = "docs/generated/kill_matrix.md"
+KILL_MATRIX_LEGEND = ("A cell counts the cases of a test (its parameters) that fail with the bug in; **bold** cells "
+                      "catch it. A test of another file (·) is not run: it loads only its own file, never the bug.")
 
 
 # ------------------------------------------------------------------------------------- catalog
@@ -94,11 +96,13 @@ def write_kill_matrix(path):
             for function in functions:
                 cases = [o for t, o in outcomes.items() if test_function(t) == function]
                 caught = sum(o == "failed" for o in cases)
-                cells.append(f"**{caught}/{len(cases)}**" if caught else f"0/{len(cases)}")
+                if not cases:  # a test of another file: it never loads the file the bug is in
+                    cells.append("·")
+                else:
+                    cells.append(f"**{caught}/{len(cases)}**" if caught else f"0/{len(cases)}")
             lines.append(f"| `{bug.id}` | {table_cell(bug.hides_when)} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines.append("A cell counts the cases of a test (its parameters) that fail with the bug in; "
-                 "**bold** cells catch it.")
+    lines.append(KILL_MATRIX_LEGEND)
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -109,9 +113,7 @@ def write_stage_kill_matrix(stage, path):
         tables = kill_matrix_sections(full.read_text())
     if stage not in tables:
         raise ValueError(f"the kill matrix has no section for {stage}")
-    path.write_text(banner("kdacourse/killmatrix.py (this stage's rows)") + tables[stage]
-                    + "\nA cell counts the cases of a test (its parameters) that fail with the bug in; "
-                      "**bold** cells catch it.\n")
+    path.write_text(banner("kdacourse/killmatrix.py (this stage's rows)") + tables[stage] + "\n" + KILL_MATRIX_LEGEND + "\n")
 
 
 def generated_files():

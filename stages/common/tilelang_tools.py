@@ -10,6 +10,7 @@ Two paths lead from a TileLang program to numbers:
 tilelang is imported inside the functions: the NumPy references and their tests never pay for it.
 """
 
+import functools
 import os
 import re
 import shutil
@@ -92,8 +93,6 @@ def lower(prim_func, target=SM90A):
 
 def compile_report(prim_func):
     """Lower `prim_func` for sm_90a, compile it with nvcc, and return its CompileReport."""
-    from tilelang.contrib import nvcc as tilelang_nvcc
-
     artifact = lower(prim_func)
     source = artifact.kernel_source
     kernel_attrs = [fn.attrs for _, fn in artifact.device_mod.functions.items() if fn.attrs is not None]
@@ -105,19 +104,53 @@ def compile_report(prim_func):
     # a grid sized at run time (a symbolic extent, e.g. sequences x heads) is kept as its expression
     grid = tuple(_int_or_text(extent.get(f"blockIdx.{axis}", 1)) for axis in "xyz")
     dynamic_shared = int(attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in attrs else 0
+    return _parse_ptxas(ptxas_log(source), source, dynamic_shared, threads, grid)
 
+
+def ptxas_log(cuda_source):
+    """What nvcc and ptxas print compiling `cuda_source` for sm_90a (registers, spills, shared memory).
+
+    The log is a function of the source, the compile command and the compiler, so it is kept in
+    $KDACOURSE_NVCC_CACHE (a folder; unset, nothing is kept) under a digest of all three: a test run
+    that compiles one kernel in several tests (a compile test, its page's report, an exercise's
+    check) runs nvcc once.
+    """
+    import hashlib
+
+    from tilelang.contrib import nvcc as tilelang_nvcc
+
+    nvcc = find_nvcc()
     options = tilelang_nvcc.default_compile_options() + ["--ptxas-options=--verbose", "-w"]
+    arguments = ["--cubin", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", *options]
+    cache = os.environ.get("KDACOURSE_NVCC_CACHE")
+    if cache:
+        key = "\0".join([_nvcc_version(nvcc), *arguments, cuda_source])
+        cached = os.path.join(cache, hashlib.sha256(key.encode()).hexdigest() + ".log")
+        if os.path.exists(cached):
+            with open(cached) as f:
+                return f.read()
     with tempfile.TemporaryDirectory() as workdir:
         source_path = os.path.join(workdir, "kernel.cu")
         with open(source_path, "w") as f:
-            f.write(source)
-        command = [find_nvcc(), "--cubin", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", *options,
-                   "-o", os.path.join(workdir, "kernel.cubin"), source_path]
+            f.write(cuda_source)
+        command = [nvcc, *arguments, "-o", os.path.join(workdir, "kernel.cubin"), source_path]
         result = subprocess.run(command, capture_output=True, text=True)
     log = result.stdout + result.stderr
     if result.returncode != 0:
         raise RuntimeError(f"nvcc failed ({result.returncode}):\n{log[-4000:]}")
-    return _parse_ptxas(log, source, dynamic_shared, threads, grid)
+    if cache:
+        os.makedirs(cache, exist_ok=True)
+        partial = f"{cached}.{os.getpid()}"
+        with open(partial, "w") as f:
+            f.write(log)
+        os.replace(partial, cached)  # atomic: a process beside this one reads the whole log or none
+    return log
+
+
+@functools.cache
+def _nvcc_version(nvcc):
+    """The compiler's own account of itself (`nvcc --version`), part of a cached log's key."""
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
 
 
 def barriers_in_thread_branches(cuda_source):
