@@ -57,7 +57,7 @@ SETUP_SH = """\
 # has run). It installs what grading needs, as `make setup` does: bubblewrap, the sandbox the
 # students' code runs in; a virtual environment with torch (CPU build, pinned) and the course.
 set -euo pipefail
-source_dir=${AUTOGRADER_SOURCE:-/autograder/source}
+source_dir=${AUTOGRADER_SOURCE:-${AUTOGRADER_ROOT:-/autograder}/source}
 venv=${AUTOGRADER_VENV:-$source_dir/.venv}
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
@@ -84,7 +84,7 @@ RUN_AUTOGRADER = """\
 #!/usr/bin/env bash
 # Gradescope runs this once per submission, as root, in a fresh container: it grades
 # /autograder/submission and writes /autograder/results/results.json (kdacourse/autograder.py).
-source_dir=${AUTOGRADER_SOURCE:-/autograder/source}
+source_dir=${AUTOGRADER_SOURCE:-${AUTOGRADER_ROOT:-/autograder}/source}
 python=${AUTOGRADER_PYTHON:-${AUTOGRADER_VENV:-$source_dir/.venv}/bin/python}
 cd "$source_dir" || exit 1
 # the course in source_dir, whatever else the Python has installed
