@@ -230,8 +230,7 @@ def run(environ=None):
     written = results_folder / "results.json.part"
     written.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     written.replace(results_folder / "results.json")
-    print(f"results.json: {results['score']} of {sum(test['max_score'] for test in results['tests'])} points",
-          flush=True)
+    print(f"results.json: {results['output'].splitlines()[0]}", flush=True)
     return code
 
 
@@ -361,7 +360,7 @@ def gradescope_results(assignment, report, config, notes, grader_problem=None):
             "visibility": config["visibility"],
         })
     score = sum(test["score"] for test in tests)
-    maximum = sum(test["max_score"] for test in tests)
+    maximum = sum(exercise.points for exercise in assignment)
     passed = sum(test["status"] == "passed" for test in tests)
     summary = [f"{score} of {maximum} points: {passed} of {len(tests)} exercises pass."]
     if report is not None:
