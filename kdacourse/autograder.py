@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import zipfile
 from pathlib import Path
 
@@ -48,8 +49,11 @@ VISIBILITIES = ("visible", "after_due_date", "after_published")
 SEARCH_DEPTH = 4
 UNZIPPED_BYTES = 256 * 2**20  # a zip that unpacks to more is not unpacked (a zip bomb)
 UNZIPPED_FILES = 10_000
-FAILURES_SHOWN = 10
-UNIX = 3  # a zip member's create_system: made on Unix, its permissions in the high bits of external_attr  # failed tests named in one Gradescope test's output
+FAILURES_SHOWN = 10  # failed tests named in one Gradescope test's output
+NOT_YOUR_FAULT = ("Nothing graded: the grader could not run here (no sandbox to run your code in, or a fault "
+                  "of its own), so it ran none of your code. This is not your fault: tell your instructor, "
+                  "whose Gradescope log says why.")
+UNIX = 3  # a zip member's create_system: made on Unix, its permissions in the high bits of external_attr
 
 SETUP_SH = """\
 #!/usr/bin/env bash
@@ -77,7 +81,7 @@ fi
 chmod -R a+rX "$source_dir/stages" "$venv"
 chmod +x "$source_dir/run_autograder"
 # whether the sandbox works in this image: where it does not, every submission is refused, not run
-"$venv/bin/python" -c 'from kdacourse.sandbox import sandbox_problem; print("sandbox:", sandbox_problem() or "works")'
+"$venv/bin/python" -c 'import kdacourse.sandbox as sandbox; print("sandbox:", sandbox.sandbox_problem() or "works")'
 """
 
 RUN_AUTOGRADER = """\
@@ -221,10 +225,19 @@ def run(environ=None):
     """Grade the upload and write results.json (always, even when grading could not run); the exit
     code: 0 once graded, 1 when the grader could not grade (no sandbox here: results.json says so)."""
     submission, results_folder = environment_paths(environ)
+    if not (REPO_ROOT / CONFIG).is_file():
+        print(f"{REPO_ROOT} is not an autograder bundle (no {CONFIG}): make one with `course autograder OUT`",
+              file=sys.stderr)
+        return 2
     config = json.loads((REPO_ROOT / CONFIG).read_text(encoding="utf-8"))
+    assignment = [exercise for exercise in exercises() if exercise.stage in config["stages"]]
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="autograder-") as scratch:
-        results, code = grade_upload(submission, Path(scratch), config)
+    try:
+        with tempfile.TemporaryDirectory(prefix="autograder-") as scratch:
+            results, code = grade_upload(submission, Path(scratch), assignment, config)
+    except Exception:  # the grader's own failure: results.json still says that nothing was graded
+        results, code = gradescope_results(assignment, None, config, [NOT_YOUR_FAULT],
+                                           grader_problem=traceback.format_exc()), 1
     results["execution_time"] = round(time.monotonic() - started)
     results_folder.mkdir(parents=True, exist_ok=True)
     written = results_folder / "results.json.part"
@@ -234,12 +247,11 @@ def run(environ=None):
     return code
 
 
-def grade_upload(submission, scratch, config):
+def grade_upload(submission, scratch, assignment, config):
     """(results.json's content, exit code) for the upload in `submission`; `scratch` is the grader's."""
     from kdacourse.grading import grade
     from kdacourse.sandbox import sandbox_problem
 
-    assignment = [exercise for exercise in exercises() if exercise.stage in config["stages"]]
     found, notes = find_stage_folders(submission, config["stages"], scratch / "unzipped")
     if not found:
         expected = ", ".join(config["stages"])
@@ -248,18 +260,15 @@ def grade_upload(submission, scratch, config):
             f"exercises/ folder, its stage folders, or a zip of either."]), 0
     problem = sandbox_problem()
     if problem:
-        return gradescope_results(assignment, None, config, notes + [
-            "Nothing graded: the grader cannot run code safely in this container, so it ran none of yours. "
-            "Your instructor has been told; your submission is graded again once that is fixed."],
-            grader_problem=problem), 1
+        return gradescope_results(assignment, None, config, notes + [NOT_YOUR_FAULT],
+                                  grader_problem=f"no sandbox in this container: {problem}"), 1
     folder = scratch / "graded"
     copy_stage_folders(found, folder)
     reports = scratch / "reports"
     code = grade(folder, reports, timeout_per_test=config["timeout_per_test"], trust=False)
     if code != 0:
-        return gradescope_results(assignment, None, config, notes + [
-            "Nothing graded: the grader failed. Your instructor has been told."],
-            grader_problem=f"course grade ended with exit code {code}"), 1
+        return gradescope_results(assignment, None, config, notes + [NOT_YOUR_FAULT],
+                                  grader_problem=f"course grade ended with exit code {code}"), 1
     report = json.loads((reports / "report.json").read_text(encoding="utf-8"))
     where = ", ".join(_shown_path(path, submission, scratch / "unzipped") for path in found.values())
     return gradescope_results(assignment, report, config, notes + [f"Graded from your upload: {where}."]), 0

@@ -8,7 +8,7 @@
     course regenerate               rewrite every generated table, plot and report under docs/
     course test [PYTEST ARGS]       lint with ruff, then run the test suite on the solutions (what CI runs)
     course handout OUT              write what a student receives into OUT: no solutions, no solution code on the pages
-    course autograder OUT           write a Gradescope autograder bundle into OUT: grade on the service, one container per submission
+    course autograder OUT           write a Gradescope autograder bundle into OUT: graded one container per submission
 """
 
 import argparse
