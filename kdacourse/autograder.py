@@ -239,6 +239,8 @@ def run(environ=None):
         results, code = gradescope_results(assignment, None, config, [NOT_YOUR_FAULT],
                                            grader_problem=traceback.format_exc()), 1
     results["execution_time"] = round(time.monotonic() - started)
+    if results["extra_data"]["grader_problem"]:
+        print(f"the grader could not grade: {results['extra_data']['grader_problem']}", flush=True)
     results_folder.mkdir(parents=True, exist_ok=True)
     written = results_folder / "results.json.part"
     written.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
@@ -278,7 +280,7 @@ def _shown_path(path, submission, unzipped):
     """A found folder as the student would name it: relative to the upload, a zip's name first."""
     for root in (submission, unzipped):
         if path.is_relative_to(root):
-            return str(path.relative_to(root))
+            return "the files at its top" if path == root else str(path.relative_to(root))
     return path.name
 
 
@@ -287,19 +289,22 @@ def find_stage_folders(submission, wanted, unzip_into):
 
     The upload may hold the exercises/ folder, stage folders at its top, or zips of either (each
     unpacked into unzip_into/<zip's name>/). A stage's folder is the shallowest folder of its name,
-    the upload before the zips; links are never followed: a stage folder that is a link is taken as
-    it is (the cheating checks then score it zero, and say why), a link to another folder is not
-    searched.
+    the upload before the zips. An assignment of one stage also takes its exercise files loose at
+    the top of the upload or of a zip (students drag files). Links are never followed: a stage folder
+    that is a link is taken as it is (the cheating checks then score it zero, and say why), a link to
+    another folder is not searched.
     """
-    notes = []
-    roots = [Path(submission)] if Path(submission).is_dir() else []
-    for archive in sorted(Path(submission).glob("*.zip")) if roots else []:
-        if archive.is_symlink() or not archive.is_file():
-            continue
-        try:
-            roots.append(unpack_upload_zip(archive, Path(unzip_into) / archive.name))
-        except (zipfile.BadZipFile, AutograderError, OSError) as error:
-            notes.append(f"{archive.name} was not unpacked: {error}")
+    submission = Path(submission)
+    roots, notes = [], []
+    if submission.is_dir():
+        roots.append(submission)
+        for archive in sorted(submission.glob("*.zip")):
+            if archive.is_symlink() or not archive.is_file():
+                continue
+            try:
+                roots.append(unpack_upload_zip(archive, Path(unzip_into) / archive.name))
+            except (zipfile.BadZipFile, AutograderError, OSError) as error:
+                notes.append(f"{archive.name} was not unpacked: {error}")
     found = {}
     level = roots
     for _ in range(SEARCH_DEPTH):
@@ -311,6 +316,11 @@ def find_stage_folders(submission, wanted, unzip_into):
                 elif child.is_dir() and not child.is_symlink() and not child.name.startswith((".", "__")):
                     deeper.append(child)
         level = deeper
+    if len(wanted) == 1 and not found:
+        files = [exercise.file for exercise in exercises() if exercise.stage == wanted[0]]
+        loose = [root for root in roots if any(os.path.lexists(root / file) for file in files)]
+        if loose:
+            found[wanted[0]] = loose[0]
     return {stage: found[stage] for stage in wanted if stage in found}, notes
 
 
@@ -347,7 +357,7 @@ def gradescope_results(assignment, report, config, notes, grader_problem=None):
     assignment, scored with its points; an exercise that was not graded scores 0 and says why.
 
     report None: nothing was graded (the notes say why). grader_problem: why the grader could not
-    grade, for the instructor (in the stdout Gradescope shows them, and in extra_data).
+    grade, for the instructor (in extra_data; run() prints it to the log Gradescope shows them).
     """
     entries = {entry["id"]: entry for entry in (report or {}).get("exercises", [])}
     tests = []
@@ -375,8 +385,6 @@ def gradescope_results(assignment, report, config, notes, grader_problem=None):
     if report is not None:
         summary.append(f"Your code ran in a sandbox, {config['timeout_per_test']:g} s per test. An exercise earns "
                        f"its points when all of its tests pass.")
-    if grader_problem:
-        print(f"the grader could not grade: {grader_problem}", flush=True)
     return {
         "score": score,
         "output": "\n".join(summary + notes),

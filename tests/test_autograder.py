@@ -29,14 +29,15 @@ from pathlib import Path
 import pytest
 
 from kdacourse import REPO_ROOT
-from kdacourse.autograder import (find_stage_folders, gradescope_results, make_autograder, unpack_bundle,
-                                  unpack_upload_zip)
+from kdacourse.autograder import (find_stage_folders, grade_upload, gradescope_results, make_autograder,
+                                  unpack_bundle, unpack_upload_zip)
 from kdacourse.catalog import exercises
 from kdacourse.sandbox import sandbox_problem
 
 STAGES = ["s01_linear_attention", "s02_scalar_decay"]
 ASSIGNMENT = [exercise for exercise in exercises() if exercise.stage in STAGES]
 MAX_SCORE = sum(exercise.points for exercise in ASSIGNMENT)
+CONFIG = {"stages": STAGES, "timeout_per_test": 60, "visibility": "visible", "commit": "0" * 40}  # autograder.json
 
 VISIBILITY = {"enum": ["hidden", "after_due_date", "after_published", "visible"]}
 TEXT_FORMAT = {"enum": ["text", "html", "simple_format", "md", "ansi"]}
@@ -175,7 +176,7 @@ def test_results_follow_gradescopes_format_and_score_what_was_graded():
     graded = [exercise for exercise in ASSIGNMENT if exercise.stage == STAGES[0]]
     report = {"sandbox": True, "exercises": [_report_entry(exercise, position > 0)
                                              for position, exercise in enumerate(graded)]}
-    config = {"stages": STAGES, "timeout_per_test": 60, "visibility": "after_published", "commit": "0" * 40}
+    config = {**CONFIG, "visibility": "after_published"}
     results = gradescope_results(ASSIGNMENT, report, config, ["Graded from your upload: s01_linear_attention."])
     results["execution_time"] = 3
     assert results_errors(results) == []
@@ -189,6 +190,30 @@ def test_results_follow_gradescopes_format_and_score_what_was_graded():
     broken = json.loads(json.dumps(results))
     del broken["tests"][1]["max_score"]
     assert results_errors(broken) == ["results.json.tests[1]: 'max_score' is missing"]
+
+
+def test_an_upload_without_stage_folders_scores_zero_and_says_what_to_upload(tmp_path):
+    (tmp_path / "submission").mkdir()
+    (tmp_path / "submission" / "notes.txt").write_text("my work is elsewhere\n")
+    results, code = grade_upload(tmp_path / "submission", tmp_path / "scratch", ASSIGNMENT, CONFIG)
+    assert code == 0 and results_errors({**results, "execution_time": 0}) == []
+    assert results["score"] == 0 and "no folder of this assignment's stages" in results["output"]
+
+
+def test_without_a_sandbox_no_student_code_runs(tmp_path, monkeypatch):
+    import kdacourse.grading
+    import kdacourse.sandbox
+
+    def grade(*args, **kwargs):
+        raise AssertionError("graded without a sandbox")
+
+    monkeypatch.setattr(kdacourse.sandbox, "sandbox_problem", lambda: "bwrap: creating new namespace failed")
+    monkeypatch.setattr(kdacourse.grading, "grade", grade)
+    shutil.copytree(REPO_ROOT / "solutions" / STAGES[0], tmp_path / "submission" / STAGES[0])
+    results, code = grade_upload(tmp_path / "submission", tmp_path / "scratch", ASSIGNMENT, CONFIG)
+    assert code == 1 and results_errors({**results, "execution_time": 0}) == []
+    assert results["score"] == 0 and "not your fault" in results["output"]
+    assert "namespace failed" in results["extra_data"]["grader_problem"]
 
 
 # ------------------------------------------------------------------------------------------ the upload
@@ -217,6 +242,14 @@ def test_stage_folders_are_found_in_each_layout_without_following_links(tmp_path
     assert [note.split(":")[0] for note in notes] == ["broken.zip was not unpacked"]
     assert [path.relative_to(tmp_path) for path in tmp_path.rglob("escaped.py")] == [
         Path("unzipped/handin.zip/escaped.py")]  # '..' dropped: the zip stays where it was unpacked
+
+
+def test_an_assignment_of_one_stage_takes_its_files_loose(tmp_path):
+    upload = tmp_path / "submission"
+    upload.mkdir()
+    (upload / "recurrent.py").write_text("# the student's\n")
+    assert find_stage_folders(upload, STAGES[:1], tmp_path / "unzipped")[0] == {STAGES[0]: upload}
+    assert find_stage_folders(upload, STAGES, tmp_path / "unzipped")[0] == {}  # two stages: which one?
 
 
 def test_a_zip_that_unpacks_too_large_is_refused(tmp_path, monkeypatch):
