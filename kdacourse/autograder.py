@@ -257,9 +257,10 @@ def grade_upload(submission, scratch, assignment, config):
     found, notes = find_stage_folders(submission, config["stages"], scratch / "unzipped")
     if not found:
         expected = ", ".join(config["stages"])
+        loose = " (or, for this one stage, its files)" if len(config["stages"]) == 1 else ""
         return gradescope_results(assignment, None, config, notes + [
             f"Nothing graded: your upload has no folder of this assignment's stages ({expected}). Upload your "
-            f"exercises/ folder, its stage folders, or a zip of either."]), 0
+            f"exercises/ folder, its stage folders{loose}, or a zip of either."]), 0
     problem = sandbox_problem()
     if problem:
         return gradescope_results(assignment, None, config, notes + [NOT_YOUR_FAULT],
