@@ -8,6 +8,7 @@
     course regenerate               rewrite every generated table, plot and report under docs/
     course test [PYTEST ARGS]       lint with ruff, then run the test suite on the solutions (what CI runs)
     course handout OUT              write what a student receives into OUT: no solutions, no solution code on the pages
+    course autograder OUT           write a Gradescope autograder bundle into OUT: graded one container per submission
 """
 
 import argparse
@@ -41,6 +42,16 @@ def main(argv=None):
 
     handout = commands.add_parser("handout", help="write a student handout: the course without its answers")
     handout.add_argument("out", help="a new or empty folder outside the course")
+
+    autograder = commands.add_parser("autograder", help="write a Gradescope autograder bundle (autograder.zip)")
+    autograder.add_argument("out", help="a new or empty folder outside the course")
+    autograder.add_argument("--stages", nargs="+", metavar="STAGE",
+                            help="the stages the assignment grades: s01, 1 or s01_linear_attention (default: all)")
+    autograder.add_argument("--timeout", type=float, default=60, help="seconds allowed per test (default 60)")
+    autograder.add_argument("--visibility", default="visible",
+                            choices=["visible", "after_due_date", "after_published"],
+                            help="when students see the tests' results (Gradescope's setting; default visible)")
+
 
     test = commands.add_parser("test", help="run the test suite (what .ci/run runs)",
                                description="Lint with ruff, then run the test suite on the solutions (what .ci/run "
@@ -90,6 +101,10 @@ def main(argv=None):
         from kdacourse.handout import make_handout
 
         return make_handout(args.out)
+    if args.command == "autograder":
+        from kdacourse.autograder import make_autograder
+
+        return make_autograder(args.out, args.stages, timeout_per_test=args.timeout, visibility=args.visibility)
     parser.error(f"unknown command {args.command}")
 
 
