@@ -340,7 +340,8 @@ def _gemm_shapes_in_plain_words(error):
         "K": f"A gives K = {first}, B gives K = {second}",
         "N": f"B gives N = {first} columns, C has {second}",
     }[axis]
-    return f"{words} ({_gemm_fix(error, axis) or 'transpose_A or transpose_B?'})"
+    flags = {"M": "transpose_A?", "K": "transpose_A or transpose_B?", "N": "transpose_B?"}[axis]
+    return f"{words} ({_gemm_fix(error, axis) or flags})"
 
 
 def _gemm_fix(error, axis):
