@@ -21,7 +21,13 @@ import pytest
 from stages.common.compare import assert_close
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
-from stages.common.interpreter import InterpreterError, UnsupportedConstruct, interpret, round_to_dtype
+from stages.common.interpreter import (
+    InterpreterError,
+    ReadBeforeWrite,
+    UnsupportedConstruct,
+    interpret,
+    round_to_dtype,
+)
 
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24}
 FP32_FLOOR = 8 * UNIT_ROUNDOFF["float32"]  # a float64 program against reference C
@@ -480,23 +486,112 @@ def test_fp16_casts_round_like_numpy():
         assert not differ.any(), f"{name} to fp16: {differ.sum()} values differ from NumPy, first {values[differ][:3]}"
 
 
-def test_buffers_read_before_any_write_are_nan():
+def _line_in_this_file(statement):
+    """The number of the one line of this file that holds `statement`."""
+    numbers = [n for n, line in enumerate(open(__file__).read().splitlines(), 1) if line.strip() == statement]
+    assert len(numbers) == 1, f"{statement!r} is on lines {numbers}"
+    return numbers[0]
+
+
+def test_reading_an_unwritten_element_names_the_buffer_and_the_line():
+    """A shared buffer never written, and a fragment written in part, each copied out; lanes that an
+    `if` leaves idle may read unwritten elements (they execute nothing)."""
     T = _tilelang()
 
     @T.prim_func
-    def unwritten(O: T.Tensor((4, 4), "float32"), P: T.Tensor((4, 4), "float32")):
+    def unwritten_shared(O: T.Tensor((4, 4), "float32")):
         with T.Kernel(1, threads=32) as _bx:
-            s = T.alloc_shared((4, 4), "float32")
-            f = T.alloc_fragment((4, 4), "float32")
+            never_written = T.alloc_shared((4, 4), "float32")
+            T.copy(never_written, O)
+
+    @T.prim_func
+    def half_written(A: T.Tensor((4, 4), "float32"), O: T.Tensor((4, 4), "float32")):
+        with T.Kernel(1, threads=32) as _bx:
+            left_half = T.alloc_fragment((4, 4), "float16")
             for i, j in T.Parallel(4, 4):
                 if j < 2:
-                    f[i, j] = 1
-            T.copy(s, O)
-            T.copy(f, P)
+                    left_half[i, j] = A[i, j]
+            for i, j in T.Parallel(4, 4):
+                if j < 3:
+                    O[i, j] = left_half[i, j] * 2
 
-    o, p = interpret(unwritten, out_idx=[0, 1])()
-    assert np.all(np.isnan(o)), "an unwritten shared buffer must read as NaN"
-    assert np.all(p[:, :2] == 1) and np.all(np.isnan(p[:, 2:])), "the unwritten half of a fragment must read as NaN"
+    @T.prim_func
+    def idle_lanes_read(A: T.Tensor((4, 4), "float32"), O: T.Tensor((4, 4), "float32")):
+        with T.Kernel(1, threads=32) as _bx:
+            left_half = T.alloc_fragment((4, 4), "float64")
+            for i, j in T.Parallel(4, 4):
+                if j < 2:
+                    left_half[i, j] = A[i, j]
+            for i, j in T.Parallel(4, 4):
+                O[i, j] = T.if_then_else(j < 2, left_half[i, j], 0)
+
+    with pytest.raises(ReadBeforeWrite) as error:
+        interpret(unwritten_shared, out_idx=[0])()
+    line = _line_in_this_file("T.copy(never_written, O)")
+    assert str(error.value).startswith(f"tests/test_interpreter.py, line {line}: `T.copy(never_written, O)`: "
+                                       "reads `never_written` before writing it: never_written[0, 0] holds no value")
+    a = np.arange(16, dtype=np.float32).reshape(4, 4)
+    with pytest.raises(ReadBeforeWrite) as error:
+        interpret(half_written, out_idx=[1])(a)
+    line = _line_in_this_file("O[i, j] = left_half[i, j] * 2")
+    assert str(error.value).startswith(f"tests/test_interpreter.py, line {line}: `O[i, j] = left_half[i, j] * 2`: "
+                                       "reads `left_half` before writing it: left_half[0, 2] holds no value")
+    o = interpret(idle_lanes_read, out_idx=[1])(a)
+    assert np.array_equal(o[:, :2], a[:, :2]) and np.all(o[:, 2:] == 0)
+
+
+def test_gemm_rows_of_unwritten_operand_rows_stop_the_run_only_where_used():
+    """A GEMM whose A has rows nothing wrote computes garbage rows of C (as a GPU does): no error
+    while those rows are not used, an error naming A's read and C's use where they are."""
+    T = _tilelang()
+    M = N = K = 16
+
+    def program(rows_used):
+        @T.prim_func
+        def lower_rows(A: T.Tensor((M, K), "float16"), Bm: T.Tensor((K, N), "float16"), O: T.Tensor((M, N), "float32")):
+            with T.Kernel(1, threads=128) as _bx:
+                A_s = T.alloc_shared((M, K), "float16")
+                B_s = T.alloc_shared((K, N), "float16")
+                C_f = T.alloc_fragment((M, N), "float32")
+                for i, k in T.Parallel(M, K):
+                    if i >= 8:
+                        A_s[i, k] = A[i, k]
+                T.copy(Bm, B_s)
+                T.gemm(A_s, B_s, C_f, clear_accum=True)
+                for i, j in T.Parallel(M, N):
+                    O[i, j] = T.if_then_else(i >= rows_used, C_f[i, j], 0)
+
+        return lower_rows
+
+    rng = _rng(3)
+    a, b = (rng.standard_normal((16, 16)).astype(np.float16) for _ in range(2))
+    o = interpret(program(rows_used=8), out_idx=[2])(a, b)
+    expected = np.where(np.arange(M)[:, None] >= 8, a.astype(np.float64) @ b.astype(np.float64), 0)
+    assert_close(o, expected, rtol=2 * UNIT_ROUNDOFF["float32"] * K, axes=("row", "column"))
+    with pytest.raises(ReadBeforeWrite) as error:
+        interpret(program(rows_used=7), out_idx=[2])(a, b)
+    message = str(error.value)
+    assert message.startswith(f"tests/test_interpreter.py, line {_line_in_this_file('T.gemm(A_s, B_s, C_f, clear_accum=True)')}")
+    assert "reads `A_s` before writing it: A_s[0, 0] holds no value yet" in message
+    use = "O[i, j] = T.if_then_else(i >= rows_used, C_f[i, j], 0)"
+    assert f"reached `C_f`[7, 0], used at tests/test_interpreter.py, line {_line_in_this_file(use)}" in message
+
+
+def test_a_nan_the_program_computes_is_no_unwritten_element():
+    """inf - inf in fp16 (an overflow a stage's page teaches) stored and read back is a NaN, not a read
+    before a write."""
+    T = _tilelang()
+
+    @T.prim_func
+    def overflow(A: T.Tensor((4,), "float16"), O: T.Tensor((4,), "float16")):
+        with T.Kernel(1, threads=32) as _bx:
+            s = T.alloc_shared((4,), "float16")
+            for i in T.Parallel(4):
+                s[i] = A[i] * A[i] - A[i] * A[i]  # 60000^2 overflows to inf
+            T.copy(s, O)
+
+    o = interpret(overflow, out_idx=[1])(np.array([60000.0, 1.0, 2.0, 60000.0]))
+    assert np.all(np.isnan(o[[0, 3]])) and np.all(o[1:3] == 0)
 
 
 def test_out_of_bounds_load_raises_naming_the_buffer():

@@ -8,8 +8,13 @@ as calls (`tl.tileop.copy`, `tl.tileop.gemm` and `tl.tileop.wgmma_gemm`, `tl.til
 the author wrote, before any layout, pipeline or thread is chosen; this module runs it:
 
 - the grid is a loop over blocks, one block at a time;
-- every buffer is a NumPy array; shared and fragment buffers start as NaN, so a read before any write
-  shows in the result; `T.alloc_var` is one value per lane;
+- every buffer is a NumPy array; `T.alloc_var` is one value per lane. Shared, fragment and local
+  float buffers start filled with a NaN of a payload no arithmetic makes (UNWRITTEN_BITS): a statement
+  that uses an element that nothing has written stops the run with `ReadBeforeWrite`, which names the
+  buffer, the element and the statement's line in the author's file. `T.gemm` and `T.copy` into a
+  shared or fragment buffer carry such elements on instead (a GEMM row computed from an unwritten row
+  and never stored is no error): the rows and columns of C they reach, the elements they copy, are
+  marked (TAINTED_BITS), and the run stops where a marked element is used, naming the first read;
 - a `T.Parallel` nest runs once, vectorized: its loop variables are index arrays that broadcast
   against each other, stores are fancy-index assignments, `if` and `T.if_then_else` are masks;
 - serial, pipelined and unrolled loops run in order (a pipelined loop's stages overlap on the GPU,
@@ -42,7 +47,8 @@ import numpy as np
 
 from stages.common.tile_regions import region_parts
 
-__all__ = ["interpret", "run", "InterpreterError", "UnsupportedConstruct", "round_to_dtype", "NUMPY_DTYPES"]
+__all__ = ["interpret", "run", "InterpreterError", "UnsupportedConstruct", "ReadBeforeWrite", "round_to_dtype",
+           "NUMPY_DTYPES"]
 
 
 class InterpreterError(RuntimeError):
@@ -52,6 +58,11 @@ class InterpreterError(RuntimeError):
 
 class UnsupportedConstruct(InterpreterError):
     """The interpreter has no meaning for this construct; the message names it and its line."""
+
+
+class ReadBeforeWrite(InterpreterError):
+    """A statement read an element of a shared, fragment or local buffer that nothing had written: on a
+    GPU it reads whatever the memory held. The message names the buffer, the element and the line."""
 
 
 # ------------------------------------------------------------------------------------------ dtypes
@@ -88,6 +99,38 @@ def round_to_dtype(x, dtype):
     return np.asarray(x, dtype=target)
 
 
+# The bits an unwritten element of a float buffer holds, and those of an element that a T.gemm or a
+# T.copy computed from one: quiet NaNs of payloads 0xAD and 0xAF, which no arithmetic makes (an invalid
+# operation gives the payload 0, a NaN operand passes its own on), so a NaN that the program computed
+# (fp16 overflow, 0 * inf) is never taken for either. The payload sits in the top bits of the mantissa,
+# which a cast between fp16, fp32 and fp64 keeps. bf16 is held as float32 (NUMPY_DTYPES).
+_UNSIGNED = {np.dtype(np.float16): np.uint16, np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}
+_QUIET_NAN = {np.dtype(np.float16): (0x7E00, 0), np.dtype(np.float32): (0x7FC00000, 13),
+              np.dtype(np.float64): (0x7FF8000000000000, 42)}  # the bits of NaN, and the payload's shift
+UNWRITTEN_BITS = {d: _UNSIGNED[d](nan | 0xAD << shift) for d, (nan, shift) in _QUIET_NAN.items()}
+TAINTED_BITS = {d: _UNSIGNED[d](nan | 0xAF << shift) for d, (nan, shift) in _QUIET_NAN.items()}
+_TAINT_BIT = {d: _UNSIGNED[d](0x2 << shift) for d, (nan, shift) in _QUIET_NAN.items()}  # the one bit they differ in
+
+
+def _unwritten_array(shape, dtype):
+    """An array of `shape` and NumPy `dtype` (a float one) whose every element is UNWRITTEN_BITS."""
+    dtype = np.dtype(dtype)
+    return np.full(shape, UNWRITTEN_BITS[dtype], dtype=_UNSIGNED[dtype]).view(dtype)
+
+
+def _unwritten(values):
+    """A boolean mask (or a NumPy bool) of the elements of `values` that hold UNWRITTEN_BITS or
+    TAINTED_BITS: one OR and one comparison, as they differ in one bit."""
+    values = np.asarray(values)
+    dtype = values.dtype
+    return (values.view(_UNSIGNED[dtype]) | _TAINT_BIT[dtype]) == TAINTED_BITS[dtype]
+
+
+def _taint(array, mask):
+    """Mark the elements of `array` (a float array, changed in place) where `mask` holds as TAINTED_BITS."""
+    array.view(_UNSIGNED[array.dtype])[mask] = TAINTED_BITS[array.dtype]
+
+
 def _to_tf32(x):
     """Hopper's tensor cores read fp32 GEMM operands as TF32: 10 explicit mantissa bits."""
     return _round_float32_bits(x, 10)
@@ -119,14 +162,19 @@ class _Frame:
 
     `mask` is True outside T.Parallel; inside, a boolean array (broadcastable against the lanes) that
     says which lanes execute the current statement. `lane_depth` counts the parallel loops entered.
+    `filled` holds the slots of the allocated buffers found written in full since their allocation (or
+    since a T.gemm or T.copy last marked elements of them): their reads need no check. `origins` says,
+    for a buffer holding marked elements, which read of an unwritten element they come from.
     """
 
-    __slots__ = ("values", "mask", "lane_depth")
+    __slots__ = ("values", "mask", "lane_depth", "filled", "origins")
 
     def __init__(self, size):
         self.values = [None] * size
         self.mask = True
         self.lane_depth = 0
+        self.filled = set()
+        self.origins = {}
 
 
 def _tirx():
@@ -145,6 +193,8 @@ class _Program:
         self._script_lines = None
         self._statement = None  # the statement being compiled, for error messages
         self.written = set()  # slots of the buffers the program writes (copied back when out_idx is None)
+        self.poisoned = set()  # slots of the float buffers the program allocates: they start as UNWRITTEN_BITS
+        self.grid_vars = []  # (name, slot) of the block indices, for messages
         self.slots = {}  # id-independent: TIR Vars and Buffers hash by their node
         self.buffers = {}  # slot -> tirx.Buffer
         self.params = [prim_func.buffer_map[p] if p in prim_func.buffer_map else p for p in prim_func.params]
@@ -188,21 +238,53 @@ class _Program:
         return UnsupportedConstruct(f"the tile interpreter does not run {construct}, at {source}{where}: {text}")
 
     def _source_line(self, stmt):
-        """'file.py:12 (the line), ' where TileLang recorded the Python line of `stmt` (it stamps
-        statements with their source span by default), else ''."""
-        try:
-            from tilelang.ir import get_stmt_span
-
-            span = get_stmt_span(stmt) if stmt is not None else None
-        except (ImportError, AttributeError, TypeError):  # an older TileLang, or a node without a span
-            return ""
-        if span is None or not span.line:
+        """'file.py:12 (the line), ' where TileLang recorded the Python line of `stmt`, else ''."""
+        span = _span(stmt)
+        if span is None:
             return ""
         import linecache
 
-        name = str(span.source_name.name)
-        code = linecache.getline(name, int(span.line)).strip()
-        return f"{name}:{span.line} ({code}), " if code else f"{name}:{span.line}, "
+        name, line = span
+        code = linecache.getline(name, line).strip()
+        return f"{name}:{line} ({code}), " if code else f"{name}:{line}, "
+
+    def _origin(self, frame, slot, element, statement, hint=""):
+        """What to blame for the unwritten element `element` of the buffer in `slot`, read by `statement`:
+        its own read (an _Origin), or, for a marked element, the read its T.gemm or T.copy came from."""
+        value = frame.values[slot][tuple(int(i) for i in element)]
+        if value.view(_UNSIGNED[value.dtype]) == TAINTED_BITS[value.dtype] and slot in frame.origins:
+            return frame.origins[slot]
+        blocks = ", ".join(f"{var} = {frame.values[var_slot]}" for var, var_slot in self.grid_vars)
+        return _Origin(statement, slot, tuple(int(i) for i in element), hint, blocks)
+
+    def _read_before_write(self, origin, used=None):
+        """ReadBeforeWrite naming the read of `origin` (an _Origin) and, where the unwritten values went
+        through a T.gemm or T.copy first, `used`: the (statement, slot, element) that used the result."""
+        name, where, declared = self._described(origin.statement, origin.slot)
+        message = (f"{where}: reads `{name}` before writing it: {name}{list(origin.element)} holds no value yet "
+                   f"({declared}; in the block {origin.blocks}){origin.hint}")
+        if used is not None:
+            statement, slot, element = used
+            used_name, used_where, _ = self._described(statement, slot)
+            message += (f". The value computed from it reached `{used_name}`{list(map(int, element))}, used at "
+                        f"{used_where}")
+        return ReadBeforeWrite(message)
+
+    def _described(self, statement, slot):
+        """(the buffer's name, where `statement` is, the buffer's declaration), for messages."""
+        from stages.common.tilelang_tools import source_line
+
+        buffer = self.buffers[slot]
+        name = buffer.name
+        scope = {"shared": "shared", "shared.dyn": "shared", "local.fragment": "fragment"}.get(buffer.scope(), "local")
+        span = _span(statement)
+        if span is not None:
+            line = _declaration_line(span[0], name)
+            return name, source_line(*span), f"the {scope} buffer {name}" + (f", declared at line {line}" if line else "")
+        # a program without spans: the statement as TileLang parsed it, and the buffer's declaration
+        number, text = self._line_of(statement)
+        where = f"line {number} of {self._name()}.script(): {text}" if number else f"the statement {text}"
+        return name, where, f"the {scope} buffer {name} of shape {list(_static_shape(buffer))} and {buffer.dtype}"
 
     # ---- launching ------------------------------------------------------------------------------
 
@@ -324,15 +406,24 @@ class _Program:
     def _block_realize(self, node):
         block = node.block
         allocations = [(self._slot(b), b) for b in block.alloc_buffers]
-        for buffer in (b for _, b in allocations):
+        for slot, buffer in allocations:
             _static_shape(buffer)  # raises for a symbolic shape
+            if not _is_var(buffer) and NUMPY_DTYPES.get(str(buffer.dtype)) in (np.float16, np.float32, np.float64):
+                self.poisoned.add(slot)
         init = self._stmt(block.init) if block.init is not None else None
         body = self._stmt(block.body)
-        empty = self._empty
+        poisoned = self.poisoned
 
         def run_block(frame):
             for slot, buffer in allocations:
-                frame.values[slot] = np.zeros((), NUMPY_DTYPES[str(buffer.dtype)]) if _is_var(buffer) else empty(buffer)
+                dtype = NUMPY_DTYPES[str(buffer.dtype)]
+                if _is_var(buffer):
+                    frame.values[slot] = np.zeros((), dtype)
+                else:
+                    shape = _static_shape(buffer)
+                    frame.values[slot] = _unwritten_array(shape, dtype) if slot in poisoned else np.zeros(shape, dtype)
+                    frame.filled.discard(slot)
+                    frame.origins.pop(slot, None)
             if init is not None:
                 init(frame)
             body(frame)
@@ -384,8 +475,9 @@ class _Program:
         tag = str(node.thread_binding.thread_tag)
         if not tag.startswith("blockIdx"):
             raise self._unsupported(f"a loop bound to {tag} (the interpreter runs tile-level programs)", node)
-        slot, extent, body = self._slot(node.loop_var), self._expr(node.extent), self._stmt(node.body)
-        start = self._expr(node.min)
+        slot, extent = self._slot(node.loop_var), self._expr(node.extent)
+        self.grid_vars.append((node.loop_var.name, slot))
+        body, start = self._stmt(node.body), self._expr(node.min)
 
         def run_grid(frame):
             first = int(start(frame))
@@ -541,6 +633,49 @@ class _Program:
             raise self._unsupported("a tile region of symbolic size", node)
         return self._slot(buffer), buffer, starts, sizes
 
+    def _tile(self, frame, slot, starts, sizes, statement, used=None, hint=""):
+        """The window `starts + sizes` of the buffer in `slot` (elements outside it read as 0), after
+        checking that every element of it that the statement uses has been written: `used`, a boolean
+        array of the window's shape, says which (all, by default)."""
+        starts = [int(s(frame)) for s in starts]
+        tile = _read_window(frame.values[slot], starts, sizes)
+        unwritten = self._unwritten_part(frame, slot, starts, tile, statement, used, hint)
+        if unwritten is not None:
+            mask, origin = unwritten
+            first = np.unravel_index(int(np.argmax(mask)), mask.shape)
+            raise self._read_before_write(origin, None if origin.statement is statement else (
+                statement, slot, np.add(starts, first)))
+        return tile
+
+    def _unwritten_part(self, frame, slot, starts, tile, statement, used=None, hint=""):
+        """None where every element of `tile` (the window at `starts` of the buffer in `slot`) that
+        `used` selects has been written; else (the mask of those that have not, their _Origin)."""
+        if slot not in self.poisoned or slot in frame.filled or self._filled(frame, slot):
+            return None
+        mask = _unwritten(tile)
+        if used is not None:
+            mask &= used
+        if not mask.any():
+            return None
+        first = np.unravel_index(int(np.argmax(mask)), mask.shape)
+        return mask, self._origin(frame, slot, np.add(starts, first), statement, hint)
+
+    @staticmethod
+    def _filled(frame, slot):
+        """Whether every element of the allocated buffer in `slot` has been written (then remembered in
+        frame.filled, so that its later reads cost nothing: a buffer is checked whole about once)."""
+        if _unwritten(frame.values[slot]).any():
+            return False
+        frame.filled.add(slot)
+        return True
+
+    def _carry_unwritten(self, frame, slot, result, mask, origin):
+        """Mark the elements of `result` (about to be written into the buffer in `slot`) that `mask`
+        selects as computed from unwritten ones, blaming `origin` (the first such read is kept)."""
+        _taint(result, mask)
+        frame.filled.discard(slot)
+        frame.origins.setdefault(slot, origin)
+
     def _tile_guard(self, frame, what):
         if frame.lane_depth:
             raise InterpreterError(f"{what} inside T.Parallel: tile operations run once per block")
@@ -555,11 +690,29 @@ class _Program:
         dtype = str(dst.dtype)
         self.written.add(dst_slot)
 
+        carries = dst_slot in self.poisoned  # into a shared or fragment buffer: unwritten elements go along
+
         def run_copy(frame):
             self._tile_guard(frame, "T.copy")
-            tile = _read_window(frame.values[src_slot], [int(s(frame)) for s in src_starts], src_sizes)
-            tile = round_to_dtype(tile.reshape(dst_sizes), dtype)
-            _write_window(frame.values[dst_slot], [int(s(frame)) for s in dst_starts], tile)
+            starts = [int(s(frame)) for s in dst_starts]
+            if carries:
+                source_starts = [int(s(frame)) for s in src_starts]
+                tile = _read_window(frame.values[src_slot], source_starts, src_sizes)
+                unwritten = self._unwritten_part(frame, src_slot, source_starts, tile, node)
+                tile = round_to_dtype(tile.reshape(dst_sizes), dtype)
+                if unwritten is not None:
+                    self._carry_unwritten(frame, dst_slot, tile, unwritten[0].reshape(dst_sizes), unwritten[1])
+                _write_window(frame.values[dst_slot], starts, tile)
+                return
+            landing = None  # the source elements that land inside the destination: the others are dropped
+            inside, local = _window_slices(frame.values[dst_slot].shape, starts, dst_sizes)
+            if inside is None or any(s.stop - s.start != n for s, n in zip(local, dst_sizes)):
+                landing = np.zeros(dst_sizes, dtype=bool)
+                if inside is not None:
+                    landing[local] = True
+                landing = landing.reshape(src_sizes)
+            tile = self._tile(frame, src_slot, src_starts, src_sizes, node, used=landing)
+            _write_window(frame.values[dst_slot], starts, round_to_dtype(tile.reshape(dst_sizes), dtype))
 
         return run_copy
 
@@ -578,11 +731,17 @@ class _Program:
 
         return run_fill
 
-    def _matrix(self, frame, slot, starts, sizes, shape):
-        tile = _read_window(frame.values[slot], [int(s(frame)) for s in starts], sizes)
+    def _matrix(self, frame, slot, starts, sizes, shape, statement, hint=""):
+        """The operand in the window `starts + sizes` of the buffer in `slot` as a `shape` matrix, and
+        None or (the mask of its unwritten elements, their _Origin)."""
+        starts = [int(s(frame)) for s in starts]
+        tile = _read_window(frame.values[slot], starts, sizes)
         if tile.size != shape[0] * shape[1]:
             raise InterpreterError(f"T.gemm: a region of sizes {sizes} is not a {shape[0]} x {shape[1]} operand")
-        return tile.reshape(shape)
+        unwritten = self._unwritten_part(frame, slot, starts, tile, statement, hint=hint)
+        if unwritten is not None:
+            unwritten = unwritten[0].reshape(shape), unwritten[1]
+        return tile.reshape(shape), unwritten
 
     def _gemm(self, call, node):
         args = call.args
@@ -607,17 +766,33 @@ class _Program:
 
         def run_gemm(frame):
             self._tile_guard(frame, "T.gemm")
-            lhs = operand(self._matrix(frame, a_slot, a_starts, a_sizes, a_shape), str(a.dtype))
-            rhs = operand(self._matrix(frame, b_slot, b_starts, b_sizes, b_shape), str(b.dtype))
+            lhs, lhs_unwritten = self._matrix(frame, a_slot, a_starts, a_sizes, a_shape, node)
+            rhs, rhs_unwritten = self._matrix(frame, b_slot, b_starts, b_sizes, b_shape, node)
+            lhs, rhs = operand(lhs, str(a.dtype)), operand(rhs, str(b.dtype))
             lhs = lhs.T if transpose_a else lhs
             rhs = rhs.T if transpose_b else rhs
             if int(np.prod(c_sizes)) != M * N:
                 raise InterpreterError(f"T.gemm shapes: {a.name} {lhs.shape} x {b.name} {rhs.shape} -> {c.name} {c_sizes}")
             product = lhs @ rhs
             starts = [int(s(frame)) for s in c_starts]
+            accumulator_unwritten = None
             if not clear_accum(frame):
-                product = product + self._matrix(frame, c_slot, c_starts, c_sizes, (M, N)).astype(product.dtype)
-            _write_window(frame.values[c_slot], starts, round_to_dtype(product, c_dtype).reshape(c_sizes))
+                accumulator, accumulator_unwritten = self._matrix(frame, c_slot, c_starts, c_sizes, (M, N), node,
+                                                                  hint=_ACCUMULATES)
+                product = product + accumulator.astype(product.dtype)
+            result = round_to_dtype(product, c_dtype)
+            if lhs_unwritten or rhs_unwritten or accumulator_unwritten:
+                # an unwritten element of A reaches its row of C, one of B its column, one of C itself
+                reached = np.zeros((M, N), dtype=bool)
+                if lhs_unwritten:
+                    reached |= (lhs_unwritten[0].T if transpose_a else lhs_unwritten[0]).any(axis=1)[:, None]
+                if rhs_unwritten:
+                    reached |= (rhs_unwritten[0].T if transpose_b else rhs_unwritten[0]).any(axis=0)[None, :]
+                if accumulator_unwritten:
+                    reached |= accumulator_unwritten[0]
+                origin = next(u[1] for u in (lhs_unwritten, rhs_unwritten, accumulator_unwritten) if u)
+                self._carry_unwritten(frame, c_slot, result, reached, origin)
+            _write_window(frame.values[c_slot], starts, result.reshape(c_sizes))
 
         if operand_dtypes - {"float16", "bfloat16", "float32", "float64"}:
             raise self._unsupported(f"T.gemm on {sorted(operand_dtypes)} operands", node)
@@ -642,7 +817,7 @@ class _Program:
 
         def run_reduce(frame):
             self._tile_guard(frame, f"T.reduce_{kind}")
-            tile = _read_window(frame.values[src_slot], [int(s(frame)) for s in src_starts], src_sizes)
+            tile = self._tile(frame, src_slot, src_starts, src_sizes, node)
             reduced = reduce_all(tile.astype(np.float32 if tile.dtype == np.float16 else tile.dtype), axis=dim)
             starts = [int(s(frame)) for s in dst_starts]
             if _is_var(dst):
@@ -651,7 +826,7 @@ class _Program:
                 return
             reduced = reduced.reshape(dst_sizes)
             if not clear(frame):
-                reduced = combine(_read_window(frame.values[dst_slot], starts, dst_sizes), reduced)
+                reduced = combine(self._tile(frame, dst_slot, dst_starts, dst_sizes, node, hint=_ACCUMULATES), reduced)
             _write_window(frame.values[dst_slot], starts, round_to_dtype(reduced, dtype))
 
         return run_reduce
@@ -665,7 +840,7 @@ class _Program:
 
         def run_cumsum(frame):
             self._tile_guard(frame, "T.cumsum")
-            tile = _read_window(frame.values[src_slot], [int(s(frame)) for s in src_starts], src_sizes)
+            tile = self._tile(frame, src_slot, src_starts, src_sizes, node)
             if reverse:
                 summed = np.flip(np.cumsum(np.flip(tile, dim), axis=dim, dtype=tile.dtype), dim)
             else:
@@ -739,13 +914,32 @@ class _Program:
         if _is_var(buffer):
             return lambda frame: frame.values[slot]
         indices = [self._expr(i) for i in node.indices]
+        if slot not in self.poisoned:
+            def read(frame):
+                source = frame.values[slot]
+                where = _check_bounds(name, source.shape, [i(frame) for i in indices], frame.mask)
+                return source[tuple(where)]
 
-        def read(frame):
+            return read
+        statement = self._statement
+
+        def read_written(frame):
             source = frame.values[slot]
             where = _check_bounds(name, source.shape, [i(frame) for i in indices], frame.mask)
-            return source[tuple(where)]
+            values = source[tuple(where)]
+            if slot in frame.filled or self._filled(frame, slot):
+                return values
+            unwritten = _unwritten(values)
+            if unwritten.any() and np.any(unwritten & frame.mask):  # lanes that do not execute may read anything
+                *where, active = np.broadcast_arrays(*where, unwritten & frame.mask)
+                first = np.unravel_index(int(np.argmax(active)), active.shape)
+                element = [int(index[first]) for index in where]
+                origin = self._origin(frame, slot, element, statement)
+                raise self._read_before_write(origin, None if origin.statement is statement else (
+                    statement, slot, element))
+            return values
 
-        return read
+        return read_written
 
     def _binary(self, node, operator):
         a, b, dtype = self._expr(node.a), self._expr(node.b), str(node.dtype)
@@ -903,6 +1097,45 @@ def _write_window(array, starts, tile):
     inside, local = _window_slices(array.shape, starts, tile.shape)
     if inside is not None:
         array[inside] = tile[local]
+
+
+def _span(stmt):
+    """(file, line) where TileLang recorded the Python line of `stmt` (it stamps statements with their
+    source span by default), else None."""
+    try:
+        from tilelang.ir import get_stmt_span
+
+        span = get_stmt_span(stmt) if stmt is not None else None
+    except (ImportError, AttributeError, TypeError):  # an older TileLang, or a node without a span
+        return None
+    if span is None or not span.line or span.source_name is None:
+        return None
+    return str(span.source_name.name), int(span.line)
+
+
+def _declaration_line(path, name):
+    """The line of `path` where `name = T.alloc_...(...)` declares a buffer, or None."""
+    import linecache
+
+    declaration = re.compile(rf"^\s*{re.escape(name)}\s*=\s*T\.alloc_")
+    for number, line in enumerate(linecache.getlines(path), start=1):
+        if declaration.match(line):
+            return number
+    return None
+
+
+class _Origin:
+    """The first read of an unwritten element that a run met: the statement, the buffer's slot, the
+    element, a hint for the message, and the block indices as text."""
+
+    __slots__ = ("statement", "slot", "element", "hint", "blocks")
+
+    def __init__(self, statement, slot, element, hint, blocks):
+        self.statement, self.slot, self.element, self.hint, self.blocks = statement, slot, element, hint, blocks
+
+
+# A tile operation that adds into its destination reads it first.
+_ACCUMULATES = ": T.gemm without clear_accum=True adds into what its C holds, and T.reduce with clear=False too"
 
 
 def _rsqrt(x):

@@ -263,3 +263,144 @@ def compile_in_threads(compilers, log=None):
             if log is not None:
                 log(message)
     return {key: results[key] for key in compilers}
+
+
+# ------------------------------------------------------------------------------------------ errors that name a line
+
+
+def shown_path(path):
+    """`path` as a reader finds it: relative to the working directory when it lies below it."""
+    path = str(path)
+    relative = os.path.relpath(path, os.getcwd()) if os.path.isabs(path) else path
+    return path if relative.startswith("..") else relative
+
+
+def statement_at(path, line):
+    """The text of the Python statement of `path` that holds `line`, on one line (a compound statement
+    such as `for` or `with` by its header); None where the file cannot be read or parsed."""
+    import ast
+    import linecache
+
+    source = "".join(linecache.getlines(str(path)))
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    found, nodes = None, list(tree.body)
+    while nodes:  # walk down to the innermost statement that spans the line
+        node = nodes.pop()
+        if isinstance(node, ast.stmt) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            found = node
+            nodes = [child for field in ("body", "orelse", "finalbody", "handlers") for child in getattr(node, field, [])]
+    if found is None:
+        return None
+    body = getattr(found, "body", None)
+    if isinstance(body, list) and body:  # a compound statement: its header, up to its body
+        text = "".join(linecache.getlines(str(path))[found.lineno - 1:body[0].lineno - 1]) or linecache.getline(
+            str(path), found.lineno)
+    else:
+        text = ast.get_source_segment(source, found) or ""
+    text = " ".join(text.split())
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def source_line(path, line):
+    """'exercises/s01_linear_attention/kernel_program.py, line 70: `T.gemm(K_s, V_s, S_f)`'."""
+    text = statement_at(path, line)
+    where = f"{shown_path(path)}, line {line}"
+    return f"{where}: `{text}`" if text else where
+
+
+def build_error_message(error, build_program):
+    """One paragraph that says why `build_program(...)` raised `error` while TileLang parsed its program.
+
+    TileLang runs the body of a `@T.prim_func` as Python, with the author's file and line numbers, to
+    build the TIR: the deepest frame of the traceback in the file of `build_program` is the line that
+    failed (a `T.gemm`, a `T.copy`, a store). The message names that line, what TileLang said (the
+    last line of its message) and, for the shape checks of `T.gemm`, the same in plain words.
+    A `build_program` without a Python file (one that ran in the grading sandbox) is named by what
+    TileLang said alone.
+    """
+    said = f"{type(error).__name__}: {_what_tilelang_said(error)}"
+    plain = _gemm_shapes_in_plain_words(error) or _unequal_shapes_in_plain_words(error)
+    said = f"{said}; in plain words: {plain}" if plain else said
+    path = getattr(getattr(build_program, "__code__", None), "co_filename", None)
+    line = None
+    traceback = error.__traceback__
+    while path is not None and traceback is not None:  # the deepest frame in the author's file
+        if traceback.tb_frame.f_code.co_filename == path:
+            line = traceback.tb_lineno
+        traceback = traceback.tb_next
+    if line is None:
+        return f"the program does not build: {said}"
+    return f"the program does not build: {source_line(path, line)}: {said}"
+
+
+def _what_tilelang_said(error):
+    """The message of `error` on one line: the last line of a message that carries TVM's C++
+    traceback, else the whole message (TVM's StructuralEqual spreads one over five lines)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if any(line.startswith(("Traceback", "File ")) or line[:1].isdigit() for line in lines):
+        return lines[-1]
+    text = " ".join(lines)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+# TVM's check that two shapes agree (T.copy between regions of different shapes raises it)
+_UNEQUAL = re.compile(r"StructuralEqual check failed.*?:\s*(\([^)]*\))\s*and rhs.*?:\s*(\([^)]*\))", re.S)
+
+
+def _unequal_shapes_in_plain_words(error):
+    match = _UNEQUAL.search(str(error))
+    if match is None:
+        return None
+    return f"two shapes that must agree differ, {match.group(1)} and {match.group(2)}"
+
+
+# TileLang 0.1.15's shape checks of T.gemm: "T.gemm M shape check failed: M_A = 16, M_C = 32"
+_GEMM_SHAPE_CHECK = re.compile(r"(M|N|K) shape check failed: (\w+) = (\d+), (\w+) = (\d+)")
+
+
+def _gemm_shapes_in_plain_words(error):
+    """The failed shape check of a T.gemm (C = A B, A: M x K, B: K x N, C: M x N) said in words, with
+    the transpose flag that would make it hold where TileLang's frame still shows the operands."""
+    match = _GEMM_SHAPE_CHECK.search(str(error))
+    if match is None:
+        return None
+    axis, first, second = match.group(1), int(match.group(3)), int(match.group(5))
+    words = {
+        "M": f"A gives M = {first} rows, C has {second}",
+        "K": f"A gives K = {first}, B gives K = {second}",
+        "N": f"B gives N = {first} columns, C has {second}",
+    }[axis]
+    flags = {"M": "transpose_A?", "K": "transpose_A or transpose_B?", "N": "transpose_B?"}[axis]
+    return f"{words} ({_gemm_fix(error, axis) or flags})"
+
+
+def _gemm_fix(error, axis):
+    """'transpose_A=True?' where flipping one flag of the failed T.gemm makes its shapes agree; found in
+    the locals of TileLang's frame that checked them (None where that frame is gone)."""
+    traceback, checked = error.__traceback__, None
+    while traceback is not None:
+        if {"A_shape", "B_shape", "C_shape", "transpose_A", "transpose_B"} <= traceback.tb_frame.f_locals.keys():
+            checked = traceback.tb_frame.f_locals
+        traceback = traceback.tb_next
+    if checked is None:
+        return None
+    try:
+        (a_rows, a_cols), (b_rows, b_cols), (m, n) = (
+            [int(s) for s in checked[name][-2:]] for name in ("A_shape", "B_shape", "C_shape"))
+    except (TypeError, ValueError):  # a symbolic extent
+        return None
+    flags = {"transpose_A": bool(checked["transpose_A"]), "transpose_B": bool(checked["transpose_B"])}
+
+    def agree(transpose_a, transpose_b):
+        m_a, k_a = (a_cols, a_rows) if transpose_a else (a_rows, a_cols)
+        k_b, n_b = (b_cols, b_rows) if transpose_b else (b_rows, b_cols)
+        return m_a == m and k_a == k_b and n_b == n
+
+    for flag in {"M": ["transpose_A"], "K": ["transpose_A", "transpose_B"], "N": ["transpose_B"]}[axis]:
+        flipped = dict(flags, **{flag: not flags[flag]})
+        if agree(flipped["transpose_A"], flipped["transpose_B"]):
+            return f"A is {a_rows} x {a_cols}, B {b_rows} x {b_cols}, C {m} x {n}: {flag}={flipped[flag]}?"
+    return f"A is {a_rows} x {a_cols}, B {b_rows} x {b_cols}, C {m} x {n}"

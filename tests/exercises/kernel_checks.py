@@ -27,9 +27,10 @@ def build(build_program, *args, **kwargs):
             return build_program(*args, **kwargs)
     except NotImplementedError as todo:
         problem = f"build_program raised NotImplementedError: {todo}"
-    except Exception as error:  # TileLang's parser names the construct it could not build
-        lines = str(error).strip().splitlines()
-        problem = f"the program does not build: {type(error).__name__}: {lines[-1] if lines else ''}"
+    except Exception as error:  # named by the line of the student's file that TileLang could not build
+        from stages.common.tilelang_tools import build_error_message
+
+        problem = build_error_message(error, build_program)
     pytest.fail(problem, pytrace=False)  # outside the except: no chained traceback
 
 
