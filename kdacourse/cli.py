@@ -52,7 +52,6 @@ def main(argv=None):
                             choices=["visible", "after_due_date", "after_published"],
                             help="when students see the tests' results (Gradescope's setting; default visible)")
 
-
     test = commands.add_parser("test", help="run the test suite (what .ci/run runs)",
                                description="Lint with ruff, then run the test suite on the solutions (what .ci/run "
                                "runs). Every argument goes to pytest, e.g. `course test tests/test_handout.py -x -q`; "
@@ -116,14 +115,33 @@ def _grading_options(parser, out_help):
 
 
 def _test(pytest_args):
+    import os
+    import shutil
+    import tempfile
+
     import pytest
 
     lint = _lint()
     if lint:
         return lint
-    # The exercise tests check the solutions here; the student's copy is checked by `course check`,
-    # and tests/test_exercise_model.py checks that the shipped exercises fail and every bug is caught.
-    return int(pytest.main(["-p", "no:cacheprovider", "--target=solutions", *pytest_args]))
+    # One pytest worker per core (pytest-xdist), unless the arguments choose: the suite is mostly
+    # NumPy, TileLang's lowering and nvcc, each on one core. Tests that share one computation in a
+    # process (the kill matrix, the built site) are kept on one worker by their xdist_group.
+    chosen = any(arg in ("-n", "--numprocesses", "no:xdist") or arg.startswith(("--numprocesses=", "-n="))
+                 or (arg.startswith("-n") and arg[2:].isdigit()) for arg in pytest_args)
+    workers = [] if chosen else ["-n", "auto", "--dist", "loadgroup"]
+    # The workers, and the pytest processes the tests start, share nvcc's logs (tilelang_tools.ptxas_log).
+    cache = None if os.environ.get("KDACOURSE_NVCC_CACHE") else tempfile.mkdtemp(prefix="course-nvcc-")
+    if cache:
+        os.environ["KDACOURSE_NVCC_CACHE"] = cache
+    try:
+        # The exercise tests check the solutions here; the student's copy is checked by `course check`,
+        # and tests/test_exercise_model.py checks that the shipped exercises fail and every bug is caught.
+        return int(pytest.main(["-p", "no:cacheprovider", "--target=solutions", *workers, *pytest_args]))
+    finally:
+        if cache:
+            del os.environ["KDACOURSE_NVCC_CACHE"]
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 def _lint():

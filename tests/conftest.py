@@ -36,7 +36,30 @@ def pytest_addoption(parser):
     )
 
 
+# Tests that read one computation made once per process: under pytest-xdist (`course test` runs a
+# worker per core) each group runs on one worker, so the computation is made once, not per worker.
+KILL_MATRIX_GROUP = "kill_matrix"  # kdacourse.killmatrix.compute: a pytest run per catalog bug
+
+
+def xdist_group(item):
+    """The item's xdist group, or None: the kill matrix's readers (its pages, the caught-bug tests),
+    and a file's tests that share a module- or session-scoped fixture defined in that file."""
+    if "kill_matrix" in item.nodeid or getattr(item, "originalname", "") == "test_every_bug_is_caught":
+        return KILL_MATRIX_GROUP
+    module = item.nodeid.split("::")[0]
+    fixtures = getattr(item, "_fixtureinfo", None)
+    for definitions in (fixtures.name2fixturedefs.values() if fixtures else ()):
+        if any(d.scope in ("module", "session") and d.baseid == module for d in definitions):
+            return module
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = xdist_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
     _skip_compile_tests_without_nvcc(items)
     for item in items:
         if "compile" in item.keywords:
