@@ -1,6 +1,7 @@
 """Stage 6 KDA layer: the incremental path (pieces with a carried cache equal one call on the whole),
-causality, gradients to every parameter, the forget gate's parametrization; on a GPU, the layer on
-stage 5/6's kernels against the same layer on FLA's chunk_kda."""
+packed sequences of unequal lengths (cu_seqlens) against each sequence alone, causality, gradients to
+every parameter, the forget gate's parametrization; on a GPU, the layer on stage 5/6's kernels against
+the same layer on FLA's chunk_kda."""
 
 import pytest
 import torch
