@@ -1,6 +1,7 @@
 """Stage 6 KDA layer: the incremental path (pieces with a carried cache equal one call on the whole),
-causality, gradients to every parameter, the forget gate's parametrization; on a GPU, the layer on
-stage 5/6's kernels against the same layer on FLA's chunk_kda."""
+packed sequences of unequal lengths (cu_seqlens) against each sequence alone, causality, gradients to
+every parameter, the forget gate's parametrization; on a GPU, the layer on stage 5/6's kernels against
+the same layer on FLA's chunk_kda."""
 
 import pytest
 import torch
@@ -39,6 +40,58 @@ def test_pieces_with_a_carried_cache_equal_the_whole(conv_size):
         assert actual.shape == expected.shape, name
         assert error_report(actual, expected).max_abs <= 1e-12, name
     assert cache.conv_q.shape == (2, conv_size - 1, 16) and cache.state.shape == (2, 2, 8, 8)
+
+
+def _served_by_stage_7(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """chunk_kda's calling convention with FLA's cu_seqlens (no autograd), on stage 7's reference C: the
+    packed batch in one pass, one state per sequence."""
+    import numpy as np
+
+    from stages.s06_backward.autograd import _l2_normalize
+    from stages.s07_serving.reference import kernel_mirror
+
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2_normalize(q), _l2_normalize(k)
+    q = q * q.shape[-1] ** -0.5
+    o, states = kernel_mirror(*(t.numpy() for t in (q, k, v, g, beta)), C, 4, np.asarray(cu_seqlens),
+                              None if initial_state is None else initial_state.numpy(), output_final_state=True,
+                              sub_block=4)
+    return torch.from_numpy(o), torch.from_numpy(states) if output_final_state else None
+
+
+FIRST_LENGTHS, SECOND_LENGTHS = [5, 0, 1, C + 3, 3], [3, 4, 2, 1, C + 1]  # two packed prefills of 5 sequences
+
+
+def test_packed_sequences_of_unequal_lengths_equal_each_sequence_alone():
+    """Two packed calls (cu_seqlens) of five sequences of unequal lengths, empty and one-token pieces
+    among them, the second from the first's cache: each sequence's y and its row of the cache (the
+    convolutions' last inputs, the state) equal the sequence run alone through the layer in one call.
+    A convolution over the packed row would read the end of the sequence before."""
+    layer = _layer(seed=12)
+    totals = [a + b for a, b in zip(FIRST_LENGTHS, SECOND_LENGTHS)]
+    alone = [_x(1, total, seed=20 + i) for i, total in enumerate(totals)]
+    expected = [layer(x, use_cache=True) for x in alone]
+    with torch.no_grad():
+        layer.kernel = _served_by_stage_7
+        cache, ys = None, []
+        for first, lengths in ((True, FIRST_LENGTHS), (False, SECOND_LENGTHS)):
+            pieces = [x[:, :n] if first else x[:, FIRST_LENGTHS[i]:] for i, (x, n) in enumerate(zip(alone, lengths))]
+            cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+            y, cache = layer(torch.cat(pieces, dim=1), cache, use_cache=True, cu_seqlens=cu_seqlens)
+            ys.append(y.split(lengths, dim=1))
+    for i, (y_alone, cache_alone) in enumerate(expected):
+        assert error_report(torch.cat([ys[0][i], ys[1][i]], dim=1), y_alone).rel_l2 <= 1e-12, i
+        for name, whole, packed in zip(cache_alone._fields, cache_alone, cache):
+            assert packed.shape[0] == len(totals), name
+            assert error_report(packed[i:i + 1], whole).max_abs <= 1e-12, (i, name)
+
+
+def test_packed_convolution_refuses_offsets_that_do_not_cover_the_row():
+    layer = _layer()
+    for bad in ([0, 3, 2, 7], [0, 3, 6], [1, 7]):
+        with pytest.raises(ValueError, match="cu_seqlens must run from 0 to T = 7"):
+            layer.q_conv(torch.zeros(1, 7, 16, dtype=torch.float64), None, torch.tensor(bad))
 
 
 def test_without_use_cache_no_cache_is_returned_and_a_given_one_is_read():

@@ -66,38 +66,43 @@ def write_identities_table(path):
 
 
 # --8<-- [start:storage]
-def chunk_state_costs(B, N, H, D=128, C=64, element=2):
-    """What the backward pays for the state at every chunk start, per way of getting it
-    (d_k = d_v = D, tensors of `element` bytes). Times are lower bounds: bytes at the copy bandwidth,
-    FLOPs at the bf16 GEMM roof, both measured on the H200 (benchmarks/roofs.py)."""
-    from benchmarks.roofs import DESIGN_COPY_BANDWIDTH, DESIGN_GEMM_FLOPS
-
-    tokens = B * N * H  # token-heads
-    state_bytes = (tokens // C) * D * D * element  # one d_k x d_v state per chunk and head
-    reread_bytes = tokens * 3 * D * element  # W, U and K e^{gamma_C - gamma} read once more
-    loop_flops = tokens * 2 * (2 * D * D)  # per chunk: W S^T and (K e^{gamma_C - gamma})^T V_new
+def held_from_forward_to_backward(B, N, H, D=128, C=64, element=2):
+    """Bytes one layer keeps from its forward to its backward beside its inputs, per choice (d_k = d_v = D,
+    tensors of `element` bytes): every chunk's state, or FLA 0.6.0's default (A^qk and A^kk, one row of
+    C scores per token and head each; chunk_kda_fwd frees w, u and the states), or nothing (ours)."""
+    token_heads = B * N * H
     return {
-        "states held from forward to backward (MiB)": state_bytes / 2**20,
-        "store: written by the forward, read by the backward (ms)": 2 * state_bytes / DESIGN_COPY_BANDWIDTH * 1e3,
-        "recompute: the state loop's reads (ms)": reread_bytes / DESIGN_COPY_BANDWIDTH * 1e3,
-        "recompute: the state loop's GEMMs (ms)": loop_flops / DESIGN_GEMM_FLOPS * 1e3,
+        "store every chunk's state": (token_heads // C) * D * D * element,  # one d_k x d_v S^T per chunk and head
+        "store A^qk and A^kk (FLA's default)": token_heads * 2 * C * element,
+        "recompute everything (ours)": 0,
     }
 # --8<-- [end:storage]
 
 
-STORAGE_SHAPES = [(1, 4096, 32), (1, 16384, 32), (1, 65536, 32), (8, 4096, 16)]  # B, N, H: the benchmark's
+BACKWARD_RUN = "benchmarks/results/backward.csv"  # committed by `python -m benchmarks.backward --out DIR`
 
 
 def write_storage_table(path):
-    from benchmarks.roofs import DESIGN_COPY_BANDWIDTH, DESIGN_GEMM_FLOPS
+    """Per shape of the committed backward run: what each choice holds, and the measured times of what
+    our backward recomputes (the prepare kernel again, the states kernel) beside the whole backward."""
+    from benchmarks import fair
+    from kdacourse import REPO_ROOT
 
+    summary = fair.summarize(fair.read_rows(REPO_ROOT / BACKWARD_RUN))
     rows = []
-    for B, N, H in STORAGE_SHAPES:
-        costs = chunk_state_costs(B, N, H)
-        rows.append([f"B={B}, N={N}, H={H}"] + [f"{value:.3g}" for value in costs.values()])
+    for (B, N, H, D), measured in sorted(summary.items()):
+        held = held_from_forward_to_backward(B, N, H, D)
+        backward = measured[("ours", "backward_kernels")].median
+        prepare, states = (measured[("ours", kernel)].median for kernel in ("prepare", "states"))
+        rows.append([f"B={B}, N={N}, H={H}", *(f"{held[key] / 2**20:.0f}" for key in list(held)[:2]),
+                     f"{backward:.2f}", f"{prepare:.3f} ({prepare / backward:.0%})",
+                     f"{states:.3f} ({states / backward:.0%})"])
     path.write_text(
-        banner(SOURCE) + "d_k = d_v = 128, C = 64, bf16 states and operands, one layer; times are lower bounds at "
-        f"{DESIGN_COPY_BANDWIDTH / 1e12:.2f} TB/s and {DESIGN_GEMM_FLOPS / 1e12:.0f} TFLOP/s.\n\n" + markdown_table(["shape", *chunk_state_costs(1, 64, 1)], rows))
+        banner(f"{SOURCE}, from {BACKWARD_RUN}") + "d_k = d_v = 128, C = 64, bf16, one layer. Memory: what the "
+        "layer holds from its forward to its backward, beside its inputs. Times: medians over the committed run's "
+        "rounds on the H200, each kernel alone.\n\n" + markdown_table(
+            ["shape", "states held (MiB)", "A^qk and A^kk held (MiB)", "our backward kernels (ms)",
+             "prepare again (ms, share)", "states kernel (ms, share)"], rows))
 
 
 TRAINING_RUN = "benchmarks/results/train_kda_cpu"  # committed by `python -m benchmarks.train_kda --out ...`

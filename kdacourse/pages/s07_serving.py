@@ -1,5 +1,5 @@
 """Stage 7's generated files: the error table of the varlen references against each sequence run
-alone, the state's memory per sequence and the batch it allows, the chunk table of an example batch,
+alone, the KDA cache's memory per sequence (state and convolution inputs) and the batch it allows, the chunk table of an example batch,
 the padding of prefill's chunk-aligned layout, and the parts of prefill's call in the committed
 varlen run."""
 
@@ -60,13 +60,23 @@ def write_error_table(path):
 # the serving shape: Kimi Linear's KDA heads (H = 32, d_k = d_v = 128), fp32 states
 SERVING_H, SERVING_D = 32, 128
 KDA_LAYERS = (1, 24)  # one layer; a model of 24 KDA layers (3 of every 4 layers of a 32-layer model)
+ATTENTION_LAYERS = 8  # the other layer in every 4 of that model: full attention, with a KV cache
+CONV_SIZE = 4  # the short convolutions' width: KDALayer's default, and FLA's
 STATE_BUDGETS_GIB = (8, 40)
+LONG_CONTEXT = 2**20  # about a million tokens
 
 
 # --8<-- [start:state_bytes]
 def state_bytes(H: int, d_k: int, d_v: int, layers: int, bytes_per_entry: int = 4) -> int:
     """The state of one sequence: H heads of a d_k x d_v matrix per KDA layer, whatever its length."""
     return layers * H * d_k * d_v * bytes_per_entry
+
+
+def conv_cache_bytes(H: int, d_k: int, d_v: int, layers: int, conv_size: int = CONV_SIZE,
+                     bytes_per_entry: int = 2) -> int:
+    """The rest of a sequence's KDA cache: each short convolution's last conv_size - 1 inputs, of q and
+    k (H d_k channels each) and v (H d_v), per KDA layer (bf16), whatever its length."""
+    return layers * (conv_size - 1) * H * (2 * d_k + d_v) * bytes_per_entry
 
 
 def kv_cache_bytes(tokens: int, H: int, d: int, layers: int, bytes_per_entry: int = 2) -> int:
@@ -78,17 +88,29 @@ def kv_cache_bytes(tokens: int, H: int, d: int, layers: int, bytes_per_entry: in
 def write_state_memory_table(path):
     rows = []
     for layers in KDA_LAYERS:
-        per_sequence = state_bytes(SERVING_H, SERVING_D, SERVING_D, layers)
-        tokens_equal = per_sequence // kv_cache_bytes(1, SERVING_H, SERVING_D, layers)
-        cells = [str(layers), f"{per_sequence / 2**20:.0f} MiB", f"{tokens_equal}"]
-        cells += [f"{budget * GIB // per_sequence}" for budget in STATE_BUDGETS_GIB]
+        state = state_bytes(SERVING_H, SERVING_D, SERVING_D, layers)
+        conv = conv_cache_bytes(SERVING_H, SERVING_D, SERVING_D, layers)
+        tokens_equal = state // kv_cache_bytes(1, SERVING_H, SERVING_D, layers)
+        cells = [str(layers), f"{state / 2**20:.0f} MiB", f"{conv / 2**10:.0f} KiB", f"{tokens_equal}"]
+        cells += [f"{budget * GIB // (state + conv)}" for budget in STATE_BUDGETS_GIB]
         rows.append(cells)
+    kda_cache = (state_bytes(SERVING_H, SERVING_D, SERVING_D, KDA_LAYERS[-1])
+                 + conv_cache_bytes(SERVING_H, SERVING_D, SERVING_D, KDA_LAYERS[-1]))
+    attention = kv_cache_bytes(LONG_CONTEXT, SERVING_H, SERVING_D, ATTENTION_LAYERS)
+    crossing = kda_cache / (ATTENTION_LAYERS * LONG_CONTEXT)
     path.write_text(
-        banner(SOURCE) + f"H = {SERVING_H} heads of d_k = d_v = {SERVING_D}, fp32 states. The KV cache of full "
-        "attention with the same heads, bf16 keys and values, reaches the same bytes after the number of tokens "
-        "in the third column; the last columns are the sequences whose states fit in a pool of that size.\n\n"
-        + markdown_table(["KDA layers", "state per sequence", "KV-cache tokens of equal size"]
-                         + [f"sequences in {budget} GiB" for budget in STATE_BUDGETS_GIB], rows))
+        banner(SOURCE) + f"H = {SERVING_H} heads of d_k = d_v = {SERVING_D}, fp32 states, a convolution cache of "
+        f"conv_size - 1 = {CONV_SIZE - 1} bf16 inputs of q, k and v. The KV cache of full attention with the same "
+        "heads, bf16 keys and values, reaches the state's bytes after the number of tokens in the fourth column; "
+        "the last columns are the sequences whose states and convolution caches fit in a pool of that size.\n\n"
+        + markdown_table(["KDA layers", "state per sequence", "convolution cache per sequence",
+                          "KV-cache tokens of the state's size"]
+                         + [f"sequences in {budget} GiB" for budget in STATE_BUDGETS_GIB], rows)
+        + f"\nIn the 3:1 mix of a 32-layer model ({KDA_LAYERS[-1]} KDA layers, {ATTENTION_LAYERS} full-attention "
+        f"layers), at {LONG_CONTEXT} tokens: the {KDA_LAYERS[-1]} KDA layers keep {kda_cache / 2**20:.1f} MiB per "
+        f"sequence, states and convolution caches; the {ATTENTION_LAYERS} full-attention layers with these heads "
+        f"keep {attention / GIB:.0f} GiB, and any cache of more than {crossing:.1f} bytes per token and layer in "
+        "them outweighs the KDA layers' whole cache.\n")
 
 
 CHUNK_TABLE_LENGTHS, CHUNK_TABLE_C = (100, 0, 64, 1, 200), 64

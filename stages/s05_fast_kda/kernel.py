@@ -457,7 +457,10 @@ def check_diagonal_range(g, dtype, smallest_gate=None):
     Every window of SUB_BLOCK / 2 tokens must keep -sum(g) below the log of the operand's largest
     value (q and k L2-normalized, so their entries are <= 1): fp16 operands (fp16 inputs) 65504, so
     a >= 0.25 always passes; fp32 or bf16 operands (bf16 inputs) 3.4e38, so a >= e^-11 always passes.
-    FLA's tensor-core path for these blocks (safe_gate) has the same bound and asks for gates >= -5.
+    The middle-row anchor reads later tokens' gates for a row above m (g_{r+1} .. g_m), so a window
+    of gates after a token can make that token's output NaN. FLA 0.6.0's tensor-core path (safe_gate)
+    anchors at the sub-block's first cumulative gate instead, for that reason (chunk_kda_fwd_intra's
+    docstring in fla/ops/kda/chunk_intra.py), with bounds of its own, and asks for gates >= -5.
     smallest_gate (check_gate_values returns it) skips the windows when no window can reach the
     bound; otherwise every window is read, wherever the sub-blocks fall, so packed sequences (stage 7)
     are covered too: one pass over g per token of the window. A factor's gates all lie in one
@@ -478,8 +481,8 @@ def check_diagonal_range(g, dtype, smallest_gate=None):
     if worst > largest_log:
         largest, remedy = (("65504", "Use bf16 inputs (these operands are fp32 there), bound the gates from below "
                             "(a >= 0.25 always passes)") if dtype == "float16" else
-                           ("3.4e38", "Bound the gates from below (g >= -11 always passes; FLA's safe_gate path has "
-                            "the same bound and asks for lower_bound -5)"))
+                           ("3.4e38", "Bound the gates from below (g >= -11 always passes; FLA's safe_gate path takes "
+                            "lower_bound in [-5, 0))"))
         raise ValueError(
             f"g sums to -{worst:.3g} over {window} consecutive tokens: with {dtype} inputs the prepare kernel's "
             f"anchored score operands can reach e^{worst:.3g}, past their largest value {largest} = "

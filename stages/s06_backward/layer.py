@@ -36,11 +36,16 @@ Why each part is there:
   with the state's) and multiplied by a sigmoid gate from a second low-rank projection of x, then
   projected back to d_model.
 
-`forward(x, cache=None, use_cache=False)` returns (y, cache). The cache (`KDACache`) is what a
-server keeps between calls: each short convolution's last conv_size - 1 inputs and the recurrent
-state S^T (B, H, d_k, d_v), fp32 (float64 for a float64 layer). Calling forward on consecutive pieces
-of a sequence, each with the cache the previous call returned, gives the same y as one call on the
-whole: prefill in pieces, then decode token by token.
+`forward(x, cache=None, use_cache=False, cu_seqlens=None)` returns (y, cache). The cache (`KDACache`)
+is what a server keeps between calls, per sequence: each short convolution's last conv_size - 1 inputs
+of q, k and v (in x's dtype), and the recurrent state S^T (H, d_k, d_v), fp32 (float64 for a float64
+layer). The state alone does not carry a sequence: the next token's q, k and v read the last
+conv_size - 1 projected inputs too. Calling forward on consecutive pieces of a sequence, each with the
+cache the previous call returned, gives the same y as one call on the whole: prefill in pieces, then
+decode token by token. With cu_seqlens, one call takes a packed batch of sequences of any lengths
+(FLA's convention, as FLA's layer passes cu_seqlens to its short convolutions and to chunk_kda), and
+each convolution stops at every sequence's boundary: a convolution over the packed row would mix the
+last tokens of one sequence into the first of the next.
 """
 
 import math
@@ -66,6 +71,7 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 class KDACache(NamedTuple):
     """What forward carries from one piece of a sequence to the next."""
 
+    # one row per sequence: B, or N_seq for a packed batch (cu_seqlens)
     conv_q: torch.Tensor  # (B, conv_size - 1, H * d_k): the last inputs of q's short convolution
     conv_k: torch.Tensor  # (B, conv_size - 1, H * d_k)
     conv_v: torch.Tensor  # (B, conv_size - 1, H * d_v)
@@ -86,16 +92,37 @@ class ShortConvolution(nn.Module):
         bound = 1.0 / math.sqrt(size)  # nn.Conv1d's default init for one input channel per group
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: torch.Tensor, past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, past: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (B, T, channels); past: the size - 1 inputs before x (B, size - 1, channels), None for
-        zeros (a sequence's start). Returns (y (B, T, channels), the size - 1 inputs that end x)."""
+        zeros (a sequence's start). Returns (y (B, T, channels), the size - 1 inputs that end x).
+
+        With cu_seqlens (N_seq + 1,) x is FLA's packed batch (B = 1): sequence i is tokens
+        cu_seqlens[i] to cu_seqlens[i + 1] - 1, past and the returned inputs are (N_seq, size - 1,
+        channels), one row per sequence, and each sequence is convolved alone: its first tokens read its
+        own past, never the end of the sequence packed before it."""
+        if cu_seqlens is not None:
+            return self._packed(x, past, cu_seqlens)
         B, T, channels = x.shape
         if past is None:
             past = x.new_zeros(B, self.size - 1, channels)
+        if T == 0:  # an empty piece (a packed batch may hold one): nothing to convolve, the past carries on
+            return x, past.to(x.dtype)
         extended = torch.cat([past.to(x.dtype), x], dim=1)  # (B, size - 1 + T, channels)
         # conv1d correlates: output t reads extended[t : t + size], whose last row is x_t
         y = F.conv1d(extended.transpose(1, 2), self.weight, groups=channels).transpose(1, 2)
         return F.silu(y).contiguous(), extended[:, T:]  # contiguous: (B, T, H, D) views for the kernels
+
+    def _packed(self, x, past, cu_seqlens):
+        """forward on a packed batch: each sequence alone, from its own row of past."""
+        bounds = [int(offset) for offset in cu_seqlens]
+        if x.shape[0] != 1 or bounds[0] != 0 or bounds[-1] != x.shape[1] or any(
+                start > end for start, end in zip(bounds[:-1], bounds[1:])):
+            raise ValueError(f"cu_seqlens must run from 0 to T = {x.shape[1]} without decreasing, over a packed "
+                             f"batch of one row, got {bounds} for x of shape {tuple(x.shape)}")
+        pieces = [self(x[:, start:end], None if past is None else past[i:i + 1])
+                  for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        return torch.cat([y for y, _ in pieces], dim=1), torch.cat([ends for _, ends in pieces], dim=0)
 # --8<-- [end:short_convolution]
 
 
@@ -173,19 +200,25 @@ class KDALayer(nn.Module):
         self.o_norm = GatedRMSNorm(head_dim, norm_eps)
         self.o_proj = nn.Linear(width, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None,
-                use_cache: bool = False) -> tuple[torch.Tensor, KDACache | None]:
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None, use_cache: bool = False,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, KDACache | None]:
         """x: (B, T, d_model); cache: what the previous piece of these sequences returned, None at their
-        start. Returns (y (B, T, d_model), the cache after x if use_cache, else None)."""
+        start. Returns (y (B, T, d_model), the cache after x if use_cache, else None).
+
+        cu_seqlens (N_seq + 1,): x is FLA's packed batch (B = 1) of N_seq sequences of any lengths, the
+        cache one row per sequence; the short convolutions stop at each sequence's boundary and the
+        kernel is called with cu_seqlens (it must take them: FLA's chunk_kda does, the course's
+        chunk_kda leaves packed batches to stage 7)."""
         past = KDACache(None, None, None, None) if cache is None else cache
-        q, conv_q = self.q_conv(self.q_proj(x), past.conv_q)
-        k, conv_k = self.k_conv(self.k_proj(x), past.conv_k)
-        v, conv_v = self.v_conv(self.v_proj(x), past.conv_v)
+        q, conv_q = self.q_conv(self.q_proj(x), past.conv_q, cu_seqlens)
+        k, conv_k = self.k_conv(self.k_proj(x), past.conv_k, cu_seqlens)
+        v, conv_v = self.v_conv(self.v_proj(x), past.conv_v, cu_seqlens)
         q, k, v = (t.unflatten(-1, (self.n_heads, self.head_dim)) for t in (q, k, v))  # (B, T, H, head_dim)
         g = self.forget_gate(x)  # (B, T, H, d_k), float32
         beta = torch.sigmoid(wide(self.b_proj(x)))  # (B, T, H)
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         o, state = self.kernel(q, k, v, g, beta, initial_state=past.state, output_final_state=use_cache,
-                               use_qk_l2norm_in_kernel=True)
+                               use_qk_l2norm_in_kernel=True, **packed)
         gate = self.g_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
         y = self.o_proj(self.o_norm(o, gate).flatten(-2).to(x.dtype))
         return y, (KDACache(conv_q, conv_k, conv_v, state) if use_cache else None)

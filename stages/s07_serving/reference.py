@@ -19,7 +19,7 @@ The three references, each checked against the one before:
 
 - `recurrent` (A): every sequence token by token, through `decode_step`.
 - `chunkwise` (B): every sequence alone through stage 5's reference C (prepare, then the recurrence
-  from the sequence's initial state): what the `prefill` wrapper does today with stage 5's kernels.
+  from the sequence's initial state): the work of one call per sequence.
 - `kernel_mirror` (C): the design of variable-length kernels, one pass over all the sequences. The
   prepare grid runs one program per row of a chunk table, program -> (sequence, chunk in sequence)
   (`chunk_table`); a program loads its chunk's rows from the sequence's offset, the rows past the
@@ -29,7 +29,12 @@ The three references, each checked against the one before:
   nothing (k = v = 0, beta = 0, g = 0: the padding of stages 4 and 5), so a short last chunk is exact.
 
 `prefill_in_pieces` is chunked prefill: one prompt prefilled in pieces, each piece starting from the
-state the one before left.
+state the one before left. The `prefill` wrapper of stages/s07_serving/kernel.py runs reference C's
+design as two varlen kernels.
+
+`verify_step` and `accept_drafts` are speculative decoding's verify pass: T drafted tokens per
+sequence, each a decode step, with the state after each token kept aside until the target model has
+scored them; then each sequence keeps the state after the drafts it accepted.
 
 The decode step in the kernel layout is
 
@@ -347,3 +352,51 @@ def decode_step(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Arr
             # EXERCISE END
     return o
 # --8<-- [end:decode_step]
+
+
+# --8<-- [start:verify_step]
+def verify_step(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+                state_pool: Float64Array, slots: np.ndarray) -> tuple[Float64Array, Float64Array]:
+    """Speculative decoding's verify pass: T drafted tokens per sequence, token t a decode step from
+    the state token t - 1 left, sequence b starting from state_pool[slots[b]] (S^T, the kernel layout).
+
+    q, k, g: (B, T, H, d_k); v: (B, T, H, d_v); beta: (B, T, H), T >= 1. Returns (o (B, T, H, d_v),
+    the state after each drafted token (B, T, H, d_k, d_v)). The pool is not written: which state a
+    sequence keeps is known only once the target model has scored the outputs (`accept_drafts`).
+    """
+    B, T, H, d_k, _ = check_qkv(q, k, v)
+    check_gate_and_beta(g, beta, B, T, H, d_k, gate="channel")
+    if T == 0:
+        raise ValueError("a verify pass takes at least one drafted token per sequence, got T = 0")
+    check_decode_inputs(*(x[:, 0] for x in (q, k, v, g, beta)), state_pool, slots)
+    scratch = state_pool[slots]  # a copy, (B, H, d_k, d_v): a pool of B states, sequence b at slot b
+    o, drafted_states = np.zeros(v.shape), np.zeros((B, T, *scratch.shape[1:]))
+    for t in range(T):
+        o[:, t] = decode_step(*(x[:, t] for x in (q, k, v, g, beta)), scratch, np.arange(B))
+        drafted_states[:, t] = scratch  # the state after drafted token t, kept in case it is the last accepted
+    return o, drafted_states
+
+
+def accept_drafts(state_pool: Float64Array, slots: np.ndarray, drafted_states: Float64Array,
+                  accepted: np.ndarray) -> None:
+    """After `verify_step`: sequence b keeps the state after its first accepted[b] drafted tokens,
+    state_pool[slots[b]] <- drafted_states[b, accepted[b] - 1], in place; accepted[b] = 0 keeps the
+    state from before the drafts. drafted_states: (B, T, H, d_k, d_v); accepted: (B,) integers in [0, T].
+    Every input is checked first, so a refused call leaves the pool as it was."""
+    check_array("state_pool", state_pool, 4, "(P, H, d_k, d_v)")
+    check_array("drafted_states", drafted_states, 5, "(B, T, H, d_k, d_v)")
+    P, H, d_k, d_v = state_pool.shape
+    B, T = drafted_states.shape[:2]
+    if tuple(drafted_states.shape[2:]) != (H, d_k, d_v):
+        raise ValueError(f"drafted_states must be (B, T, H, d_k, d_v) = (B, T, {H}, {d_k}, {d_v}), the pool's "
+                         f"states, got {tuple(drafted_states.shape)}")
+    check_slots(slots, B, P)
+    if not (isinstance(accepted, np.ndarray) and np.issubdtype(accepted.dtype, np.integer)
+            and accepted.shape == (B,)):
+        raise ValueError(f"accepted must be an integer numpy.ndarray of shape (B,) = ({B},), one count per sequence")
+    if B and (accepted.min() < 0 or accepted.max() > T):
+        raise ValueError(f"accepted must lie in [0, T] = [0, {T}], got [{accepted.min()}, {accepted.max()}]")
+    for b in range(B):
+        if accepted[b]:  # none accepted: the slot already holds the state from before the drafts
+            state_pool[slots[b]] = drafted_states[b, accepted[b] - 1]
+# --8<-- [end:verify_step]
