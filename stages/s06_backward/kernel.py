@@ -52,8 +52,9 @@ from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, dtype_name,
                                         pad_tokens)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK,
-                                        _check_tile_sizes, _compiled_prepare, build_prepare_program,
-                                        check_diagonal_range, default_block_dv, streaming_multiprocessors,
+                                        _check_tile_sizes, _compiled_prepare, advance_state_macro,
+                                        block_inverse_macro, build_prepare_program, check_diagonal_range,
+                                        cumulative_gates_macro, default_block_dv, streaming_multiprocessors,
                                         zero_state)
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ def build_states_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block
     C = chunk_size
     accum_dtype = "float32"
     num_chunks = N // C
+    advance_state = advance_state_macro(d_k, block_dv)
 
     @T.prim_func
     def kda_states(
@@ -116,9 +118,7 @@ def build_states_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block
                     V_new_s[r, j] = U_s[r, j] - V_new_f[r, j]
                 T.copy(V_new_s, V_new[b, t0:t0 + C, h, v0:v0 + block_dv])
 
-                for d, j in T.Parallel(d_k, block_dv):
-                    S_f[d, j] *= chunk_decay_s[d]
-                T.gemm(K_to_chunk_end_s, V_new_s, S_f, transpose_A=True)
+                advance_state(S_f, chunk_decay_s, K_to_chunk_end_s, V_new_s)
 
     return kda_states
 # --8<-- [end:states_program]
@@ -286,6 +286,8 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
     accum_dtype = "float32"
     num_chunks = N // C
     channels = d_k // channel_passes
+    cumulative_gates = cumulative_gates_macro(C, d_k)
+    block_inverse = block_inverse_macro(C)
 
     @T.prim_func
     def kda_intra(
@@ -369,12 +371,7 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             T.copy(K[b, t0:t0 + C, h, :], K_s)
             T.copy(Beta[b, t0:t0 + C, h], beta_s)
             T.copy(G[b, t0:t0 + C, h, :], gamma_s)
-            for d in T.Parallel(d_k):  # gamma = cumsum of the gates, one lane per channel
-                running = T.alloc_var(accum_dtype)
-                running = 0
-                for r in T.unroll(C):
-                    running += gamma_s[r, d]
-                    gamma_s[r, d] = running
+            cumulative_gates(gamma_s)
             # --8<-- [end:intra_setup]
 
             # --8<-- [start:intra_recompute]
@@ -407,25 +404,8 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                         A_kk_s[r, s0 - sub + j] = kk_slab_f[r, j]
                         L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
 
-            # T = (I + L)^{-1} as the prepare kernel inverts it: the diagonal blocks by forward
-            # substitution, then each block row from the rows above it
-            T.clear(T_s)
-            for r in T.serial(sub):
-                for blk, col in T.Parallel(C // sub, sub):
-                    i = blk * sub + r
-                    solved = T.alloc_var(accum_dtype)
-                    solved = T.if_then_else(col == r, 1, 0)
-                    for j in T.serial(r):
-                        solved -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
-                    T_s[i, blk * sub + col] = solved
-                    T_diag_s[i, col] = solved
-            for p0 in range(sub, C, sub):
-                T.gemm(L_s[p0:p0 + sub, :], T_s, block_row_f, clear_accum=True)
-                T.copy(block_row_f, merge_s)
-                T.gemm(T_diag_s[p0:p0 + sub, :], merge_s, block_row_f, clear_accum=True)
-                for r, c in T.Parallel(sub, C):
-                    if c < p0:
-                        T_s[p0 + r, c] = -block_row_f[r, c]
+            # T = (I + L)^{-1} as the prepare kernel inverts it
+            block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f)
             # --8<-- [end:intra_recompute]
 
             # --8<-- [start:intra_wy]
