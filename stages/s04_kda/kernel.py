@@ -1,23 +1,27 @@
 """Stage 4 kernel: Kimi Delta Attention (KDA) in TileLang.
 
-One program per (block of d_v columns, batch x head), as in stages 1-3. Each program keeps its
-slice of the state, S^T (d_k x block_dv, the kernel layout), as an fp32 fragment for the whole
-sequence and walks the chunks of C tokens in order. Per chunk, with gamma the per-channel cumulative
-log decay (C x d_k):
+One program per (block of d_v columns, batch x head). Each program keeps its slice of the state,
+S^T (d_k x block_dv), in registers as an fp32 fragment for the whole sequence, and walks the chunks
+in a pipelined loop. Per chunk, with gamma the cumulative log gate from the chunk start, one per key
+channel (C x d_k; kernel layout throughout; reference.kernel_mirror is this control flow in NumPy):
 
-    K+ = K ⊙ e^{gamma},  K- = K ⊙ e^{-gamma},  Q+ = Q ⊙ e^{gamma}      the exponent split
-    L = strict(K+ K-^T) ⊙ beta_i,   A_qk = tril(Q+ K-^T)              two GEMMs, two masks
-    (I + L) X = [K+ | V]  by forward substitution, then X ⊙= beta      one solve for W and U
-    V_new = U - W S^T
-    O = Q+ S^T + A_qk V_new                                             written ...
-    S^T = Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new   ... before the state moves
+    gamma  = cumsum(g)                               in shared memory, one channel per thread
+    Q+, K+, K- = Q ⊙ e^{gamma}, K ⊙ e^{gamma}, K ⊙ e^{-gamma}     e^{gamma_c - gamma_i} = e^{gamma_c} e^{-gamma_i}
+    L      = strict(K+ K-^T) diag(beta)               GEMM, then the mask
+    A_qk   = incl(Q+ K-^T)                            GEMM, then the mask
+    X      = (I + L)^{-1} [K+ | V]                    forward substitution, C serial steps
+    W, U   = diag(beta) X                             beta after the solve
+    V_new  = U - W S^T                                GEMM
+    O      = Q+ S^T + A_qk V_new                      two GEMMs into one accumulator, written ...
+    S^T    = Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new      ... before the state moves on
 
-The seven ordering constraints of the seed are named where they apply: "constraint 1" ... "7"
-(stages.common.ordering checks 1, 2 and 7 on the TIR). The wrapper's gate bound is in numerics.py.
-
+The seven ordering constraints of the seed are named where they apply, "constraint 1" to "7"
+(stages.common.ordering checks 1, 2 and 7 on the TIR); the wrapper's gate bound is in numerics.py.
 `build_program`'s `layout` says where e^{+gamma}, e^{-gamma} and W live: "registers" (fragments)
-or "shared" (shared memory). Run `python -m stages.s04_kda.kernel` to compile it for sm_90a and
-print its ptxas report (no GPU needed), or to check it against reference A on a GPU.
+or "shared" (shared memory).
+
+Run `python -m stages.s04_kda.kernel` to compile it for sm_90a and print its ptxas
+report (no GPU needed), or to check it against reference A on a GPU.
 """
 
 import functools
