@@ -21,7 +21,6 @@ Run `python -m stages.s05_fast_kda.kernel` to compile both for sm_90a and print 
 """
 
 import functools
-import math
 from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
@@ -29,13 +28,14 @@ from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
                                         dtype_name, pad_tokens)
+from stages.s05_fast_kda.numerics import check_diagonal_range, score_operand_dtypes
+from stages.s05_fast_kda.reference import SUB_BLOCK  # rows of a sub-block: anchors and the block inverse work on these
 
 if TYPE_CHECKING:
     import torch
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
-SUB_BLOCK = 16  # rows of a sub-block of the chunk: anchors and the block inverse work on these
 CHANNEL_PASSES = 2  # the score GEMMs sum over d_k in this many passes (their operands hold d_k / 2 channels)
 
 
@@ -465,9 +465,7 @@ def default_block_dv(B: int, H: int, d_v: int, num_sms: int) -> int:
 
     Every program of one (batch, head) reads the same W, Q e^gamma, K e^{gamma_C - gamma} and A_qk, so
     64 columns halve what the recurrence reads; but each program walks all N / C chunks in a row, so
-    fewer programs than SMs leave SMs idle for the whole kernel. H200 (132 SMs), bf16
-    (benchmarks/s05_recurrence_variants.py): 0.31 -> 0.24 ms at B=8 N=4096 H=16 (256 programs of 64),
-    0.30 -> 0.44 ms at B=1 N=16384 H=32 (64 programs of 64 against 128 of 32).
+    fewer programs than SMs leave SMs idle for the whole kernel (the stage 5 page times both sides).
     """
     wide = 2 * DEFAULT_BLOCK_DV
     return wide if d_v % wide == 0 and B * H * (d_v // wide) >= num_sms else DEFAULT_BLOCK_DV
@@ -512,68 +510,6 @@ def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):
         raise ValueError(f"d_k must be a multiple of {16 * CHANNEL_PASSES} ({CHANNEL_PASSES} channel passes "
                          f"of the score GEMMs), got {d_k}")
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-
-
-def score_operand_dtypes(dtype):
-    """(diagonal blocks', slabs') dtypes of the prepare kernel's anchored score operands, for inputs
-    in `dtype`: fp32 and fp16 for bf16 inputs, fp16 and fp16 for fp16 ones, else the inputs' own (the
-    interpreter's float64).
-
-    A slab's factors are all <= 1, so fp16 holds them at any gate, with 10 mantissa bits where bf16
-    keeps 7 (bf16 operands gave 1.11x FLA's bf16 error against float64 at gates down to 0.5:
-    variant staged_all in benchmarks/s05_variants.py). A diagonal block's factor e^{gamma_r - gamma_m}
-    above its middle row m is at worst a_min^-8 for the smallest gate a_min (65504, fp16's largest
-    value, at a_min = 0.25). bf16 inputs take gates down to fp32's range (check_diagonal_range), so
-    their diagonal operands are fp32, which the GEMM reads as TF32 (fp16's 10 bits). fp16 inputs keep fp16 there: TF32 made their error 1.27x
-    larger on the H200 (variant tf32_diagonal), and their range ends where fp16's does.
-    """
-    if dtype == "bfloat16":
-        return "float32", "float16"
-    if dtype == "float16":
-        return "float16", "float16"
-    return dtype, dtype
-
-
-FP16_LARGEST_LOG = math.log(65504)  # ln of fp16's largest finite value
-FP32_LARGEST_LOG = math.log(3.4028234663852886e38)  # ln of fp32's (bf16's and TF32's: the same exponent)
-
-
-def check_diagonal_range(g, dtype, smallest_gate=None):
-    """No diagonal sub-block's anchored factor overflows its score operand.
-
-    A row r above its sub-block's middle row m gets e^{gamma_r - gamma_m} = e^{-(g_{r+1} + ... + g_m)},
-    a sum of up to SUB_BLOCK / 2 consecutive log gates (a column below m, up to SUB_BLOCK / 2 - 1).
-    Every window of SUB_BLOCK / 2 tokens must keep -sum(g) below the log of the operand's largest
-    value (q and k L2-normalized, so their entries are <= 1): fp16 operands (fp16 inputs) 65504, so
-    a >= 0.25 always passes; fp32 or bf16 operands (bf16 inputs) 3.4e38, so a >= e^-11 always passes.
-    FLA's tensor-core path for these blocks (safe_gate) has the same bound and asks for gates >= -5.
-    smallest_gate (check_gate_values returns it) skips the windows when no window can reach the
-    bound; otherwise every window is read, wherever the sub-blocks fall, so packed sequences (stage 7)
-    are covered too: one pass over g per token of the window. A factor's gates all lie in one
-    sub-block (g_{r+1} .. g_m for a row r above m, g_{m+1} .. g_j for a column j below it); a window
-    across two sub-blocks is refused too, so the check can refuse a call that would have run: the unbounded demo's gates at step 161
-    summed to -90 across two sub-blocks, and that call, replayed past the check, was finite in every
-    kernel (benchmarks/results/train_kda_cuda_unbounded).
-    """
-    if g.shape[1] == 0:
-        return
-    largest_log = FP16_LARGEST_LOG if dtype == "float16" else FP32_LARGEST_LOG
-    window = min(SUB_BLOCK // 2, g.shape[1])
-    if smallest_gate is not None and -smallest_gate * window <= largest_log:
-        return
-    tokens = g.shape[1] - window + 1
-    window_sums = sum(g[:, start:start + tokens] for start in range(window))
-    worst = -window_sums.min().item()
-    if worst > largest_log:
-        largest, remedy = (("65504", "Use bf16 inputs (these operands are fp32 there), bound the gates from below "
-                            "(a >= 0.25 always passes)") if dtype == "float16" else
-                           ("3.4e38", "Bound the gates from below (g >= -11 always passes; FLA's safe_gate path has "
-                            "the same bound and asks for lower_bound -5)"))
-        raise ValueError(
-            f"g sums to -{worst:.3g} over {window} consecutive tokens: with {dtype} inputs the prepare kernel's "
-            f"anchored score operands can reach e^{worst:.3g}, past their largest value {largest} = "
-            f"e^{largest_log:.3g}, where they overflow and make the output NaN (when the window lies within one "
-            f"{SUB_BLOCK}-token sub-block). {remedy}, or pass check_values=False to run anyway")
 
 
 def default_prepare_threads(chunk_size):

@@ -53,9 +53,9 @@ from stages.common.torch_checks import (check_gate, check_gate_values, check_on_
                                         pad_tokens)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK,
                                         _check_tile_sizes, _compiled_prepare, advance_state_macro,
-                                        block_inverse_macro, build_prepare_program, check_diagonal_range,
-                                        cumulative_gates_macro, default_block_dv, streaming_multiprocessors,
-                                        zero_state)
+                                        block_inverse_macro, build_prepare_program, cumulative_gates_macro,
+                                        default_block_dv, streaming_multiprocessors, zero_state)
+from stages.s05_fast_kda.numerics import check_diagonal_range
 
 if TYPE_CHECKING:
     import torch
@@ -549,14 +549,10 @@ def default_intra_threads(chunk_size, d_k, channel_passes=CHANNEL_PASSES):
     sub-block high (16 rows, one tile) and d_k / channel_passes channels (the score slabs) or C
     columns (the block inverse's merges) wide: the warps must split both widths into whole tiles,
     so their number divides gcd(C, d_k / channel_passes) / 8: 256 threads at C = 64, d_k = 128, and
-    128 at d_k = 64. On the H200, B=1 N=16384 H=32 d=128 bf16, the kernel took 4.02 ms at 256
-    threads and 7.03 ms at 128, with the same rel L2 against reference C for all five outputs
-    (python -m benchmarks.s06_kernel_parts --intra-threads 128,256 --time 1,16384,32,
-    benchmarks/results/s06_intra_threads.log). Before that, 256 threads gave wrong dq, dk, dg: the
-    score slabs' GEMMs took a row slice of a 64-row buffer as their B operand, and TileLang 0.1.15
-    moved the second warp group's descriptor 16 rows into the buffer instead of one swizzle atom
-    (the page tells it). The slab operand has its own buffer now, and the compile tests check every
-    warp-group offset (CompileReport.misplaced_warp_group_operands).
+    128 at d_k = 64. More warps split the elementwise passes, which are most of the kernel's time (the
+    stage 6 page times 128 against 256 threads). With two warp groups, a GEMM operand must be a
+    buffer of its own rather than a row slice of a larger one (see K_slab_col_s), and the compile
+    tests check every warp group's operand offset (CompileReport.misplaced_warp_group_operands).
     """
     return 32 * min(8, math.gcd(chunk_size, d_k // channel_passes) // 8)
 

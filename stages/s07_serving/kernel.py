@@ -39,8 +39,9 @@ from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_g
                                         check_on_cuda, check_qkv, check_same, check_slot_values, check_slots, dtype_name)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, _check_tile_sizes,
                                         advance_state_macro, anchored_scores_macro, block_inverse_macro,
-                                        check_diagonal_range, chunk_output_macro, cumulative_gates_macro,
-                                        default_prepare_threads, score_operand_dtypes, wy_outputs_macro)
+                                        chunk_output_macro, cumulative_gates_macro, default_prepare_threads,
+                                        wy_outputs_macro)
+from stages.s05_fast_kda.numerics import check_diagonal_range, score_operand_dtypes
 from stages.s07_serving.reference import chunk_table
 
 if TYPE_CHECKING:
