@@ -61,35 +61,57 @@ class Stage:
         return moved
 
     def kernel_digest(self):
-        """Which kernel a run measured: the first 12 hex digits of the SHA-256 of the syntax tree of the
-        kernel module's program builders (its top-level `build_*program` functions), so that an edit
-        of the wrapper, a comment or a snippet marker does not mark old results stale."""
+        """Which kernel a run measured: the first 12 hex digits of the SHA-256 of the code of the kernel
+        module's program builders (its top-level `build_*program` functions and the macros they build
+        with: program_digest), so that an edit of the wrapper, a comment or a snippet marker does not
+        mark old results stale."""
         source = Path(importlib.util.find_spec(self.kernel_module).origin).read_text()
         return program_digest(source)
 
 
 def program_digest(source):
-    """Digest of the `build_*program` functions in a kernel module's source text: their text with the
-    comments and blank lines taken out. Not `ast.dump` or the token stream, whose forms change between
-    Python versions (the GPU machine runs another Python than the course machines); a comment is a
-    comment in every version."""
+    """Digest of the code that builds a kernel module's programs: its `build_*program` functions and
+    its TileLang macros (`*_macro`), and the macros it imports from another kernel module (stages 6
+    and 7 build with stage 5's), their text with the comments and blank lines taken out. Not
+    `ast.dump` or the token stream, whose forms change between Python versions (the GPU machine runs
+    another Python than the course machines); a comment is a comment in every version."""
+    import ast
+
+    tree = ast.parse(source)
+    builders = [node for node in tree.body
+                if isinstance(node, ast.FunctionDef) and node.name.startswith("build_") and node.name.endswith("program")]
+    if not builders:
+        raise ValueError("the kernel module defines no build_*program function")
+    kept = _code_lines(source, builders + [node for node in tree.body if _is_macro(node)])
+    for node in tree.body:  # the macros of another kernel module, in the order they are imported
+        names = {alias.name for alias in getattr(node, "names", ()) if alias.name.endswith("_macro")}
+        if isinstance(node, ast.ImportFrom) and node.module and names:
+            other = Path(importlib.util.find_spec(node.module).origin).read_text()
+            kept += _code_lines(other, [n for n in ast.parse(other).body if _is_macro(n) and n.name in names])
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:12]
+
+
+def _is_macro(node):
+    import ast
+
+    return isinstance(node, ast.FunctionDef) and node.name.endswith("_macro")
+
+
+def _code_lines(source, functions):
+    """The lines of `functions` (nodes of `source`'s tree), without comments, blank lines or trailing blanks."""
     import ast
     import io
     import tokenize
 
-    builders = [node for node in ast.parse(source).body
-                if isinstance(node, ast.FunctionDef) and node.name.startswith("build_") and node.name.endswith("program")]
-    if not builders:
-        raise ValueError("the kernel module defines no build_*program function")
     kept = []
-    for node in builders:
+    for node in functions:
         lines = ast.get_source_segment(source, node).splitlines()
         for token in tokenize.generate_tokens(io.StringIO("\n".join(lines) + "\n").readline):
             if token.type == tokenize.COMMENT:  # one line each: cut it from its column on
                 row, column = token.start
                 lines[row - 1] = lines[row - 1][:column]
         kept += [line.rstrip() for line in lines if line.strip()]
-    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:12]
+    return kept
 
 
 STAGES = {

@@ -10,7 +10,7 @@ values as they check a local function's.
 
 A kernel exercise's `build_program` returns a RemoteProgram, a handle on the TileLang program that
 stays in the child: `run_on_cpu` interprets it there (stages.common.interpreter), and a TIR analysis
-of the library (e.g. stages.s04_kda.kernel.ordering_constraints) runs in a second sandboxed process
+of the library (e.g. stages.common.ordering.ordering_constraints) runs in a second sandboxed process
 that runs no student code: the program reaches it as TVM's JSON, which is read without evaluating
 anything. The parent only ever reads values.
 

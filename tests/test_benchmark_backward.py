@@ -244,3 +244,27 @@ def test_a_run_on_the_cpu_compiles_each_kernel_once_before_it_sets_up(tmp_path, 
     rows = fair.read_rows(tmp_path / backward.CSV_NAME)
     assert {row["what"] for row in rows if row["time_ms"] == "1.0000"} == {
         what for impl, what in backward.MEASUREMENTS if impl == "ours"}
+
+
+def test_kernel_digest_covers_the_macros_a_kernel_builds_with(monkeypatch, tmp_path):
+    """An edit of one of stage 5's macros marks the results of every stage that builds with it stale:
+    stage 5's own digest and stage 7's (which imports the macro) change; a comment does not."""
+    import importlib.util
+    from pathlib import Path
+
+    import stages.s05_fast_kda.kernel as stage5
+    import stages.s07_serving.kernel as stage7
+
+    source = Path(stage5.__file__).read_text()
+    line = "                    T_s[p0 + r, c] = -block_row_f[r, c]\n"
+    assert source.count(line) == 1
+    edited, commented = source.replace(line, line.replace("= -", "= ")), source.replace(line, line[:-1] + "  # x\n")
+    assert bench.program_digest(edited) != bench.program_digest(source) == bench.program_digest(commented)
+
+    stage7_source = Path(stage7.__file__).read_text()
+    before = bench.program_digest(stage7_source)
+    (tmp_path / "kernel.py").write_text(edited)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: importlib.util.spec_from_file_location(
+        name, tmp_path / "kernel.py") if name == "stages.s05_fast_kda.kernel" else find_spec(name, *args))
+    assert bench.program_digest(stage7_source) != before

@@ -60,7 +60,7 @@ def _stage_inputs(stage, dtype, seed=1):
     N, C = STAGE_SHAPES[stage]
     lower = 0.5
     if stage == 4 and dtype == "float16":
-        from stages.s04_kda.kernel import MAX_LOG_DECAY
+        from stages.s04_kda.numerics import MAX_LOG_DECAY
 
         lower = 0.01 + math.exp(-MAX_LOG_DECAY["float16"] / C)  # the wrapper's "always passes" bound
     x = make_inputs(B, N, H, D, D, gate=GATES[stage], gate_range=(lower, 1.0),
@@ -127,7 +127,7 @@ def test_low_precision_program_rounds_like_its_dtype(stage, dtype):
     if stage == 4 and dtype == "float16":  # the wrapper would accept these gates
         import torch
 
-        from stages.s04_kda.kernel import MAX_LOG_DECAY, max_chunk_log_decay
+        from stages.s04_kda.numerics import MAX_LOG_DECAY, max_chunk_log_decay
 
         assert max_chunk_log_decay(torch.tensor(x.g), C) <= MAX_LOG_DECAY["float16"]
     before = [a.copy() for a in _arguments(x)]

@@ -68,7 +68,8 @@ def test_the_unbounded_demos_nan_is_the_prepare_kernels_overflow(capsys):
     e^88.7, and the interpreter names the prepare kernel as the GPU did, so the GPU's arithmetic is
     not the cause. The range check refuses the call."""
     from kdacourse import REPO_ROOT
-    from stages.s05_fast_kda.kernel import FP32_LARGEST_LOG, SUB_BLOCK, check_diagonal_range
+    from stages.s05_fast_kda.kernel import SUB_BLOCK
+    from stages.s05_fast_kda.numerics import FP32_LARGEST_LOG, check_diagonal_range
 
     path = REPO_ROOT / "benchmarks/results/train_kda_cuda_unbounded/nan_trap_step165.pt"
     g = torch.load(path, map_location="cpu")["inputs"][3]

@@ -188,7 +188,7 @@ def test_sub_chunks_bound_e_minus_gamma_by_their_own_length():
 
 
 def test_fp16_emulation_is_fine_within_the_bound_and_breaks_beyond_it():
-    from stages.s04_kda.kernel import MAX_LOG_DECAY
+    from stages.s04_kda.numerics import MAX_LOG_DECAY
 
     rows = numerics.fp16_error_rows(lower_bounds=(0.9, 0.5))
     (_, worst_safe, safe), (_, worst_unsafe, unsafe) = rows
@@ -207,7 +207,8 @@ def test_solutions_are_the_library_code(name, module):
 
 
 def test_kernel_respects_the_ordering_constraints():
-    from stages.s04_kda.kernel import build_program, ordering_constraints
+    from stages.common.ordering import ordering_constraints
+    from stages.s04_kda.kernel import build_program
 
     facts = ordering_constraints(build_program(1, 256, 2, 64, 64))
     assert [number for number, _, _ in facts] == [1, 2, 7]

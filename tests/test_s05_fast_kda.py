@@ -303,7 +303,7 @@ def test_diagonal_range_check_finds_the_largest_window(N, dtype, stretch):
     stretch of strong ones, placed anywhere (a packed batch's sub-blocks start anywhere); given the
     smallest gate (as the wrappers give it), the same verdict."""
     torch = pytest.importorskip("torch")
-    from stages.s05_fast_kda.kernel import FP16_LARGEST_LOG, FP32_LARGEST_LOG, check_diagonal_range
+    from stages.s05_fast_kda.numerics import FP16_LARGEST_LOG, FP32_LARGEST_LOG, check_diagonal_range
 
     largest_log = FP16_LARGEST_LOG if dtype == "float16" else FP32_LARGEST_LOG
     rng = np.random.default_rng(N)

@@ -23,8 +23,8 @@ Read: stage 5 page, "The inverse by blocks" and "The prepare kernel".  Check: co
 """
 
 from stages.common.tilelang_tools import LOG2_E
-from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, default_prepare_threads,
-                                         score_operand_dtypes)
+from stages.s05_fast_kda.kernel import CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, default_prepare_threads
+from stages.s05_fast_kda.numerics import score_operand_dtypes
 
 
 def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,

@@ -1,24 +1,23 @@
 """Stage 2 kernel: chunked linear attention with a constant decay per head, in TileLang.
 
-One program per (block of d_v columns, batch x head). alpha = e^g is the head's constant, so every
-decay the chunks need depends on the head only: the program builds them once, before the chunk
-loop, from G (H,) in float32:
+One program per (block of d_v columns, batch x head). Each program keeps its slice of the state,
+S^T (d_k x block_dv), in registers as an fp32 fragment for the whole sequence, and walks the chunks
+in a pipelined loop (the copies of chunk i+1 overlap the GEMMs of chunk i). alpha = e^g is the
+head's constant, so every decay the chunks need depends on the head only: the program builds them
+once, before the chunk loop, from G (H,) in float32 (every exp is exp2(x * log2(e))):
 
     decay[r, j]      = alpha^(r - j) for j <= r, else 0    the table Gamma, the causal mask folded in
     query_decay[r]   = alpha^(r + 1)                       from the chunk start to row r (0-based r)
     key_decay[r]     = alpha^(C - 1 - r)                   from row r to the chunk end
     state_decay      = alpha^C                             across the whole chunk
 
-Then, like stage 1, it keeps its slice of the state S^T (d_k x block_dv) in registers as an fp32
-fragment and walks the chunks in a pipelined loop:
-
     acc_o  = Q S^T,  then row r times query_decay[r]      inter-chunk term
     acc_o += (Q K^T ⊙ decay) V                             intra-chunk term
     O      = acc_o                                         written before ...
     S^T    = state_decay S^T + K^T (key_decay ⊙ V)         ... the state moves on
 
-Every exp is exp2(x * log2(e)). Run `python -m stages.s02_scalar_decay.kernel` to compile it for
-sm_90a and print its ptxas report (no GPU needed), or to check it against reference A on a GPU.
+Run `python -m stages.s02_scalar_decay.kernel` to compile it for sm_90a and print its ptxas
+report (no GPU needed), or to check it against reference A on a GPU.
 """
 
 import functools

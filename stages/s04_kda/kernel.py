@@ -1,26 +1,30 @@
 """Stage 4 kernel: Kimi Delta Attention (KDA) in TileLang.
 
-One program per (block of d_v columns, batch x head), as in stages 1-3. Each program keeps its
-slice of the state, S^T (d_k x block_dv, the kernel layout), as an fp32 fragment for the whole
-sequence and walks the chunks of C tokens in order. Per chunk, with gamma the per-channel cumulative
-log decay (C x d_k):
+One program per (block of d_v columns, batch x head). Each program keeps its slice of the state,
+S^T (d_k x block_dv), in registers as an fp32 fragment for the whole sequence, and walks the chunks
+in a pipelined loop. Per chunk, with gamma the cumulative log gate from the chunk start, one per key
+channel (C x d_k; kernel layout throughout; reference.kernel_mirror is this control flow in NumPy):
 
-    K+ = K ⊙ e^{gamma},  K- = K ⊙ e^{-gamma},  Q+ = Q ⊙ e^{gamma}      the exponent split
-    L = strict(K+ K-^T) ⊙ beta_i,   A_qk = tril(Q+ K-^T)              two GEMMs, two masks
-    (I + L) X = [K+ | V]  by forward substitution, then X ⊙= beta      one solve for W and U
-    V_new = U - W S^T
-    O = Q+ S^T + A_qk V_new                                             written ...
-    S^T = Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new   ... before the state moves
+    gamma  = cumsum(g)                               in shared memory, one channel per thread
+    Q+, K+, K- = Q ⊙ e^{gamma}, K ⊙ e^{gamma}, K ⊙ e^{-gamma}     e^{gamma_c - gamma_i} = e^{gamma_c} e^{-gamma_i}
+    L      = strict(K+ K-^T) diag(beta)               GEMM, then the mask
+    A_qk   = incl(Q+ K-^T)                            GEMM, then the mask
+    X      = (I + L)^{-1} [K+ | V]                    forward substitution, C serial steps
+    W, U   = diag(beta) X                             beta after the solve
+    V_new  = U - W S^T                                GEMM
+    O      = Q+ S^T + A_qk V_new                      two GEMMs into one accumulator, written ...
+    S^T    = Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new      ... before the state moves on
 
-The seven ordering constraints of the seed are named where they apply: "constraint 1" ... "7".
-
+The seven ordering constraints of the seed are named where they apply, "constraint 1" to "7"
+(stages.common.ordering checks 1, 2 and 7 on the TIR); the wrapper's gate bound is in numerics.py.
 `build_program`'s `layout` says where e^{+gamma}, e^{-gamma} and W live: "registers" (fragments)
-or "shared" (shared memory). Run `python -m stages.s04_kda.kernel` to compile it for sm_90a and
-print its ptxas report (no GPU needed), or to check it against reference A on a GPU.
+or "shared" (shared memory).
+
+Run `python -m stages.s04_kda.kernel` to compile it for sm_90a and print its ptxas
+report (no GPU needed), or to check it against reference A on a GPU.
 """
 
 import functools
-import math
 from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
@@ -28,6 +32,7 @@ from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
                                         dtype_name, pad_tokens)
+from stages.s04_kda.numerics import MAX_LOG_DECAY, check_gate_range
 
 if TYPE_CHECKING:
     import torch
@@ -41,8 +46,6 @@ DEFAULT_LAYOUT = (("e_plus_gamma", "registers"), ("e_minus_gamma", "registers"),
 # Warp specialization off: 128 threads do everything, as the seed's register budget assumes, and
 # ptxas's register count is the program's demand rather than the cap TileLang sets per warp group.
 PASS_CONFIGS = {"tl.disable_warp_specialized": True}
-# The largest chunk-local log decay -gamma the fp16 and bf16 kernels accept (see _check_gate_range).
-MAX_LOG_DECAY = {"float16": 14 * math.log(2), "bfloat16": 126 * math.log(2)}
 
 
 # --8<-- [start:program]
@@ -200,7 +203,7 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
     if check_values:
         check_gate_values(g, beta)
-        _check_gate_range(g, chunk_size, MAX_LOG_DECAY[dtype_name(q)] if max_log_decay is None else max_log_decay)
+        check_gate_range(g, chunk_size, MAX_LOG_DECAY[dtype_name(q)] if max_log_decay is None else max_log_decay)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta})
 
     N_padded = padded_length(N, chunk_size)
@@ -208,114 +211,6 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     kernel = _compiled(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages, threads)
     return kernel(q, k, v, g, beta)[:, :N]
 # --8<-- [end:forward]
-
-
-# --8<-- [start:gate_check]
-def _check_gate_range(g, chunk_size, max_log_decay):
-    """No chunk decays a channel by more than e^{-max_log_decay}.
-
-    The kernel rounds k ⊙ e^{-gamma} and q ⊙ e^{gamma} to the input dtype. In fp16, e^{gamma}
-    below 2^-14 leaves the normal range (and loses its precision bit by bit) and e^{-gamma} above
-    2^14 is a step from overflow: -gamma <= 14 ln 2 keeps both sides within fp16's normal range.
-    """
-    worst = max_chunk_log_decay(g, chunk_size)
-    if worst > max_log_decay:
-        raise ValueError(
-            f"g decays by e^-{worst:.3g} within one chunk of {chunk_size} tokens, beyond e^-{max_log_decay:.3g}: "
-            f"e^(+-gamma) would leave the input dtype's range. Bound the gates from below "
-            f"(a >= {math.exp(-max_log_decay / chunk_size):.3f} always passes), use a smaller chunk_size, "
-            f"or pass max_log_decay=math.inf to run anyway"
-        )
-
-
-def max_chunk_log_decay(g, chunk_size):
-    """max over chunks, positions and channels of -gamma, gamma the chunk-local cumulative sum of
-    the torch tensor g: (B, N, H, d_k), on the tensor's own device."""
-    import torch
-
-    B, N, H, d_k = g.shape
-    padded = torch.nn.functional.pad(g, (0, 0, 0, 0, 0, padded_length(N, chunk_size) - N))
-    gamma = padded.reshape(B, -1, chunk_size, H, d_k).double().cumsum(dim=2)
-    return float(-gamma.min()) if gamma.numel() else 0.0
-
-
-# --8<-- [end:gate_check]
-
-
-# --8<-- [start:ordering]
-def ordering_constraints(program):
-    """Check constraints 1, 2 and 7 on a program's TIR as written, before any lowering (no GPU, no
-    nvcc): [(constraint number, statement, holds)]. Each is necessary for a right answer. The others
-    are about values (the masks, beta's place, q ⊙ e^{gamma}), which only running the code shows,
-    or, for 5, a rule of this kernel's style: writing K_s after its last read would be harmless."""
-    chunk_loop = _chunk_loop(program)
-    before, inside = _writes(program.body, skip=chunk_loop), _writes(chunk_loop.body)
-    position = {}  # (op, buffer, detail) -> the positions in `inside` of that write
-    for n, event in enumerate(inside):
-        position.setdefault(event, []).append(n)
-    state_writes = [n for n, (_, buffer, _) in enumerate(inside) if buffer == "S_f"]
-    state_reads = position.get(("copy", "S_s", "S_f"), [])  # the output's GEMMs read the state in S_s
-    state_decay, state_gemms = position.get(("store", "S_f", None), []), position.get(("gemm", "S_f", False), [])
-    state_clears = position.get(("fill", "S_f", None), []) + position.get(("gemm", "S_f", True), [])
-    output_writes = [event for event in inside if event[1] == "acc_o"]
-    return [
-        (1, "the output reads the state before the chunk changes it",
-         bool(state_reads and state_writes) and max(state_reads) < min(state_writes)),
-        (2, "the state's rows decay before the GEMM adds the chunk to it",
-         bool(state_decay and state_gemms) and max(state_decay) < min(state_gemms)),
-        (7, "the state is cleared once, before the chunk loop; the output accumulator in every chunk",
-         ("fill", "S_f", None) in before and not state_clears
-         and bool(output_writes) and output_writes[0] in (("fill", "acc_o", None), ("gemm", "acc_o", True))),
-    ]
-
-
-def _chunk_loop(program):
-    """The one pipelined loop of the program: the loop over chunks."""
-    from tvm import tirx
-
-    loops = []
-
-    def visit(node):
-        if isinstance(node, tirx.For) and "num_stages" in node.annotations:
-            loops.append(node)
-        return True
-
-    tirx.stmt_functor.pre_order_visit(program.body, visit)
-    if len(loops) != 1:
-        raise ValueError(f"expected one pipelined chunk loop, found {len(loops)}")
-    return loops[0]
-
-
-def _writes(stmt, skip=None):
-    """The buffer writes of `stmt` in program order, without entering `skip`: (op, buffer, detail),
-    detail being the source buffer of a copy, clear_accum of a GEMM, None otherwise."""
-    from tvm import tirx
-
-    events = []
-
-    def visit(node):
-        if skip is not None and node.same_as(skip):
-            return False
-        if isinstance(node, tirx.BufferStore):
-            events.append(("store", node.buffer.name, None))
-        elif isinstance(node, tirx.Call) and getattr(node.op, "name", "") in _TILE_OPS:
-            op, destination = _TILE_OPS[node.op.name]
-            detail = _region_buffer(node.args[0]) if op == "copy" else bool(node.args[9]) if op == "gemm" else None
-            events.append((op, _region_buffer(node.args[destination]), detail))
-        return True
-
-    tirx.stmt_functor.pre_order_visit(stmt, visit)
-    return events
-
-
-# tile operator -> (name, index of the argument it writes); a GEMM's clear_accum is its argument 9
-_TILE_OPS = {"tl.tileop.copy": ("copy", 1), "tl.tileop.gemm": ("gemm", 2), "tl.tileop.fill": ("fill", 0)}
-
-
-def _region_buffer(region):
-    """The name of the buffer a T.region(...) argument points into."""
-    return region.args[0].buffer.name
-# --8<-- [end:ordering]
 
 
 @functools.cache  # the page's report and the compile test share one nvcc run

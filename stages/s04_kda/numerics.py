@@ -13,12 +13,17 @@ The laws that reproduce the seed:
 - min e^{gamma_C}, zeroed channels, channel spread: a ~ U(lower, 0.999) as the seed's ranges say;
 - "with a lower bound": a = max(a', L) with a' ~ U(0.01, 0.999), C = 128;
 - sub-chunks: a ~ U(0.9, 1), C = 128.
+
+The kernel's wrapper refuses gates that decay a channel too far within one chunk for its dtype
+(check_gate_range, MAX_LOG_DECAY): the bound these tables lead to.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from stages.common.checks import padded_length
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 
@@ -27,6 +32,8 @@ DRAWS = 500
 SEED = 0
 FP16_MAX = float(np.finfo(np.float16).max)
 FP32_MAX = float(np.finfo(np.float32).max)
+# The largest chunk-local log decay -gamma the fp16 and bf16 kernels accept (see check_gate_range).
+MAX_LOG_DECAY = {"float16": 14 * math.log(2), "bfloat16": 126 * math.log(2)}
 
 # The seed's published numbers, keyed like the rows below; the tables print them beside ours.
 SEED_MAX_EXP_NEG_GAMMA = {0.999: 1.04, 0.99: 1.48, 0.95: 7.14, 0.9: 54.95, 0.8: 4.20e3, 0.5: 3.04e10}
@@ -196,3 +203,33 @@ def _as_chunks(g, chunk_size):
     """(B, N, H, d_k) gates -> (chunks, chunk_size, d_k), every (batch, chunk, head) a row."""
     B, N, H, d_k = g.shape
     return g.reshape(B, N // chunk_size, chunk_size, H, d_k).transpose(0, 1, 3, 2, 4).reshape(-1, chunk_size, d_k)
+
+
+# --8<-- [start:gate_check]
+def check_gate_range(g, chunk_size, max_log_decay):
+    """No chunk decays a channel by more than e^{-max_log_decay} (the torch tensor g: (B, N, H, d_k)).
+
+    The kernel rounds k ⊙ e^{-gamma} and q ⊙ e^{gamma} to the input dtype. In fp16, e^{gamma}
+    below 2^-14 leaves the normal range (and loses its precision bit by bit) and e^{-gamma} above
+    2^14 is a step from overflow: -gamma <= 14 ln 2 keeps both sides within fp16's normal range.
+    """
+    worst = max_chunk_log_decay(g, chunk_size)
+    if worst > max_log_decay:
+        raise ValueError(
+            f"g decays by e^-{worst:.3g} within one chunk of {chunk_size} tokens, beyond e^-{max_log_decay:.3g}: "
+            f"e^(+-gamma) would leave the input dtype's range. Bound the gates from below "
+            f"(a >= {math.exp(-max_log_decay / chunk_size):.3f} always passes), use a smaller chunk_size, "
+            f"or pass max_log_decay=math.inf to run anyway"
+        )
+
+
+def max_chunk_log_decay(g, chunk_size):
+    """max over chunks, positions and channels of -gamma, gamma the chunk-local cumulative sum of
+    the torch tensor g: (B, N, H, d_k), on the tensor's own device."""
+    import torch
+
+    B, N, H, d_k = g.shape
+    padded = torch.nn.functional.pad(g, (0, 0, 0, 0, 0, padded_length(N, chunk_size) - N))
+    gamma = padded.reshape(B, -1, chunk_size, H, d_k).double().cumsum(dim=2)
+    return float(-gamma.min()) if gamma.numel() else 0.0
+# --8<-- [end:gate_check]

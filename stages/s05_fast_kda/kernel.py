@@ -21,7 +21,6 @@ Run `python -m stages.s05_fast_kda.kernel` to compile both for sm_90a and print 
 """
 
 import functools
-import math
 from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
@@ -29,13 +28,14 @@ from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
                                         dtype_name, pad_tokens)
+from stages.s05_fast_kda.numerics import check_diagonal_range, score_operand_dtypes
+from stages.s05_fast_kda.reference import SUB_BLOCK  # rows of a sub-block: anchors and the block inverse work on these
 
 if TYPE_CHECKING:
     import torch
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
-SUB_BLOCK = 16  # rows of a sub-block of the chunk: anchors and the block inverse work on these
 CHANNEL_PASSES = 2  # the score GEMMs sum over d_k in this many passes (their operands hold d_k / 2 channels)
 
 
@@ -50,6 +50,8 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     channel_passes channels: at C = 64, d_k = 128, two passes bring shared memory to 105 KiB, two
     blocks per SM. N must be a multiple of chunk_size (the wrapper pads), chunk_size of SUB_BLOCK,
     d_k of 16 * channel_passes. threads=None takes default_prepare_threads(chunk_size).
+
+    From the loads on, the body is the macros below (stage 7's varlen prepare runs the same ones).
     """
     import tilelang.language as T
 
@@ -59,6 +61,10 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     num_chunks = N // C
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
+    cumulative_gates = cumulative_gates_macro(C, d_k)
+    anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass)
+    block_inverse = block_inverse_macro(C)
+    wy_outputs = wy_outputs_macro(C)
 
     @T.prim_func
     def kda_prepare(
@@ -82,10 +88,8 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             K_s = T.alloc_shared((C, d_k), dtype)
             gamma_s = T.alloc_shared((C, d_k), accum_dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
-            # the score GEMMs' operands: decay from the anchor to the row, and from the column to the
-            # anchor. On the diagonal blocks a factor reaches a_min^-8, so 16-bit inputs get fp32 there
-            # (the tensor cores read TF32: fp16's 10 mantissa bits, fp32's range); on the slabs every
-            # factor is <= 1, so fp16 holds them (bf16 would keep 7 bits): |q|, |k| < 65504 suffices
+            # the score GEMMs' operands (anchored_scores_macro): decay from the anchor to the row, and
+            # from the column to the anchor, in the types score_operand_dtypes gives
             Q_row_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
             K_row_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
             K_col_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
@@ -116,65 +120,13 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             T.copy(K[b, t0:t0 + C, h, :], K_s)
             T.copy(Beta[b, t0:t0 + C, h], beta_s)
             T.copy(G[b, t0:t0 + C, h, :], gamma_s)  # all loads in flight at once, then the sum on chip
-            # gamma[r] = g[0] + ... + g[r]: one thread per channel walks the rows in a register
-            # (T.cumsum lowers to one warp per column, whose strided reads all hit one smem bank)
-            for d in T.Parallel(d_k):
-                running = T.alloc_var(accum_dtype)
-                running = 0
-                for r in T.unroll(C):
-                    running += gamma_s[r, d]
-                    gamma_s[r, d] = running
+            cumulative_gates(gamma_s)
 
-            # --8<-- [end:prepare_setup]
-
-            # --8<-- [start:prepare_scores]
-            # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block;
-            # each element reads gamma and K once and takes one exp2 for each direction
-            for channel_pass in range(channel_passes):
-                d0 = channel_pass * channels_per_pass
-                for r, d in T.Parallel(C, channels_per_pass):
-                    from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
-                    key = K_s[r, d0 + d]
-                    to_row = T.exp2(from_anchor)
-                    Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
-                    K_row_s[r, d] = key * to_row
-                    K_col_s[r, d] = key * T.exp2(-from_anchor)
-                T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=channel_pass == 0)
-                T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=channel_pass == 0)
-            for r, j in T.Parallel(C, C):
-                same_block = r // sub == j // sub
-                L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
-                if j // sub >= r // sub:  # the diagonal blocks and the zeros right of them; the slabs fill the rest
-                    A_qk_s[r, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
-
-            # off-diagonal: one slab of sub columns at a time, anchored at the first row below it;
-            # rows above the slab keep stale operands: their GEMM rows are computed and never stored.
-            # The slabs are unrolled when the program is built (a tuple, not a loop), so each pass has
-            # a static extent and TileLang vectorizes it: one pass per slab writes the column operand
-            # (the sub rows above s0) and the row operands (rows s0 on)
-            for s0 in tuple(range(sub, C, sub)):
-                for channel_pass in range(channel_passes):
-                    d0 = channel_pass * channels_per_pass
-                    for r, d in T.Parallel(C - s0 + sub, channels_per_pass):
-                        row = s0 - sub + r
-                        from_anchor = (gamma_s[row, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
-                        key = K_s[row, d0 + d]
-                        if r >= sub:
-                            to_row = T.exp2(from_anchor)  # <= 1
-                            Q_slab_s[row, d] = Q_s[row, d0 + d] * to_row
-                            K_slab_row_s[row, d] = key * to_row
-                        else:
-                            K_slab_col_s[r, d] = key * T.exp2(-from_anchor)  # to the anchor: <= 1
-                    first = channel_pass == 0
-                    T.gemm(K_slab_row_s, K_slab_col_s, kk_slab_f, transpose_B=True, clear_accum=first)
-                    T.gemm(Q_slab_s, K_slab_col_s, qk_slab_f, transpose_B=True, clear_accum=first)
-                for r, j in T.Parallel(C, sub):
-                    if r >= s0:
-                        L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
-                        A_qk_s[r, s0 - sub + j] = qk_slab_f[r, j]
+            anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s,
+                            K_slab_col_s, kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s)
             # one store of whole rows (TMA), where writing from the fragments scattered 2-byte stores
             T.copy(A_qk_s, A_qk[b, t0:t0 + C, h, :])
-            # --8<-- [end:prepare_scores]
+            # --8<-- [end:prepare_setup]
 
             # --8<-- [start:prepare_decayed]
             # the last reads of gamma and Q: the recurrence's decayed operands, and K e^gamma (in its
@@ -188,47 +140,157 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                 Chunk_decay[b, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
             # loaded this late, V_s can take the bytes of Q_s (TileLang plans shared memory by lifetime)
             T.copy(V[b, t0:t0 + C, h, :], V_s)
-            # --8<-- [end:prepare_decayed]
 
-            # --8<-- [start:prepare_inverse]
-            # diagonal blocks of T = (I + L)^{-1}: forward substitution, one lane per (block, column);
-            # each lane reads back only the rows it wrote itself, and sums in a register
-            T.clear(T_s)
-            for r in T.serial(sub):
-                for blk, col in T.Parallel(C // sub, sub):
-                    i = blk * sub + r
-                    solved = T.alloc_var(accum_dtype)
-                    solved = T.if_then_else(col == r, 1, 0)
-                    for j in T.serial(r):
-                        solved -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
-                    T_s[i, blk * sub + col] = solved
-                    T_diag_s[i, col] = solved
-            # block row P from the rows above it: T[P, :P] = -T[P, P] (L[P, :P] T[:P, :P]), as two TF32
-            # tensor-core GEMMs over all C columns (a GEMM's sizes must be static; P is a loop variable).
-            # Only the columns left of P are kept: there L[P, :] T = L[P, :P] T[:P, :P], because block
-            # row P of T_s is still zero left of its diagonal block when the first GEMM reads it
-            for p0 in range(sub, C, sub):
-                T.gemm(L_s[p0:p0 + sub, :], T_s, block_row_f, clear_accum=True)
-                T.copy(block_row_f, merge_s)
-                T.gemm(T_diag_s[p0:p0 + sub, :], merge_s, block_row_f, clear_accum=True)
-                for r, c in T.Parallel(sub, C):
-                    if c < p0:
-                        T_s[p0 + r, c] = -block_row_f[r, c]
-            # --8<-- [end:prepare_inverse]
-
-            # --8<-- [start:prepare_outputs]
-            for r, c in T.Parallel(C, C):
-                A_hat_s[r, c] = T_s[r, c] * beta_s[r]  # diag(beta) T, after the inverse
-            T.gemm(A_hat_s, Kg_s, w_f, clear_accum=True)
-            T.gemm(A_hat_s, V_s, u_f, clear_accum=True)
-            # through shared memory, then whole-row stores (TMA): the fragments' own stores are 4-byte
-            # writes spread over 8 rows, about 8 L1 wavefronts per instruction
-            T.copy(w_f, W_s)
-            T.copy(u_f, U_s)
+            block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f)
+            wy_outputs(T_s, beta_s, A_hat_s, Kg_s, V_s, w_f, u_f, W_s, U_s)
             T.copy(W_s, W[b, t0:t0 + C, h, :])
             T.copy(U_s, U[b, t0:t0 + C, h, :])
+            # --8<-- [end:prepare_decayed]
 
     return kda_prepare
+
+
+# --8<-- [start:prepare_gates]
+def cumulative_gates_macro(C, d_k):
+    """The macro cumulative_gates(gamma_s): the log gates of a chunk (C, d_k) fp32 in shared memory
+    become their cumulative sums from the chunk start, gamma[r] = g[0] + ... + g[r], in place."""
+    import tilelang.language as T
+
+    @T.macro
+    def cumulative_gates(gamma_s):
+        # one thread per channel walks the rows in a register (T.cumsum lowers to one warp per
+        # column, whose strided reads all hit one smem bank)
+        for d in T.Parallel(d_k):
+            running = T.alloc_var("float32")
+            running = 0
+            for r in T.unroll(C):
+                running += gamma_s[r, d]
+                gamma_s[r, d] = running
+
+    return cumulative_gates
+# --8<-- [end:prepare_gates]
+
+
+# --8<-- [start:prepare_scores]
+def anchored_scores_macro(C, channel_passes, channels_per_pass):
+    """The macro anchored_scores(...): from a chunk's Q_s, K_s (C, d_k), gamma_s (cumulative) and
+    beta_s, L = A_kk diag(beta) (strictly lower) into L_s and A_qk (lower, with its diagonal) into A_qk_s, through GEMMs of anchored operands (the row, column and slab buffers, of
+    channels_per_pass channels, and their fp32 accumulators kk_f, qk_f (C, C), kk_slab_f, qk_slab_f
+    (C, SUB_BLOCK))."""
+    import tilelang.language as T
+
+    sub = SUB_BLOCK
+
+    @T.macro
+    def anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s, K_slab_col_s,
+                        kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s):
+        # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block;
+        # each element reads gamma and K once and takes one exp2 for each direction
+        for channel_pass in range(channel_passes):
+            d0 = channel_pass * channels_per_pass
+            for r, d in T.Parallel(C, channels_per_pass):
+                from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
+                key = K_s[r, d0 + d]
+                to_row = T.exp2(from_anchor)
+                Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
+                K_row_s[r, d] = key * to_row
+                K_col_s[r, d] = key * T.exp2(-from_anchor)
+            T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=channel_pass == 0)
+            T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=channel_pass == 0)
+        for r, j in T.Parallel(C, C):
+            same_block = r // sub == j // sub
+            L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
+            if j // sub >= r // sub:  # the diagonal blocks and the zeros right of them; the slabs fill the rest
+                A_qk_s[r, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
+
+        # off-diagonal: one slab of sub columns at a time, anchored at the first row below it;
+        # rows above the slab keep stale operands: their GEMM rows are computed and never stored.
+        # The slabs are unrolled when the program is built (a tuple, not a loop), so each pass has
+        # a static extent and TileLang vectorizes it: one pass per slab writes the column operand
+        # (the sub rows above s0) and the row operands (rows s0 on)
+        for s0 in tuple(range(sub, C, sub)):
+            for channel_pass in range(channel_passes):
+                d0 = channel_pass * channels_per_pass
+                for r, d in T.Parallel(C - s0 + sub, channels_per_pass):
+                    row = s0 - sub + r
+                    from_anchor = (gamma_s[row, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
+                    key = K_s[row, d0 + d]
+                    if r >= sub:
+                        to_row = T.exp2(from_anchor)  # <= 1
+                        Q_slab_s[row, d] = Q_s[row, d0 + d] * to_row
+                        K_slab_row_s[row, d] = key * to_row
+                    else:
+                        K_slab_col_s[r, d] = key * T.exp2(-from_anchor)  # to the anchor: <= 1
+                first = channel_pass == 0
+                T.gemm(K_slab_row_s, K_slab_col_s, kk_slab_f, transpose_B=True, clear_accum=first)
+                T.gemm(Q_slab_s, K_slab_col_s, qk_slab_f, transpose_B=True, clear_accum=first)
+            for r, j in T.Parallel(C, sub):
+                if r >= s0:
+                    L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
+                    A_qk_s[r, s0 - sub + j] = qk_slab_f[r, j]
+
+    return anchored_scores
+# --8<-- [end:prepare_scores]
+
+
+# --8<-- [start:prepare_inverse]
+def block_inverse_macro(C):
+    """The macro block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f): T = (I + L)^{-1} into T_s
+    (C, C) fp32 shared, for L (C, C) strictly lower in L_s, by SUB_BLOCK x SUB_BLOCK blocks. T_diag_s
+    (C, SUB_BLOCK) gets the diagonal blocks stacked; merge_s (SUB_BLOCK, C) shared and block_row_f
+    (SUB_BLOCK, C) fragment are room for one block row. Stages 5, 6 and 7 invert with it."""
+    import tilelang.language as T
+
+    sub = SUB_BLOCK
+
+    @T.macro
+    def block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f):
+        # diagonal blocks of T = (I + L)^{-1}: forward substitution, one lane per (block, column);
+        # each lane reads back only the rows it wrote itself, and sums in a register
+        T.clear(T_s)
+        for r in T.serial(sub):
+            for blk, col in T.Parallel(C // sub, sub):
+                i = blk * sub + r
+                solved = T.alloc_var("float32")
+                solved = T.if_then_else(col == r, 1, 0)
+                for j in T.serial(r):
+                    solved -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
+                T_s[i, blk * sub + col] = solved
+                T_diag_s[i, col] = solved
+        # block row P from the rows above it: T[P, :P] = -T[P, P] (L[P, :P] T[:P, :P]), as two TF32
+        # tensor-core GEMMs over all C columns (a GEMM's sizes must be static; P is a loop variable).
+        # Only the columns left of P are kept: there L[P, :] T = L[P, :P] T[:P, :P], because block
+        # row P of T_s is still zero left of its diagonal block when the first GEMM reads it
+        for p0 in range(sub, C, sub):
+            T.gemm(L_s[p0:p0 + sub, :], T_s, block_row_f, clear_accum=True)
+            T.copy(block_row_f, merge_s)
+            T.gemm(T_diag_s[p0:p0 + sub, :], merge_s, block_row_f, clear_accum=True)
+            for r, c in T.Parallel(sub, C):
+                if c < p0:
+                    T_s[p0 + r, c] = -block_row_f[r, c]
+
+    return block_inverse
+# --8<-- [end:prepare_inverse]
+
+
+# --8<-- [start:prepare_outputs]
+def wy_outputs_macro(C):
+    """The macro wy_outputs(...): W = diag(beta) T (K e^gamma) and U = diag(beta) T V from T_s, beta_s,
+    Kg_s and V_s, staged in W_s and U_s (through the fp32 fragments w_f, u_f) for stores of whole rows."""
+    import tilelang.language as T
+
+    @T.macro
+    def wy_outputs(T_s, beta_s, A_hat_s, Kg_s, V_s, w_f, u_f, W_s, U_s):
+        for r, c in T.Parallel(C, C):
+            A_hat_s[r, c] = T_s[r, c] * beta_s[r]  # diag(beta) T, after the inverse
+        T.gemm(A_hat_s, Kg_s, w_f, clear_accum=True)
+        T.gemm(A_hat_s, V_s, u_f, clear_accum=True)
+        # through shared memory, then whole-row stores (TMA): the fragments' own stores are 4-byte
+        # writes spread over 8 rows, about 8 L1 wavefronts per instruction
+        T.copy(w_f, W_s)
+        T.copy(u_f, U_s)
+
+    return wy_outputs
 # --8<-- [end:prepare_outputs]
 
 
@@ -245,6 +307,8 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
     C = chunk_size
     accum_dtype = "float32"
     num_chunks = N // C
+    chunk_output = chunk_output_macro(C, block_dv)
+    advance_state = advance_state_macro(d_k, block_dv)
 
     @T.prim_func
     def kda_recurrence(
@@ -286,28 +350,53 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
                 T.copy(A_qk[b, t0:t0 + C, h, :], A_qk_s)
                 T.copy(Chunk_decay[b, i_c, h, :], chunk_decay_s)
 
-                # the pseudo-values V_new = U - W S^T (S^T cast to the input dtype first)
-                T.copy(S_f, S_s)
-                T.gemm(W_s, S_s, V_new_f, clear_accum=True)
-                for r, j in T.Parallel(C, block_dv):
-                    V_new_f[r, j] = U_s[r, j] - V_new_f[r, j]
-                T.copy(V_new_f, V_new_s)
-
-                # inter-chunk term, then the intra-chunk term added into the same accumulator
-                T.gemm(Q_decayed_s, S_s, acc_o, clear_accum=True)
-                T.gemm(A_qk_s, V_new_s, acc_o)
+                chunk_output(S_f, S_s, W_s, U_s, Q_decayed_s, A_qk_s, V_new_f, V_new_s, acc_o, O_s)
                 # through shared memory, then one TMA store: from the fragment, o went out in 4-byte
                 # stores spread over 8 rows
-                T.copy(acc_o, O_s)
                 T.copy(O_s, O[b, t0:t0 + C, h, v0:v0 + block_dv])
-
-                # only now does the state move past this chunk: decay row by row, then the GEMM
-                for d, j in T.Parallel(d_k, block_dv):
-                    S_f[d, j] *= chunk_decay_s[d]
-                T.gemm(K_to_chunk_end_s, V_new_s, S_f, transpose_A=True)
+                advance_state(S_f, chunk_decay_s, K_to_chunk_end_s, V_new_s)
             T.copy(S_f, Final_state[b, h, :, v0:v0 + block_dv])
 
     return kda_recurrence
+
+
+def chunk_output_macro(C, block_dv):
+    """The macro chunk_output(...): one chunk's output from the state S^T (S_f, d_k x block_dv fp32) it
+    starts from and the prepare kernel's operands in shared memory, into O_s (C, block_dv); V_new_s
+    keeps the pseudo-values for the state's update (advance_state)."""
+    import tilelang.language as T
+
+    @T.macro
+    def chunk_output(S_f, S_s, W_s, U_s, Q_decayed_s, A_qk_s, V_new_f, V_new_s, acc_o, O_s):
+        # the pseudo-values V_new = U - W S^T (S^T cast to the input dtype first)
+        T.copy(S_f, S_s)
+        T.gemm(W_s, S_s, V_new_f, clear_accum=True)
+        for r, j in T.Parallel(C, block_dv):
+            V_new_f[r, j] = U_s[r, j] - V_new_f[r, j]
+        T.copy(V_new_f, V_new_s)
+
+        # inter-chunk term, then the intra-chunk term added into the same accumulator
+        T.gemm(Q_decayed_s, S_s, acc_o, clear_accum=True)
+        T.gemm(A_qk_s, V_new_s, acc_o)
+        T.copy(acc_o, O_s)
+
+    return chunk_output
+
+
+def advance_state_macro(d_k, block_dv):
+    """The macro advance_state(S_f, chunk_decay_s, K_to_chunk_end_s, V_new_s): the state past one
+    chunk, S^T <- Diag(e^{gamma_C}) S^T + (K e^{gamma_C - gamma})^T V_new, once the chunk's output is
+    out (stages 5, 6 and 7)."""
+    import tilelang.language as T
+
+    @T.macro
+    def advance_state(S_f, chunk_decay_s, K_to_chunk_end_s, V_new_s):
+        # only now does the state move past this chunk: decay row by row, then the GEMM
+        for d, j in T.Parallel(d_k, block_dv):
+            S_f[d, j] *= chunk_decay_s[d]
+        T.gemm(K_to_chunk_end_s, V_new_s, S_f, transpose_A=True)
+
+    return advance_state
 # --8<-- [end:recurrence_program]
 
 
@@ -376,9 +465,7 @@ def default_block_dv(B: int, H: int, d_v: int, num_sms: int) -> int:
 
     Every program of one (batch, head) reads the same W, Q e^gamma, K e^{gamma_C - gamma} and A_qk, so
     64 columns halve what the recurrence reads; but each program walks all N / C chunks in a row, so
-    fewer programs than SMs leave SMs idle for the whole kernel. H200 (132 SMs), bf16
-    (benchmarks/s05_recurrence_variants.py): 0.31 -> 0.24 ms at B=8 N=4096 H=16 (256 programs of 64),
-    0.30 -> 0.44 ms at B=1 N=16384 H=32 (64 programs of 64 against 128 of 32).
+    fewer programs than SMs leave SMs idle for the whole kernel (the stage 5 page times both sides).
     """
     wide = 2 * DEFAULT_BLOCK_DV
     return wide if d_v % wide == 0 and B * H * (d_v // wide) >= num_sms else DEFAULT_BLOCK_DV
@@ -423,71 +510,6 @@ def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):
         raise ValueError(f"d_k must be a multiple of {16 * CHANNEL_PASSES} ({CHANNEL_PASSES} channel passes "
                          f"of the score GEMMs), got {d_k}")
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-
-
-def score_operand_dtypes(dtype):
-    """(diagonal blocks', slabs') dtypes of the prepare kernel's anchored score operands, for inputs
-    in `dtype`: fp32 and fp16 for bf16 inputs, fp16 and fp16 for fp16 ones, else the inputs' own (the
-    interpreter's float64).
-
-    A slab's factors are all <= 1, so fp16 holds them at any gate, with 10 mantissa bits where bf16
-    keeps 7 (bf16 operands gave 1.11x FLA's bf16 error against float64 at gates down to 0.5:
-    variant staged_all in benchmarks/s05_variants.py). A diagonal block's factor e^{gamma_r - gamma_m}
-    above its middle row m is at worst a_min^-8 for the smallest gate a_min (65504, fp16's largest
-    value, at a_min = 0.25). bf16 inputs take gates down to fp32's range (check_diagonal_range), so
-    their diagonal operands are fp32, which the GEMM reads as TF32 (fp16's 10 bits). fp16 inputs keep fp16 there: TF32 made their error 1.27x
-    larger on the H200 (variant tf32_diagonal), and their range ends where fp16's does.
-    """
-    if dtype == "bfloat16":
-        return "float32", "float16"
-    if dtype == "float16":
-        return "float16", "float16"
-    return dtype, dtype
-
-
-FP16_LARGEST_LOG = math.log(65504)  # ln of fp16's largest finite value
-FP32_LARGEST_LOG = math.log(3.4028234663852886e38)  # ln of fp32's (bf16's and TF32's: the same exponent)
-
-
-def check_diagonal_range(g, dtype, smallest_gate=None):
-    """No diagonal sub-block's anchored factor overflows its score operand.
-
-    A row r above its sub-block's middle row m gets e^{gamma_r - gamma_m} = e^{-(g_{r+1} + ... + g_m)},
-    a sum of up to SUB_BLOCK / 2 consecutive log gates (a column below m, up to SUB_BLOCK / 2 - 1).
-    Every window of SUB_BLOCK / 2 tokens must keep -sum(g) below the log of the operand's largest
-    value (q and k L2-normalized, so their entries are <= 1): fp16 operands (fp16 inputs) 65504, so
-    a >= 0.25 always passes; fp32 or bf16 operands (bf16 inputs) 3.4e38, so a >= e^-11 always passes.
-    The middle-row anchor reads later tokens' gates for a row above m (g_{r+1} .. g_m), so a window
-    of gates after a token can make that token's output NaN. FLA 0.6.0's tensor-core path (safe_gate)
-    anchors at the sub-block's first cumulative gate instead, for that reason (chunk_kda_fwd_intra's
-    docstring in fla/ops/kda/chunk_intra.py), with bounds of its own, and asks for gates >= -5.
-    smallest_gate (check_gate_values returns it) skips the windows when no window can reach the
-    bound; otherwise every window is read, wherever the sub-blocks fall, so packed sequences (stage 7)
-    are covered too: one pass over g per token of the window. A factor's gates all lie in one
-    sub-block (g_{r+1} .. g_m for a row r above m, g_{m+1} .. g_j for a column j below it); a window
-    across two sub-blocks is refused too, so the check can refuse a call that would have run: the unbounded demo's gates at step 161
-    summed to -90 across two sub-blocks, and that call, replayed past the check, was finite in every
-    kernel (benchmarks/results/train_kda_cuda_unbounded).
-    """
-    if g.shape[1] == 0:
-        return
-    largest_log = FP16_LARGEST_LOG if dtype == "float16" else FP32_LARGEST_LOG
-    window = min(SUB_BLOCK // 2, g.shape[1])
-    if smallest_gate is not None and -smallest_gate * window <= largest_log:
-        return
-    tokens = g.shape[1] - window + 1
-    window_sums = sum(g[:, start:start + tokens] for start in range(window))
-    worst = -window_sums.min().item()
-    if worst > largest_log:
-        largest, remedy = (("65504", "Use bf16 inputs (these operands are fp32 there), bound the gates from below "
-                            "(a >= 0.25 always passes)") if dtype == "float16" else
-                           ("3.4e38", "Bound the gates from below (g >= -11 always passes; FLA's safe_gate path takes "
-                            "lower_bound in [-5, 0))"))
-        raise ValueError(
-            f"g sums to -{worst:.3g} over {window} consecutive tokens: with {dtype} inputs the prepare kernel's "
-            f"anchored score operands can reach e^{worst:.3g}, past their largest value {largest} = "
-            f"e^{largest_log:.3g}, where they overflow and make the output NaN (when the window lies within one "
-            f"{SUB_BLOCK}-token sub-block). {remedy}, or pass check_values=False to run anyway")
 
 
 def default_prepare_threads(chunk_size):

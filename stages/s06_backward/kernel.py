@@ -52,9 +52,10 @@ from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, dtype_name,
                                         pad_tokens)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK,
-                                        _check_tile_sizes, _compiled_prepare, build_prepare_program,
-                                        check_diagonal_range, default_block_dv, streaming_multiprocessors,
-                                        zero_state)
+                                        _check_tile_sizes, _compiled_prepare, advance_state_macro,
+                                        block_inverse_macro, build_prepare_program, cumulative_gates_macro,
+                                        default_block_dv, streaming_multiprocessors, zero_state)
+from stages.s05_fast_kda.numerics import check_diagonal_range
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +77,7 @@ def build_states_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block
     C = chunk_size
     accum_dtype = "float32"
     num_chunks = N // C
+    advance_state = advance_state_macro(d_k, block_dv)
 
     @T.prim_func
     def kda_states(
@@ -116,9 +118,7 @@ def build_states_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block
                     V_new_s[r, j] = U_s[r, j] - V_new_f[r, j]
                 T.copy(V_new_s, V_new[b, t0:t0 + C, h, v0:v0 + block_dv])
 
-                for d, j in T.Parallel(d_k, block_dv):
-                    S_f[d, j] *= chunk_decay_s[d]
-                T.gemm(K_to_chunk_end_s, V_new_s, S_f, transpose_A=True)
+                advance_state(S_f, chunk_decay_s, K_to_chunk_end_s, V_new_s)
 
     return kda_states
 # --8<-- [end:states_program]
@@ -286,6 +286,8 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
     accum_dtype = "float32"
     num_chunks = N // C
     channels = d_k // channel_passes
+    cumulative_gates = cumulative_gates_macro(C, d_k)
+    block_inverse = block_inverse_macro(C)
 
     @T.prim_func
     def kda_intra(
@@ -369,12 +371,7 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             T.copy(K[b, t0:t0 + C, h, :], K_s)
             T.copy(Beta[b, t0:t0 + C, h], beta_s)
             T.copy(G[b, t0:t0 + C, h, :], gamma_s)
-            for d in T.Parallel(d_k):  # gamma = cumsum of the gates, one lane per channel
-                running = T.alloc_var(accum_dtype)
-                running = 0
-                for r in T.unroll(C):
-                    running += gamma_s[r, d]
-                    gamma_s[r, d] = running
+            cumulative_gates(gamma_s)
             # --8<-- [end:intra_setup]
 
             # --8<-- [start:intra_recompute]
@@ -407,25 +404,8 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                         A_kk_s[r, s0 - sub + j] = kk_slab_f[r, j]
                         L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
 
-            # T = (I + L)^{-1} as the prepare kernel inverts it: the diagonal blocks by forward
-            # substitution, then each block row from the rows above it
-            T.clear(T_s)
-            for r in T.serial(sub):
-                for blk, col in T.Parallel(C // sub, sub):
-                    i = blk * sub + r
-                    solved = T.alloc_var(accum_dtype)
-                    solved = T.if_then_else(col == r, 1, 0)
-                    for j in T.serial(r):
-                        solved -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
-                    T_s[i, blk * sub + col] = solved
-                    T_diag_s[i, col] = solved
-            for p0 in range(sub, C, sub):
-                T.gemm(L_s[p0:p0 + sub, :], T_s, block_row_f, clear_accum=True)
-                T.copy(block_row_f, merge_s)
-                T.gemm(T_diag_s[p0:p0 + sub, :], merge_s, block_row_f, clear_accum=True)
-                for r, c in T.Parallel(sub, C):
-                    if c < p0:
-                        T_s[p0 + r, c] = -block_row_f[r, c]
+            # T = (I + L)^{-1} as the prepare kernel inverts it
+            block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f)
             # --8<-- [end:intra_recompute]
 
             # --8<-- [start:intra_wy]
@@ -569,14 +549,10 @@ def default_intra_threads(chunk_size, d_k, channel_passes=CHANNEL_PASSES):
     sub-block high (16 rows, one tile) and d_k / channel_passes channels (the score slabs) or C
     columns (the block inverse's merges) wide: the warps must split both widths into whole tiles,
     so their number divides gcd(C, d_k / channel_passes) / 8: 256 threads at C = 64, d_k = 128, and
-    128 at d_k = 64. On the H200, B=1 N=16384 H=32 d=128 bf16, the kernel took 4.02 ms at 256
-    threads and 7.03 ms at 128, with the same rel L2 against reference C for all five outputs
-    (python -m benchmarks.s06_kernel_parts --intra-threads 128,256 --time 1,16384,32,
-    benchmarks/results/s06_intra_threads.log). Before that, 256 threads gave wrong dq, dk, dg: the
-    score slabs' GEMMs took a row slice of a 64-row buffer as their B operand, and TileLang 0.1.15
-    moved the second warp group's descriptor 16 rows into the buffer instead of one swizzle atom
-    (the page tells it). The slab operand has its own buffer now, and the compile tests check every
-    warp-group offset (CompileReport.misplaced_warp_group_operands).
+    128 at d_k = 64. More warps split the elementwise passes, which are most of the kernel's time (the
+    stage 6 page times 128 against 256 threads). With two warp groups, a GEMM operand must be a
+    buffer of its own rather than a row slice of a larger one (see K_slab_col_s), and the compile
+    tests check every warp group's operand offset (CompileReport.misplaced_warp_group_operands).
     """
     return 32 * min(8, math.gcd(chunk_size, d_k // channel_passes) // 8)
 

@@ -38,7 +38,10 @@ from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_gate, check_gate_values, check_kernel_tensor,
                                         check_on_cuda, check_qkv, check_same, check_slot_values, check_slots, dtype_name)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, _check_tile_sizes,
-                                        check_diagonal_range, default_prepare_threads, score_operand_dtypes)
+                                        advance_state_macro, anchored_scores_macro, block_inverse_macro,
+                                        chunk_output_macro, cumulative_gates_macro, default_prepare_threads,
+                                        wy_outputs_macro)
+from stages.s05_fast_kda.numerics import check_diagonal_range, score_operand_dtypes
 from stages.s07_serving.reference import chunk_table
 
 if TYPE_CHECKING:
@@ -174,10 +177,10 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     One program per (row p of the chunk table, head): it reads chunk `chunk` of sequence `sequence`
     straight from the packed rows, zeros past the sequence's end (masked loads, as reference C's
     prepare_varlen), and writes rows p * C to p * C + C - 1 of the chunk-aligned layout the varlen
-    recurrence reads. From the loads on, stage 5's prepare as it is, score operand types included
-    (score_operand_dtypes). T_tokens, T_padded, n_chunks and
-    N_seq may be TileLang symbols (T.dynamic). Parameters in order: Q, K, V, G, Beta, Chunks,
-    Cu_seqlens, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay.
+    recurrence reads. Between its loads and its stores it runs stage 5's prepare: the same buffers and
+    the same macros (cumulative_gates, anchored_scores, block_inverse, wy_outputs). T_tokens, T_padded,
+    n_chunks and N_seq may be TileLang symbols (T.dynamic). Parameters in order: Q, K, V, G, Beta,
+    Chunks, Cu_seqlens, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay.
     """
     import tilelang.language as T
 
@@ -186,6 +189,10 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     accum_dtype = "float32"
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
+    cumulative_gates = cumulative_gates_macro(C, d_k)
+    anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass)
+    block_inverse = block_inverse_macro(C)
+    wy_outputs = wy_outputs_macro(C)
 
     @T.prim_func
     def kda_prepare_varlen(
@@ -213,10 +220,7 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
             K_s = T.alloc_shared((C, d_k), dtype)
             gamma_s = T.alloc_shared((C, d_k), accum_dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
-            # the score GEMMs' operands: decay from the anchor to the row, and from the column to the
-            # anchor. On the diagonal blocks a factor reaches a_min^-8, so 16-bit inputs get fp32 there
-            # (the tensor cores read TF32: fp16's 10 mantissa bits, fp32's range); on the slabs every
-            # factor is <= 1, so fp16 holds them (bf16 would keep 7 bits): |q|, |k| < 65504 suffices
+            # the score GEMMs' operands (stage 5's anchored_scores_macro), in score_operand_dtypes' types
             Q_row_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
             K_row_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
             K_col_s = T.alloc_shared((C, channels_per_pass), diagonal_dtype)
@@ -253,53 +257,12 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
                 gamma_s[r, d] = T.if_then_else(r < rows, G[0, start + r, h, d], 0)
             for r in T.Parallel(C):
                 beta_s[r] = T.if_then_else(r < rows, Beta[0, start + r, h], 0)
-            # gamma[r] = g[0] + ... + g[r]: one thread per channel walks the rows in a register
-            for d in T.Parallel(d_k):
-                running = T.alloc_var(accum_dtype)
-                running = 0
-                for r in T.unroll(C):
-                    running += gamma_s[r, d]
-                    gamma_s[r, d] = running
+            cumulative_gates(gamma_s)
 
-            # from here to V's load, stage 5's prepare as it is (b = 0)
-            for channel_pass in range(channel_passes):
-                d0 = channel_pass * channels_per_pass
-                for r, d in T.Parallel(C, channels_per_pass):
-                    from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
-                    key = K_s[r, d0 + d]
-                    to_row = T.exp2(from_anchor)
-                    Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
-                    K_row_s[r, d] = key * to_row
-                    K_col_s[r, d] = key * T.exp2(-from_anchor)
-                T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=channel_pass == 0)
-                T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=channel_pass == 0)
-            for r, j in T.Parallel(C, C):
-                same_block = r // sub == j // sub
-                L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
-                if j // sub >= r // sub:
-                    A_qk_s[r, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
-            for s0 in tuple(range(sub, C, sub)):
-                for channel_pass in range(channel_passes):
-                    d0 = channel_pass * channels_per_pass
-                    for r, d in T.Parallel(C - s0 + sub, channels_per_pass):
-                        row = s0 - sub + r
-                        from_anchor = (gamma_s[row, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
-                        key = K_s[row, d0 + d]
-                        if r >= sub:
-                            to_row = T.exp2(from_anchor)
-                            Q_slab_s[row, d] = Q_s[row, d0 + d] * to_row
-                            K_slab_row_s[row, d] = key * to_row
-                        else:
-                            K_slab_col_s[r, d] = key * T.exp2(-from_anchor)
-                    first = channel_pass == 0
-                    T.gemm(K_slab_row_s, K_slab_col_s, kk_slab_f, transpose_B=True, clear_accum=first)
-                    T.gemm(Q_slab_s, K_slab_col_s, qk_slab_f, transpose_B=True, clear_accum=first)
-                for r, j in T.Parallel(C, sub):
-                    if r >= s0:
-                        L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
-                        A_qk_s[r, s0 - sub + j] = qk_slab_f[r, j]
+            # stage 5's prepare, storing at the chunk-aligned rows; V masked as the others
+            anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s,
+                            K_slab_col_s, kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s)
             T.copy(A_qk_s, A_qk[0, t0:t0 + C, h, :])
-
             for r, d in T.Parallel(C, d_k):
                 decay_from_start = T.exp2(gamma_s[r, d] * LOG2_E)
                 Q_decayed[0, t0 + r, h, d] = Q_s[r, d] * decay_from_start
@@ -307,33 +270,11 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
                 Kg_s[r, d] = K_s[r, d] * decay_from_start
             for d in T.Parallel(d_k):
                 Chunk_decay[0, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
-            for r, d in T.Parallel(C, d_v):  # masked as the others
+            for r, d in T.Parallel(C, d_v):
                 V_s[r, d] = T.if_then_else(r < rows, V[0, start + r, h, d], 0)
 
-            T.clear(T_s)
-            for r in T.serial(sub):
-                for blk, col in T.Parallel(C // sub, sub):
-                    i = blk * sub + r
-                    solved = T.alloc_var(accum_dtype)
-                    solved = T.if_then_else(col == r, 1, 0)
-                    for j in T.serial(r):
-                        solved -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
-                    T_s[i, blk * sub + col] = solved
-                    T_diag_s[i, col] = solved
-            for p0 in range(sub, C, sub):
-                T.gemm(L_s[p0:p0 + sub, :], T_s, block_row_f, clear_accum=True)
-                T.copy(block_row_f, merge_s)
-                T.gemm(T_diag_s[p0:p0 + sub, :], merge_s, block_row_f, clear_accum=True)
-                for r, c in T.Parallel(sub, C):
-                    if c < p0:
-                        T_s[p0 + r, c] = -block_row_f[r, c]
-
-            for r, c in T.Parallel(C, C):
-                A_hat_s[r, c] = T_s[r, c] * beta_s[r]
-            T.gemm(A_hat_s, Kg_s, w_f, clear_accum=True)
-            T.gemm(A_hat_s, V_s, u_f, clear_accum=True)
-            T.copy(w_f, W_s)
-            T.copy(u_f, U_s)
+            block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f)
+            wy_outputs(T_s, beta_s, A_hat_s, Kg_s, V_s, w_f, u_f, W_s, U_s)
             T.copy(W_s, W[0, t0:t0 + C, h, :])
             T.copy(U_s, U[0, t0:t0 + C, h, :])
 
@@ -362,6 +303,8 @@ def build_varlen_recurrence_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k,
 
     C = chunk_size
     accum_dtype = "float32"
+    chunk_output = chunk_output_macro(C, block_dv)
+    advance_state = advance_state_macro(d_k, block_dv)
 
     @T.prim_func
     def kda_recurrence_varlen(
@@ -409,23 +352,11 @@ def build_varlen_recurrence_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k,
                 T.copy(A_qk[0, t0:t0 + C, h, :], A_qk_s)
                 T.copy(Chunk_decay[0, i_c, h, :], chunk_decay_s)
 
-                # from here on, stage 5's chunk step as it is
-                T.copy(S_f, S_s)
-                T.gemm(W_s, S_s, V_new_f, clear_accum=True)
-                for r, j in T.Parallel(C, block_dv):
-                    V_new_f[r, j] = U_s[r, j] - V_new_f[r, j]
-                T.copy(V_new_f, V_new_s)
-
-                T.gemm(Q_decayed_s, S_s, acc_o, clear_accum=True)
-                T.gemm(A_qk_s, V_new_s, acc_o)
-                T.copy(acc_o, O_s)
+                chunk_output(S_f, S_s, W_s, U_s, Q_decayed_s, A_qk_s, V_new_f, V_new_s, acc_o, O_s)
                 for r, j in T.Parallel(C, block_dv):  # masked store: the rows past the end are the next sequence's
                     if r < rows:
                         O[0, start + r, h, v0 + j] = O_s[r, j]
-
-                for d, j in T.Parallel(d_k, block_dv):
-                    S_f[d, j] *= chunk_decay_s[d]
-                T.gemm(K_to_chunk_end_s, V_new_s, S_f, transpose_A=True)
+                advance_state(S_f, chunk_decay_s, K_to_chunk_end_s, V_new_s)
             T.copy(S_f, Final_state[sequence, h, :, v0:v0 + block_dv])
 
     return kda_recurrence_varlen

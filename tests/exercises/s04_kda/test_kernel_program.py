@@ -65,7 +65,7 @@ def test_fp16_program_within_rounding(build_program):
 
 @pytest.mark.parametrize("constraint", [1, 2, 7])
 def test_respects_ordering_constraint(build_program, constraint):
-    from stages.s04_kda.kernel import ordering_constraints
+    from stages.common.ordering import ordering_constraints
 
     facts = {number: (statement, holds) for number, statement, holds in tir_facts(ordering_constraints, _program(build_program))}
     statement, holds = facts[constraint]
