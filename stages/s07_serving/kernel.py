@@ -39,7 +39,7 @@ from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_g
                                         check_on_cuda, check_qkv, check_same, check_slot_values, check_slots, dtype_name)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, _check_tile_sizes,
                                         advance_state_macro, anchored_scores_macro, block_inverse_macro,
-                                        check_diagonal_range, chunk_output_macro, cumulative_gates_macro,
+                                        chunk_output_macro, cumulative_gates_macro,
                                         default_prepare_threads, score_operand_dtypes, wy_outputs_macro)
 from stages.s07_serving.reference import chunk_table
 
@@ -189,7 +189,7 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
     cumulative_gates = cumulative_gates_macro(C, d_k)
-    anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass)
+    anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype)
     block_inverse = block_inverse_macro(C)
     wy_outputs = wy_outputs_macro(C)
 
@@ -442,7 +442,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     n_chunks = int(index[2 * N_seq + 1])  # chunk_offsets[-1]
     _check_int32_indexing(max(T, n_chunks * chunk_size), H, max(d_k, d_v, chunk_size))
     if check_values:
-        check_diagonal_range(g, dtype_name(q), check_gate_values(g, beta))
+        check_gate_values(g, beta)
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens}
     check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
     if initial_state is None:
