@@ -286,10 +286,9 @@ def test_kernel_wrapper_rejects_bad_input():
         ((q, q, q, -g, beta), {}, ValueError, r"g must be finite and <= 0 .* largest entry is 1"),
         ((q, q, q, g, beta + 1), {}, ValueError, r"beta must lie in \[0, 1\]"),
         ((q.transpose(1, 2).contiguous().transpose(1, 2), q, q, g, beta), {}, ValueError, "q must be contiguous"),
-        # fp16's diagonal operands overflow past e^{8 * 1.39}; bf16's (fp32) do not; unchecked, it runs
-        ((q.half(), q.half(), q.half(), 2 * g, beta), {}, ValueError, "g sums to -16 over 8 consecutive tokens"),
-        ((q, q, q, 2 * g, beta), {}, ValueError, "q must be on a CUDA device"),
-        ((q.half(), q.half(), q.half(), 2 * g, beta), {"check_values": False}, ValueError, "q must be on a CUDA device"),
+        # any gate: fp16 gates far past the diagonal operands' range pass the value checks (the kernel
+        # takes those sub-blocks term by term), and CPU tensors stop at the device check
+        ((q.half(), q.half(), q.half(), 1e4 * g, beta), {}, ValueError, "q must be on a CUDA device"),
     ]
     for args, keywords, error, message in cases:
         with pytest.raises(error, match=message):

@@ -584,9 +584,10 @@ def score_operand_dtypes(dtype):
     keeps 7 (bf16 operands gave 1.11x FLA's bf16 error against float64 at gates down to 0.5:
     variant staged_all in benchmarks/s05_variants.py). A diagonal block's factor e^{gamma_r - gamma_m}
     above its middle row m is at worst a_min^-8 for the smallest gate a_min (65504, fp16's largest
-    value, at a_min = 0.25). bf16 inputs take gates down to fp32's range (check_diagonal_range), so
-    their diagonal operands are fp32, which the GEMM reads as TF32 (fp16's 10 bits). fp16 inputs keep fp16 there: TF32 made their error 1.27x
-    larger on the H200 (variant tf32_diagonal), and their range ends where fp16's does.
+    value, at a_min = 0.25). bf16 inputs keep the GEMMs to gates far smaller (FAST_SPAN_LOG), so their
+    diagonal operands are fp32, which the GEMM reads as TF32 (fp16's 10 bits). fp16 inputs keep fp16
+    there: TF32 made their error 1.27x larger on the H200 (variant tf32_diagonal); past fp16's range
+    their sub-blocks are taken term by term (exact_diagonal_block_macro).
     """
     if dtype == "bfloat16":
         return "float32", "float16"
@@ -612,7 +613,9 @@ FAST_SPAN_LOG = {"float16": FP16_LARGEST_LOG / 2, "float32": FP32_LARGEST_LOG / 
 
 
 def check_diagonal_range(g, dtype, smallest_gate=None):
-    """No diagonal sub-block's anchored factor overflows its score operand.
+    """No diagonal sub-block's anchored factor overflows its score operand: stage 6's backward only,
+    whose intra kernel still anchors every diagonal sub-block at its middle row. Stage 5's forward and
+    stage 7's prefill take any gate (anchored_scores_macro) and do not call it.
 
     A row r above its sub-block's middle row m gets e^{gamma_r - gamma_m} = e^{-(g_{r+1} + ... + g_m)},
     a sum of up to SUB_BLOCK / 2 consecutive log gates (a column below m, up to SUB_BLOCK / 2 - 1).
