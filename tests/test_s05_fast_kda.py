@@ -414,3 +414,42 @@ def test_fast_span_keeps_the_anchored_factors_in_range():
     for dtype, span in FAST_SPAN_LOG.items():
         info = np.finfo(dtype)
         assert np.exp(span) < float(info.max) and np.exp(-span) > float(info.smallest_normal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_kernels_take_any_gate_as_accurately_as_fla(dtype_name):
+    """Gates down to -1e4 a token, and a stretch at -5 (8-token sums of -40: past fp16's anchored range,
+    inside fp32's), no value-range refusal: finite, and within 1.1x FLA's chunk_kda error against
+    float64 (reference A, token by token); prints both, and the forward's time on these gates and on
+    gentle ones (the any-gate branch is taken only on the former)."""
+    import torch
+
+    fla_ops = pytest.importorskip("fla.ops")
+    from stages.s05_fast_kda.kernel import forward
+
+    x = _inputs(1, 1000, 2, 128, 128, seed=15)
+    gentle = _cuda_inputs(x, getattr(torch, dtype_name))
+    rng = np.random.default_rng(15)
+    x.g[:, 100:300] = -rng.uniform(0.0, 1e4, x.g[:, 100:300].shape)
+    x.g[:, 500:700, :, :64] = -5.0
+    args = _cuda_inputs(x, getattr(torch, dtype_name))
+    expected = reference.recurrent(x.q, x.k, x.v, x.g, x.beta)
+    ours, fla = forward(*args), fla_ops.chunk_kda(*args, scale=1.0)[0]
+    assert torch.isfinite(ours).all()
+    ours_error, fla_error = error_report(ours, expected), error_report(fla, expected)
+
+    def median_ms(inputs):
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            forward(*inputs, check_values=False)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    print(f"any gate, {dtype_name}: ours {ours_error}, FLA {fla_error}; forward {median_ms(args):.3f} ms on these "
+          f"gates, {median_ms(gentle):.3f} ms on gentle ones")
+    assert ours_error.rel_l2 <= 1.1 * fla_error.rel_l2
