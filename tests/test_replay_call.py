@@ -20,11 +20,12 @@ def _saved_call(path, strong_gate):
     return g
 
 
-@pytest.mark.parametrize("strong_gate, first_failure", [(-11.0, None), (-12.0, "prepare")])
+@pytest.mark.parametrize("strong_gate, first_failure", [(-11.0, None), (-12.0, "intra")])
 def test_replay_names_the_first_kernel_that_overflows(tmp_path, capsys, strong_gate, first_failure):
     """Eight gates of -11 sum to -88, inside fp32's range (e^88.7): every kernel finite. Eight of -12
-    (e^96) overflow the prepare kernel's diagonal operands, the bound check_diagonal_range holds
-    bf16 inputs to."""
+    (e^96): the forward's kernels take the sub-block term by term and stay finite; stage 6's intra
+    kernel still anchors it at its middle row and overflows, the bound check_diagonal_range holds
+    the backward's bf16 inputs to."""
     from stages.s05_fast_kda.kernel import check_diagonal_range
 
     g = _saved_call(tmp_path / "call.pt", strong_gate)
@@ -46,7 +47,7 @@ def test_a_refused_call_is_replayed_past_the_check(tmp_path, capsys):
     saved = torch.load(tmp_path / "call.pt")
     saved["refused"] = "g sums to -96 over 8 consecutive tokens"
     torch.save(saved, tmp_path / "call.pt")
-    assert replay_call.main([str(tmp_path / "call.pt"), "--device", "cpu"]) == "prepare"
+    assert replay_call.main([str(tmp_path / "call.pt"), "--device", "cpu"]) == "intra"
     printed = capsys.readouterr().out
     assert printed.startswith("the kernels' value check refused this call: g sums to -96 over 8 consecutive "
                               "tokens\nrun again past the check:\n")
@@ -62,11 +63,13 @@ def test_cuda_replay_needs_a_gpu(tmp_path, capsys):
     assert "--device cuda needs a CUDA device" in capsys.readouterr().err
 
 
-def test_the_unbounded_demos_nan_is_the_prepare_kernels_overflow(capsys):
+def test_the_unbounded_demos_nan_is_now_the_backwards_alone(capsys):
     """The call that went NaN at step 165 of the unbounded demo on the H200 (saved by NanTrap with
     the value check off): eight gates of one sub-block, rows 1 to 8 after its first, sum past fp32's
-    e^88.7, and the interpreter names the prepare kernel as the GPU did, so the GPU's arithmetic is
-    not the cause. The range check refuses the call."""
+    e^88.7. The interpreter named the prepare kernel, as the GPU did; the forward now takes that
+    sub-block term by term and is finite, and the first kernel to overflow is stage 6's intra, whose
+    diagonal sub-blocks are still anchored at their middle row. The backward's range check refuses
+    the call."""
     from kdacourse import REPO_ROOT
     from stages.s05_fast_kda.kernel import SUB_BLOCK
     from stages.s05_fast_kda.numerics import FP32_LARGEST_LOG, check_diagonal_range
@@ -76,7 +79,9 @@ def test_the_unbounded_demos_nan_is_the_prepare_kernels_overflow(capsys):
     sub_blocks = g.unflatten(1, (-1, SUB_BLOCK))  # (B, N / 16, 16, H, d_k): N = 32, two sub-blocks
     anchored_exponent = -sub_blocks[:, :, 1:SUB_BLOCK // 2 + 1].sum(2)  # row 0's factor e^{gamma_0 - gamma_8}
     assert anchored_exponent.max() > FP32_LARGEST_LOG
-    assert replay_call.main([str(path), "--device", "cpu"]) == "prepare"
-    assert "first kernel with a non-finite output: prepare" in capsys.readouterr().out
+    assert replay_call.main([str(path), "--device", "cpu"]) == "intra"
+    printed = capsys.readouterr().out
+    assert "prepare: outputs finite [True, True, True, True, True, True]\nrecurrence: outputs finite [True, True]" in printed
+    assert "first kernel with a non-finite output: intra" in printed
     with pytest.raises(ValueError, match="over 8 consecutive tokens"):
         check_diagonal_range(g, "bfloat16", float(g.min()))

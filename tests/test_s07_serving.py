@@ -1052,3 +1052,41 @@ def test_a_layer_served_by_prefill_and_decode_on_gpu():
     # bf16 projections and kernels: a few 1e-3 expected; a lost state or a misplaced row is O(1)
     assert whole_error.rel_l2 <= 5e-2
     assert pieces_error.rel_l2 <= max(2 * whole_error.rel_l2, 1e-2)
+
+
+def _chunked_fp32_gates(g, cu_seqlens, C):
+    """The log gates whose float64 cumulative sums are the varlen prepare's fp32 ones: each chunk of
+    each sequence summed in fp32 row by row from the chunk's start, and differenced back."""
+    held = np.empty_like(g)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        for first in range(start, end, C):
+            rows = slice(first, min(first + C, end))
+            gamma = np.cumsum(g[:, rows].astype(np.float32), axis=1, dtype=np.float32)
+            held[:, rows] = np.diff(gamma.astype(np.float64), axis=1, prepend=0.0)
+    return held
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_prefill_through_the_interpreter_takes_any_gate(dtype):
+    """Gates down to -1e4 a token in the packed batch (lengths not multiples of the chunk, beta 0 and
+    1): finite, against reference A within the TF32 floor (float64, on the gates the kernel's fp32
+    cumulative sums hold) or 4u (bf16); inputs unchanged, a second call the same."""
+    from stages.s07_serving.reference import recurrent as recurrent_varlen
+
+    x, cu_seqlens, S0 = _prefill_case(seed=54)
+    rng = np.random.default_rng(54)
+    x.g[:, 40:80] = -rng.uniform(0.0, 1e4, x.g[:, 40:80].shape)
+    x.g[:, 100:112, :, :3] = -300.0
+    kept = [a.copy() for a in (x.q, x.k, x.v, x.g, x.beta, S0)]
+    kernels = _interpreted_kernels(PREFILL_LENGTHS, dtype)
+    o, final_states = _prefill_on_the_cpu(x, cu_seqlens, S0, dtype, kernels)
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(final_states))
+    gates = _chunked_fp32_gates(x.g, cu_seqlens, PREFILL_C) if dtype == "float64" else x.g
+    expected_o, expected_states = recurrent_varlen(x.q, x.k, x.v, gates, x.beta, cu_seqlens, S0, output_final_state=True)
+    bound = TF32_FLOOR if dtype == "float64" else 4 * UNIT_ROUNDOFF[dtype]
+    assert_close(o, expected_o, rel_l2=bound, chunk_size=PREFILL_C)
+    assert_close(final_states, expected_states, rel_l2=bound, name="the final states", axes=POOL_AXES)
+    again = _prefill_on_the_cpu(x, cu_seqlens, S0, dtype, kernels)
+    assert np.array_equal(again[0], o) and np.array_equal(again[1], final_states), "a second call differs"
+    for given, before in zip((x.q, x.k, x.v, x.g, x.beta, S0), kept):
+        assert np.array_equal(given, before), "prefill changed an input"

@@ -298,6 +298,57 @@ def write_accuracy_table(path):
                     "\nThe prepare kernel's time in bf16, the two programs interleaved in 3 rounds (medians):\n\n" + times)
 
 
+ANY_GATE_STRENGTHS = [-0.1, -1.0, -1.4, -5.0, -12.0, -100.0, -1e4]  # the log gate of tokens 1 to 8 of one channel
+
+
+def _interpreted_output(x, dtype, chunk_size, anchored_only):
+    """o of stage 5's prepare and recurrence programs through the tile interpreter; anchored_only builds
+    them as they were before the any-gate branch (every diagonal sub-block through the anchored GEMMs)."""
+    import math
+    from unittest import mock
+
+    from stages.common.interpreter import interpret
+    from stages.s05_fast_kda import kernel
+
+    B, N, H, d_k = x.q.shape
+    d_v = x.v.shape[3]
+    spans = {name: math.inf for name in kernel.FAST_SPAN_LOG} if anchored_only else {}
+    with mock.patch.dict(kernel.FAST_SPAN_LOG, spans):
+        prepare = interpret(kernel.build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype=dtype),
+                            out_idx=[5, 6, 7, 8, 9, 10])
+    recurrence = interpret(kernel.build_recurrence_program(B, N, H, d_k, d_v, chunk_size, d_v, dtype=dtype),
+                           out_idx=[7, 8])
+    o, _ = recurrence(*prepare(x.q, x.k, x.v, x.g, x.beta), np.zeros((B, H, d_k, d_v)))
+    return o
+
+
+def write_any_gate_table(path):
+    """The failing case and the fix, through the tile interpreter on the CPU: gentle gates with one
+    channel's log gates at `strength` on tokens 1 to 8, so that the first sub-block's anchored factor
+    above its middle row is e^{-8 strength}; o's rel L2 against float64 (reference A) for the programs
+    with the anchored GEMMs alone (before) and with the any-gate branch (after)."""
+    from stages.s05_fast_kda.kernel import FAST_SPAN_LOG, score_operand_dtypes
+
+    C = 32
+    rows = []
+    for strength in ANY_GATE_STRENGTHS:
+        x = make_inputs(1, 2 * C, 1, 32, 32, gate="channel", gate_range=(0.9, 0.999), beta_range=(0.0, 1.0), seed=5)
+        x.g[0, 1:9, 0, 3] = strength
+        expected = recurrent(x.q, x.k, x.v, x.g, x.beta)
+        row = [f"{strength:g}", f"{-8 * strength:g}"]
+        for dtype in ("float16", "bfloat16"):
+            takes_gemms = -8 * strength <= FAST_SPAN_LOG[score_operand_dtypes(dtype)[0]]
+            errors = []
+            for anchored_only in (True, False):
+                o = _interpreted_output(x, dtype, C, anchored_only)
+                errors.append(f"{error_report(o, expected).rel_l2:.2e}" if np.all(np.isfinite(o)) else "NaN")
+            row += ["GEMMs" if takes_gemms else "term by term", *errors]
+        rows.append(row)
+    headers = ["log gate, tokens 1-8", "span (e-folds)"] + [
+        f"{name}: {column}" for name in ("fp16", "bf16") for column in ("sub-block 0 takes", "before", "after")]
+    path.write_text(banner(SOURCE) + markdown_table(headers, rows))
+
+
 def generated_files():
     return {
         "docs/generated/s05_errors.md": write_error_table,
@@ -310,4 +361,5 @@ def generated_files():
         "docs/generated/s05_variants.md": write_variants_table,
         "docs/generated/s05_later_variants.md": write_later_variants_table,
         "docs/generated/s05_accuracy.md": write_accuracy_table,
+        "docs/generated/s05_any_gate.md": write_any_gate_table,
     }

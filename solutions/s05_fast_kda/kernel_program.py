@@ -23,8 +23,9 @@ Read: stage 5 page, "The inverse by blocks" and "The prepare kernel".  Check: co
 """
 
 from stages.common.tilelang_tools import LOG2_E
-from stages.s05_fast_kda.kernel import CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, default_prepare_threads
-from stages.s05_fast_kda.numerics import score_operand_dtypes
+from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, default_prepare_threads,
+                                         exact_diagonal_block_macro)
+from stages.s05_fast_kda.numerics import FAST_SPAN_LOG, score_operand_dtypes
 
 
 def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
@@ -46,6 +47,9 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     num_chunks = N // C
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
+    blocks = C // sub
+    largest_span = FAST_SPAN_LOG[diagonal_dtype]
+    exact_diagonal_block = exact_diagonal_block_macro(d_k)  # a sub-block term by term, at any gate
 
     @T.prim_func
     def kda_prepare(
@@ -112,6 +116,17 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                     running += gamma_s[r, d]
                     gamma_s[r, d] = running
 
+            # a diagonal sub-block's largest anchored factor is e^span, span the larger of gamma_first -
+            # gamma_middle (its first row's) and gamma_middle - gamma_last (its last column's), over the
+            # channels; a flag per sub-block in shared memory, so that every thread takes one branch below
+            exact_s = T.alloc_shared((blocks,), "int32")
+            for blk in T.Parallel(blocks):
+                exact_s[blk] = 0
+            for blk, d in T.Parallel(blocks, d_k):
+                middle = gamma_s[blk * sub + sub // 2, d]
+                span = T.max(gamma_s[blk * sub, d] - middle, middle - gamma_s[blk * sub + sub - 1, d])
+                if span > largest_span:  # every lane that finds one writes the same 1
+                    exact_s[blk] = 1
 
             # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block
             for channel_pass in range(channel_passes):
@@ -130,6 +145,12 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                 L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
                 if j // sub >= r // sub:  # the diagonal blocks and the zeros right of them; the slabs fill the rest
                     A_qk_s[r, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
+            # the sub-blocks out of the operands' range (their GEMM entries above may be inf or NaN, kept
+            # to their own block by the mask) again, term by term: a uniform branch, so the chunks in range
+            # run one test per sub-block and nothing else
+            for blk in T.serial(blocks):
+                if exact_s[blk] == 1:
+                    exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, blk * sub)
 
             # off-diagonal: one slab of sub columns at a time, anchored at the first row below it;
             # rows above the slab keep stale operands: their GEMM rows are computed and never stored.

@@ -19,8 +19,9 @@ A loop whose extent depends on an outer loop (`for j in T.serial(r)`) and an `if
 (`if j < r`) are counted exactly: every loop variable becomes one axis of a NumPy array of index
 values, and an `if` masks it. The bytes are those the program asks of global memory; a read that
 another program of the grid also makes counts again (the L2 cache may serve it, not DRAM). What the
-count cannot see: conditions that read a buffer (refused with CostError), and the traffic between
-shared memory and registers.
+count cannot see: conditions that read a buffer (refused with CostError where their branches move
+global bytes or run a GEMM; otherwise counted as not taken, as stage 5's any-gate branch, whose cost
+its page tells), and the traffic between shared memory and registers.
 
     cost = program_cost(build_program(1, 4096, 32, 128, 128))
     cost.gemm_flops, cost.bytes, cost.intensity     # FLOPs, bytes, FLOPs per byte
@@ -207,6 +208,9 @@ class _Counter:
         self.shape, self.mask, self.depth = saved
 
     def _if(self, node):
+        if isinstance(self._value(node.condition), _Unknown):
+            self._untaken_if(node)
+            return
         taken = self._known(node.condition, "an if's condition")
         outer = self.mask
         self.mask = outer & np.asarray(taken, dtype=bool)
@@ -215,6 +219,21 @@ class _Counter:
             self.mask = outer & ~np.asarray(taken, dtype=bool)
             self._stmt(node.else_case)
         self.mask = outer
+
+    def _untaken_if(self, node):
+        """An if whose condition reads a buffer: the data decide, so it is counted as not taken, and
+        only if its branches move no global bytes and run no GEMM (on-chip work the count may leave
+        out, as stage 5's any-gate branch); otherwise refused."""
+        import copy
+
+        before = copy.deepcopy(self.cost)
+        self._stmt(node.then_case)
+        if node.else_case is not None:
+            self._stmt(node.else_case)
+        moved = (self.cost.bytes, self.cost.gemm_flops) != (before.bytes, before.gemm_flops)
+        self.cost = before
+        if moved:
+            self._known(node.condition, "an if's condition")  # raises CostError, naming the buffer
 
     # ---- tile operations ------------------------------------------------------------------------
 

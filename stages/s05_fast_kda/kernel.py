@@ -28,7 +28,7 @@ from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
                                         dtype_name, pad_tokens)
-from stages.s05_fast_kda.numerics import check_diagonal_range, score_operand_dtypes
+from stages.s05_fast_kda.numerics import FAST_SPAN_LOG, score_operand_dtypes
 from stages.s05_fast_kda.reference import SUB_BLOCK  # rows of a sub-block: anchors and the block inverse work on these
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
     cumulative_gates = cumulative_gates_macro(C, d_k)
-    anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass)
+    anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype)
     block_inverse = block_inverse_macro(C)
     wy_outputs = wy_outputs_macro(C)
 
@@ -172,18 +172,38 @@ def cumulative_gates_macro(C, d_k):
 
 
 # --8<-- [start:prepare_scores]
-def anchored_scores_macro(C, channel_passes, channels_per_pass):
+def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
     """The macro anchored_scores(...): from a chunk's Q_s, K_s (C, d_k), gamma_s (cumulative) and
-    beta_s, L = A_kk diag(beta) (strictly lower) into L_s and A_qk (lower, with its diagonal) into A_qk_s, through GEMMs of anchored operands (the row, column and slab buffers, of
-    channels_per_pass channels, and their fp32 accumulators kk_f, qk_f (C, C), kk_slab_f, qk_slab_f
-    (C, SUB_BLOCK))."""
+    beta_s, L = A_kk diag(beta) (strictly lower) into L_s and A_qk (lower, with its diagonal) into
+    A_qk_s, through GEMMs of anchored operands (the row, column and slab buffers, of channels_per_pass
+    channels, and their fp32 accumulators kk_f, qk_f (C, C), kk_slab_f, qk_slab_f (C, SUB_BLOCK)).
+
+    Any gate: a diagonal sub-block whose gates span more than FAST_SPAN_LOG[diagonal_dtype] (its
+    anchored factors would leave the operands' range) takes its block again term by term, in fp32
+    (exact_diagonal_block); the others run the anchored GEMMs alone."""
     import tilelang.language as T
 
     sub = SUB_BLOCK
+    d_k = channel_passes * channels_per_pass
+    blocks = C // sub
+    largest_span = FAST_SPAN_LOG[diagonal_dtype]
+    exact_diagonal_block = exact_diagonal_block_macro(d_k)
 
     @T.macro
     def anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s, K_slab_col_s,
                         kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s):
+        # a diagonal sub-block's largest anchored factor is e^span, span the larger of gamma_first -
+        # gamma_middle (its first row's) and gamma_middle - gamma_last (its last column's), over the
+        # channels; a flag per sub-block in shared memory, so that every thread takes one branch below
+        exact_s = T.alloc_shared((blocks,), "int32")
+        for blk in T.Parallel(blocks):
+            exact_s[blk] = 0
+        for blk, d in T.Parallel(blocks, d_k):
+            middle = gamma_s[blk * sub + sub // 2, d]
+            span = T.max(gamma_s[blk * sub, d] - middle, middle - gamma_s[blk * sub + sub - 1, d])
+            if span > largest_span:  # every lane that finds one writes the same 1
+                exact_s[blk] = 1
+
         # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block;
         # each element reads gamma and K once and takes one exp2 for each direction
         for channel_pass in range(channel_passes):
@@ -202,6 +222,12 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass):
             L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
             if j // sub >= r // sub:  # the diagonal blocks and the zeros right of them; the slabs fill the rest
                 A_qk_s[r, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
+        # the sub-blocks out of the operands' range (their GEMM entries above may be inf or NaN, kept
+        # to their own block by the mask) again, term by term: a uniform branch, so the chunks in range
+        # run one test per sub-block and nothing else
+        for blk in T.serial(blocks):
+            if exact_s[blk] == 1:
+                exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, blk * sub)
 
         # off-diagonal: one slab of sub columns at a time, anchored at the first row below it;
         # rows above the slab keep stale operands: their GEMM rows are computed and never stored.
@@ -231,6 +257,41 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass):
 
     return anchored_scores
 # --8<-- [end:prepare_scores]
+
+
+# --8<-- [start:prepare_exact_block]
+def exact_diagonal_block_macro(d_k):
+    """The macro exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, first): the diagonal
+    sub-block of rows and columns first .. first + SUB_BLOCK - 1 of L = A_kk diag(beta) and A_qk, as
+    their definition, A[r, j] = sum_d x_r[d] k_j[d] e^{gamma_r[d] - gamma_j[d]} (j <= r): each decay
+    is taken whole, so it is <= 1 at any gate, and summed in fp32 on the CUDA cores (d_k
+    multiply-adds per entry and score, one exp2 shared by the two scores)."""
+    import tilelang.language as T
+
+    sub = SUB_BLOCK
+
+    @T.macro
+    def exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, first):
+        for r, j in T.Parallel(sub, sub):
+            row, col = first + r, first + j
+            key_score = T.alloc_var("float32")
+            query_score = T.alloc_var("float32")
+            key_score = 0
+            query_score = 0
+            for step in T.serial(d_k):
+                # lane j starts at channel j: the 16 columns' rows of a warp then lie in different banks
+                d = (step + j) % d_k
+                # j <= r: gamma_r <= gamma_j and the decay is <= 1; above the diagonal (masked below)
+                # the exponent is clamped at 0 so that nothing overflows there either
+                decay = T.exp2(T.min(gamma_s[row, d] - gamma_s[col, d], 0) * LOG2_E)
+                decayed_key = T.cast(K_s[col, d], "float32") * decay
+                key_score += T.cast(K_s[row, d], "float32") * decayed_key
+                query_score += T.cast(Q_s[row, d], "float32") * decayed_key
+            L_s[row, col] = T.if_then_else(j < r, key_score * beta_s[col], 0)
+            A_qk_s[row, col] = T.if_then_else(j <= r, query_score, 0)
+
+    return exact_diagonal_block
+# --8<-- [end:prepare_exact_block]
 
 
 # --8<-- [start:prepare_inverse]
@@ -439,7 +500,7 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
         check_gate("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
     if check_values:
-        check_diagonal_range(g, dtype_name(q), check_gate_values(g, beta))
+        check_gate_values(g, beta)  # any gate <= 0 runs: no range to check (anchored_scores_macro)
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
     if block_dv is None:

@@ -20,9 +20,10 @@ def score_operand_dtypes(dtype):
     A slab's factors are all <= 1, so fp16 holds them at any gate, with 10 mantissa bits where bf16
     keeps 7. A diagonal block's factor e^{gamma_r - gamma_m} above its middle row m is at worst
     a_min^-8 for the smallest gate a_min (65504, fp16's largest value, at a_min = 0.25). bf16 inputs
-    take gates down to fp32's range (check_diagonal_range), so their diagonal operands are fp32, which
+    keep the GEMMs to gates far smaller (FAST_SPAN_LOG), so their diagonal operands are fp32, which
     the GEMM reads as TF32 (fp16's 10 bits). fp16 inputs keep fp16 there, where TF32 was less accurate
-    (the stage 5 page's accuracy section measures both), and their range ends where fp16's does.
+    (the stage 5 page's accuracy section measures both); past fp16's range their sub-blocks are taken
+    term by term (exact_diagonal_block_macro in the kernel).
     """
     if dtype == "bfloat16":
         return "float32", "float16"
@@ -33,10 +34,24 @@ def score_operand_dtypes(dtype):
 
 FP16_LARGEST_LOG = math.log(65504)  # ln of fp16's largest finite value
 FP32_LARGEST_LOG = math.log(3.4028234663852886e38)  # ln of fp32's (bf16's and TF32's: the same exponent)
+FP64_LARGEST_LOG = math.log(1.7976931348623157e308)  # the interpreter's float64 programs
+
+# --8<-- [start:fast_span]
+# The largest span (in e-folds) of a diagonal sub-block's anchored factors that the anchored GEMMs
+# take, by the diagonal operands' dtype: half the log of the type's largest value. A factor e^span
+# times an entry of q or k (<= 1) cannot overflow, and its partner e^-span keeps span e-folds above
+# the type's smallest normal numbers (fp16: e^-9.7, fp32: e^-87.3), so the product loses nothing to
+# subnormals. Past it, the sub-block is taken term by term (exact_diagonal_block_macro). The span
+# sums up to 8 log gates (rows first + 1 .. middle): fp16 operands keep gates a >= 0.51 on the GEMMs,
+# fp32 ones a >= 0.004; the benchmarks' (a >= 0.9, 0.84 e-folds) are far from either.
+FAST_SPAN_LOG = {"float16": FP16_LARGEST_LOG / 2, "float32": FP32_LARGEST_LOG / 2, "float64": FP64_LARGEST_LOG / 2}
+# --8<-- [end:fast_span]
 
 
 def check_diagonal_range(g, dtype, smallest_gate=None):
-    """No diagonal sub-block's anchored factor overflows its score operand.
+    """No diagonal sub-block's anchored factor overflows its score operand: stage 6's backward only,
+    whose intra kernel still anchors every diagonal sub-block at its middle row. Stage 5's forward and
+    stage 7's prefill take any gate (anchored_scores_macro) and do not call it.
 
     A row r above its sub-block's middle row m gets e^{gamma_r - gamma_m} = e^{-(g_{r+1} + ... + g_m)},
     a sum of up to SUB_BLOCK / 2 consecutive log gates (a column below m, up to SUB_BLOCK / 2 - 1).

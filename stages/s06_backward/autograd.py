@@ -128,6 +128,12 @@ class ChunkKDAFunction(torch.autograd.Function):
         ctx.chunk_size = chunk_size
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         if q.is_cuda:
+            if check_values and g.numel() and any(ctx.needs_input_grad):
+                # stage 5 takes any gate, stage 6's intra kernel not yet, and the backward runs unchecked:
+                # its range is checked here (one more pass over g and device sync, gradients only)
+                from stages.s05_fast_kda.numerics import check_diagonal_range
+
+                check_diagonal_range(g, str(q.dtype).removeprefix("torch."), float(g.min()))
             return _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, check_values)
         return _cpu_forward(q, k, v, g, beta, initial_state, chunk_size)
 

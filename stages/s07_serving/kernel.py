@@ -41,7 +41,7 @@ from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_
                                         advance_state_macro, anchored_scores_macro, block_inverse_macro,
                                         chunk_output_macro, cumulative_gates_macro, default_prepare_threads,
                                         wy_outputs_macro)
-from stages.s05_fast_kda.numerics import check_diagonal_range, score_operand_dtypes
+from stages.s05_fast_kda.numerics import score_operand_dtypes
 from stages.s07_serving.reference import chunk_table
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
     cumulative_gates = cumulative_gates_macro(C, d_k)
-    anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass)
+    anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype)
     block_inverse = block_inverse_macro(C)
     wy_outputs = wy_outputs_macro(C)
 
@@ -443,7 +443,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     n_chunks = int(index[2 * N_seq + 1])  # chunk_offsets[-1]
     _check_int32_indexing(max(T, n_chunks * chunk_size), H, max(d_k, d_v, chunk_size))
     if check_values:
-        check_diagonal_range(g, dtype_name(q), check_gate_values(g, beta))
+        check_gate_values(g, beta)
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens}
     check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
     if initial_state is None:
