@@ -51,6 +51,8 @@ CHILD_SCRIPT = Path(__file__).with_name("sandbox_child.py")
 COURSE_PACKAGES = ("stages", "kdacourse", "solutions", "tests", "exercises", "benchmarks")
 # What the graded library is made from: a change to any of these makes a new one.
 LIBRARY_SOURCES = ("stages", "solutions", "exercises", "kdacourse")
+# "<course>:<library folder>", handed to the processes a grader starts (honoured for that course only)
+LIBRARY_VARIABLE = "COURSE_GRADED_LIBRARY"
 LIBRARY_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kdacourse" / "graded-library"
 HOW_TO_GET = ("install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`, which `make setup` does when "
               "run as root), or, on a machine where the code is trusted (a student's own), pass --trust")
@@ -119,11 +121,14 @@ def graded_library():
     answers, built once per content of the course and kept in LIBRARY_CACHE (a grading run's many
     sandboxes, and later runs, find it there). Its delegates.json lists the exercise files [stage,
     file] whose functions the library runs for other exercises (the student's own, as in a handout)."""
-    folder = LIBRARY_CACHE / _library_key()
+    # the grading run's parent made it for this copy of the course: no hash again in each test process
+    course, _, given = os.environ.get(LIBRARY_VARIABLE, "").partition(os.pathsep)
+    folder = Path(given) if given and course == str(REPO_ROOT) else LIBRARY_CACHE / _library_key()
     if folder.is_dir():
         status = folder.stat()
         if status.st_uid != os.geteuid() or status.st_mode & 0o022:
             raise SandboxUnavailable(f"the graded library {folder} is not the grader's own: remove it")
+        os.environ[LIBRARY_VARIABLE] = f"{REPO_ROOT}{os.pathsep}{folder}"  # for the processes this one starts
         return folder
     LIBRARY_CACHE.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix="building-", dir=LIBRARY_CACHE))
@@ -136,7 +141,7 @@ def graded_library():
             raise
     finally:
         shutil.rmtree(building, ignore_errors=True)
-    return folder
+    return graded_library.__wrapped__()  # the checks above, on the folder now built
 
 
 def _build_library(folder):

@@ -96,7 +96,7 @@ def course(*arguments, out=None, cwd):
     command = [sys.executable, "-m", "kdacourse.cli", *map(str, arguments)]
     if out is not None:
         command += ["--out", str(out)]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd,
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=cwd,
                                env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"), stdin=subprocess.DEVNULL)
     return Run(completed.returncode, completed.stdout, completed.stderr, out)
 
