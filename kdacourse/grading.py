@@ -32,8 +32,11 @@ from kdacourse.targets import TargetError, target_folder
 
 # Exercise runs at a time: one pytest process per core.
 JOBS = max(1, os.cpu_count() or 1)
-# The whole test run of one exercise may take this many times the limit of one test.
+# The whole test run of one exercise may take this many times the limit of one test, and
+# EXERCISE_START_SECONDS more to start: pytest, and in the sandbox the child that imports the file
+# (TileLang for a kernel exercise: seconds, more on a loaded machine), before any test's limit runs.
 EXERCISE_LIMIT_PER_TEST_LIMIT = 5
+EXERCISE_START_SECONDS = 30
 # In the sandbox, tests/exercises/conftest.py stops a call of the student's code at this share of
 # pytest's limit per test; grading sets pytest's limit so that the call's is the number the user gave.
 SANDBOX_CALL_SHARE = 0.9
@@ -168,6 +171,11 @@ def _shorten(line):
     return textwrap.shorten(line, MESSAGE_LINE_CHARS, placeholder=" ...") if len(line) > MESSAGE_LINE_CHARS else line
 
 
+def exercise_limit(timeout_per_test):
+    """The wall-clock limit on one exercise's whole test run, for a limit per test."""
+    return EXERCISE_LIMIT_PER_TEST_LIMIT * timeout_per_test + EXERCISE_START_SECONDS
+
+
 def pytest_timeout(timeout_per_test, sandboxed):
     """pytest's limit per test for a user's --timeout: in the sandbox, one that stops each call of the
     student's code at exactly `timeout_per_test` (tests/exercises/conftest.py stops it at
@@ -235,9 +243,8 @@ def grade(folder, out, timeout_per_test=60, trust=False):
 
     Grades every exercise of the stages whose folders `folder` has: a student who hands in stage 1
     only is graded on stage 1 (the report names the stages left out); a file missing from a stage
-    folder costs its exercise. Each exercise's whole test run may take EXERCISE_LIMIT_PER_TEST_LIMIT
-    times `timeout_per_test`. Returns the exit code: 0 once graded, whatever the score; 2 when there
-    is nothing to grade.
+    folder costs its exercise. Each exercise's whole test run may take exercise_limit(timeout_per_test).
+    Returns the exit code: 0 once graded, whatever the score; 2 when there is nothing to grade.
     """
     folder_path = Path(folder).expanduser().resolve()
     if not folder_path.is_dir():
@@ -248,7 +255,7 @@ def grade(folder, out, timeout_per_test=60, trust=False):
     out_path = Path(out).expanduser().resolve()
     if out_path == folder_path or folder_path in out_path.parents:
         return _error(f"the reports would go inside the graded folder {folder}; choose --out elsewhere")
-    timeout_per_exercise = EXERCISE_LIMIT_PER_TEST_LIMIT * timeout_per_test
+    timeout_per_exercise = exercise_limit(timeout_per_test)
     if not trust:
         from kdacourse.sandbox import sandbox_problem
 

@@ -26,6 +26,7 @@ Where bwrap is missing or fails its self-test, `sandbox_problem()` says why and 
 """
 
 import collections
+import compileall
 import hashlib
 import json
 import os
@@ -151,6 +152,9 @@ def _build_library(folder):
     shutil.copytree(REPO_ROOT / "stages", folder / "stages", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (folder / "stages" / "common" / "oracles.py").unlink()  # closed forms: the answer of a reference A
     stubbed = stub_library(folder)
+    # compiled once here: the sandboxes read the bytecode (they may not write it) instead of each
+    # compiling the library again at start
+    compileall.compile_dir(folder / "stages", quiet=1)
     delegated = _used_by_exercises()
     delegates = sorted({(exercise.stage, exercise.file) for key, exercise in stubbed.items() if key in delegated})
     (folder / "delegates.json").write_text(json.dumps(delegates))

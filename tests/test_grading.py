@@ -32,7 +32,7 @@ from kdacourse.sitelinks import read_url
 EXERCISES = exercises()
 # The broken folders use the first stage's exercises: its tests are small and fast.
 BROKEN_STAGE = stages()[0]
-# Small limits keep the hangs short: 2 s per test, so 10 s per exercise (grading's default ratio).
+# Small limits keep the hangs short: 2 s per test, so 40 s per exercise (grading.exercise_limit).
 BROKEN_TIMEOUT_PER_TEST = 2
 
 
