@@ -1,11 +1,15 @@
 """Time untrusted grading: one full submission (`course grade`) and a class (`course grade-all`).
 
-    python -m benchmarks.grading_speed [--students 30] [--trust] [--out benchmarks/results/grading_speed.csv]
+    python -m benchmarks.grading_speed [--students 30] [--endless 5] [--stages s01 ...] [--trust]
+                                       [--out benchmarks/results/grading_speed.csv]
 
 The submissions are made from the course itself: the full one is a copy of solutions/ (every
 exercise passes, so every test runs); the class alternates copies of solutions/ and of the shipped
-exercises/ (fill exercises fail at once, fix exercises run their tests and fail some). Issue 13's
-targets on 2 cores: a full submission in at most 2 minutes, 30 submissions in at most 30 minutes.
+exercises/ (fill exercises fail at once, fix exercises run their tests and fail some), and --endless
+of its solution copies loop forever in one exercise (each stage's first, reference A), graded at the
+default limit (60 s a call). --stages keeps only those stages in every submission. Issue 13's targets
+on 2 cores: a full submission in at most 2 minutes, 30 submissions in at most 30 minutes; issue 25's:
+30 submissions, 5 of them with an endless loop, in at most 10 minutes.
 
 Each row records the wall-clock time, the CPU time of the whole process tree (sandboxes included),
 and the load average before and after: on a shared machine the wall clock grows with other work,
@@ -25,9 +29,28 @@ import time
 from pathlib import Path
 
 from kdacourse import REPO_ROOT
+from kdacourse.catalog import resolve_stage
+from kdacourse.shipped import split_region
 
 RESULTS = Path(__file__).parent / "results" / "grading_speed.csv"
-FIELDS = ["command", "students", "exercise_runs", "wall_s", "cpu_s", "load_before", "load_after", "sandbox", "machine"]
+FIELDS = ["command", "students", "endless", "stages", "exercise_runs", "wall_s", "cpu_s", "slowest_endless_s",
+          "load_before", "load_after", "sandbox", "machine"]
+ENDLESS_LOOP = "while True:\n    pass"
+
+
+def _copy(source, destination, stages):
+    """source's folders of `stages` (every stage when None) into destination."""
+    for folder in sorted(source.iterdir()):
+        if folder.is_dir() and (stages is None or folder.name in stages):
+            shutil.copytree(folder, destination / folder.name, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def _loop_forever(submission, exercise):
+    """The exercise's region of the submission's file replaced by an endless loop."""
+    path = submission / exercise.stage / exercise.file
+    before, region, after = split_region(path.read_text())
+    indent = region[: len(region) - len(region.lstrip())]
+    path.write_text(before + "".join(indent + line + "\n" for line in ENDLESS_LOOP.splitlines()) + after)
 
 
 def _course(*arguments):
@@ -47,6 +70,9 @@ def _course(*arguments):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--students", type=int, default=30)
+    parser.add_argument("--endless", type=int, default=5, help="submissions with an endless loop in one exercise")
+    parser.add_argument("--stages", nargs="*", help="only these stages in every submission (default: all)")
+    parser.add_argument("--skip-one", action="store_true", help="time the class only, not one full submission")
     parser.add_argument("--trust", action="store_true", help="grade without the sandbox, for comparison")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -54,22 +80,35 @@ def main(argv=None):
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; Python {platform.python_version()}"
     from kdacourse.catalog import exercises
 
+    stages = {resolve_stage(stage) for stage in args.stages} if args.stages else None
+    graded = [exercise for exercise in exercises() if stages is None or exercise.stage in stages]
+    looping = [next(e for e in graded if e.stage == stage) for stage in dict.fromkeys(e.stage for e in graded)]
+    stage_names = " ".join(sorted({e.stage for e in graded}))
     rows = []
     with tempfile.TemporaryDirectory(prefix="grading-speed-") as work:
         work = Path(work)
-        shutil.copytree(REPO_ROOT / "solutions", work / "one")
-        wall, cpu, load_before, load_after = _course("grade", work / "one", "--out", work / "one-out", *trust)
-        rows.append({"command": "grade", "students": 1, "exercise_runs": len(exercises()), "wall_s": round(wall, 1),
-                     "cpu_s": round(cpu, 1), "load_before": load_before, "load_after": load_after})
-        print(f"one full submission: {wall:.0f} s wall, {cpu:.0f} s CPU", flush=True)
+        if not args.skip_one:
+            _copy(REPO_ROOT / "solutions", work / "one", stages)
+            wall, cpu, load_before, load_after = _course("grade", work / "one", "--out", work / "one-out", *trust)
+            rows.append({"command": "grade", "students": 1, "endless": 0, "stages": stage_names,
+                         "exercise_runs": len(graded), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+                         "load_before": load_before, "load_after": load_after})
+            print(f"one full submission: {wall:.0f} s wall, {cpu:.0f} s CPU", flush=True)
+        endless = []
         for number in range(args.students):
-            source = REPO_ROOT / ("solutions" if number % 2 == 0 else "exercises")
-            shutil.copytree(source, work / "class" / f"student{number:02d}", ignore=shutil.ignore_patterns("__pycache__"))
+            student = work / "class" / f"student{number:02d}"
+            _copy(REPO_ROOT / ("solutions" if number % 2 == 0 else "exercises"), student, stages)
+            if number % 2 == 0 and len(endless) < args.endless:
+                exercise = looping[len(endless) % len(looping)]
+                _loop_forever(student, exercise)
+                endless.append((student.name, exercise.id))
         wall, cpu, load_before, load_after = _course("grade-all", work / "class", "--out", work / "class-out", *trust)
-        rows.append({"command": "grade-all", "students": args.students,
-                     "exercise_runs": args.students * len(exercises()), "wall_s": round(wall, 1),
-                     "cpu_s": round(cpu, 1), "load_before": load_before, "load_after": load_after})
-        print(f"{args.students} submissions: {wall:.0f} s wall, {cpu:.0f} s CPU", flush=True)
+        slowest = max((_seconds(work / "class-out" / name, exercise_id) for name, exercise_id in endless), default=0)
+        rows.append({"command": "grade-all", "students": args.students, "endless": len(endless), "stages": stage_names,
+                     "exercise_runs": args.students * len(graded), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+                     "slowest_endless_s": slowest, "load_before": load_before, "load_after": load_after})
+        print(f"{args.students} submissions ({len(endless)} with an endless loop): {wall:.0f} s wall, {cpu:.0f} s CPU; "
+              f"the slowest endless exercise took {slowest:.0f} s", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
@@ -77,6 +116,14 @@ def main(argv=None):
         for row in rows:
             writer.writerow({**row, "sandbox": not args.trust, "machine": machine})
     print(f"written to {args.out}")
+
+
+def _seconds(report_folder, exercise_id):
+    """How long grading took for one exercise, from a student's report.json."""
+    import json
+
+    report = json.loads((report_folder / "report.json").read_text())
+    return next(entry["seconds"] for entry in report["exercises"] if entry["id"] == exercise_id)
 
 
 if __name__ == "__main__":

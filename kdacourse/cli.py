@@ -109,7 +109,10 @@ def main(argv=None):
 
 def _grading_options(parser, out_help):
     parser.add_argument("--out", required=True, help=out_help)
-    parser.add_argument("--timeout", type=float, default=60, help="seconds allowed per test (default 60)")
+    parser.add_argument("--timeout", type=float, default=60,
+                        help="wall-clock seconds one call of the graded code may run before it is stopped and its test "
+                        "fails (with --trust: the whole test function); the exercise's other tests then fail at once; "
+                        "a whole exercise may take 5 times this, and 30 s to start (default 60)")
     parser.add_argument("--trust", action="store_true",
                         help="run the code as yourself, without the sandbox (only for code you trust: your own)")
 

@@ -20,8 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kdacourse.catalog import exercises, stages
-from kdacourse.grading import (EXERCISE_LIMIT_PER_TEST_LIMIT, JOBS, _error, grade_report, run_exercise,
-                               write_reports)
+from kdacourse.grading import JOBS, _error, exercise_limit, grade_report, run_exercise, write_reports
 
 BAR_WIDTH = 30
 
@@ -54,7 +53,7 @@ def grade_all(submissions, out, timeout_per_test=60, trust=False, jobs=JOBS):
             return _error(f"cannot grade untrusted code here: {problem}")
     from kdacourse.cheating import check_exercise
 
-    timeout_per_exercise = EXERCISE_LIMIT_PER_TEST_LIMIT * timeout_per_test
+    timeout_per_exercise = exercise_limit(timeout_per_test)
     extra_args = () if trust else ("--sandbox",)
     plan = {student: [exercise for exercise in exercises() if (student / exercise.stage).is_dir()]
             for student in students}

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import time
 import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
@@ -29,10 +30,16 @@ from kdacourse.runner import RunResult, run_tests
 from kdacourse.sitelinks import read_location, read_url  # the page and section on the site
 from kdacourse.targets import TargetError, target_folder
 
-# Exercise runs at a time: one pytest process per core, at most 8 (each holds numpy and torch).
-JOBS = max(1, min(8, os.cpu_count() or 1))
-# The whole test run of one exercise may take this many times the limit of one test.
+# Exercise runs at a time: one pytest process per core.
+JOBS = max(1, os.cpu_count() or 1)
+# The whole test run of one exercise may take this many times the limit of one test, and
+# EXERCISE_START_SECONDS more to start: pytest, and in the sandbox the child that imports the file
+# (TileLang for a kernel exercise: seconds, more on a loaded machine), before any test's limit runs.
 EXERCISE_LIMIT_PER_TEST_LIMIT = 5
+EXERCISE_START_SECONDS = 30
+# In the sandbox, tests/exercises/conftest.py stops a call of the student's code at this share of
+# pytest's limit per test; grading sets pytest's limit so that the call's is the number the user gave.
+SANDBOX_CALL_SHARE = 0.9
 # `course check` is the student's loop: an endless loop should cost half a minute, and a correct
 # solution must never fail on time, however loaded the machine. So its limit per test is CPU time,
 # which load does not stretch (a test takes well under 5 s of it); the wall-clock limits are only a
@@ -71,11 +78,22 @@ class ExerciseResult:
 
     @property
     def tests_total(self):
-        return len(self.run.outcomes)
+        """The tests that ran (passed or failed); skipped ones are counted apart."""
+        return sum(outcome != "skipped" for outcome in self.run.outcomes.values())
 
     @property
     def tests_passed(self):
         return sum(outcome == "passed" for outcome in self.run.outcomes.values())
+
+    def skipped(self):
+        """{test name: why it was skipped}."""
+        return {_test_name(test_id): self.run.skip_reasons.get(test_id, "")
+                for test_id, outcome in self.run.outcomes.items() if outcome == "skipped"}
+
+    @property
+    def timed_out(self):
+        """A time limit stopped the exercise: a test's (and so the rest of its tests) or the whole run's."""
+        return self.run.timed_out or bool(self.run.timeouts)
 
     def run_problem(self):
         """Why the run as a whole gave no verdict (time limit, process ended early), or None."""
@@ -84,6 +102,9 @@ class ExerciseResult:
         if self.run.timed_out:
             return (f"timed out: the whole test run was stopped after {self.timeout_per_exercise:g} s "
                     f"(the time limit per exercise; an endless loop?)")
+        if self.run.timeouts:
+            return (f"timed out: {_test_name(self.run.timeouts[0])} hit its time limit (an endless loop?), "
+                    f"and the exercise's other tests failed at once without running")
         if not self.run.outcomes:
             last_lines = "\n".join(self.run.output.strip().splitlines()[-MESSAGE_LINES:])
             return (f"no test result: the test process ended with exit code {self.run.returncode} "
@@ -109,15 +130,15 @@ class ExerciseResult:
         return messages
 
     def failures(self):
-        """The failure messages shortened to one line each."""
-        return [_one_line(message) for message in self.failure_messages()]
+        """The failure messages, whole."""
+        return [message.strip() for message in self.failure_messages()]
 
     def first_failure(self):
-        """The first lines of the first failure message ("" when passed)."""
+        """The first lines of the first failure message, each cut at a word ("" when passed)."""
         messages = self.failure_messages()
         if not messages:
             return ""
-        lines = [line[:MESSAGE_LINE_CHARS] for line in messages[0].splitlines() if line.strip()]
+        lines = [_shorten(line) for line in messages[0].splitlines() if line.strip()]
         return "\n".join(lines[:MESSAGE_LINES])
 
     def as_json(self):
@@ -131,7 +152,8 @@ class ExerciseResult:
             "max_points": self.exercise.points,
             "tests_passed": self.tests_passed,
             "tests_total": self.tests_total,
-            "timed_out": self.run.timed_out,
+            "tests_skipped": self.skipped(),
+            "timed_out": self.timed_out,
             "seconds": round(self.seconds, 2),
             "failures": self.failures(),
             "cheating": [str(finding) for finding in self.cheating],
@@ -141,8 +163,24 @@ class ExerciseResult:
 def _one_line(text):
     """The first lines of a message joined into one short line ("AssertionError:" alone says little)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    joined = " ".join(lines[:MESSAGE_LINES]) or "(no message)"
-    return joined if len(joined) <= MESSAGE_LINE_CHARS else joined[: MESSAGE_LINE_CHARS - 3] + "..."
+    return _shorten(" ".join(lines[:MESSAGE_LINES]) or "(no message)")
+
+
+def _shorten(line):
+    """`line` cut at a word to at most MESSAGE_LINE_CHARS characters, "..." saying so."""
+    return textwrap.shorten(line, MESSAGE_LINE_CHARS, placeholder=" ...") if len(line) > MESSAGE_LINE_CHARS else line
+
+
+def exercise_limit(timeout_per_test):
+    """The wall-clock limit on one exercise's whole test run, for a limit per test."""
+    return EXERCISE_LIMIT_PER_TEST_LIMIT * timeout_per_test + EXERCISE_START_SECONDS
+
+
+def pytest_timeout(timeout_per_test, sandboxed):
+    """pytest's limit per test for a user's --timeout: in the sandbox, one that stops each call of the
+    student's code at exactly `timeout_per_test` (tests/exercises/conftest.py stops it at
+    SANDBOX_CALL_SHARE of pytest's); without it, the test function's."""
+    return timeout_per_test / SANDBOX_CALL_SHARE if sandboxed else timeout_per_test
 
 
 def _test_name(test_id):
@@ -156,8 +194,9 @@ def run_exercise(target, exercise, timeout_per_test, timeout_per_exercise, extra
     started = time.monotonic()
     if cheating:
         return ExerciseResult(exercise, RunResult(), 0.0, timeout_per_exercise, tuple(cheating))
+    sandboxed = "--sandbox" in extra_args
     run = run_tests(target, [exercise.test_path.relative_to(REPO_ROOT)],
-                    timeout_per_test=timeout_per_test, timeout_total=timeout_per_exercise,
+                    timeout_per_test=pytest_timeout(timeout_per_test, sandboxed), timeout_total=timeout_per_exercise,
                     extra_args=extra_args, cpu_timeout_per_test=cpu_timeout_per_test)
     return ExerciseResult(exercise, run, time.monotonic() - started, timeout_per_exercise)
 
@@ -204,9 +243,8 @@ def grade(folder, out, timeout_per_test=60, trust=False):
 
     Grades every exercise of the stages whose folders `folder` has: a student who hands in stage 1
     only is graded on stage 1 (the report names the stages left out); a file missing from a stage
-    folder costs its exercise. Each exercise's whole test run may take EXERCISE_LIMIT_PER_TEST_LIMIT
-    times `timeout_per_test`. Returns the exit code: 0 once graded, whatever the score; 2 when there
-    is nothing to grade.
+    folder costs its exercise. Each exercise's whole test run may take exercise_limit(timeout_per_test).
+    Returns the exit code: 0 once graded, whatever the score; 2 when there is nothing to grade.
     """
     folder_path = Path(folder).expanduser().resolve()
     if not folder_path.is_dir():
@@ -217,7 +255,7 @@ def grade(folder, out, timeout_per_test=60, trust=False):
     out_path = Path(out).expanduser().resolve()
     if out_path == folder_path or folder_path in out_path.parents:
         return _error(f"the reports would go inside the graded folder {folder}; choose --out elsewhere")
-    timeout_per_exercise = EXERCISE_LIMIT_PER_TEST_LIMIT * timeout_per_test
+    timeout_per_exercise = exercise_limit(timeout_per_test)
     if not trust:
         from kdacourse.sandbox import sandbox_problem
 
@@ -231,7 +269,7 @@ def grade(folder, out, timeout_per_test=60, trust=False):
     cheating = {exercise.id: check_exercise(str(folder_path), exercise) for exercise in selected}
     not_graded = [stage for stage in stages() if stage not in graded_stages]
     print(f"grading {folder_path}: {len(selected)} exercises of {', '.join(graded_stages)} "
-          f"({timeout_per_test:g} s per test, {timeout_per_exercise:g} s per exercise; "
+          f"({timeout_per_test:g} s per test{' call' if not trust else ''}, {timeout_per_exercise:g} s per exercise; "
           f"{'trusted: run as the grader' if trust else 'untrusted: in the sandbox'})", flush=True)
     if not_graded:
         print(f"not in the folder, not graded: {', '.join(not_graded)}", flush=True)
@@ -241,7 +279,7 @@ def grade(folder, out, timeout_per_test=60, trust=False):
         line = (f"[{position}/{len(selected)}] {result.exercise.id} ... {verdict} "
                 f"({result.points}/{result.exercise.points} points, {result.seconds:.1f} s)")
         if not result.passed:
-            line += f": {result.failures()[0]}"
+            line += f": {_one_line(result.failures()[0])}"
         print(line, flush=True)
 
     started_at = datetime.now(timezone.utc)
@@ -299,10 +337,13 @@ def markdown_report(report):
         f"**Score: {report['score']} / {report['max_score']} points**, "
         f"{passed} of {len(report['exercises'])} exercises passed. "
         f"Graded {report['graded_at']} in {report['seconds']:g} s; time limits "
-        f"{report['timeout_per_test']:g} s per test, {report['timeout_per_exercise']:g} s per exercise.",
+        f"{report['timeout_per_test']:g} s per test (in the sandbox: per call of the graded code), "
+        f"{report['timeout_per_exercise']:g} s per exercise.",
         "",
         "An exercise earns its points when all of its tests pass, else none; an exercise whose file "
-        "shows cheating (an import of the answers, a symlink, a forbidden call) scores zero.",
+        "shows cheating (an import of the answers, a symlink, a forbidden call) scores zero. "
+        "Tests passed counts the tests that ran; skipped ones are listed under each table. An exercise "
+        "that timed out had a test stopped by its time limit, and its other tests failed at once.",
         "",
         ("The code ran in the sandbox (untrusted grading)." if report.get("sandbox", True)
          else "The code ran as the grader (--trust)."),
@@ -321,6 +362,7 @@ def markdown_report(report):
                              f"| {_tests_cell(entry)} "
                              f"| {table_cell(entry['first_failure'], untrusted=True)} |")
         lines.append("")
+        lines += _skipped_lines([entry for entry in report["exercises"] if entry["stage"] == stage])
     lines += ["## Totals", "", "| stage | points | exercises passed |", "|---|---|---|"]
     for stage, totals in report["stages"].items():
         lines.append(f"| {stage} | {totals['score']}/{totals['max_score']} "
@@ -330,9 +372,26 @@ def markdown_report(report):
 
 
 def _tests_cell(entry):
-    if entry["tests_total"] == 0:  # the run ended or was stopped before pytest reported
+    """Passed of those that ran, the skipped ones apart (their reasons are listed under the table)."""
+    skipped = len(entry.get("tests_skipped", {}))
+    if entry["tests_total"] == 0 and not skipped:  # the run ended or was stopped before pytest reported
         return "no result"
-    return f"{entry['tests_passed']}/{entry['tests_total']}"
+    cell = f"{entry['tests_passed']}/{entry['tests_total']}"
+    cell += f" ({skipped} skipped)" if skipped else ""
+    return cell + (", **timed out**" if entry["timed_out"] else "")
+
+
+def _skipped_lines(entries):
+    """Under a stage's table: per exercise, the tests that did not run and why."""
+    lines = []
+    for entry in entries:
+        reasons = {}
+        for name, reason in entry.get("tests_skipped", {}).items():
+            reasons.setdefault(reason or "no reason given", []).append(name)
+        for reason, names in reasons.items():
+            lines.append(f"- `{entry['id']}`: {len(names)} skipped ({', '.join(f'`{n}`' for n in names)}): "
+                         f"{table_cell(reason, untrusted=True)}")
+    return ["Tests skipped, not counted:", "", *lines, ""] if lines else []
 
 
 def junit_tree(results):

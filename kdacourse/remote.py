@@ -3,7 +3,8 @@
 In untrusted grading (`course grade` without --trust) the `target_module` fixture returns a
 RemoteModule instead of executing the student's file: the parent (pytest, running the instructor's
 tests) never imports or executes it. Calling one of its functions sends the arguments to a
-sandboxed child (kdacourse.sandbox), which imports the student's file, calls the function and sends
+sandboxed child (kdacourse.sandbox), which imports the student's file against the graded library (the
+course's stages/ without the answers), calls the function and sends
 the result back: NumPy arrays, numbers, strings, tuples, lists and dicts of them, the library's
 records (kdacourse.sandbox_child's wire format; nothing is unpickled). The tests then check those
 values as they check a local function's.
@@ -24,7 +25,7 @@ import stat
 
 import numpy as np
 
-from kdacourse.sandbox import ChildFailed, Limits, SandboxedProcess
+from kdacourse.sandbox import ChildFailed, Limits, SandboxedProcess, library_delegates
 from kdacourse.sandbox_child import WireError, decode, encode, library_record_class
 
 MAX_SOURCE_BYTES = 1 << 20
@@ -108,18 +109,26 @@ class _Child:
         return False
 
     def request(self, message, timeout=None, make_program=None):
-        try:
-            body = self.process.request(encode(message), timeout=timeout)
-        except ChildFailed as failed:
-            raise SandboxCallFailed(str(failed)) from None
-        try:
-            reply = decode(body, make_program=make_program, record_class=library_record_class)
-        except (WireError, TypeError, ValueError) as error:
-            self.process.kill()
-            raise SandboxCallFailed(f"the sandboxed process sent a malformed reply: {error}") from None
-        if not isinstance(reply, dict) or len(reply) != 1 or not ({"ok", "error"} & reply.keys()):
-            self.process.kill()
-            raise SandboxCallFailed("the sandboxed process sent a malformed reply")
+        """The reply's value; on the way, the callbacks of the library functions `message` holds."""
+        sent_functions = {function.__module__ + ":" + function.__qualname__: function
+                          for function in _library_functions_in(message)}
+        outgoing = message
+        while True:
+            try:
+                body = self.process.request(encode(outgoing), timeout=timeout)
+            except ChildFailed as failed:
+                raise SandboxCallFailed(str(failed)) from None
+            try:
+                reply = decode(body, make_program=make_program, record_class=library_record_class)
+            except (WireError, TypeError, ValueError) as error:
+                self.process.kill()
+                raise SandboxCallFailed(f"the sandboxed process sent a malformed reply: {error}") from None
+            if not isinstance(reply, dict) or len(reply) != 1 or not ({"ok", "error", "callback"} & reply.keys()):
+                self.process.kill()
+                raise SandboxCallFailed("the sandboxed process sent a malformed reply")
+            if "callback" not in reply:
+                break
+            outgoing = _run_callback(reply["callback"], sent_functions)
         if "error" in reply:
             _raise_remote(reply["error"] if isinstance(reply["error"], dict) else {})
         return reply["ok"]
@@ -127,6 +136,36 @@ class _Child:
     def close(self):
         if self.process is not None:
             self.process.kill()
+
+
+def _library_functions_in(value, depth=0):
+    """The module-level functions of the course library in a message (what a test passes as a callable)."""
+    if depth > 16:
+        return []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [function for item in value for function in _library_functions_in(item, depth + 1)]
+    module = getattr(value, "__module__", None) or ""
+    return [value] if type(value).__name__ == "function" and module.startswith("stages.") else []
+
+
+def _run_callback(callback, sent_functions):
+    """The reply to a callback of the child: the value of a library function that this call's request
+    passed to it, run here, or the error. Any other function is refused (the parent has the answers)."""
+    if not isinstance(callback, dict):
+        return {"error": {"type": "ValueError", "message": "a malformed callback"}}
+    function = sent_functions.get(str(callback.get("function")))
+    if function is None:
+        return {"error": {"type": "PermissionError",
+                          "message": "only a function passed to the code under test in this call can be called back"}}
+    args, kwargs = callback.get("args", []), callback.get("kwargs", {})
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        return {"error": {"type": "ValueError", "message": "a malformed callback"}}
+    try:
+        return {"ok": function(*args, **kwargs)}
+    except Exception as error:
+        return {"error": {"type": type(error).__name__, "message": str(error)[:MAX_MESSAGE_CHARS]}}
 
 
 class RemoteProgram:
@@ -173,8 +212,10 @@ class _RemoteFile:
 
     def ensure_loaded(self):
         if self.child.start() or self.names is None:
+            delegates = [[stage, file, source] for (stage, file), source in self.session.delegates().items()
+                         if (stage, file) != (self.stage, self.file)]
             names = self.child.request({"op": "load", "stage": self.stage, "file": self.file, "source": self.source,
-                                        "forbidden": self.forbidden}, timeout=LOAD_SECONDS)
+                                        "forbidden": self.forbidden, "delegates": delegates}, timeout=LOAD_SECONDS)
             if not isinstance(names, list):
                 raise SandboxCallFailed("the sandboxed process sent a malformed reply")
             self.names = {str(name) for name in names}
@@ -238,6 +279,19 @@ class RemoteSession:
         self.forbidden = forbidden or {}  # (stage, file) -> names the catalog forbids
         self._files = {}
         self._analysis = None
+        self._delegates = None
+
+    def delegates(self):
+        """{(stage, file): source} of the submission's files that the graded library runs for other
+        exercises (kdacourse.sandbox.library_delegates), those it has and that can be read."""
+        if self._delegates is None:
+            self._delegates = {}
+            for stage, file in library_delegates():
+                try:
+                    self._delegates[(stage, file)] = read_submission_file(self.folder, stage, file)[0]
+                except TargetRefused:
+                    pass
+        return self._delegates
 
     def module(self, stage, file):
         """The proxy of folder/stage/file, loaded in its own sandboxed child.

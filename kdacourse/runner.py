@@ -2,10 +2,20 @@
 
 Every run is a fresh `python -m pytest` subprocess: a student's file that crashes the interpreter,
 loops forever or exits the process costs that run, never the caller. Results come back through a
-JUnit XML file in a temporary folder, never through the target's folder.
+JUnit XML file in a temporary folder, never through the target's folder, and through this module
+loaded as a pytest plugin (`-p kdacourse.runner`), which writes beside it, one JSON line per test:
+
+- each failure's message whole (the exception's text, as pytest's report holds it; JUnit's `message`
+  attribute is cut to 500 characters, and the element's text is the whole traceback);
+- each skipped test's reason;
+- which test timed out (a call of the code under test stopped, pytest-timeout's limit, the CPU limit).
+  Once a test of a file has timed out, the file's other tests fail at once without running: the code
+  that looped would loop again, and each would cost the whole limit.
 """
 
+import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -13,17 +23,28 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from kdacourse import REPO_ROOT
+
+# A failure that is a time limit: the sandbox's (kdacourse.sandbox), pytest-timeout's, the CPU limit's
+# (tests/conftest.py). A test stopped by one of them makes the rest of its file fail at once.
+TIMEOUT_MESSAGE = re.compile(r"timed out: the call did not return within|Timeout \(>[0-9.]+s\) from pytest-timeout"
+                             r"|s of CPU time and was stopped")
 
 
 @dataclass
 class RunResult:
-    """outcomes: test id -> "passed" | "failed" | "skipped"; messages: test id -> failure text;
-    summaries: test id -> the failure's message alone (its first lines, without the traceback)."""
+    """outcomes: test id -> "passed" | "failed" | "skipped"; messages: test id -> failure text (the
+    traceback); summaries: test id -> the failure's message alone, whole; skip_reasons: test id -> why
+    it was skipped; timeouts: the tests stopped by a time limit, in order; timed_out: the whole run was
+    stopped (the limit per exercise)."""
 
     outcomes: dict = field(default_factory=dict)
     messages: dict = field(default_factory=dict)
     summaries: dict = field(default_factory=dict)
+    skip_reasons: dict = field(default_factory=dict)
+    timeouts: list = field(default_factory=list)
     returncode: int = 0
     timed_out: bool = False
     output: str = ""
@@ -45,10 +66,11 @@ def run_tests(target, test_paths, timeout_per_test=30, timeout_total=300, extra_
     """
     with tempfile.TemporaryDirectory(prefix="course-run-") as workdir:
         junit = Path(workdir) / "junit.xml"
+        lines = Path(workdir) / "results.jsonl"
         command = [
             sys.executable, "-m", "pytest", *map(str, test_paths),
             f"--target={target}", *timeout_options(timeout_per_test), f"--cpu-timeout={cpu_timeout_per_test}",
-            f"--junitxml={junit}",
+            f"--junitxml={junit}", "-p", "kdacourse.runner", f"--course-results={lines}",
             "-p", "no:cacheprovider", "-q", "--no-header", "-rN", *extra_args,
         ]
         environment = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
@@ -60,9 +82,11 @@ def run_tests(target, test_paths, timeout_per_test=30, timeout_total=300, extra_
             returncode, timed_out = -1, True
             output = _text(expired.stdout) + _text(expired.stderr) + f"\n[stopped after {timeout_total} s]"
         xml = junit.read_text() if junit.exists() else ""
-    result = RunResult(returncode=returncode, timed_out=timed_out, output=output, junit_xml=xml)
-    if xml:
-        _read_junit(xml, result)
+        result = RunResult(returncode=returncode, timed_out=timed_out, output=output, junit_xml=xml)
+        if xml:
+            _read_junit(xml, result)
+        if lines.exists():
+            _read_results(lines.read_text(), result)
     return result
 
 
@@ -99,3 +123,73 @@ def _read_junit(xml, result):
             result.outcomes[test_id] = "skipped"
         else:
             result.outcomes[test_id] = "passed"
+
+
+def _read_results(text, result):
+    """The plugin's lines into `result`: whole messages, skip reasons, timeouts (the last line of a test wins)."""
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a run stopped while writing it
+        test_id = entry.get("test")
+        if "message" in entry:
+            result.summaries[test_id] = entry["message"]
+        if "skipped" in entry:
+            result.skip_reasons[test_id] = entry["skipped"]
+        if entry.get("timed_out") and test_id not in result.timeouts:
+            result.timeouts.append(test_id)
+
+
+# ------------------------------------------------------------------------- the plugin (-p kdacourse.runner)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--course-results", default=None,
+                     help="kdacourse.runner: write each test's whole failure message, skip reason and timeout here")
+
+
+_PLUGIN = {}  # the run's config, for the report hook (a report does not carry it)
+
+
+def pytest_configure(config):
+    _PLUGIN.update(config=config, timed_out={})  # timed_out: test file -> its first test that timed out
+
+
+def _test_file(nodeid):
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test whose file has had a test time out fails at once (the loop would cost the limit again)."""
+    earlier = _PLUGIN["timed_out"].get(_test_file(item.nodeid))
+    if earlier is not None:
+        pytest.fail(f"not run: {earlier} timed out before it (its time limit stopped the code under test), "
+                    "so the exercise's other tests fail at once", pytrace=False)
+
+
+def pytest_runtest_logreport(report):
+    if report.failed:
+        entry = {"test": report.nodeid, "message": _whole_message(report)}
+        if TIMEOUT_MESSAGE.search(entry["message"]):
+            entry["timed_out"] = True
+            _PLUGIN["timed_out"].setdefault(_test_file(report.nodeid), report.nodeid.split("::", 1)[-1])
+    elif report.skipped and isinstance(report.longrepr, tuple):
+        entry = {"test": report.nodeid, "skipped": report.longrepr[2].removeprefix("Skipped: ")}
+    else:
+        return
+    path = _PLUGIN["config"].getoption("--course-results")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def _whole_message(report):
+    """The failure's message whole: the exception as pytest's report holds it (its crash entry), or
+    the report's text where it has none (a pytest.fail without traceback, a collection error)."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = crash.message if crash is not None else str(report.longrepr)
+    if report.when != "call":
+        message = f"failed on {report.when} with {message}"
+    return message

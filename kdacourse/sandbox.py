@@ -3,9 +3,15 @@
 A sandboxed process (SandboxedProcess) is kdacourse/sandbox_child.py run by bwrap with:
 - no network and no other namespace shared (IPC, PID, UTS, cgroup): it sees only its own processes;
 - a filesystem of its own: read-only binds of the system (/usr, /lib...), of Python and its
-  packages, of the course library stages/ and of the child script; nothing else of the course
-  (no solutions/, tests/, kdacourse/, exercises/, no other submission); /tmp a private tmpfs
-  (its only writable place, size-capped), where the submission's file is copied;
+  packages, of the graded library at /course/stages and of the child script; nothing else of the
+  course (no solutions/, tests/, kdacourse/, exercises/, no other submission); /tmp a private tmpfs
+  (its only writable place, size-capped), where the submission's files are copied;
+- the graded library (graded_library) is the course's stages/ as a student's handout has it: every
+  function that is an exercise raises NotImplementedError (or runs the student's own, for one that
+  other exercises call), and stages/common/oracles.py is left out. So no trick reaches an answer:
+  the answers are not in the sandbox. It is the library of the course that grades (this kdacourse's
+  REPO_ROOT), wherever that copy lies, installed or not; an installed copy of the course's packages
+  in the environment is hidden under an empty tmpfs;
 - when the grader is root: no user namespace, and the child drops to uid/gid 65534 (nobody) with
   no groups before anything else runs; otherwise an unprivileged user namespace;
 - --cap-drop ALL (only setuid/setgid kept for that first step when root), no_new_privs,
@@ -20,6 +26,8 @@ Where bwrap is missing or fails its self-test, `sandbox_problem()` says why and 
 """
 
 import collections
+import compileall
+import hashlib
 import json
 import os
 import select
@@ -28,6 +36,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -35,9 +44,17 @@ from functools import cache
 from pathlib import Path
 
 from kdacourse import REPO_ROOT
+from kdacourse.sandbox_child import LIBRARY_ROOT, SCRATCH_EXERCISES
 
 NOBODY = 65534
 CHILD_SCRIPT = Path(__file__).with_name("sandbox_child.py")
+# The course's packages: an installed (not editable) copy of them in the environment is hidden.
+COURSE_PACKAGES = ("stages", "kdacourse", "solutions", "tests", "exercises", "benchmarks")
+# What the graded library is made from: a change to any of these makes a new one.
+LIBRARY_SOURCES = ("stages", "solutions", "exercises", "kdacourse")
+# "<course>:<library folder>", handed to the processes a grader starts (honoured for that course only)
+LIBRARY_VARIABLE = "COURSE_GRADED_LIBRARY"
+LIBRARY_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kdacourse" / "graded-library"
 HOW_TO_GET = ("install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`, which `make setup` does when "
               "run as root), or, on a machine where the code is trusted (a student's own), pass --trust")
 SELF_TEST_SECONDS = 60
@@ -88,6 +105,75 @@ def bwrap_path():
     return shutil.which("bwrap")
 
 
+def _library_key():
+    """A hash of everything the graded library is made from (the course's library, solutions,
+    exercises and machinery): the name of its folder in the cache."""
+    digest = hashlib.sha256()
+    for top in LIBRARY_SOURCES:
+        for path in sorted((REPO_ROOT / top).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".toml"):
+                digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:24]
+
+
+@cache
+def graded_library():
+    """The folder whose stages/ the sandbox holds at /course/stages: the course's library without the
+    answers, built once per content of the course and kept in LIBRARY_CACHE (a grading run's many
+    sandboxes, and later runs, find it there). Its delegates.json lists the exercise files [stage,
+    file] whose functions the library runs for other exercises (the student's own, as in a handout)."""
+    # the grading run's parent made it for this copy of the course: no hash again in each test process
+    course, _, given = os.environ.get(LIBRARY_VARIABLE, "").partition(os.pathsep)
+    folder = Path(given) if given and course == str(REPO_ROOT) else LIBRARY_CACHE / _library_key()
+    if folder.is_dir():
+        status = folder.stat()
+        if status.st_uid != os.geteuid() or status.st_mode & 0o022:
+            raise SandboxUnavailable(f"the graded library {folder} is not the grader's own: remove it")
+        os.environ[LIBRARY_VARIABLE] = f"{REPO_ROOT}{os.pathsep}{folder}"  # for the processes this one starts
+        return folder
+    LIBRARY_CACHE.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix="building-", dir=LIBRARY_CACHE))
+    try:
+        _build_library(building)
+        building.chmod(0o755)
+        os.rename(building, folder)  # atomic: a folder under its final name is whole
+    except OSError:
+        if not folder.is_dir():
+            raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return graded_library.__wrapped__()  # the checks above, on the folder now built
+
+
+def _build_library(folder):
+    """stages/ into `folder` as the handout stubs it (kdacourse.handout.stub_library), less the oracles."""
+    from kdacourse.handout import _used_by_exercises, stub_library
+
+    shutil.copytree(REPO_ROOT / "stages", folder / "stages", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (folder / "stages" / "common" / "oracles.py").unlink()  # closed forms: the answer of a reference A
+    stubbed = stub_library(folder)
+    # compiled once here: the sandboxes read the bytecode (they may not write it) instead of each
+    # compiling the library again at start
+    compileall.compile_dir(folder / "stages", quiet=1)
+    delegated = _used_by_exercises()
+    delegates = sorted({(exercise.stage, exercise.file) for key, exercise in stubbed.items() if key in delegated})
+    (folder / "delegates.json").write_text(json.dumps(delegates))
+
+
+def library_delegates():
+    """[(stage, file)] of the exercise files whose functions the graded library runs for other exercises."""
+    return [tuple(pair) for pair in json.loads((graded_library() / "delegates.json").read_text())]
+
+
+def _installed_course_packages(prefixes):
+    """The course's packages installed (copied, not linked) under the Python prefixes bound in the sandbox."""
+    found = []
+    for entry in sys.path:
+        if entry and any(_under(os.path.realpath(entry), [os.path.realpath(p)]) for p in prefixes):
+            found += [os.path.join(entry, name) for name in COURSE_PACKAGES if os.path.isdir(os.path.join(entry, name))]
+    return found
+
+
 def running_as_root():
     return os.geteuid() == 0
 
@@ -132,10 +218,15 @@ def bwrap_command(mode, limits, preload_tilelang=False):
             bind(top)
     for path in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime"):
         bind(path)
-    for prefix in sorted({sys.base_prefix, sys.prefix, os.path.dirname(os.path.dirname(sys.executable))}):
+    prefixes = sorted({sys.base_prefix, sys.prefix, os.path.dirname(os.path.dirname(sys.executable))})
+    for prefix in prefixes:
         bind(os.path.realpath(prefix), prefix)
         bind(prefix)
-    bind(REPO_ROOT / "stages")  # the library, read-only; nothing else of the course
+    for package in _installed_course_packages(prefixes):  # a pip-installed course: its files hidden
+        args += ["--tmpfs", package]
+    bind(graded_library() / "stages", f"{LIBRARY_ROOT}/stages")  # the library without the answers, read-only
+    # the handout's stubs that run the student's own function look for it in <library root>/exercises/
+    args += ["--symlink", SCRATCH_EXERCISES, f"{LIBRARY_ROOT}/exercises"]
     bind(CHILD_SCRIPT, "/sandbox/child.py")
     args += ["--proc", "/proc", "--dev", "/dev", "--clearenv", "--chdir", "/tmp"]
     environment = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "USER": "nobody", "LANG": "C.UTF-8",

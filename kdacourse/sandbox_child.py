@@ -1,8 +1,9 @@
 """The sandboxed child of `course grade` (kdacourse.sandbox starts it), and the wire format both sides use.
 
 This file runs alone inside the sandbox, bound read-only at /sandbox/child.py: it imports nothing of
-kdacourse (the sandbox does not hold it), only the standard library, NumPy, stages/ and, for a kernel
-exercise, TileLang. The parent imports it only for `encode` and `decode`.
+kdacourse (the sandbox does not hold it), only the standard library, NumPy, the graded library at
+/course/stages (LIBRARY_ROOT, first on sys.path: the course that grades, never an installed copy) and,
+for a kernel exercise, TileLang. The parent imports it only for `encode`, `decode` and the paths.
 
 Wire format, in both directions: one message is an 8-byte big-endian length, then a 4-byte length
 and a JSON header, then the arrays the header refers to, each in NumPy's .npy format (read with
@@ -10,17 +11,20 @@ allow_pickle=False: nothing is ever unpickled). In the JSON, an array is {"$arra
 scalar {"$scalar": i}, a tuple {"$tuple": [...]}, a dict {"$dict": {...}} (string keys), a NumPy
 dtype {"$dtype": "float16"}, a dataclass or named tuple of the course library {"$record":
 "stages.x.y:Name", "fields": {...}}, a module-level function of the course library {"$function":
-"stages.x.y:name"} (imported by name on the other side, never sent as code), a TileLang program the
+"stages.x.y:name"} (imported by name on the other side, never sent as code; in the child, whose library
+lacks the answers, such a function runs in the parent: a call of it is a callback), a TileLang program the
 child keeps {"$program": n}.
 
 A call's reply is {"ok": {"$dict": {"value": ..., "arguments": [...]}}}: the value, and the array
 arguments as the function left them, which the parent copies back into its own (a function that
 updates an argument in place, as a state pool is updated, does so across the sandbox too).
 
-Requests (parent -> child): {"op": "load", "stage", "file", "source", "forbidden"}, {"op": "call",
+Requests (parent -> child): {"op": "load", "stage", "file", "source", "forbidden", "delegates"}, {"op": "call",
 "name", "args", "kwargs"}, {"op": "interpret", "program", "inputs", "out_idx"}, {"op": "program_json",
 "program"}; in "analysis" mode (no student code) {"op": "analyze", "program_json", "function"}.
-Replies: {"ok": value} or {"error": {"type", "message", "traceback"}}.
+Replies: {"ok": value} or {"error": {"type", "message", "traceback"}}; before its reply, a call may send
+callbacks {"callback": {"function", "args", "kwargs"}}, each answered {"ok": value} or {"error": ...}
+(the parent runs only a library function that it sent in that call's request).
 """
 
 import dataclasses
@@ -32,6 +36,10 @@ import sys
 
 import numpy as np
 
+# Where the sandbox holds the graded library (LIBRARY_ROOT/stages) and the submission's files: the
+# library's stubs that run a student's own function read LIBRARY_ROOT/exercises, a link to SCRATCH_EXERCISES.
+LIBRARY_ROOT = "/course"
+SCRATCH_EXERCISES = "/tmp/exercises"
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # the parent caps what it reads far lower (kdacourse.remote)
 MAX_DEPTH = 16
 NUMERIC_KINDS = "biufc"
@@ -100,9 +108,10 @@ def encode(value, programs=None):
     return struct.pack(">Q", len(body)) + body
 
 
-def decode(body, make_program=None, record_class=None):
+def decode(body, make_program=None, record_class=None, make_function=None):
     """The value of one message body (without its 8-byte length). make_program(n) gives what a
-    {"$program": n} becomes; record_class(name) the class of a {"$record": name} (None: refused)."""
+    {"$program": n} becomes; record_class(name) the class of a {"$record": name} (None: refused);
+    make_function(name) what a {"$function": name} becomes (None: the library's function itself)."""
     try:
         (size_length,) = struct.unpack_from(">I", body, 0)
         sizes = json.loads(body[4:4 + size_length])
@@ -154,6 +163,8 @@ def decode(body, make_program=None, record_class=None):
         if "$program" in item and isinstance(item["$program"], int) and make_program is not None:
             return make_program(item["$program"])
         if "$function" in item and isinstance(item["$function"], str):
+            if make_function is not None:
+                return make_function(item["$function"])
             function = library_function(item["$function"])
             if function is None:
                 raise WireError(f"not a function of the course library: {item['$function'][:100]!r}")
@@ -238,11 +249,36 @@ def _forbid(names):
         setattr(owner, path[-1], forbidden)
 
 
+class ParentFunction:
+    """A function of the course library that the parent passed to the code under test: a call of it is
+    a callback, run in the parent (the graded library here may lack it: stages.common.oracles)."""
+
+    def __init__(self, child, name):
+        self._child, self.__name__ = child, name.partition(":")[2]
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        return self._child.callback(self._name, args, kwargs)
+
+
 class Child:
-    def __init__(self, mode):
+    def __init__(self, mode, requests=None, replies=None):
         self.mode = mode
         self.module = None
         self.programs = []
+        self.requests, self.replies = requests, replies
+
+    def callback(self, name, args, kwargs):
+        """name(*args, **kwargs) run by the parent: its value, or its error raised here."""
+        self.replies.write(encode({"callback": {"function": name, "args": list(args), "kwargs": dict(kwargs)}}))
+        body = _read_exact(self.requests)
+        if body is None:
+            raise SystemExit("sandbox: the parent went away")
+        reply = decode(body, record_class=library_record_class)
+        if isinstance(reply, dict) and "ok" in reply:
+            return reply["ok"]
+        error = reply.get("error", {}) if isinstance(reply, dict) else {}
+        raise RuntimeError(f"{name} failed in the grader: {error.get('type', 'Exception')}: {error.get('message', '')}")
 
     def handle(self, request):
         op = request.get("op")
@@ -279,14 +315,10 @@ class Child:
         import types
 
         stage, file = str(request["stage"]), str(request["file"])
-        if not (stage.isidentifier() and file.endswith(".py") and file[:-3].isidentifier()):
-            raise ValueError("bad stage or file name")
-        folder = os.path.join("/tmp/submission", stage)
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, file)
+        for other_stage, other_file, other_source in request.get("delegates", []):
+            _write_exercise(str(other_stage), str(other_file), str(other_source))
         source = str(request["source"])
-        with open(path, "w", encoding="utf-8") as f:  # the private scratch copy (tmpfs)
-            f.write(source)
+        path = _write_exercise(stage, file, source)
         _forbid(request.get("forbidden", []))
         name = f"course_target.{stage}.{file[:-3]}"
         module = types.ModuleType(name)
@@ -311,6 +343,18 @@ class Child:
         return function(tvm.ir.load_json(str(request["program_json"])))
 
 
+def _write_exercise(stage, file, source):
+    """The private scratch copy (tmpfs) of a submission's file, SCRATCH_EXERCISES/stage/file; its path."""
+    if not (stage.isidentifier() and file.endswith(".py") and file[:-3].isidentifier()):
+        raise ValueError("bad stage or file name")
+    folder = os.path.join(SCRATCH_EXERCISES, stage)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, file)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(source)
+    return path
+
+
 def _drop_privileges():
     """As root inside the sandbox (the grader is root): become nobody before anything else runs."""
     if os.environ.get("COURSE_SANDBOX_SETUID") and os.getuid() == 0:
@@ -325,6 +369,7 @@ def _drop_privileges():
 
 def main():
     _drop_privileges()
+    sys.path.insert(0, LIBRARY_ROOT)  # the graded library, before any copy the environment has installed
     mode = sys.argv[1] if len(sys.argv) > 1 else "student"
     # the protocol keeps private copies of stdin and stdout; what the code under test prints goes
     # to stderr, which the parent reads apart and caps
@@ -339,13 +384,14 @@ def main():
         return
     if "--preload-tilelang" in sys.argv:
         import tilelang  # noqa: F401  (before the student's code: a kernel exercise needs it)
-    child = Child(mode)
+    child = Child(mode, requests, replies)
     while True:
         body = _read_exact(requests)
         if body is None:
             return
         try:
-            request = decode(body, record_class=library_record_class)
+            request = decode(body, record_class=library_record_class,
+                             make_function=lambda name: ParentFunction(child, name))
             reply = {"ok": child.handle(request)}
             message = encode(reply, child.programs)
         except BaseException as error:  # noqa: B036 (an exit or an interrupt is a failed call too)

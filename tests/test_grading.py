@@ -32,7 +32,7 @@ from kdacourse.sitelinks import read_url
 EXERCISES = exercises()
 # The broken folders use the first stage's exercises: its tests are small and fast.
 BROKEN_STAGE = stages()[0]
-# Small limits keep the hangs short: 2 s per test, so 10 s per exercise (grading's default ratio).
+# Small limits keep the hangs short: 2 s per test, so 40 s per exercise (grading.exercise_limit).
 BROKEN_TIMEOUT_PER_TEST = 2
 
 
@@ -96,7 +96,7 @@ def course(*arguments, out=None, cwd):
     command = [sys.executable, "-m", "kdacourse.cli", *map(str, arguments)]
     if out is not None:
         command += ["--out", str(out)]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd,
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=cwd,
                                env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"), stdin=subprocess.DEVNULL)
     return Run(completed.returncode, completed.stdout, completed.stderr, out)
 
@@ -233,7 +233,7 @@ def test_failure_messages_say_what_broke(runs, breakage, any_of):
     name, exercise = _entries_by_breakage()[breakage]
     entry = runs[name].entries()[exercise.id]
     assert any(words in message for words in any_of for message in [entry["first_failure"], *entry["failures"]]), entry
-    if breakage == "endless loop at import, deaf to the per-test limit":
+    if "endless loop" in breakage:
         assert entry["timed_out"]
 
 
@@ -308,7 +308,7 @@ def test_check_on_shipped_exercises_says_what_to_read(runs):
         # short tracebacks: the tests' own messages, no screens of source and arrays
         assert f"pytest tests/exercises/{exercise.stage}/test_{exercise.file} -q --tb=short" in run.stdout
     # each first failure in full: no line cut off, and a numeric one says where the error first appears
-    assert "more lines" not in run.stdout and not re.search(r"\w\.\.\.$", run.stdout, re.M), run.stdout
+    assert "more line" not in run.stdout and not re.search(r"\.\.\.$", run.stdout, re.M), run.stdout
     assert "first wrong entry at batch" in run.stdout, run.stdout
 
 

@@ -119,7 +119,7 @@ def test_deleting_and_writing_outside_the_submission_fails(attack):
         TARGETS = ["{victim}", "{submission}/beside.txt", "{submission}/{STAGE}/beside.py",
                    "{REPO_ROOT}/solutions/{STAGE}/chunkwise.py",
                    "{REPO_ROOT}/tests/exercises/{STAGE}/test_chunkwise.py", "{REPO_ROOT}/stages/__init__.py",
-                   "/usr/lib/pwned", "/etc/pwned"]
+                   "/course/stages/__init__.py", "/usr/lib/pwned", "/etc/pwned"]
         def attack():
             outcomes = {{}}
             for path in TARGETS:
@@ -138,8 +138,10 @@ def test_deleting_and_writing_outside_the_submission_fails(attack):
             return outcomes
     """)
     outcomes = module.attack()
-    # stages/ is bound read-only; the rest is not in the sandbox at all (a write to /tmp lands in its tmpfs)
-    assert outcomes[f"{REPO_ROOT}/stages/__init__.py"] in ("OSError", "PermissionError")
+    # the graded library is bound read-only; the course is not in the sandbox at all (a write to /tmp lands
+    # in its tmpfs)
+    assert outcomes["/course/stages/__init__.py"] in ("OSError", "PermissionError")
+    assert outcomes[f"{REPO_ROOT}/stages/__init__.py"] in ("FileNotFoundError", "PermissionError")
     assert outcomes[f"{REPO_ROOT}/solutions/{STAGE}/chunkwise.py"] in ("FileNotFoundError", "PermissionError")
     assert outcomes["/usr/lib/pwned"] in ("OSError", "PermissionError")
 
@@ -161,11 +163,11 @@ def test_reads_of_another_student_the_course_and_the_host_fail(attack):
             import importlib.util
             readable["solutions"] = importlib.util.find_spec("solutions") is not None
             readable["kdacourse"] = importlib.util.find_spec("kdacourse") is not None
-            readable["course"] = sorted(os.listdir("{REPO_ROOT}"))
+            readable["course"] = sorted(os.listdir("{REPO_ROOT}")) if os.path.isdir("{REPO_ROOT}") else []
             return readable
     """)
     readable = module.attack()
-    assert set(readable.pop("course")) <= {".venv", "stages"}  # only the library (and the venv, when inside)
+    assert set(readable.pop("course")) <= {".venv"}  # nothing of the course (the venv, when inside it)
     assert all(value is not True for value in readable.values()), readable
 
 

@@ -19,6 +19,30 @@ import pytest
 UNIT_ROUNDOFF = {"float64": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
+# Past a rel L2 bound of a few units of fp16's roundoff, single entries are off by more than that bound
+# times the RMS through rounding alone. Where a program fails such a bound, the entries it calls wrong
+# are those off by this many times more: what rounding does not explain, so the message's chunk hint
+# (first chunk right, later ones wrong: the state) is not drowned by rounding in chunk 0.
+ROUNDING_SPREAD = 8
+
+
+def assert_close_in_precision(actual, expected, *, rel_l2, chunk_size, name):
+    """assert_close(actual, expected, rel_l2=...) for a low-precision program; its failure message
+    says where the entries are wrong beyond rounding (ROUNDING_SPREAD), and so which chunks to suspect."""
+    __tracebackhide__ = True
+    from stages.common.compare import assert_close
+
+    try:
+        assert_close(actual, expected, rel_l2=rel_l2, chunk_size=chunk_size, name=name)
+    except AssertionError as within_rounding:
+        try:
+            assert_close(actual, expected, rel_l2=ROUNDING_SPREAD * rel_l2, chunk_size=chunk_size, name=name)
+        except AssertionError as beyond_rounding:  # the bound's line, then where the gross errors are
+            lines = str(within_rounding).splitlines()[:1] + str(beyond_rounding).splitlines()[1:]
+            raise AssertionError("\n".join(lines)) from None
+        raise
+
+
 def build(build_program, *args, **kwargs):
     """build_program(*args, **kwargs), or a test failure that says why it did not build."""
     __tracebackhide__ = True

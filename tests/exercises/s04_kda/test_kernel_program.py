@@ -15,7 +15,7 @@ from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.common.oracles import kda_delta_rule
 from stages.s04_kda.reference import kernel_mirror, recurrent
-from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, run_on_cpu, tir_facts
+from tests.exercises.kernel_checks import UNIT_ROUNDOFF, assert_close_in_precision, build, run_on_cpu, tir_facts
 from tests.exercises.library_values import from_library
 
 STAGE = "s04_kda"
@@ -59,8 +59,9 @@ def test_fp16_program_within_rounding(build_program):
     program = build(build_program, *SMALL_SHAPE, dtype="float16", **SMALL_TILES)
     actual = run_on_cpu(program, [x.q, x.k, x.v, x.g, x.beta], out_idx=[5])
     # q, k, v and each GEMM operand are rounded to fp16 once: a few units of 2^-11
-    assert_close(actual, from_library(recurrent, x.q, x.k, x.v, x.g, x.beta), rel_l2=4 * UNIT_ROUNDOFF["float16"],
-                 chunk_size=SMALL_TILES["chunk_size"], name="the interpreted fp16 program")
+    assert_close_in_precision(actual, from_library(recurrent, x.q, x.k, x.v, x.g, x.beta),
+                              rel_l2=4 * UNIT_ROUNDOFF["float16"], chunk_size=SMALL_TILES["chunk_size"],
+                              name="the interpreted fp16 program")
 
 
 @pytest.mark.parametrize("constraint", [1, 2, 7])
