@@ -3,7 +3,7 @@ table, the kernel's compile-only report at a few tile sizes, and the kernel's er
 (read from the committed GPU test log)."""
 
 from kdacourse.pages.stage_tables import compile_report_table, gpu_log_table, identities_table
-from kdacourse.pages.tables import banner, markdown_table
+from kdacourse.pages.tables import ROUNDING_NOTE, banner, markdown_table, rounding_level
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.s01_linear_attention.reference import chunkwise, kernel_mirror, recurrent
@@ -28,11 +28,9 @@ def write_error_table(path):
         for name, actual in (("B chunkwise", chunkwise(x.q, x.k, x.v, C)),
                              ("C kernel mirror", kernel_mirror(x.q, x.k, x.v, C, block_dv))):
             error = error_report(actual, expected)
-            rows.append((shape, f"{name} vs A", f"{error.max_abs:.2e}", f"{error.rel_l2:.2e}"))
-    path.write_text(
-        banner(SOURCE)
-        + markdown_table(["shape", "comparison", "max abs error", "relative L2"], rows)
-    )
+            rows.append((shape, f"{name} vs A", rounding_level(error.max_abs), rounding_level(error.rel_l2)))
+    path.write_text(banner(SOURCE) + markdown_table(["shape", "comparison", "max abs error", "relative L2"], rows)
+                    + "\n" + ROUNDING_NOTE)
 
 
 def write_identities_table(path):

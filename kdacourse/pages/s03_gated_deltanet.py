@@ -7,7 +7,7 @@ import functools
 import numpy as np
 
 from kdacourse.pages.stage_tables import compile_report_table, identities_table
-from kdacourse.pages.tables import banner, markdown_table, save_svg
+from kdacourse.pages.tables import ROUNDING_NOTE, banner, markdown_table, rounding_level, save_svg
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.s03_gated_deltanet import numerics
@@ -40,8 +40,9 @@ def write_error_table(path):
         for name, actual in (("B chunkwise", chunkwise(x.q, x.k, x.v, x.g, x.beta, C)),
                              ("C kernel mirror", kernel_mirror(x.q, x.k, x.v, x.g, x.beta, C, block_dv))):
             error = error_report(actual, expected)
-            rows.append((shape, f"{name} vs A", f"{error.max_abs:.2e}", f"{error.rel_l2:.2e}"))
-    path.write_text(banner(SOURCE) + markdown_table(["shape", "comparison", "max abs error", "relative L2"], rows))
+            rows.append((shape, f"{name} vs A", rounding_level(error.max_abs), rounding_level(error.rel_l2)))
+    path.write_text(banner(SOURCE) + markdown_table(["shape", "comparison", "max abs error", "relative L2"], rows)
+                    + "\n" + ROUNDING_NOTE)
 
 
 def write_degenerate_checks(path):
@@ -56,14 +57,15 @@ def write_degenerate_checks(path):
                          ("B chunkwise", chunkwise(x.q, x.k, x.v, zero_gate, x.beta, 4)),
                          ("C kernel mirror", kernel_mirror(x.q, x.k, x.v, zero_gate, x.beta, 4, 2))):
         error = error_report(actual, deltanet)
-        rows.append(("g = 0", f"{name} vs DeltaNet (stages/common/oracles.py: delta_rule)", f"{error.max_abs:.2e}",
-                     f"{error.rel_l2:.2e}"))
+        rows.append(("g = 0", f"{name} vs DeltaNet (stages/common/oracles.py: delta_rule)",
+                     rounding_level(error.max_abs), rounding_level(error.rel_l2)))
     expected = recurrent(x.q, x.k, x.v, x.g, x.beta)
     for block_dv in (1, 2, 4):
         error = error_report(kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 4, block_dv), expected)
-        rows.append((f"block_dv = {block_dv}", "C kernel mirror vs A", f"{error.max_abs:.2e}", f"{error.rel_l2:.2e}"))
+        rows.append((f"block_dv = {block_dv}", "C kernel mirror vs A", rounding_level(error.max_abs),
+                     rounding_level(error.rel_l2)))
     path.write_text(banner(SOURCE) + "B=2, N=12, H=2, d_k=d_v=4, C=4 (the seed's shape).\n\n"
-                    + markdown_table(["check", "comparison", "max abs error", "relative L2"], rows))
+                    + markdown_table(["check", "comparison", "max abs error", "relative L2"], rows) + "\n" + ROUNDING_NOTE)
 
 
 BETA_SCALES = (1e-1, 1e-2, 1e-4, 1e-8, 1e-13)
@@ -100,9 +102,12 @@ def write_beta_bugs(path):
         function = getattr(load_module(f"bug:{bug}", STAGE, file), file.removesuffix(".py"))
         for label, beta in (("random, U(0.1, 0.9)", x.beta), ("all equal, 0.5", equal_beta)):
             error = error_report(run(function, beta), recurrent(x.q, x.k, x.v, x.g, beta))
-            rows.append((f"`{bug}`", label, f"{error.max_abs:.2e}", f"{error.rel_l2:.2e}"))
+            # with equal beta the bug changes nothing: what is left is rounding
+            cells = (f"{error.max_abs:.2e}", f"{error.rel_l2:.2e}") if beta is x.beta else (
+                rounding_level(error.max_abs), rounding_level(error.rel_l2))
+            rows.append((f"`{bug}`", label, *cells))
     path.write_text(banner(SOURCE) + "B=2, N=12, H=2, d_k=d_v=4, C=4, against reference A.\n\n"
-                    + markdown_table(["bug", "beta", "max abs error", "relative L2"], rows))
+                    + markdown_table(["bug", "beta", "max abs error", "relative L2"], rows) + "\n" + ROUNDING_NOTE)
 
 
 def write_identities_table(path):
@@ -170,12 +175,13 @@ def write_numerics_table(path):
             row = _study(chunk_size, key_norm)
             overflow = "yes" if row.largest_entry_of_T > FP16_MAX else "no"
             rows.append((f"{key_norm:.2f}", chunk_size, f"{row.condition:.2e}", f"{row.largest_entry_of_T:.2e}",
-                         overflow, f"{row.fp32_solve_error:.1e}"))
+                         overflow, rounding_level(row.fp32_solve_error)))
     path.write_text(
         banner(SOURCE) + f"d_k = {numerics.D_K}, a in [0.9, 0.999], beta in [0.1, 0.9]; medians over 8 chunks. "
         f"Key norm 1 is the L2-normalized key; {numerics.KEY_NORMS[-1]:.2f} = sqrt(d_k) is the norm of a "
         f"key drawn from N(0, I). fp16's largest finite value is {FP16_MAX:.0f}.\n\n"
-        + markdown_table(["key norm", "C", "cond_inf(I + L)", "max abs T", "T overflows fp16", "fp32 solve error"], rows))
+        + markdown_table(["key norm", "C", "cond_inf(I + L)", "max abs T", "T overflows fp16", "fp32 solve error"], rows)
+        + "\n" + ROUNDING_NOTE)
 
 
 def write_numerics_plot(path):

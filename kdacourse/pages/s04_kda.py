@@ -6,7 +6,7 @@ e^{+-gamma} (tables beside the seed's numbers, and two plots)."""
 import numpy as np
 
 from kdacourse.pages.stage_tables import identities_table, nvcc_version
-from kdacourse.pages.tables import banner, markdown_table, save_svg
+from kdacourse.pages.tables import ROUNDING_NOTE, banner, markdown_table, rounding_level, save_svg
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.s04_kda import numerics
@@ -40,7 +40,13 @@ def _inputs(B, N, H, d_k, d_v, seed=0, gate_range=(0.9, 0.999)):
 
 
 def _error_cells(error):
+    """max abs and relative L2 as figures: an error that is the size of a difference (a bug, fp16)."""
     return f"{error.max_abs:.2e}", f"{error.rel_l2:.2e}"
+
+
+def _rounding_cells(error):
+    """max abs and relative L2 at rounding level: two forms of the same sums, added in different orders."""
+    return rounding_level(error.max_abs), rounding_level(error.rel_l2)
 
 
 def write_error_table(path):
@@ -53,9 +59,10 @@ def write_error_table(path):
                   kernel_mirror(x.q, x.k, x.v, x.g, x.beta, C, block_dv, sub_chunk_size=sub))
         for name, actual in (("B chunkwise", chunkwise(x.q, x.k, x.v, x.g, x.beta, C)), mirror):
             seed = SEED_ERRORS.get(name, ("", "")) if (B, N, H, d_k, d_v, C) == (*SEED_SHAPE, 4) else ("", "")
-            rows.append((shape, f"{name} vs A", *_error_cells(error_report(actual, expected)), *seed))
+            rows.append((shape, f"{name} vs A", *_rounding_cells(error_report(actual, expected)), *seed))
     path.write_text(banner(SOURCE) + markdown_table(
-        ["shape", "comparison", "max abs error", "relative L2", "the seed: max abs", "the seed: relative L2"], rows))
+        ["shape", "comparison", "max abs error", "relative L2", "the seed: max abs", "the seed: relative L2"], rows)
+        + "\n" + ROUNDING_NOTE)
 
 
 def write_split_and_pairings(path):
@@ -69,10 +76,11 @@ def write_split_and_pairings(path):
     M = np.tril(naive, -1)
     after = beta[:, None] * np.linalg.inv(np.eye(4) + M * beta[None, :])  # L = beta_i M, diag(beta) T
     before = np.linalg.inv(np.eye(4) + beta[:, None] * M) * beta[None, :]  # L = beta_c M, T diag(beta)
-    rows = [("exponent split K+ K-^T vs weighted dot products, all (c, i)", *_error_cells(error_report(split, naive)),
-             SEED_SPLIT[0]),
+    rows = [("exponent split K+ K-^T vs weighted dot products, all (c, i)",
+             *_rounding_cells(error_report(split, naive)), SEED_SPLIT[0]),
             ("L = beta_i M with diag(beta) T vs L = beta_c M with T diag(beta)",
-             *_error_cells(error_report(after, before)), SEED_PAIRINGS[0])]
+             *_rounding_cells(error_report(after, before)), SEED_PAIRINGS[0])]
+    # no ROUNDING_NOTE: the page shows this table right below s04_errors.md, which ends with it
     path.write_text(banner(SOURCE) + "One chunk of the seed's shape (C = 4, d_k = 4).\n\n"
                     + markdown_table(["comparison", "max abs error", "relative L2", "the seed: max abs"], rows))
 
@@ -97,20 +105,21 @@ def write_degenerate_checks(path):
         equal = function(_equal_channels(x.g))
         for against, expected in (("stage 3's kernel mirror", stage_3.kernel_mirror(x.q, x.k, x.v, scalar_gate, x.beta, 4, 2)),
                                   ("Gated DeltaNet (stages/common/oracles.py: delta_rule)", delta_rule(x.q, x.k, x.v, x.beta, scalar_gate))):
-            rows.append(("all channels equal", f"{name} vs {against}", *_error_cells(error_report(equal, expected)),
+            rows.append(("all channels equal", f"{name} vs {against}", *_rounding_cells(error_report(equal, expected)),
                          SEED_DEGENERATE["all channels equal"], ""))
     for name, function in run.items():
         error = error_report(function(np.zeros_like(x.g)), delta_rule(x.q, x.k, x.v, x.beta))
-        rows.append(("g = 0", f"{name} vs DeltaNet (stages/common/oracles.py: delta_rule)", *_error_cells(error),
+        rows.append(("g = 0", f"{name} vs DeltaNet (stages/common/oracles.py: delta_rule)", *_rounding_cells(error),
                      SEED_DEGENERATE["g = 0"], ""))
     expected = recurrent(x.q, x.k, x.v, x.g, x.beta)
     for block_dv in (1, 2, 4):
         error = error_report(kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 4, block_dv), expected)
-        rows.append((f"block_dv = {block_dv}", "C kernel mirror vs A", *_error_cells(error), "", SEED_BLOCK_DV[block_dv]))
+        rows.append((f"block_dv = {block_dv}", "C kernel mirror vs A", *_rounding_cells(error), "",
+                     SEED_BLOCK_DV[block_dv]))
     path.write_text(banner(SOURCE) + "B=2, N=12, H=2, d_k=d_v=4, C=4 (the seed's shape). The seed's third check, "
                     f"beta -> 0 ({SEED_DEGENERATE['beta -> 0']}), is the small-beta table below.\n\n"
                     + markdown_table(["check", "comparison", "max abs error", "relative L2", "the seed: max abs",
-                                      "the seed: relative L2"], rows))
+                                      "the seed: relative L2"], rows) + "\n" + ROUNDING_NOTE)
 
 
 BETA_SCALES = (1e-1, 1e-2, 1e-4, 1e-8, 1e-13)
@@ -157,11 +166,13 @@ def write_bug_costs(path):
             error = error_report(function(x.q, x.k, x.v, inputs["g"], inputs["beta"], *extra[bug.file]),
                                  recurrent(x.q, x.k, x.v, inputs["g"], inputs["beta"]))
             seed = SEED_BUG_COSTS.get(bug.id, "") if label == "random" else ""
-            rows.append((f"`{bug.id}`", f"`{bug.file}`", label, *_error_cells(error), seed))
+            # where the bug hides it changes nothing: what is left is rounding
+            cells = _error_cells(error) if label == "random" else _rounding_cells(error)
+            rows.append((f"`{bug.id}`", f"`{bug.file}`", label, *cells, seed))
     path.write_text(banner(SOURCE) + "B=2, N=12, H=2, d_k=d_v=4, C=4, against reference A; 'random' is the seed's "
                     "inputs (gates U(0.9, 0.999) per channel, beta U(0.1, 0.9)).\n\n"
                     + markdown_table(["bug", "file", "inputs", "max abs error", "relative L2",
-                                      "the seed: relative L2"], rows))
+                                      "the seed: relative L2"], rows) + "\n" + ROUNDING_NOTE)
 
 
 def write_identities_table(path):

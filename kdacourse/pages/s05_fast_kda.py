@@ -7,7 +7,7 @@ import re
 import numpy as np
 
 from kdacourse.pages.stage_tables import compile_report_table, identities_table
-from kdacourse.pages.tables import banner, markdown_table, save_svg
+from kdacourse.pages.tables import ROUNDING_NOTE, banner, markdown_table, rounding_level, save_svg
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.s05_fast_kda.reference import (SUB_BLOCK, chunkwise, intra_chunk_scores, kernel_mirror, prepare,
@@ -41,8 +41,9 @@ def write_error_table(path):
         for name, actual in (("B chunkwise", chunkwise(x.q, x.k, x.v, x.g, x.beta, C)),
                              ("C kernel mirror", kernel_mirror(x.q, x.k, x.v, x.g, x.beta, C, block_dv, sub))):
             error = error_report(actual, expected)
-            rows.append((shape, f"{name} vs A", f"{error.max_abs:.2e}", f"{error.rel_l2:.2e}"))
-    path.write_text(banner(SOURCE) + markdown_table(["shape", "comparison", "max abs error", "relative L2"], rows))
+            rows.append((shape, f"{name} vs A", rounding_level(error.max_abs), rounding_level(error.rel_l2)))
+    path.write_text(banner(SOURCE) + markdown_table(["shape", "comparison", "max abs error", "relative L2"], rows)
+                    + "\n" + ROUNDING_NOTE)
 
 
 def write_identities_table(path):

@@ -6,7 +6,7 @@ import inspect
 import numpy as np
 
 from kdacourse.pages.stage_tables import identities_table
-from kdacourse.pages.tables import banner, markdown_table, save_svg
+from kdacourse.pages.tables import ROUNDING_NOTE, banner, markdown_table, rounding_level, save_svg
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.s06_backward.reference import chunkwise_backward, kernel_mirror_backward, recurrent_backward
@@ -41,11 +41,11 @@ def write_error_table(path):
         for name, actual in (("B chunkwise", chunkwise_backward(*arguments, C, S_0, dS_N)),
                              ("C kernel mirror", kernel_mirror_backward(*arguments, C, S_0, dS_N, block_dv, sub))):
             errors = [error_report(getattr(actual, g), getattr(expected, g)) for g in GRADIENTS]
-            rows.append([shape, f"{name} vs A"] + [f"{e.max_abs:.1e} / {e.rel_l2:.1e}" for e in errors])
+            rows.append([shape, f"{name} vs A"] + [f"{rounding_level(e.max_abs)} / {rounding_level(e.rel_l2)}" for e in errors])
     path.write_text(
         banner(SOURCE) + "Each cell: max abs error / relative L2 against reference A, float64; gates a in [0.9, 0.999], "
         "beta in [0.1, 0.9], random do, S_0 and dLoss/dS_N.\n\n"
-        + markdown_table(["shape", "comparison", "dq", "dk", "dv", "dg", "dbeta", "dS_0"], rows))
+        + markdown_table(["shape", "comparison", "dq", "dk", "dv", "dg", "dbeta", "dS_0"], rows) + "\n" + ROUNDING_NOTE)
 
 
 def write_identities_table(path):

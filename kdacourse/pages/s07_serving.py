@@ -5,7 +5,7 @@ varlen run."""
 
 import numpy as np
 
-from kdacourse.pages.tables import banner, markdown_table
+from kdacourse.pages.tables import ROUNDING_NOTE, banner, markdown_table, rounding_level
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.s07_serving.reference import chunk_aligned_rows, chunk_table, chunkwise, kernel_mirror, recurrent
@@ -48,13 +48,13 @@ def write_error_table(path):
                 ("C, one packed call", kernel_mirror(*args, C, block_dv, cu_seqlens, S0, output_final_state=True,
                                                      sub_block=sub))):
             o_error, state_error = error_report(o, expected_o), error_report(states, expected_states)
-            rows.append((", ".join(map(str, lengths)), f"C={C}", name, f"{o_error.rel_l2:.2e}",
-                         f"{state_error.rel_l2:.2e}"))
+            rows.append((", ".join(map(str, lengths)), f"C={C}", name, rounding_level(o_error.rel_l2),
+                         rounding_level(state_error.rel_l2)))
     path.write_text(
         banner(SOURCE) + "H = 2, d_k = d_v = 16, a in [0.5, 1], beta in [0, 1], a random initial state per sequence. "
         "Each reference runs the packed batch once (cu_seqlens); the answer it is compared with runs each sequence "
         "alone through stage 6's reference A. Relative L2 errors.\n\n"
-        + markdown_table(["lengths", "chunk", "reference", "o", "final states"], rows))
+        + markdown_table(["lengths", "chunk", "reference", "o", "final states"], rows) + "\n" + ROUNDING_NOTE)
 
 
 # the serving shape: Kimi Linear's KDA heads (H = 32, d_k = d_v = 128), fp32 states

@@ -2,9 +2,27 @@
 
 The one place that escapes a table cell. It imports nothing of the project, so that every page
 generator, and kdacourse.grading, can use it without an import circle.
+
+It also says how a figure is written so that every machine agrees on the page, and when two texts
+of a generated file agree (`disagreement`, what tests/test_generated.py checks):
+
+- a figure that floating-point rounding decides (two float64 computations of the same sums in
+  different orders, an fp32 solve's rounding error) is written by `rounding_level`: "≈2e-16", one
+  digit. NumPy's matrix products go to OpenBLAS, which picks its kernel by CPU, and kernels add in
+  different orders: across five kernels and 1 or 2 threads such a figure moved by up to 2.3x,
+  written to one digit too (3e-15 to 7e-15). Two of them agree within a factor of ROUNDING_FACTOR;
+- every other figure with a decimal point ("1.68e-01", "0.019") agrees within FIGURE_TOLERANCE:
+  the 3-digit figures computed here moved by at most 0.4% across those kernels (fp16 errors of fp32
+  products, and the small-beta error at eps = 1e-13, where rounding reaches the third digit), and
+  such a move can change the last digit written by one, 1% of a figure that starts with 1;
+- the text, integers (shapes, counts) and numbers without a decimal point ("1e-13", a parameter)
+  must be equal.
 """
 
 import html
+import itertools
+import math
+import re
 
 
 def banner(source):
@@ -39,3 +57,45 @@ def save_svg(figure, path):
 
     matplotlib.rcParams["svg.hashsalt"] = "kdacourse"
     figure.savefig(path, format="svg", metadata={"Date": None, "Creator": None}, bbox_inches="tight")
+
+
+ROUNDING_MARK = "≈"
+ROUNDING_FACTOR = 4
+FIGURE_TOLERANCE = 0.02
+ROUNDING_NOTE = ("≈: a figure at rounding level, to one digit. Its next digits depend on the order in which the "
+                 "machine's BLAS adds, which differs between CPUs.\n")
+
+# A number, with the rounding mark if it has one; not digits inside a name (s01, sm_90a, #1f77b4)
+_NUMBER = re.compile(rf"(?<![\w.#])({ROUNDING_MARK})?([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?!\d|\.\d)")
+
+
+def rounding_level(value):
+    """A figure that rounding decides, as "≈2e-16": its size, to one significant digit ("nan" as it
+    is). A table with such figures ends with ROUNDING_NOTE, which tells the reader what the mark means."""
+    return f"{ROUNDING_MARK}{value:.0e}" if math.isfinite(value) else str(value)
+
+
+def disagreement(committed, regenerated):
+    """The first line where two texts of one generated file differ beyond rounding, as a message;
+    None where they agree. Between its numbers a line must be equal; numbers agree as the module's
+    docstring says."""
+    for number, (old, new) in enumerate(itertools.zip_longest(committed.split("\n"), regenerated.split("\n")), 1):
+        if old is None or new is None:
+            return f"line {number}: {'added' if old is None else 'removed'}"
+        old_numbers, new_numbers = _NUMBER.findall(old), _NUMBER.findall(new)
+        if (_NUMBER.sub("\0", old) != _NUMBER.sub("\0", new)
+                or not all(map(_numbers_agree, old_numbers, new_numbers))):
+            return f"line {number} was\n    {old}\nand is now\n    {new}"
+    return None
+
+
+def _numbers_agree(old_number, new_number):
+    (old_mark, old), (new_mark, new) = old_number, new_number
+    if old_mark != new_mark:
+        return False
+    if old_mark:
+        low, high = sorted((float(old), float(new)))
+        return low == high or (low > 0 and high <= ROUNDING_FACTOR * low)
+    if "." not in old + new:
+        return old == new
+    return math.isclose(float(old), float(new), rel_tol=FIGURE_TOLERANCE)
