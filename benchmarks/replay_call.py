@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from stages.common.checks import padded_length
+from stages.s05_fast_kda.kernel import DEFAULT_CHUNK_SIZE
 
 
 class Checked:
@@ -68,7 +69,7 @@ def replay_on_cuda(saved):
         o.backward(saved["do"].cuda())
 
 
-def replay_on_cpu(saved, chunk_size=64):
+def replay_on_cpu(saved, chunk_size=DEFAULT_CHUNK_SIZE):
     """The seven kernels through the tile interpreter, on the inputs chunk_kda gives its kernels."""
     from stages.common.interpreter import interpret
     from stages.s05_fast_kda.kernel import build_prepare_program, build_recurrence_program, default_block_dv

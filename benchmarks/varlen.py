@@ -37,6 +37,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks.decode import graph_or_events, relative_l2, spread
+from stages.s07_serving.kernel import DEFAULT_CHUNK_SIZE  # prefill's chunks, stage 5's
 
 MIXES = {  # name: (sequences, shortest, longest), lengths log-uniform between the two
     "prefill": (16, 256, 16384),
@@ -97,7 +98,7 @@ def make_inputs(lengths, H, d, dtype, seed):
     return (q.to(dtype), k.to(dtype), v.to(dtype), g, beta), cu_seqlens, initial_state
 
 
-def prefill_kernels(inputs, cu_seqlens, initial_state, chunk_size=64):
+def prefill_kernels(inputs, cu_seqlens, initial_state, chunk_size=DEFAULT_CHUNK_SIZE):
     """A function that runs prefill's two kernels alone (stages.s07_serving.kernel.varlen_forward, with
     prefill's block_dv) on the packed inputs, the index built and copied to the device once here."""
     import torch
@@ -151,7 +152,8 @@ def run(args, log=print):
     rows = []
     for mix_index, name in enumerate(args.mix):
         lengths = mix_lengths(name, args.seed + mix_index)
-        padded = int(chunk_aligned_rows(np.concatenate([[0], np.cumsum(lengths)]), 64)[1][-1]) * 64
+        chunks = int(chunk_aligned_rows(np.concatenate([[0], np.cumsum(lengths)]), DEFAULT_CHUNK_SIZE)[1][-1])
+        padded = chunks * DEFAULT_CHUNK_SIZE
         base = dict(mix=name, sequences=len(lengths), tokens=sum(lengths), padded_tokens=padded, H=args.H, D=args.d,
                     dtype=args.dtype)
         inputs, cu_seqlens, initial_state = make_inputs(lengths, args.H, args.d, getattr(torch, args.dtype), args.seed)

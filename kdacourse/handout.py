@@ -234,11 +234,10 @@ def _copy(out):
 ANSWER_LINES_THAT_GIVE_IT_AWAY = 4  # lines of a fill's answer that make another function hold it (boilerplate slicing lines are shared by up to 3)
 
 
-def exercise_functions():
-    """{(stage, library module, function name): exercise id} for every public function of a solution
-    file that the stage's library also defines at the top level, and for every other library function
-    (of any stage) that holds lines of a fill exercise's answer: a later stage's kernel may reuse an
-    earlier stage's code, and would give that exercise away."""
+def solution_functions():
+    """{(stage, library module, function name): exercise} for every public function of an exercise's
+    solution file that its stage's library also defines at the top level: the library's copy of the
+    solution (tests/test_solutions_are_library.py holds the two to the same code)."""
     from kdacourse.catalog import exercises
 
     found = {}
@@ -253,6 +252,16 @@ def exercise_functions():
             defined = {node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
             for name in sorted(names & defined):
                 found[(exercise.stage, module, name)] = exercise
+    return found
+
+
+def exercise_functions():
+    """{(stage, library module, function name): exercise} for every function of solution_functions(),
+    and for every other library function (of any stage) that holds lines of a fill exercise's answer: a
+    later stage's kernel may reuse an earlier stage's code, and would give that exercise away."""
+    from kdacourse.catalog import exercises
+
+    found = solution_functions()
     for exercise in exercises():
         if exercise.kind != "fill":
             continue

@@ -26,7 +26,7 @@ def test_replay_names_the_first_kernel_that_overflows(tmp_path, capsys, strong_g
     (e^96): the forward's kernels take the sub-block term by term and stay finite; stage 6's intra
     kernel still anchors it at its middle row and overflows, the bound check_diagonal_range holds
     the backward's bf16 inputs to."""
-    from stages.s05_fast_kda.kernel import check_diagonal_range
+    from stages.s05_fast_kda.numerics import check_diagonal_range
 
     g = _saved_call(tmp_path / "call.pt", strong_gate)
     assert replay_call.main([str(tmp_path / "call.pt"), "--device", "cpu"]) == first_failure

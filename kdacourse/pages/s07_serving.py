@@ -8,6 +8,7 @@ import numpy as np
 from kdacourse.pages.tables import ROUNDING_NOTE, banner, markdown_table, rounding_level
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
+from stages.s07_serving.kernel import DEFAULT_CHUNK_SIZE
 from stages.s07_serving.reference import chunk_aligned_rows, chunk_table, chunkwise, kernel_mirror, recurrent
 
 SOURCE = "kdacourse/pages/s07_serving.py"
@@ -134,15 +135,16 @@ def write_chunk_table(path):
 def write_padding_table(path):
     from benchmarks.varlen import MIXES, mix_lengths
 
+    C = DEFAULT_CHUNK_SIZE
     rows = []
     for index, name in enumerate(MIXES):
         lengths = mix_lengths(name, index)
-        chunks = int(chunk_aligned_rows(np.concatenate([[0], np.cumsum(lengths)]), 64)[1][-1])
-        one_batch = len(lengths) * max(-(-n // 64) * 64 for n in lengths)
-        rows.append((name, str(len(lengths)), str(sum(lengths)), f"{64 * chunks} ({64 * chunks / sum(lengths):.3f}x)",
+        chunks = int(chunk_aligned_rows(np.concatenate([[0], np.cumsum(lengths)]), C)[1][-1])
+        one_batch = len(lengths) * max(-(-n // C) * C for n in lengths)
+        rows.append((name, str(len(lengths)), str(sum(lengths)), f"{C * chunks} ({C * chunks / sum(lengths):.3f}x)",
                      str(chunks), f"{one_batch} ({one_batch / sum(lengths):.2f}x)"))
     path.write_text(
-        banner(SOURCE) + "The mixes of benchmarks/varlen.py (lengths log-uniform; C = 64). prefill's chunk-aligned "
+        banner(SOURCE) + f"The mixes of benchmarks/varlen.py (lengths log-uniform; C = {C}). prefill's chunk-aligned "
         "layout against one batch padded to the longest sequence.\n\n"
         + markdown_table(["mix", "sequences", "tokens", "rows chunk-aligned", "chunks (prepare programs per head)",
                           "tokens padded to the longest"], rows))

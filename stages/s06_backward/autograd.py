@@ -38,9 +38,9 @@ import torch
 
 from stages.common.torch_checks import check_kernel_tensor
 from stages.s05_fast_kda import reference as forward_reference
+from stages.s05_fast_kda.kernel import DEFAULT_CHUNK_SIZE as CUDA_CHUNK_SIZE  # stage 5's kernels: 32 or 64
 from stages.s06_backward import reference as backward_reference
 
-CUDA_CHUNK_SIZE = 64  # stage 5's kernels: 32 or 64
 # The CPU path runs plain-loop references whose cost per chunk grows as C^2 (reference B's scores
 # and their gradients): short chunks are faster there, and in float64 the answer does not depend on C.
 CPU_CHUNK_SIZE = 16
