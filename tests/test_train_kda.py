@@ -59,7 +59,7 @@ def test_the_default_gate_floor_keeps_the_kernels_in_range(capsys):
     """The demo's gates lie in [LOWER_BOUND, 0] (the ends where the sigmoid saturates): 8 of them at the floor must pass the kernels' range
     check for bf16 inputs (the GPU run's autocast dtype). 'none' gives the unbounded gate; a floor
     at or above 0 is no floor."""
-    from stages.s05_fast_kda.kernel import check_diagonal_range
+    from stages.s05_fast_kda.numerics import check_diagonal_range
 
     args = train_kda.parse_args(["--out", "x"])
     assert args.lower_bound == train_kda.LOWER_BOUND < 0
