@@ -41,7 +41,7 @@ CHANNEL_PASSES = 2  # the score GEMMs sum over d_k in this many passes (their op
 
 # --8<-- [start:prepare_setup]
 def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
-                          channel_passes=CHANNEL_PASSES):
+                          channel_passes=CHANNEL_PASSES, any_gate=True):
     """The prepare kernel: q, k (B, N, H, d_k), v (B, N, H, d_v) in `dtype`, g (B, N, H, d_k) and
     beta (B, N, H) in fp32 -> W, Q e^gamma, K e^{gamma_C - gamma} (B, N, H, d_k), U (B, N, H, d_v),
     A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) in fp32.
@@ -50,6 +50,8 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     channel_passes channels: at C = 64, d_k = 128, two passes bring shared memory to 105 KiB, two
     blocks per SM. N must be a multiple of chunk_size (the wrapper pads), chunk_size of SUB_BLOCK,
     d_k of 16 * channel_passes. threads=None takes default_prepare_threads(chunk_size).
+    any_gate=False leaves out the exact path for sub-blocks past the operands' range
+    (anchored_scores_macro): the kernel as it was before it, to time what the path costs.
 
     From the loads on, the body is the macros below (stage 7's varlen prepare runs the same ones).
     """
@@ -62,7 +64,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
     cumulative_gates = cumulative_gates_macro(C, d_k)
-    anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype)
+    anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype, any_gate)
     block_inverse = block_inverse_macro(C)
     wy_outputs = wy_outputs_macro(C)
 
@@ -172,7 +174,7 @@ def cumulative_gates_macro(C, d_k):
 
 
 # --8<-- [start:prepare_scores]
-def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
+def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype, any_gate=True):
     """The macro anchored_scores(...): from a chunk's Q_s, K_s (C, d_k), gamma_s (cumulative) and
     beta_s, L = A_kk diag(beta) (strictly lower) into L_s and A_qk (lower, with its diagonal) into
     A_qk_s, through GEMMs of anchored operands (the row, column and slab buffers, of channels_per_pass
@@ -180,7 +182,8 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
 
     Any gate: a diagonal sub-block whose gates span more than FAST_SPAN_LOG[diagonal_dtype] (its
     anchored factors would leave the operands' range) takes its block again term by term, in fp32
-    (exact_diagonal_block); the others run the anchored GEMMs alone."""
+    (exact_diagonal_block); the others run the anchored GEMMs alone. any_gate=False builds the
+    anchored GEMMs alone (gates outside the span then overflow)."""
     import tilelang.language as T
 
     sub = SUB_BLOCK
@@ -195,14 +198,15 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
         # a diagonal sub-block's largest anchored factor is e^span, span the larger of gamma_first -
         # gamma_middle (its first row's) and gamma_middle - gamma_last (its last column's), over the
         # channels; a flag per sub-block in shared memory, so that every thread takes one branch below
-        exact_s = T.alloc_shared((blocks,), "int32")
-        for blk in T.Parallel(blocks):
-            exact_s[blk] = 0
-        for blk, d in T.Parallel(blocks, d_k):
-            middle = gamma_s[blk * sub + sub // 2, d]
-            span = T.max(gamma_s[blk * sub, d] - middle, middle - gamma_s[blk * sub + sub - 1, d])
-            if span > largest_span:  # every lane that finds one writes the same 1
-                exact_s[blk] = 1
+        if any_gate:
+            exact_s = T.alloc_shared((blocks,), "int32")
+            for blk in T.Parallel(blocks):
+                exact_s[blk] = 0
+            for blk, d in T.Parallel(blocks, d_k):
+                middle = gamma_s[blk * sub + sub // 2, d]
+                span = T.max(gamma_s[blk * sub, d] - middle, middle - gamma_s[blk * sub + sub - 1, d])
+                if span > largest_span:  # every lane that finds one writes the same 1
+                    exact_s[blk] = 1
 
         # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block;
         # each element reads gamma and K once and takes one exp2 for each direction
@@ -225,9 +229,10 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
         # the sub-blocks out of the operands' range (their GEMM entries above may be inf or NaN, kept
         # to their own block by the mask) again, term by term: a uniform branch, so the chunks in range
         # run one test per sub-block and nothing else
-        for blk in T.serial(blocks):
-            if exact_s[blk] == 1:
-                exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, blk * sub)
+        if any_gate:
+            for blk in T.serial(blocks):
+                if exact_s[blk] == 1:
+                    exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, blk * sub)
 
         # off-diagonal: one slab of sub columns at a time, anchored at the first row below it;
         # rows above the slab keep stale operands: their GEMM rows are computed and never stored.
