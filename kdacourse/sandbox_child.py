@@ -265,6 +265,7 @@ class Child:
     def __init__(self, mode, requests=None, replies=None):
         self.mode = mode
         self.module = None
+        self.where = None  # "<stage>/<file>" of the student's file, once loaded
         self.programs = []
         self.requests, self.replies = requests, replies
 
@@ -279,6 +280,23 @@ class Child:
             return reply["ok"]
         error = reply.get("error", {}) if isinstance(reply, dict) else {}
         raise RuntimeError(f"{name} failed in the grader: {error.get('type', 'Exception')}: {error.get('message', '')}")
+
+    def where_in_student_file(self, error):
+        """' (at <stage>/<file>, line N: `the line`)' for the deepest frame of `error`'s traceback in
+        the student's file, or '': the grader's message then points where the student's code failed
+        (a kernel program that TileLang could not build fails inside TileLang, called from that line)."""
+        path = getattr(self.module, "__file__", None)
+        line, frame = None, error.__traceback__
+        while path is not None and frame is not None:
+            if frame.tb_frame.f_code.co_filename == path:
+                line = frame.tb_lineno
+            frame = frame.tb_next
+        if line is None:
+            return ""
+        import linecache
+
+        text = linecache.getline(path, line).strip()
+        return f" (at {self.where}, line {line}: `{text}`)"
 
     def handle(self, request):
         op = request.get("op")
@@ -319,6 +337,7 @@ class Child:
             _write_exercise(str(other_stage), str(other_file), str(other_source))
         source = str(request["source"])
         path = _write_exercise(stage, file, source)
+        self.where = f"{stage}/{file}"
         _forbid(request.get("forbidden", []))
         name = f"course_target.{stage}.{file[:-3]}"
         module = types.ModuleType(name)
@@ -397,7 +416,8 @@ def main():
         except BaseException as error:  # noqa: B036 (an exit or an interrupt is a failed call too)
             import traceback
 
-            reply = {"error": {"type": type(error).__name__, "message": str(error)[:4000],
+            message = str(error)[:4000] + child.where_in_student_file(error)
+            reply = {"error": {"type": type(error).__name__, "message": message,
                                "traceback": "".join(traceback.format_tb(error.__traceback__)[-3:])[-4000:]}}
             message = encode(reply)
         replies.write(message)

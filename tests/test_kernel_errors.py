@@ -88,3 +88,29 @@ def test_an_accumulator_never_cleared_names_the_gemm_that_adds_into_it(tmp_path)
     assert "reads `acc_o` before writing it" in message and "clear_accum=True" in message
     # the GEMM adds into it without stopping (its rows may be unused); the copy out is what uses them
     assert f"used at {path}, line {_line_of(text, 'T.copy(acc_o, O[')}" in message
+
+
+def test_a_program_that_does_not_build_in_the_grading_sandbox_names_the_line(tmp_path):
+    """Graded untrusted, build_program runs in the sandboxed child, and only its error's text comes back:
+    the child names the student's line in it (kdacourse/sandbox_child.py, where_in_student_file)."""
+    import json
+    import shutil
+
+    from kdacourse.grading import grade
+    from kdacourse.sandbox import sandbox_problem
+
+    problem = sandbox_problem()
+    if problem:
+        pytest.skip(problem)
+    stage = tmp_path / "submission" / "s01_linear_attention"
+    stage.mkdir(parents=True)
+    shutil.copytree(SOLUTION.parent, stage, dirs_exist_ok=True)
+    source = SOLUTION.read_text().replace("T.gemm(K_s, V_s, S_f, transpose_A=True)", "T.gemm(K_s, V_s, S_f)")
+    (stage / "kernel_program.py").write_text(source)
+    grade(str(tmp_path / "submission"), str(tmp_path / "report"), timeout_per_test=60, trust=False)
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    [entry] = [entry for entry in report["exercises"] if entry["id"] == "s01.kernel_program"]
+    line = _line_of(source, "T.gemm(K_s, V_s, S_f)")
+    assert not entry["passed"]
+    assert any(f"(at s01_linear_attention/kernel_program.py, line {line}: `T.gemm(K_s, V_s, S_f)`)" in failure
+               for failure in entry["failures"]), entry["failures"]
