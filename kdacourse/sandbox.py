@@ -286,7 +286,8 @@ class SandboxedProcess:
         on a timeout, an end, an oversized or cut reply."""
         if self.dead:
             raise ChildFailed("the sandboxed process has already ended")
-        deadline = time.monotonic() + (self.limits.call_seconds if timeout is None else timeout)
+        self._seconds = self.limits.call_seconds if timeout is None else timeout  # for _check_time's message
+        deadline = time.monotonic() + self._seconds
         finished = False
         try:
             self._write(message, deadline)
@@ -331,7 +332,7 @@ class SandboxedProcess:
 
     def _check_time(self, deadline):
         if time.monotonic() >= deadline:
-            raise ChildFailed(f"timed out: the call did not return within {self.limits.call_seconds:g} s "
+            raise ChildFailed(f"timed out: the call did not return within {self._seconds:g} s "
                               f"(wall clock) and its sandboxed process was killed")
 
     def _ended(self):
