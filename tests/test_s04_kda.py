@@ -217,6 +217,7 @@ def test_kernel_compiles_for_sm90a_without_spills():
     assert not report.misplaced_warp_group_operands, report.misplaced_warp_group_operands  # wrong columns read
     assert 0 < report.registers <= 255
     assert report.shared_memory <= 227 * 1024
+    assert report.threads == 128, report.summary()  # PASS_CONFIGS reached the lowering: no producer warp group
     assert "kda_fwd" in report.cuda_source
 
 
