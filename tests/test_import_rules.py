@@ -5,7 +5,9 @@ Every project .py file is parsed with `ast`; every import counts, those inside f
 2. nothing outside tests/ imports tests/;
 3. no import cycle among project modules;
 4. no module imports matplotlib or playwright at import time (only inside the function that plots
-   or drives the browser), so that importing any of them needs neither.
+   or drives the browser), so that importing any of them needs neither;
+5. benchmarks/ does not import kdacourse/: the site reads the benchmarks' results (kdacourse/pages),
+   never the other way round.
 """
 
 import ast
@@ -17,6 +19,8 @@ from kdacourse import REPO_ROOT
 
 SKIPPED_FOLDERS = {".venv", "site", "docs", ".git", "build"}
 SITE_AND_TEST_TOOLS = ("matplotlib", "playwright")
+# benchmarks that still import kdacourse: grading_speed times `course grade`; the lead is changing it (issue 26)
+BENCHMARKS_IMPORTING_THE_SITE = {"benchmarks.grading_speed"}
 
 
 def module_name(path):
@@ -146,6 +150,14 @@ def test_nothing_outside_the_tests_imports_the_tests():
     wrong = [where(module, target) for module in graph if not module.startswith("tests")
              for target in graph[module] if target.startswith("tests")]
     assert not wrong, "only tests/ may import tests/:\n" + "\n".join(wrong)
+
+
+def test_benchmarks_do_not_import_the_site():
+    graph, _ = import_graph()
+    wrong = [where(module, target) for module in graph
+             if module.split(".")[0] == "benchmarks" and module not in BENCHMARKS_IMPORTING_THE_SITE
+             for target in graph[module] if target.split(".")[0] == "kdacourse"]
+    assert not wrong, "benchmarks/ must not import kdacourse/ (the pages read the results):\n" + "\n".join(wrong)
 
 
 def test_no_import_cycle():

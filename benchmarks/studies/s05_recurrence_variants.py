@@ -1,13 +1,13 @@
 """Variants of stage 5's recurrence kernel, to time against the committed one in one GPU run.
 
-    python -m benchmarks.s05_recurrence_variants --out DIR [--quick] [--variants a,b]
+    python -m benchmarks.studies.s05_recurrence_variants --out DIR [--quick] [--variants a,b]
 
 Each variant is a function with build_recurrence_program's parameters and outputs
 (stages/s05_fast_kda/kernel.py is not touched). On a GPU the script runs the committed prepare
 kernel once per shape, compiles each variant, checks its o and final state against the committed
 recurrence's on the same inputs (rel L2), then times each recurrence alone (one launch captured as a
 CUDA graph, median under triton.testing.do_bench; interleaved rounds) at the shapes of
-benchmarks.s05_variants. Writes DIR/recurrence_variants.csv and prints a table.
+benchmarks.studies.s05_variants. Writes DIR/recurrence_variants.csv and prints a table.
 
 Where the time goes in the committed kernel: one program per (32 columns of d_v, batch x head), 128
 programs at B=1 H=32 (one wave on the H200's 132 SMs), a producer warp group loading by TMA and one
@@ -27,7 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.s05_variants import QUICK_ROUNDS, QUICK_SHAPES, ROUNDS, SHAPES, _graph_timer, _rel_l2, compile_timed
+from benchmarks.studies.s05_variants import QUICK_ROUNDS, QUICK_SHAPES, ROUNDS, SHAPES, _graph_timer, _rel_l2, compile_timed
 from stages.s05_fast_kda.kernel import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE
 
 DTYPE = "bfloat16"

@@ -5,7 +5,7 @@ before commit ee09b80; its fastest variant, staged_all, has been the committed k
 (tests/test_s05_variants.py checks that it builds the library's program), so "committed" below means
 the kernel that run started from.
 
-    python -m benchmarks.s05_variants --out DIR [--quick] [--variants a,b] [--no-fla]
+    python -m benchmarks.studies.s05_variants --out DIR [--quick] [--variants a,b] [--no-fla]
 
 Each variant is a function with build_prepare_program's parameters and outputs (stages/s05_fast_kda/
 kernel.py is not touched). On a GPU the script compiles each variant (a failure is recorded and the
