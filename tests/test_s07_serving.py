@@ -769,11 +769,11 @@ def test_prefill_kernels_compile_for_any_batch_without_spills(kernel):
 
 def test_prefill_refuses_a_batch_past_32_bit_indices():
     """The kernels of run-time size index in int32: 2^31 entries or more in one buffer are refused."""
-    from stages.s07_serving.kernel import _check_int32_indexing
+    from stages.s07_serving.kernel import check_int32_indexing
 
-    _check_int32_indexing(2**31 // (32 * 128) - 64, 32, 128)  # the largest batch of 64-row chunks that fits
+    check_int32_indexing(2**31 // (32 * 128) - 64, 32, 128)  # the largest batch of 64-row chunks that fits
     with pytest.raises(ValueError, match="2\\^31 or more: prefill it in smaller batches"):
-        _check_int32_indexing(2**31 // (32 * 128), 32, 128)
+        check_int32_indexing(2**31 // (32 * 128), 32, 128)
 
 
 @pytest.mark.compile
@@ -938,11 +938,11 @@ class _ServedKernel:
                  use_qk_l2norm_in_kernel=False, scale=None):
         import torch
 
-        from stages.s06_backward.autograd import _l2_normalize
+        from stages.s06_backward.autograd import l2_normalize
 
         B, T, H, d_k = q.shape
         if use_qk_l2norm_in_kernel:
-            q, k = _l2_normalize(q), _l2_normalize(k)
+            q, k = l2_normalize(q), l2_normalize(k)
         q = q * (d_k**-0.5 if scale is None else scale)
         states = (torch.zeros(B, H, d_k, v.shape[3], dtype=self.pool.dtype, device=q.device) if initial_state is None
                   else initial_state.to(self.pool.dtype))
