@@ -223,7 +223,7 @@ def _measure_ours(decode_kernel, block_dv, inputs, pool, expected_o, expected_st
     errors = dict(rel_l2_o=f"{relative_l2(o, expected_o):.3e}",
                   rel_l2_state=f"{relative_l2(work[slots.long()], expected_states):.3e}")
     B, H, d = q.shape
-    compiled = decode_kernel._compiled(B, pool.shape[0], H, d, d, block_dv, args.dtype, decode_kernel.DEFAULT_THREADS)
+    compiled = decode_kernel.compiled_decode(B, pool.shape[0], H, d, d, block_dv, args.dtype, decode_kernel.DEFAULT_THREADS)
     function, method = graph_or_events(lambda: compiled(q, k, v, g, beta, slots, work))
     record("ours", "kernel", function, method, block_dv, errors)
     if block_dv == decode_kernel.DEFAULT_BLOCK_DV:
@@ -253,7 +253,7 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.decode times a kernel on a GPU: torch sees no CUDA device here "
-                         "(the kernel's CPU checks are in tests/test_s07_serving.py)")
+                         "(the kernel's CPU checks are in tests/test_s07_decode.py)")
     run(args)
 
 

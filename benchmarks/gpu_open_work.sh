@@ -58,8 +58,8 @@ case $part in
     step bench 260 python -m benchmarks.bench --stages s05 --no-timings --precision-lengths 4096,16384 \
       --out "$out/bench" &
     step s05_gpu 260 python -m pytest tests/test_s05_fast_kda.py -m gpu -v -s -p no:cacheprovider &
-    step s07_prefill 260 python -m pytest tests/test_s07_serving.py -m gpu -v -s -p no:cacheprovider \
-      -k "prefill or layer_served" &
+    step s07_prefill 260 python -m pytest tests/test_s07_prefill.py tests/test_s07_serving.py -m gpu -v -s \
+      -p no:cacheprovider &
     wait
     ;;
   2)

@@ -147,7 +147,7 @@ def graded_library():
 
 def _build_library(folder):
     """stages/ into `folder` as the handout stubs it (kdacourse.handout.stub_library), less the oracles."""
-    from kdacourse.handout import _used_by_exercises, stub_library
+    from kdacourse.handout import used_by_exercises, stub_library
 
     shutil.copytree(REPO_ROOT / "stages", folder / "stages", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (folder / "stages" / "common" / "oracles.py").unlink()  # closed forms: the answer of a reference A
@@ -155,7 +155,7 @@ def _build_library(folder):
     # compiled once here: the sandboxes read the bytecode (they may not write it) instead of each
     # compiling the library again at start
     compileall.compile_dir(folder / "stages", quiet=1)
-    delegated = _used_by_exercises()
+    delegated = used_by_exercises()
     delegates = sorted({(exercise.stage, exercise.file) for key, exercise in stubbed.items() if key in delegated})
     (folder / "delegates.json").write_text(json.dumps(delegates))
 

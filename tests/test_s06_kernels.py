@@ -351,11 +351,11 @@ def _cuda(x, do, S_0, dS_N, dtype):
 @pytest.fixture(scope="module")
 def gpu_kernels():
     """Every distinct kernel of the GPU cases compiled at once, in threads (a minute, not one per case);
-    the wrapper then finds them in _compiled's cache."""
+    the wrapper then finds them in compiled_one_kernel's cache."""
     from stages.common.tilelang_tools import compile_in_threads
-    from stages.s06_backward.kernel import _compiled, kernel_arguments
+    from stages.s06_backward.kernel import compiled_one_kernel, kernel_arguments
 
-    jobs = {f"{kernel} at {shape}": functools.partial(_compiled, kernel, *kernel_arguments(*shape)[kernel])
+    jobs = {f"{kernel} at {shape}": functools.partial(compiled_one_kernel, kernel, *kernel_arguments(*shape)[kernel])
             for kernel, shape in _gpu_compiles("float16", "bfloat16")}
     failures = {key: result for key, result in compile_in_threads(jobs, log=print).items()
                 if isinstance(result, Exception)}

@@ -95,10 +95,9 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     them. FLA's other options (fla_options) are refused unless they hold FLA's default value (see
     REFUSED).
     """
-    _refuse_unsupported(fla_options)
-    _check_inputs(q, k, v, g, beta, initial_state, scale)
+    check_chunk_kda_inputs(q, k, v, g, beta, initial_state, scale, fla_options)
     if use_qk_l2norm_in_kernel:
-        q, k = _l2_normalize(q), _l2_normalize(k)
+        q, k = l2_normalize(q), l2_normalize(k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if scale != 1.0:
@@ -212,12 +211,17 @@ def _refuse_unsupported(fla_options):
             raise NotImplementedError(f"chunk_kda does not support {name}={value!r}: {refused.why}")
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, scale):
-    """Types, ranks, dtypes and one device for all; shapes and values are checked by the path that runs.
+def check_chunk_kda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           initial_state: torch.Tensor | None = None, scale: float | None = None,
+                           fla_options: dict | None = None) -> None:
+    """chunk_kda's own checks: FLA's options the course refuses (REFUSED), then types, ranks, dtypes
+    and one device for all. Shapes and values are checked by the path that runs (stage 5's
+    check_forward_inputs on CUDA, the references' checks on the CPU).
 
     Contiguity is not asked (check_kernel_tensor asks it of a contiguous copy): chunk_kda makes its
     inputs contiguous itself, as FLA's does.
     """
+    _refuse_unsupported(fla_options or {})
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
     for name, x in tensors.items():
         if name == "initial_state" and x is None:
@@ -234,7 +238,7 @@ def _check_inputs(q, k, v, g, beta, initial_state, scale):
                         f"keyword argument, as in FLA: chunk_kda(q, k, v, g, beta, initial_state=...))")
 
 
-def _l2_normalize(x):
+def l2_normalize(x):
     """x / sqrt(||x||^2 + eps) along the last axis, in float32 at least; returned in x's dtype."""
     wide = x.to(torch.promote_types(x.dtype, torch.float32))
     return (wide * torch.rsqrt((wide * wide).sum(-1, keepdim=True) + L2_NORM_EPS)).to(x.dtype)

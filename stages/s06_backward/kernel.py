@@ -49,12 +49,13 @@ from typing import TYPE_CHECKING
 from stages.common.checks import padded_length
 from stages.common.tilelang_tools import LOG2_E, compile_in_threads
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, dtype_name,
+from stages.common.torch_checks import (check_gate_values, check_kernel_tensor, check_on_cuda, check_same, dtype_name,
                                         pad_tokens)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK,
-                                        _check_tile_sizes, _compiled_prepare, advance_state_macro,
-                                        block_inverse_macro, build_prepare_program, cumulative_gates_macro,
-                                        default_block_dv, streaming_multiprocessors, zero_state)
+                                        advance_state_macro, block_inverse_macro, build_prepare_program,
+                                        check_kernel_sizes, check_state, check_token_inputs, compiled_prepare,
+                                        cumulative_gates_macro, default_block_dv, streaming_multiprocessors,
+                                        zero_state)
 from stages.s05_fast_kda.numerics import check_diagonal_range
 
 if TYPE_CHECKING:
@@ -578,11 +579,13 @@ def kernel_arguments(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
 
 
 @functools.cache
-def _compiled(kernel, *arguments):
+def compiled_one_kernel(kernel, *arguments):
+    """One kernel of BUILDERS (or the forward's prepare) compiled for the GPU, with kernel_arguments'
+    arguments for it: made once per name and arguments."""
     import tilelang
 
     if kernel == "prepare":  # the forward's own compiled kernel, shared with stage 5's forward
-        return _compiled_prepare(*arguments, None)
+        return compiled_prepare(*arguments, None)
     build, outputs = BUILDERS[kernel]
     return tilelang.compile(build(*arguments), out_idx=outputs, target="cuda")
 
@@ -592,7 +595,8 @@ def compiled_kernels(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
     """{kernel: compiled for the GPU} for one backward shape (kernel_arguments' arguments). The five
     compile at once in threads on the first call: about the time of the slowest, not of all five."""
     arguments = kernel_arguments(B, N, H, d_k, d_v, chunk_size, block_dv, dtype)
-    compiled = compile_in_threads({name: functools.partial(_compiled, name, *arguments[name]) for name in arguments})
+    compiled = compile_in_threads({name: functools.partial(compiled_one_kernel, name, *arguments[name])
+                                   for name in arguments})
     for kernel in compiled.values():
         if isinstance(kernel, Exception):
             raise kernel
@@ -637,19 +641,8 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     default_block_dv for this shape and GPU, as the forward's recurrence does. check_values=False
     skips the check of g's and beta's values (a pass over both and a device sync), as in `forward`.
     """
-    B, N, H, d_k, d_v = check_qkv(q, k, v)
-    check_gate("g", g, (B, N, H, d_k), "(B, N, H, d_k)")
-    check_gate("beta", beta, (B, N, H), "(B, N, H)")
-    _check_output_gradient(do, q, v)
-    for name, state in (("initial_state", initial_state), ("d_final_state", d_final_state)):
-        if state is not None:
-            check_gate(name, state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
-    _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
-    if check_values:
-        check_diagonal_range(g, dtype_name(q), check_gate_values(g, beta))
-    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
-               "d_final_state": d_final_state}
-    check_on_cuda({name: x for name, x in tensors.items() if x is not None})
+    B, N, H, d_k, d_v = check_backward_inputs(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size, block_dv,
+                                              check_values)
     if block_dv is None:
         block_dv = default_block_dv(B, H, d_v, streaming_multiprocessors(q.device))
 
@@ -663,10 +656,27 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
 # --8<-- [end:backward]
 
 
-def _check_output_gradient(do, q, v):
-    """do = dLoss/do: contiguous, o's shape (v's, (B, N, H, d_v)) and q's dtype."""
-    from stages.common.torch_checks import check_kernel_tensor, check_same
+def check_backward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
+                          beta: "torch.Tensor", do: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
+                          d_final_state: "torch.Tensor | None" = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                          block_dv: int | None = None, check_values: bool = True) -> tuple[int, int, int, int, int]:
+    """Every check of `backward`'s arguments, in the order of stage 5's check_forward_inputs, with do
+    and d_final_state beside the forward's inputs; returns (B, N, H, d_k, d_v). With check_values, the
+    values: check_gate_values, then the gates' range for the intra kernel (check_diagonal_range)."""
+    B, N, H, d_k, d_v = check_token_inputs(q, k, v, g, beta)
+    check_output_gradient(do, q, v)
+    check_state("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
+    check_state("d_final_state", d_final_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
+    check_kernel_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
+    if check_values:
+        check_diagonal_range(g, dtype_name(q), check_gate_values(g, beta))
+    check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
+                   "d_final_state": d_final_state})
+    return B, N, H, d_k, d_v
 
+
+def check_output_gradient(do: "torch.Tensor", q: "torch.Tensor", v: "torch.Tensor") -> None:
+    """do = dLoss/do: contiguous, o's shape (v's, (B, N, H, d_v)) and q's dtype."""
     check_kernel_tensor("do", do, rank=4)
     check_same("do", do, "v", v, "shape")
     check_same("do", do, "q", q, "dtype")
@@ -676,7 +686,7 @@ def _check_output_gradient(do, q, v):
 def compile_report(kernel="intra", B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
                    block_dv=DEFAULT_BLOCK_DV, dtype="bfloat16"):
     """Lower and compile one kernel of the backward (one of BUILDERS) for sm_90a without a GPU."""
-    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    check_kernel_sizes(d_k, d_v, chunk_size, block_dv)
     if kernel not in BUILDERS:
         raise ValueError(f"kernel must be one of {tuple(BUILDERS)}, got {kernel!r}")
     arguments = kernel_arguments(B, N, H, d_k, d_v, chunk_size, block_dv, dtype)[kernel]
