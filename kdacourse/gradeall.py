@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kdacourse.catalog import exercises, stages
-from kdacourse.grading import JOBS, _error, exercise_limit, grade_report, run_batch, run_exercise, write_reports
+from kdacourse.grading import JOBS, exercise_limit, grade_report, refuse, run_batch, run_exercise, write_reports
 
 BAR_WIDTH = 30
 
@@ -38,20 +38,20 @@ def grade_all(submissions, out, timeout_per_test=60, trust=False, jobs=JOBS):
     Returns the exit code: 0 once graded, 2 when there is nothing to grade or no sandbox."""
     root = Path(submissions).expanduser().resolve()
     if not root.is_dir():
-        return _error(f"cannot grade {submissions}: no such folder")
+        return refuse(f"cannot grade {submissions}: no such folder")
     out_path = Path(out).expanduser().resolve()
     if out_path == root or root in out_path.parents:
-        return _error(f"the reports would go inside the submissions folder {submissions}; choose --out elsewhere")
+        return refuse(f"the reports would go inside the submissions folder {submissions}; choose --out elsewhere")
     students = [folder for folder in student_folders(root) if any((folder / stage).is_dir() for stage in stages())]
     if not students:
-        return _error(f"cannot grade {submissions}: no student folder in it has a stage folder "
+        return refuse(f"cannot grade {submissions}: no student folder in it has a stage folder "
                       f"({', '.join(stages())})")
     if not trust:
         from kdacourse.sandbox import sandbox_problem
 
         problem = sandbox_problem()
         if problem:
-            return _error(f"cannot grade untrusted code here: {problem}")
+            return refuse(f"cannot grade untrusted code here: {problem}")
     from kdacourse.cheating import check_exercise
 
     timeout_per_exercise = exercise_limit(timeout_per_test)

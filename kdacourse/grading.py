@@ -283,14 +283,15 @@ def run_exercises(target, selected, timeout_per_test, timeout_per_exercise, on_r
     return results
 
 
-def _error(message):
+def refuse(message):
+    """Say why a command cannot run (on stderr, as `course: ...`); the exit code 2."""
     print(f"course: {message}", file=sys.stderr)
     return 2
 
 
 def _unknown_stage(name):
     known = ", ".join(f"{stage.split('_')[0]} ({stage})" for stage in stages())
-    return _error(f"unknown stage {name!r}; the stages are: {known}")
+    return refuse(f"unknown stage {name!r}; the stages are: {known}")
 
 
 # ---------------------------------------------------------------------------------------- grade
@@ -311,20 +312,20 @@ def grade(folder, out, timeout_per_test=60, trust=False):
     """
     folder_path = Path(folder).expanduser().resolve()
     if not folder_path.is_dir():
-        return _error(f"cannot grade {folder}: no such folder")
+        return refuse(f"cannot grade {folder}: no such folder")
     graded_stages = [stage for stage in stages() if (folder_path / stage).is_dir()]
     if not graded_stages:
-        return _error(f"cannot grade {folder}: it has no stage folder; expected one of: {', '.join(stages())}")
+        return refuse(f"cannot grade {folder}: it has no stage folder; expected one of: {', '.join(stages())}")
     out_path = Path(out).expanduser().resolve()
     if out_path == folder_path or folder_path in out_path.parents:
-        return _error(f"the reports would go inside the graded folder {folder}; choose --out elsewhere")
+        return refuse(f"the reports would go inside the graded folder {folder}; choose --out elsewhere")
     timeout_per_exercise = exercise_limit(timeout_per_test)
     if not trust:
         from kdacourse.sandbox import sandbox_problem
 
         problem = sandbox_problem()
         if problem:
-            return _error(f"cannot grade untrusted code here: {problem}")
+            return refuse(f"cannot grade untrusted code here: {problem}")
 
     selected = [exercise for exercise in exercises() if exercise.stage in graded_stages]
     from kdacourse.cheating import check_exercise
@@ -513,7 +514,7 @@ def check(stage=None, target="exercises", compile=False):
     try:
         folder_path = target_folder(target)
     except TargetError as error:
-        return _error(str(error))
+        return refuse(str(error))
     # "exercises", "solutions" and "bug:<id>" mean what they mean to the tests; a folder goes absolute.
     run_target = target if target in ("exercises", "solutions") or target.startswith("bug:") else str(folder_path)
     selected = [exercise for exercise in exercises() if exercise.stage in checked_stages]
