@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from stages.common.compare import assert_close
+from stages.common.device_checks import BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT
 from stages.common.errors import error_report
 from stages.s07_serving.reference import decode_step
 from tests.s07_cases import (B, BLOCK_DV, D_K, D_V, FP32_FLOOR, H, P, POOL_AXES, SLOTS, UNIT_ROUNDOFF,
@@ -125,10 +126,12 @@ def _run_kernel(x, pool, dtype, state_dtype="float32", steps=None):
 
     kernel = interpret(build_decode_program(B, P, H, D_K, D_V, BLOCK_DV, dtype=dtype, state_dtype=state_dtype))
     outputs = []
+    flags = np.zeros(FLAG_COUNT, dtype=np.int32)
     for t in range(steps or x.q.shape[1]):
         o = np.zeros((B, H, D_V))
-        kernel(*_token(x, t), SLOTS.astype(np.int32), pool, o)  # writes o and the pool in place
+        kernel(*_token(x, t), SLOTS.astype(np.int32), pool, flags, o)  # writes o and the pool in place
         outputs.append(o)
+    assert not flags.any(), flags  # good inputs flag nothing
     return np.stack(outputs, axis=1)
 
 
@@ -186,6 +189,60 @@ def test_kernel_leaves_other_slots_untouched(dtype):
     assert not np.any(pool[SLOTS] == original[SLOTS]), "the kernel left a slot in `slots` as it was"
 
 
+def _one_step_flags(change):
+    """One interpreted step with x's first token changed by `change(g, beta, slots)` (in place):
+    (the flags it set, the pool before, the pool after)."""
+    from stages.common.interpreter import interpret
+    from stages.s07_serving.kernel import build_decode_program
+
+    x, pool = _kernel_case(seed=25, N=1)
+    q, k, v, g, beta = (a.copy() for a in _token(x, 0))
+    slots = SLOTS.astype(np.int32)
+    change(g, beta, slots)
+    before, flags = pool.copy(), np.zeros(FLAG_COUNT, dtype=np.int32)
+    interpret(build_decode_program(B, P, H, D_K, D_V, BLOCK_DV, dtype="float64", state_dtype="float64"))(
+        q, k, v, g, beta, slots, pool, flags, np.zeros((B, H, D_V)))
+    return flags, before, pool
+
+
+def _set(name, index, value):
+    def change(g, beta, slots):
+        {"g": g, "beta": beta, "slots": slots}[name][index] = value
+    return change
+
+
+@pytest.mark.parametrize("name, index, value, flag", [
+    ("g", (1, 0, 3), 0.25, BAD_GATE), ("g", (2, 1, 0), np.nan, BAD_GATE), ("g", (0, 1, 15), -np.inf, BAD_GATE),
+    ("beta", (1, 1), 1.5, BAD_BETA), ("beta", (0, 0), -0.01, BAD_BETA), ("beta", (2, 0), np.nan, BAD_BETA),
+    ("slots", 1, P, BAD_SLOT), ("slots", 2, -1, BAD_SLOT),
+])
+def test_the_kernel_flags_a_bad_value_on_the_device(name, index, value, flag):
+    """A bad g, beta or slot sets its flag, and only its; the edges (g = 0, a large negative g, beta
+    at 0 and 1, slots 0 and P - 1) set none."""
+    flags, _, _ = _one_step_flags(_set(name, index, value))
+    assert flags.tolist() == [int(kind == flag) for kind in range(FLAG_COUNT)]
+
+
+def test_edge_values_flag_nothing():
+    def edges(g, beta, slots):
+        g[0, 0, 0], g[1, 1, 1], beta[0, 0], beta[1, 1] = 0.0, -1e4, 0.0, 1.0
+        slots[:] = [P - 1, 0, 3]
+
+    flags, _, _ = _one_step_flags(edges)
+    assert not flags.any(), flags
+
+
+def test_a_slot_outside_the_pool_writes_nothing_anywhere():
+    """The program of a slot past the pool reads slot 0 (in bounds) and writes no state: every slot
+    but the two good sequences' is as it was, the wrapped-around slot 0 included."""
+    flags, before, after = _one_step_flags(_set("slots", 1, P + 3))
+    assert flags[BAD_SLOT] == 1
+    good = SLOTS[[0, 2]]
+    untouched = np.setdiff1d(np.arange(P), good)
+    assert np.array_equal(after[untouched], before[untouched])
+    assert not np.any(after[good] == before[good])
+
+
 # ------------------------------------------------------------------------------------------ the wrapper
 
 
@@ -214,16 +271,17 @@ def _bad_wrapper_inputs():
         (dict(state_pool=torch.zeros(4, 2, 32, 16).transpose(2, 3)), ValueError, "state_pool must be contiguous"),
         (dict(slots=torch.tensor([3, 1])), TypeError, "slots must have dtype int32"),
         (dict(slots=torch.tensor([3, 1, 0], dtype=torch.int32)), ValueError, r"slots must have shape \(B,\)"),
-        (dict(slots=torch.tensor([1, 1], dtype=torch.int32)), ValueError, "slots must be distinct"),
-        (dict(slots=torch.tensor([0, 4], dtype=torch.int32)), ValueError, r"slots must lie in \[0, P\) = \[0, 4\)"),
-        (dict(g=torch.full((2, 2, 16), 0.5)), ValueError, "g must be finite and <= 0"),
-        (dict(beta=torch.full((2, 2), 2.0)), ValueError, r"beta must lie in \[0, 1\]"),
+        (dict(checks="host", slots=torch.tensor([1, 1], dtype=torch.int32)), ValueError, "slots must be distinct"),
+        (dict(checks="host", slots=torch.tensor([0, 4], dtype=torch.int32)), ValueError, r"slots must lie in \[0, P\) = \[0, 4\)"),
+        (dict(checks="host", g=torch.full((2, 2, 16), 0.5)), ValueError, "g must be finite and <= 0"),
+        (dict(checks="host", beta=torch.full((2, 2), 2.0)), ValueError, r"beta must lie in \[0, 1\]"),
         (dict(block_dv=12), ValueError, "block_dv must be a positive divisor of d_v = 32"),
+        (dict(checks="sometimes"), ValueError, 'checks must be "device" or "host"'),
         (dict(), ValueError, "must be on a CUDA device"),  # every check passed: the device is last
     ]
 
 
-@pytest.mark.parametrize("case", range(17))
+@pytest.mark.parametrize("case", range(18))
 def test_wrapper_refuses_bad_inputs_on_any_machine(case):
     """Every check runs before the device check, so each shows on a CPU-only machine."""
     from stages.s07_serving.kernel import decode
@@ -235,8 +293,8 @@ def test_wrapper_refuses_bad_inputs_on_any_machine(case):
         decode(**arguments)
 
 
-def test_wrapper_skips_the_value_checks_on_request():
-    """check_values=False: repeated slots and a positive gate reach the device check (no host sync)."""
+def test_the_default_call_leaves_the_values_to_the_kernel():
+    """checks="device": repeated slots and a positive gate reach the device check (no host read)."""
     import torch
 
     from stages.s07_serving.kernel import decode
@@ -244,7 +302,7 @@ def test_wrapper_skips_the_value_checks_on_request():
     arguments = _torch_arguments()
     arguments.update(slots=torch.tensor([1, 1], dtype=torch.int32), g=torch.full((2, 2, 16), 0.5))
     with pytest.raises(ValueError, match="must be on a CUDA device"):
-        decode(**arguments, check_values=False)
+        decode(**arguments)
 
 
 # ------------------------------------------------------------------------------------------ compile, GPU
@@ -309,3 +367,56 @@ def test_kernel_matches_reference_on_gpu(dtype_name, B, P, H, d_k, d_v):
     assert_close(pool_gpu.double().cpu().numpy(), expected_pool, rel_l2=4 * u, name="the pool", axes=POOL_AXES)
     others = np.setdiff1d(np.arange(P), slots)
     assert np.array_equal(pool_gpu.cpu().numpy()[others], pool[others].astype(np.float32)), "another slot changed"
+
+
+@pytest.mark.gpu
+def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
+    """checks="device" on the GPU: a good step replayed from a CUDA graph equals the eager steps and
+    flags nothing; a positive gate, a beta above 1 and a slot past the pool each raise at
+    raise_if_flagged (not at the call), the slot's step writing no state."""
+    import torch
+
+    from stages.common.device_checks import MESSAGES, raise_if_flagged
+    from stages.s07_serving.kernel import decode
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    B_, P_, H_, d = 4, 8, 2, 64
+    q, k = (torch.randn(B_, H_, d, device=device, generator=generator).to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(B_, H_, d, device=device, generator=generator).to(torch.bfloat16)
+    k = k / k.float().norm(dim=-1, keepdim=True).to(k.dtype)
+    g = -torch.rand(B_, H_, d, device=device, generator=generator)
+    beta = torch.rand(B_, H_, device=device, generator=generator)
+    slots = torch.tensor([5, 0, 7, 2], dtype=torch.int32, device=device)
+    pool = torch.randn(P_, H_, d, d, device=device, generator=generator)
+    raise_if_flagged(device)
+
+    eager_pool = pool.clone()
+    for _ in range(2):
+        eager_o = decode(q, k, v, g, beta, eager_pool, slots)
+    graph_pool = pool.clone()
+    decode(q, k, v, g, beta, graph_pool.clone(), slots)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_o = decode(q, k, v, g, beta, graph_pool, slots)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_o, eager_o) and torch.equal(graph_pool, eager_pool)
+    raise_if_flagged(device)  # good values: quiet
+
+    bad_gate, bad_beta, bad_slots = g.clone(), beta.clone(), slots.clone()
+    bad_gate[1, 0, 3], bad_beta[2, 1], bad_slots[3] = 0.5, 1.5, P_
+    for change, message in ((dict(g=bad_gate), MESSAGES[0]), (dict(beta=bad_beta), MESSAGES[1]),
+                            (dict(slots=bad_slots), MESSAGES[2])):
+        arguments = dict(q=q, k=k, v=v, g=g, beta=beta, state_pool=pool.clone(), slots=slots, **change)
+        before = arguments["state_pool"].clone()
+        decode(**arguments)  # no sync, no error here
+        with pytest.raises(ValueError) as raised:
+            raise_if_flagged(device)
+        assert str(raised.value) == message
+        if "slots" in change:
+            kept = torch.ones(P_, dtype=torch.bool, device=device)
+            kept[slots[:3].long()] = False
+            assert torch.equal(arguments["state_pool"][kept], before[kept]), "a slot past the pool wrote a state"

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from stages.common.compare import assert_close
+from stages.common.device_checks import FLAG_COUNT
 from stages.common.errors import error_report
 from stages.s07_serving.reference import decode_step
 from tests.s07_cases import (B, BLOCK_DV, D_K, D_V, H, P, POOL_AXES, SLOTS, UNIT_ROUNDOFF, final_state_of_reference_a,
@@ -78,7 +79,7 @@ def test_prefill_in_pieces_then_decode_equals_one_pass(dtype, tolerance):
 
     def decode_token(q, k, v, g, beta, pool, slots):
         o = np.zeros((B, H, D_V))
-        kernel(q, k, v, g, beta, slots.astype(np.int32), pool, o)
+        kernel(q, k, v, g, beta, slots.astype(np.int32), pool, np.zeros(FLAG_COUNT, dtype=np.int32), o)
         return o
 
     o = _serve(x, pool, SLOTS, prefill_step, decode_token)

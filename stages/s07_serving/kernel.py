@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from stages.common.device_checks import BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT, flags_for
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.checks import padded_length
@@ -60,7 +61,14 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
     the pool (P, H, d_k, d_v) in `state_dtype` (fp32 on the GPU; the interpreter also runs float64);
     slots (B,) int32 -> o (B, H, d_v) in `dtype`, the pool updated in place at slots.
 
-    block_dv must divide d_v. Parameters in order: Q, K, V, G, Beta, Slots, State_pool, O (out_idx=[7]).
+    The values only the data can tell are checked here, on the device, as they are read: a log gate
+    that is not finite and <= 0 sets Flags[BAD_GATE], a beta outside [0, 1] (or NaN) Flags[BAD_BETA],
+    a slot outside [0, P) Flags[BAD_SLOT] (stages.common.device_checks reads them, with no host sync
+    per call). A program whose slot is out of range reads slot 0 and writes nothing: it never
+    touches memory past the pool.
+
+    block_dv must divide d_v. Parameters in order: Q, K, V, G, Beta, Slots, State_pool, Flags, O
+    (out_idx=[8]); Flags (FLAG_COUNT,) int32 is only ever set to 1.
     """
     import tilelang.language as T
 
@@ -75,12 +83,14 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
         Beta: T.Tensor((B, H), accum_dtype),
         Slots: T.Tensor((B,), "int32"),
         State_pool: T.Tensor((P, H, d_k, d_v), accum_dtype),
+        Flags: T.Tensor((FLAG_COUNT,), "int32"),
         O: T.Tensor((B, H, d_v), dtype),
     ):
         with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
             b, h = i_bh // H, i_bh % H
             v0 = i_v * block_dv
-            slot = Slots[b]  # where sequence b's state lives in the pool
+            slot_in_pool = T.And(Slots[b] >= 0, Slots[b] < P)
+            slot = T.if_then_else(slot_in_pool, Slots[b], 0)  # where sequence b's state lives in the pool
 
             q_s = T.alloc_shared((d_k,), accum_dtype)
             k_s = T.alloc_shared((d_k,), accum_dtype)
@@ -99,6 +109,13 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
             T.copy(V[b, h, v0:v0 + block_dv], v_s)
             for d in T.Parallel(d_k):
                 decay_s[d] = T.exp2(G[b, h, d] * LOG2_E)
+                # NaN fails g <= 0; -inf would make the decay table's exp2(0 * -inf) NaN elsewhere
+                if T.Not(T.And(G[b, h, d] <= 0, G[b, h, d] >= -T.max_value(accum_dtype))):
+                    Flags[BAD_GATE] = 1
+            if T.Not(T.And(Beta[b, h] >= 0, Beta[b, h] <= 1)):
+                Flags[BAD_BETA] = 1
+            if T.Not(slot_in_pool):
+                Flags[BAD_SLOT] = 1
 
             # the decay first, then what the decayed state recalls for k
             for d, j in T.Parallel(d_k, block_dv):
@@ -114,7 +131,9 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
                 product_f[d, j] = q_s[d] * S_f[d, j]
             T.reduce_sum(product_f, o_f, dim=0)
             T.copy(o_f, O[b, h, v0:v0 + block_dv])
-            T.copy(S_f, State_pool[slot, h, :, v0:v0 + block_dv])  # back where it came from
+            for d, j in T.Parallel(d_k, block_dv):
+                if slot_in_pool:  # back where it came from; a slot out of range writes nothing
+                    State_pool[slot, h, d, v0 + j] = S_f[d, j]
 
     return kda_decode
 # --8<-- [end:program]
@@ -126,25 +145,31 @@ def compiled_decode(B, P, H, d_k, d_v, block_dv, dtype, threads):
     import tilelang
 
     program = build_decode_program(B, P, H, d_k, d_v, block_dv, dtype, "float32", threads)
-    return tilelang.compile(program, out_idx=[7], target="cuda")
+    return tilelang.compile(program, out_idx=[8], target="cuda")
 
 
 # --8<-- [start:decode]
 def decode(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
            state_pool: "torch.Tensor", slots: "torch.Tensor", block_dv: int = DEFAULT_BLOCK_DV,
-           threads: int = DEFAULT_THREADS, check_values: bool = True) -> "torch.Tensor":
+           threads: int = DEFAULT_THREADS, checks: str = "device") -> "torch.Tensor":
     """One decode step on CUDA tensors: q, k (B, H, d_k), v (B, H, d_v) in fp16 or bf16; g (B, H, d_k)
     fp32 log gates (<= 0); beta (B, H) fp32 in [0, 1]; state_pool (P, H, d_k, d_v) fp32, S^T in the
     kernel layout; slots (B,) int32, distinct, in [0, P).
 
     Returns o (B, H, d_v) in the input dtype; state_pool[slots] is advanced by one token in place
-    and every other slot is left as it was. check_values=False skips the checks of g's, beta's and
-    the slots' values (two passes and two device syncs): the caller vouches for them, and the call
-    has no host sync left, as a server's decode loop (or a CUDA graph of it) needs.
+    and every other slot is left as it was. Shapes, dtypes and devices are checked here. The values:
+    checks="device" (the default) leaves them to the kernel, which flags a bad g, beta or slot as it
+    reads them (stages.common.device_checks: `raise_if_flagged(q.device)` reports them) and never
+    writes through a slot outside the pool; the call has no host sync, so a server can capture it in
+    a CUDA graph. checks="host" also reads them to the host first and raises before the kernel runs
+    (two device syncs; it also catches two equal slots, which make two programs write one state):
+    the mode to debug a caller with.
     """
-    B, H, d_k, d_v = check_decode_inputs(q, k, v, g, beta, state_pool, slots, block_dv, check_values)
+    if checks not in ("device", "host"):
+        raise ValueError(f'checks must be "device" or "host", got {checks!r}')
+    B, H, d_k, d_v = check_decode_inputs(q, k, v, g, beta, state_pool, slots, block_dv, check_values=checks == "host")
     kernel = compiled_decode(B, state_pool.shape[0], H, d_k, d_v, block_dv, dtype_name(q), threads)
-    return kernel(q, k, v, g, beta, slots, state_pool)
+    return kernel(q, k, v, g, beta, slots, state_pool, flags_for(q.device))
 
 
 def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
@@ -182,8 +207,8 @@ def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
 
 def check_decode_values(g: "torch.Tensor", beta: "torch.Tensor", slots: "torch.Tensor", P: int) -> None:
     """What only the values tell: g finite and <= 0, beta in [0, 1] (check_gate_values), and the slots
-    distinct and in [0, P) (check_slot_values). Two passes, two device syncs: a server's decode loop
-    (or a CUDA graph of it) vouches for its values and skips them."""
+    distinct and in [0, P) (check_slot_values). Two passes, two device syncs: decode's checks="host";
+    by default the kernel checks them itself (build_decode_program)."""
     check_gate_values(g, beta)
     check_slot_values(slots, P)
 # --8<-- [end:decode]
