@@ -13,6 +13,9 @@
 #                            # (state carried, FLA)
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 4     # part 3's unbounded gate with the trap alone and
 #                            # the kernels' value check off, and the replays of the call it saved
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 5     # decode checked on the device, timed beside FLA
+#                            # (block and thread sweep, B = 1 to 256)
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 6     # stages 5-7's GPU tests, two processes at once
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -76,8 +79,30 @@ case $part in
   4)
     train_unbounded --no-value-check
     ;;
+  5)
+    # decode checked on the device (issue 27): the block and thread sweep at B = 64 beside FLA, then
+    # blocks 32 and 64 at B = 1, 8, 256
+    for threads in 128 256; do
+      step "decode_t$threads" 120 python -m benchmarks.decode --out "$out/decode_t$threads" --B 64 \
+        --block-dv 32,64,128 --threads "$threads"
+    done
+    for batch in 1 8 256; do
+      step "decode_b$batch" 90 python -m benchmarks.decode --out "$out/decode_b$batch" --B "$batch" --pool 256 \
+        --block-dv 32,64
+    done
+    ;;
+  6)
+    # the GPU tests of stages 5-7 (bodies moved into macros, one input check per call kind, decode's
+    # flags), two test processes sharing the GPU; FLA's comparisons apart (its autotuning takes minutes)
+    step s07_gpu 400 python -m pytest tests/test_s07_decode.py tests/test_s07_prefill.py tests/test_s07_serving.py \
+      -m gpu -v -p no:cacheprovider &
+    step s05_s06_gpu 400 python -m pytest tests/test_s05_fast_kda.py tests/test_s06_kernels.py tests/test_s06_autograd.py \
+      tests/exercises/s05_fast_kda tests/exercises/s06_backward --target=solutions -m gpu -v -p no:cacheprovider \
+      -k "not fla and not carry" &
+    wait
+    ;;
   *)
-    echo "part must be 1, 2, 3 or 4, got $part" >&2
+    echo "part must be 1 to 6, got $part" >&2
     exit 2
     ;;
 esac
