@@ -184,7 +184,7 @@ def test_bad_inputs_are_refused_with_clear_errors():
 
 
 def test_check_values_reaches_stage_5s_forward(monkeypatch):
-    """The CUDA path hands check_values to stage 5's forward, which runs (or skips) the range check;
+    """The CUDA path hands check_values to stage 5's forward, which runs (or skips) the value check;
     checked on the CPU with the forward stubbed, since the path itself needs a GPU."""
     import stages.s05_fast_kda.kernel as stage5
     from stages.s06_backward import autograd
