@@ -293,8 +293,8 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
     num_chunks = N // C
     channels = d_k // channel_passes
     blocks = C // sub
-    # the anchored factors' range: the diagonal operands are `dtype`, and the score gradients' GEMMs sum
-    # products scaled by up to e^span in fp32 (so a float64 program keeps fp32's span too)
+    # the span the anchored factors may take: they are computed in fp32 (from gamma) and stored in
+    # `dtype`, so both types must hold them (a float64 program keeps fp32's span)
     largest_span = min(FAST_SPAN_LOG[dtype], FAST_SPAN_LOG[accum_dtype])
     cumulative_gates = cumulative_gates_macro(C, d_k)
     flag_wide_spans = flag_wide_spans_macro(C, d_k, largest_span)
