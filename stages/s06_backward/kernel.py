@@ -282,8 +282,8 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
     The score GEMMs (A_kk, and the gradients through A_kk and A_qk) work on d_k / channel_passes
     channels at a time, as stage 5's prepare kernel does. threads=None takes
     default_intra_threads(chunk_size, d_k, channel_passes). Any gate <= 0: the diagonal sub-blocks
-    whose gates span more than FAST_SPAN_LOG[dtype] (the diagonal operands are in the input dtype)
-    are taken by their definition instead of the anchored GEMMs.
+    whose gates span more than FAST_SPAN_LOG allows (the diagonal operands are in the input dtype,
+    their factors computed in fp32) are taken by their definition instead of the anchored GEMMs.
     """
     import tilelang.language as T
 
