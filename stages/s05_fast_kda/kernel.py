@@ -189,24 +189,16 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype, 
     sub = SUB_BLOCK
     d_k = channel_passes * channels_per_pass
     blocks = C // sub
-    largest_span = FAST_SPAN_LOG[diagonal_dtype]
+    flag_wide_spans = flag_wide_spans_macro(C, d_k, FAST_SPAN_LOG[diagonal_dtype])
     exact_diagonal_block = exact_diagonal_block_macro(d_k)
 
     @T.macro
     def anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s, K_slab_col_s,
                         kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s):
-        # a diagonal sub-block's largest anchored factor is e^span, span the larger of gamma_first -
-        # gamma_middle (its first row's) and gamma_middle - gamma_last (its last column's), over the
-        # channels; a flag per sub-block in shared memory, so that every thread takes one branch below
+        # a flag per sub-block in shared memory, so that every thread takes one branch below
         if any_gate:
             exact_s = T.alloc_shared((blocks,), "int32")
-            for blk in T.Parallel(blocks):
-                exact_s[blk] = 0
-            for blk, d in T.Parallel(blocks, d_k):
-                middle = gamma_s[blk * sub + sub // 2, d]
-                span = T.max(gamma_s[blk * sub, d] - middle, middle - gamma_s[blk * sub + sub - 1, d])
-                if span > largest_span:  # every lane that finds one writes the same 1
-                    exact_s[blk] = 1
+            flag_wide_spans(gamma_s, exact_s)
 
         # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block;
         # each element reads gamma and K once and takes one exp2 for each direction
@@ -264,25 +256,56 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype, 
 # --8<-- [end:prepare_scores]
 
 
+# --8<-- [start:wide_spans]
+def flag_wide_spans_macro(C, d_k, largest_span):
+    """The macro flag_wide_spans(gamma_s, exact_s): from a chunk's cumulative gates gamma_s (C, d_k)
+    fp32, exact_s[P] = 1 (int32, one per SUB_BLOCK-row sub-block) where the diagonal sub-block P's
+    middle-row anchored factors span more than largest_span e-folds in some channel, else 0.
+
+    A sub-block's largest anchored factor is e^span, span the larger of gamma_first - gamma_middle
+    (its first row's) and gamma_middle - gamma_last (its last column's): every other row's and
+    column's lies between them. Stage 5's scores and stage 6's intra kernel test the flags."""
+    import tilelang.language as T
+
+    sub = SUB_BLOCK
+    blocks = C // sub
+
+    @T.macro
+    def flag_wide_spans(gamma_s, exact_s):
+        for blk in T.Parallel(blocks):
+            exact_s[blk] = 0
+        for blk, d in T.Parallel(blocks, d_k):
+            middle = gamma_s[blk * sub + sub // 2, d]
+            span = T.max(gamma_s[blk * sub, d] - middle, middle - gamma_s[blk * sub + sub - 1, d])
+            if span > largest_span:  # every lane that finds one writes the same 1
+                exact_s[blk] = 1
+
+    return flag_wide_spans
+# --8<-- [end:wide_spans]
+
+
 # --8<-- [start:prepare_exact_block]
-def exact_diagonal_block_macro(d_k):
-    """The macro exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, first): the diagonal
-    sub-block of rows and columns first .. first + SUB_BLOCK - 1 of L = A_kk diag(beta) and A_qk, as
-    their definition, A[r, j] = sum_d x_r[d] k_j[d] e^{gamma_r[d] - gamma_j[d]} (j <= r): each decay
-    is taken whole, so it is <= 1 at any gate, and summed in fp32 on the CUDA cores (d_k
-    multiply-adds per entry and score, one exp2 shared by the two scores)."""
+def exact_diagonal_block_macro(d_k, queries=True):
+    """The macro exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_s, first): the diagonal
+    sub-block of rows and columns first .. first + SUB_BLOCK - 1 of L = A_kk diag(beta) into L_s and
+    of A_qk into A_s, as their definition, A[r, j] = sum_d x_r[d] k_j[d] e^{gamma_r[d] - gamma_j[d]}
+    (j <= r): each decay is taken whole, so it is <= 1 at any gate, and summed in fp32 on the CUDA
+    cores (d_k multiply-adds per entry and score, one exp2 shared by the two scores).
+    queries=False (stage 6's backward, whose dbeta reads A_kk itself): A_kk into A_s instead of A_qk,
+    and Q_s is not read."""
     import tilelang.language as T
 
     sub = SUB_BLOCK
 
     @T.macro
-    def exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, first):
+    def exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_s, first):
         for r, j in T.Parallel(sub, sub):
             row, col = first + r, first + j
             key_score = T.alloc_var("float32")
-            query_score = T.alloc_var("float32")
             key_score = 0
-            query_score = 0
+            if queries:
+                query_score = T.alloc_var("float32")
+                query_score = 0
             for step in T.serial(d_k):
                 # lane j starts at channel j: the 16 columns' rows of a warp then lie in different banks
                 d = (step + j) % d_k
@@ -291,9 +314,13 @@ def exact_diagonal_block_macro(d_k):
                 decay = T.exp2(T.min(gamma_s[row, d] - gamma_s[col, d], 0) * LOG2_E)
                 decayed_key = T.cast(K_s[col, d], "float32") * decay
                 key_score += T.cast(K_s[row, d], "float32") * decayed_key
-                query_score += T.cast(Q_s[row, d], "float32") * decayed_key
+                if queries:
+                    query_score += T.cast(Q_s[row, d], "float32") * decayed_key
             L_s[row, col] = T.if_then_else(j < r, key_score * beta_s[col], 0)
-            A_qk_s[row, col] = T.if_then_else(j <= r, query_score, 0)
+            if queries:
+                A_s[row, col] = T.if_then_else(j <= r, query_score, 0)
+            else:
+                A_s[row, col] = T.if_then_else(j < r, key_score, 0)
 
     return exact_diagonal_block
 # --8<-- [end:prepare_exact_block]
