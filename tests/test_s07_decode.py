@@ -410,7 +410,8 @@ def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
     bad_gate[1, 0, 3], bad_beta[2, 1], bad_slots[3] = 0.5, 1.5, P_
     for change, message in ((dict(g=bad_gate), MESSAGES[0]), (dict(beta=bad_beta), MESSAGES[1]),
                             (dict(slots=bad_slots), MESSAGES[2])):
-        arguments = dict(q=q, k=k, v=v, g=g, beta=beta, state_pool=pool.clone(), slots=slots, **change)
+        arguments = dict(q=q, k=k, v=v, g=g, beta=beta, state_pool=pool.clone(), slots=slots)
+        arguments.update(change)
         before = arguments["state_pool"].clone()
         decode(**arguments)  # no sync, no error here
         with pytest.raises(ValueError) as raised:
