@@ -109,8 +109,17 @@ case $part in
     step s06_any_gate 420 python -m pytest tests/test_s06_kernels.py tests/test_s06_autograd.py -m gpu -v -s \
       -p no:cacheprovider -k "any_gate or strong_gates"
     ;;
+  8)
+    # Kimi Linear's default (unbounded) gate trains beside FLA now that the backward takes any gate
+    # (issue 27 item 2), with the NaN trap on; stage 6's strong-gate autograd test beside it (nothing timed)
+    step train_unbounded_fla 420 python -m benchmarks.train_kda --device cuda --steps 300 --lower-bound none \
+      --compare-fla --nan-trap --out "$out/train_unbounded_fla" &
+    step s06_autograd_strong 420 python -m pytest tests/test_s06_autograd.py -m gpu -v -s -p no:cacheprovider \
+      -k strong_gates &
+    wait
+    ;;
   *)
-    echo "part must be 1 to 7, got $part" >&2
+    echo "part must be 1 to 8, got $part" >&2
     exit 2
     ;;
 esac

@@ -242,7 +242,7 @@ def test_cuda_backward_takes_strong_gates_as_accurately_as_fla():
     stretch down to -1e4. No value-range refusal; o, S_T and the six gradients finite and within
     twice FLA's error (or 1e-2) from torch.autograd of the float64 token-by-token recurrence (the CPU
     path's anchored reference overflows float64 at these gates); prints both errors."""
-    from stages.s06_backward.autograd import _l2_normalize
+    from stages.s06_backward.autograd import l2_normalize
 
     fla_ops = pytest.importorskip("fla.ops")
     B, T, H, D = 2, 300, 2, 128
@@ -256,7 +256,7 @@ def test_cuda_backward_takes_strong_gates_as_accurately_as_fla():
     options = {"output_final_state": True, "use_qk_l2norm_in_kernel": True}
 
     q, k, v, g, beta, initial_state = leaves.values()
-    exact_o, exact_state = torch_recurrent(_l2_normalize(q) / math.sqrt(D), _l2_normalize(k), v, g, beta,
+    exact_o, exact_state = torch_recurrent(l2_normalize(q) / math.sqrt(D), l2_normalize(k), v, g, beta,
                                            initial_state)
     truth = dict(_loss_and_gradients(exact_o, exact_state, leaves, do, d_final_state), o=exact_o,
                  final_state=exact_state)
