@@ -108,6 +108,8 @@ def write_storage_table(path):
 
 TRAINING_RUN = "benchmarks/results/train_kda_cpu"  # committed by `python -m benchmarks.train_kda --out ...`
 CUDA_TRAINING_RUN = "benchmarks/results/train_kda_cuda"  # `... --device cuda --compare-fla`, on the H200
+# `... --device cuda --lower-bound none --compare-fla --nan-trap` (gpu_open_work.sh part 8), on the H200
+UNBOUNDED_TRAINING_RUN = "benchmarks/results/train_kda_cuda_unbounded_fla"
 CPU_LABELS = {"ours": "stage 5 forward + stage 6 backward (CPU references)"}
 CUDA_LABELS = {"ours": "stage 5 + stage 6 kernels (H200)", "fla": "FLA chunk_kda (H200)"}
 
@@ -139,21 +141,22 @@ def write_training_table(path):
         + f"\n`{TRAINING_RUN}/train_kda.log` holds the command and the machine.\n")
 
 
-def write_cuda_training_table(path):
+def write_cuda_training_table(path, run=CUDA_TRAINING_RUN):
+    """The H200 run of our kernels beside FLA's: first and last losses, accuracy, the gap between them."""
     from benchmarks.train_kda import summary
 
-    rows, guess = _training_run(CUDA_TRAINING_RUN)
+    rows, guess = _training_run(run)
     result = summary(rows)
     gaps = [abs(r["loss_ours"] - r["loss_fla"]) for r in rows]
     widest = rows[gaps.index(max(gaps))]["step"]
     path.write_text(
-        banner(f"{SOURCE}, from {CUDA_TRAINING_RUN}/train_kda.csv") + markdown_table(
+        banner(f"{SOURCE}, from {run}/train_kda.csv") + markdown_table(
             ["kernels", "loss, first 10 steps", "loss, last 10 steps", "query accuracy, last 10 steps"],
             [(label, f"{result[f'first_loss_{name}']:.3f}", f"{result[f'last_loss_{name}']:.3f}",
               f"{result[f'last_accuracy_{name}']:.3f}") for name, label in CUDA_LABELS.items()])
         + f"\nOver the {len(rows)} steps the two losses differ by {result['mean_loss_gap']:.4f} on average and by "
         f"{result['max_loss_gap']:.3f} at most (step {widest}); a guess among the values scores {guess:.3f}. "
-        f"`{CUDA_TRAINING_RUN}/train_kda.log` holds the command and the machine.\n")
+        f"`{run}/train_kda.log` holds the command and the machine.\n")
 
 
 def _write_loss_plot(path, run, labels):
@@ -251,4 +254,7 @@ def generated_files():
         "docs/generated/s06_training.svg": write_training_plot,
         "docs/generated/s06_training_cuda.md": write_cuda_training_table,
         "docs/generated/s06_training_cuda.svg": write_cuda_training_plot,
+        "docs/generated/s06_training_unbounded.md": lambda path: write_cuda_training_table(path, UNBOUNDED_TRAINING_RUN),
+        "docs/generated/s06_training_unbounded.svg": lambda path: _write_loss_plot(path, UNBOUNDED_TRAINING_RUN,
+                                                                                   CUDA_LABELS),
     }
