@@ -51,7 +51,7 @@ def assert_cost_within_target(program, target, count):
 TIME_TOLERANCE = 0.10  # on a GPU, a tuned program may take at most 10% longer than the library kernel
 
 
-def assert_time_within_target(program, library_program, inputs, dtypes, out_idx):
+def assert_time_within_target(program, library_program, inputs, dtypes, out_idx, pass_configs=None):
     """On a GPU: `program`'s median time (CUDA events, triton's do_bench, after warm-up) is at most
     (1 + TIME_TOLERANCE) times `library_program`'s on the same inputs (NumPy, cast to `dtypes`)."""
     __tracebackhide__ = True
@@ -61,7 +61,8 @@ def assert_time_within_target(program, library_program, inputs, dtypes, out_idx)
     from triton.testing import do_bench
 
     tensors = [torch.tensor(np.asarray(x), dtype=getattr(torch, dtype), device="cuda") for x, dtype in zip(inputs, dtypes)]
-    times = [float(do_bench(lambda kernel=tilelang.compile(p, out_idx=out_idx, target="cuda"): kernel(*tensors),
+    times = [float(do_bench(lambda kernel=tilelang.compile(p, out_idx=out_idx, target="cuda",
+                                                                   pass_configs=pass_configs or {}): kernel(*tensors),
                             warmup=25, rep=100, return_mode="median")) for p in (program, library_program)]
     mine, theirs = times
     print(f"the program: {mine:.3f} ms, the course's kernel: {theirs:.3f} ms ({mine / theirs:.2f}x)")
