@@ -27,9 +27,13 @@ the author wrote, before any layout, pipeline or thread is chosen; this module r
 - every arithmetic node computes in its own dtype: fp16 through NumPy's float16, bf16 by rounding a
   float32 to 8 significant bits (round to nearest even), so casts round as the GPU rounds.
 
-What it cannot show: races between threads, missing or misplaced barriers, the pipeline's overlap,
-layouts, registers, spills and shared-memory limits (the compile-only path, stages.common.tilelang_tools,
-reports those), and the last bits of exp2 and of the GEMM's summation order.
+Mistakes a GPU would not report stop the run with an error that names the author's line and the
+section of the interpreter page to read: ReadBeforeWrite, TileShapeMismatch, OutOfRange, and inside
+one T.Parallel nest CrossLaneRead (a lane reads an element another lane wrote there) and LaneRace (two
+lanes write one element). What it cannot show: races between threads beyond one T.Parallel nest,
+missing or misplaced barriers, the pipeline's overlap, layouts, registers, spills and shared-memory
+limits (the compile-only path, stages.common.tilelang_tools, reports those), and the last bits of exp2
+and of the GEMM's summation order.
 
     kernel = interpret(build_program(1, 256, 2, 64, 64), out_idx=[3])
     o = kernel(q, k, v)               # NumPy arrays in, NumPy arrays out
