@@ -51,10 +51,16 @@ def assert_cost_within_target(program, target, count):
 TIME_TOLERANCE = 0.10  # on a GPU, a tuned program may take at most 10% longer than the library kernel
 
 
-def assert_time_within_target(program, library_program, inputs, dtypes, out_idx, pass_configs=None):
+def assert_time_within_target(program, build_library_program, inputs, dtypes, out_idx, pass_configs=None):
     """On a GPU: `program`'s median time (CUDA events, triton's do_bench, after warm-up) is at most
-    (1 + TIME_TOLERANCE) times `library_program`'s on the same inputs (NumPy, cast to `dtypes`)."""
+    (1 + TIME_TOLERANCE) times that of the library kernel that `build_library_program()` builds, on the
+    same inputs (NumPy, cast to `dtypes`). In a handout, where that kernel is an exercise (a stub), skips."""
     __tracebackhide__ = True
+    try:
+        library_program = build_library_program()
+    except NotImplementedError:
+        pytest.skip("the course's kernel is an exercise in this handout: the instructor's grading times the "
+                    "program against it")
     import numpy as np
     import tilelang
     import torch

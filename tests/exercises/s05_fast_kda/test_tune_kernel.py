@@ -77,11 +77,16 @@ def test_cost_within_target(build_program, count):
 
 @pytest.mark.gpu
 def test_time_within_target(build_program):
-    from stages.s05_fast_kda.kernel import build_recurrence_program
+    """Timed on random operands of the prepare kernel's shapes and ranges: the time does not depend on
+    the values (no branch reads them), and a handout has no prepare to call."""
+    from stages.s05_fast_kda.kernel import DEFAULT_CHUNK_SIZE, build_recurrence_program
 
-    B, N, H, d_k, d_v = 1, 4096, 32, 128, 128  # reference C prepares the inputs: a few seconds in NumPy
-    x = make_inputs(B, N, H, d_k, d_v, gate="channel", gate_range=(0.9, 0.999), beta_range=(0.1, 0.9), seed=5)
-    prepared = prepare(x.q, x.k, x.v, x.g, x.beta, 64)
-    inputs = [*(getattr(prepared, name) for name in PREPARED), np.zeros((B, H, d_k, d_v))]
-    assert_time_within_target(build(build_program, B, N, H, d_k, d_v), build_recurrence_program(B, N, H, d_k, d_v),
+    B, N, H, d_k, d_v, C = 1, 8192, 16, 128, 128, DEFAULT_CHUNK_SIZE
+    rng = np.random.default_rng(5)
+    shapes = [(B, N, H, d_k), (B, N, H, d_v), (B, N, H, d_k), (B, N, H, d_k), (B, N, H, C)]
+    operands = [rng.standard_normal(shape) / np.sqrt(shape[-1]) for shape in shapes]
+    chunk_decay = rng.uniform(0.5, 1.0, (B, N // C, H, d_k))
+    inputs = [*operands, chunk_decay, np.zeros((B, H, d_k, d_v))]
+    assert_time_within_target(build(build_program, B, N, H, d_k, d_v),
+                              lambda: build_recurrence_program(B, N, H, d_k, d_v),
                               inputs, ["float16"] * 5 + ["float32"] * 2, out_idx=OUT_IDX)
