@@ -4,7 +4,9 @@
   solutions/<stage>/<file>; the two differ only between the "# EXERCISE BEGIN" and
   "# EXERCISE END" lines. Its tests are tests/exercises/<stage>/test_<file>.
   kind = "fill": the region raises NotImplementedError; kind = "fix": the region is the solution's
-  with the catalog bug named by `bug` applied. `read` is the page section that explains it.
+  with the catalog bug named by `bug` applied; kind = "tune": the region is a right but wasteful
+  program, the solution's with the catalog "bug" named by `bug` applied (its tests grade the cost
+  that stages.common.program_cost counts). `read` is the page section that explains it.
   `forbidden` (optional) lists what the exercise's text forbids, e.g. ["np.linalg.inv"].
 
 [[bug]]: one known mistake. Applied to solutions/<stage>/<file> by replacing the text `find`
@@ -20,6 +22,7 @@ from pathlib import Path
 from kdacourse import REPO_ROOT, is_handout
 
 CATALOG_DIR = Path(__file__).with_name("catalog")
+SHIPS_A_BUG = ("fix", "tune")  # the kinds whose shipped region is the solution's with a catalog bug applied
 REGION_BEGIN = "# EXERCISE BEGIN"
 REGION_END = "# EXERCISE END"
 
@@ -29,10 +32,10 @@ class Exercise:
     id: str
     stage: str
     file: str
-    kind: str  # "fill" or "fix"
+    kind: str  # "fill", "fix" or "tune"
     points: int
     read: str  # docs page and section that explain it
-    bug: str | None = None  # for kind = "fix": the catalog bug it ships with
+    bug: str | None = None  # for kind = "fix" or "tune": the catalog bug (or waste) it ships with
     # what the exercise's text forbids, e.g. ("np.linalg.inv",): a submission that names one scores
     # zero (kdacourse.cheating), and in the grading sandbox each raises when called
     forbidden: tuple = ()
@@ -76,11 +79,12 @@ def load_catalog():
         for entry in data.get("bug", []):
             _add_unique(bugs, Bug(**entry), path)
     for exercise in exercises.values():
-        if exercise.kind not in ("fill", "fix"):
-            raise ValueError(f"exercise {exercise.id}: kind must be fill or fix, got {exercise.kind!r}")
+        if exercise.kind not in ("fill", *SHIPS_A_BUG):
+            raise ValueError(f"exercise {exercise.id}: kind must be fill, fix or tune, got {exercise.kind!r}")
         # a handout's catalog (kdacourse/handout.py) names no bug: the one a fix exercise ships is its answer
-        if (exercise.kind == "fix") != (exercise.bug is not None) and not (exercise.kind == "fix" and is_handout()):
-            raise ValueError(f"exercise {exercise.id}: a fix exercise names its bug, a fill exercise none")
+        ships_a_bug = exercise.kind in SHIPS_A_BUG
+        if ships_a_bug != (exercise.bug is not None) and not (ships_a_bug and is_handout()):
+            raise ValueError(f"exercise {exercise.id}: a fix or tune exercise names its bug, a fill exercise none")
         if exercise.bug is not None and exercise.bug not in bugs:
             raise ValueError(f"exercise {exercise.id}: unknown bug {exercise.bug!r}")
     return exercises, bugs

@@ -1,7 +1,7 @@
 """The exercises as shipped, made from the solutions and the catalog.
 
 A fill exercise is its solution with the region's body replaced by a NotImplementedError; a fix
-exercise is its solution with its catalog bug applied. `python -m kdacourse.shipped` rewrites
+exercise is its solution with its catalog bug applied, a tune exercise with its wasteful program. `python -m kdacourse.shipped` rewrites
 exercises/ from solutions/ (instructors run it after changing a solution or the catalog); the test
 suite checks that exercises/ is what this produces.
 """
@@ -9,7 +9,7 @@ suite checks that exercises/ is what this produces.
 import sys
 
 from kdacourse import REPO_ROOT
-from kdacourse.catalog import REGION_BEGIN, REGION_END, exercises, load_catalog
+from kdacourse.catalog import REGION_BEGIN, REGION_END, SHIPS_A_BUG, exercises, load_catalog
 
 
 def split_region(source, where="source"):
@@ -27,7 +27,7 @@ def shipped_source(exercise):
     """The text of exercises/<stage>/<file> as the course ships it."""
     solution_path = REPO_ROOT / "solutions" / exercise.stage / exercise.file
     solution = solution_path.read_text()
-    if exercise.kind == "fix":
+    if exercise.kind in SHIPS_A_BUG:
         bug = load_catalog()[1][exercise.bug]
         shipped = bug.apply(solution)
         if split_region(shipped, str(solution_path))[1] == split_region(solution, str(solution_path))[1]:

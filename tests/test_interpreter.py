@@ -613,7 +613,7 @@ def test_out_of_bounds_load_raises_naming_the_buffer():
                 O[i, j] = T.if_then_else(i + 1 < M, A[T.min(i + 1, M), j], 0)
 
     a = np.ones((M, M), np.float32)
-    with pytest.raises(InterpreterError, match=r"^A: index 8 is outside axis 0 of size 8"):
+    with pytest.raises(InterpreterError, match=r"line \d+: `O\[i, j\] = A\[i \+ 1, j\]`: A: index 8 is outside axis 0 of size 8"):
         interpret(shifted, out_idx=[1])(a)
     o = interpret(guarded, out_idx=[1])(a)  # the lanes that would read A[8] do not take that branch
     assert np.array_equal(o[:-1], a[1:]) and np.all(o[-1] == 0)

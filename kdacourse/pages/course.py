@@ -39,8 +39,9 @@ def write_exercise_table(stage, path):
         section = re.search(r"section '(.*)'$", read_location(exercise.read))
         # The table sits above the exercises: it says what a fix exercise ships with (one seeded
         # bug), never which one; the bug table below names it, collapsed.
+        ships_with = {"fill": "a TODO to fill", "fix": "one seeded bug", "tune": "a right but wasteful program"}
         rows.append((f"`{exercise.id}`", f"`exercises/{stage}/{exercise.file}`", exercise.kind,
-                     exercise.points, "a TODO to fill" if exercise.kind == "fill" else "one seeded bug",
+                     exercise.points, ships_with[exercise.kind],
                      f"[{section[1] if section else exercise.read}]({exercise.read})",
                      f"`tests/exercises/{stage}/test_{exercise.file}`"))
     path.write_text(banner("kdacourse/pages/course.py and the catalog") + markdown_table(

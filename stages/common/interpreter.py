@@ -27,9 +27,13 @@ the author wrote, before any layout, pipeline or thread is chosen; this module r
 - every arithmetic node computes in its own dtype: fp16 through NumPy's float16, bf16 by rounding a
   float32 to 8 significant bits (round to nearest even), so casts round as the GPU rounds.
 
-What it cannot show: races between threads, missing or misplaced barriers, the pipeline's overlap,
-layouts, registers, spills and shared-memory limits (the compile-only path, stages.common.tilelang_tools,
-reports those), and the last bits of exp2 and of the GEMM's summation order.
+Mistakes a GPU would not report stop the run with an error that names the author's line and the
+section of the interpreter page to read: ReadBeforeWrite, TileShapeMismatch, OutOfRange, and inside
+one T.Parallel nest CrossLaneRead (a lane reads an element another lane wrote there) and LaneRace (two
+lanes write one element). What it cannot show: races between threads beyond one T.Parallel nest,
+missing or misplaced barriers, the pipeline's overlap, layouts, registers, spills and shared-memory
+limits (the compile-only path, stages.common.tilelang_tools, reports those), and the last bits of exp2
+and of the GEMM's summation order.
 
     kernel = interpret(build_program(1, 256, 2, 64, 64), out_idx=[3])
     o = kernel(q, k, v)               # NumPy arrays in, NumPy arrays out
@@ -47,8 +51,8 @@ import numpy as np
 
 from stages.common.tile_regions import region_parts
 
-__all__ = ["interpret", "run", "InterpreterError", "UnsupportedConstruct", "ReadBeforeWrite", "round_to_dtype",
-           "NUMPY_DTYPES"]
+__all__ = ["interpret", "run", "InterpreterError", "UnsupportedConstruct", "ReadBeforeWrite", "TileShapeMismatch",
+           "OutOfRange", "CrossLaneRead", "LaneRace", "round_to_dtype", "NUMPY_DTYPES"]
 
 
 class InterpreterError(RuntimeError):
@@ -63,6 +67,42 @@ class UnsupportedConstruct(InterpreterError):
 class ReadBeforeWrite(InterpreterError):
     """A statement read an element of a shared, fragment or local buffer that nothing had written: on a
     GPU it reads whatever the memory held. The message names the buffer, the element and the line."""
+
+    section = "A buffer read before it is written"
+
+
+# The mistakes below are named like ReadBeforeWrite: the author's file and line, what went wrong in
+# the GPU's terms, and `section`, the section of the interpreter page (docs/interpreter.md, "Errors it
+# names") that explains it. Each is a direct subclass of InterpreterError (the grading sandbox relays
+# an error by the name of its class).
+
+class TileShapeMismatch(InterpreterError):
+    """A tile operation's regions disagree in shape: a T.copy between tiles of different shapes, a
+    T.gemm operand that is not M x K, K x N or M x N."""
+
+    section = "A tile of the wrong shape"
+
+
+class OutOfRange(InterpreterError):
+    """A store or a load at an index outside its buffer: on a GPU it writes over, or reads, another
+    buffer's memory, or faults."""
+
+    section = "A store or load out of range"
+
+
+class CrossLaneRead(InterpreterError):
+    """A lane of a T.Parallel loop read an element of a shared or fragment buffer that another lane
+    wrote in the same loop: the interpreter runs the loop statement by statement, the GPU runs its
+    lanes at once, in different threads, with no barrier inside the loop."""
+
+    section = "A value read across lanes"
+
+
+class LaneRace(InterpreterError):
+    """Two lanes of one T.Parallel loop wrote one element of a shared or fragment buffer (different
+    values, or by different statements): which write lands last is undefined on a GPU."""
+
+    section = "A race between lanes"
 
 
 # ------------------------------------------------------------------------------------------ dtypes
@@ -165,9 +205,14 @@ class _Frame:
     `filled` holds the slots of the allocated buffers found written in full since their allocation (or
     since a T.gemm or T.copy last marked elements of them): their reads need no check. `origins` says,
     for a buffer holding marked elements, which read of an unwritten element they come from.
+    `lanes` holds the (name, slot) of the loop variables of the T.Parallel loops entered; `writers`,
+    inside a T.Parallel nest that both writes and reads a buffer (or writes it twice), maps the slot of
+    such a buffer to None until the nest stores into it, then to which lane of the nest wrote each
+    element (_NO_LANE: none yet, _EVERY_LANE: several lanes, one value), so that a lane reading
+    another's element, or writing over it, is caught.
     """
 
-    __slots__ = ("values", "mask", "lane_depth", "filled", "origins")
+    __slots__ = ("values", "mask", "lane_depth", "filled", "origins", "lanes", "writers")
 
     def __init__(self, size):
         self.values = [None] * size
@@ -175,6 +220,11 @@ class _Frame:
         self.lane_depth = 0
         self.filled = set()
         self.origins = {}
+        self.lanes = []
+        self.writers = {}
+
+
+_NO_LANE, _EVERY_LANE = -1, -2  # in _Frame.writers: no lane of the nest wrote the element, several did
 
 
 def _tirx():
@@ -268,23 +318,40 @@ class _Program:
             used_name, used_where, _ = self._described(statement, slot)
             message += (f". The value computed from it reached `{used_name}`{list(map(int, element))}, used at "
                         f"{used_where}")
-        return ReadBeforeWrite(message)
+        return ReadBeforeWrite(f"{message} (read the interpreter page, \"{ReadBeforeWrite.section}\")")
 
     def _described(self, statement, slot):
         """(the buffer's name, where `statement` is, the buffer's declaration), for messages."""
-        from stages.common.tilelang_tools import source_line
-
         buffer = self.buffers[slot]
         name = buffer.name
         scope = {"shared": "shared", "shared.dyn": "shared", "local.fragment": "fragment"}.get(buffer.scope(), "local")
         span = _span(statement)
         if span is not None:
             line = _declaration_line(span[0], name)
-            return name, source_line(*span), f"the {scope} buffer {name}" + (f", declared at line {line}" if line else "")
-        # a program without spans: the statement as TileLang parsed it, and the buffer's declaration
+            return name, self._where(statement), f"the {scope} buffer {name}" + (f", declared at line {line}" if line else "")
+        # a program without spans: the buffer's declaration as TileLang parsed it
+        return name, self._where(statement), f"the {scope} buffer {name} of shape {list(_static_shape(buffer))} and {buffer.dtype}"
+
+    def _where(self, statement):
+        """Where `statement` is: 'file.py, line 12: `the line`' where TileLang recorded its Python line,
+        else its line in the program as TileLang parsed it."""
+        from stages.common.tilelang_tools import source_line
+
+        span = _span(statement)
+        if span is not None:
+            return source_line(*span)
         number, text = self._line_of(statement)
-        where = f"line {number} of {self._name()}.script(): {text}" if number else f"the statement {text}"
-        return name, where, f"the {scope} buffer {name} of shape {list(_static_shape(buffer))} and {buffer.dtype}"
+        return f"line {number} of {self._name()}.script(): {text}" if number else f"the statement {text}"
+
+    def _taught(self, kind, statement, problem):
+        """A `kind` error (a class with a `section`): where `statement` is, the problem, what to read."""
+        error = kind(f"{self._where(statement)}: {problem} (read the interpreter page, \"{kind.section}\")")
+        error.located = True  # an enclosing statement leaves it as it is
+        return error
+
+    def _locate(self, error, statement):
+        """`error` raised while `statement` ran, named with its line unless an inner part named one."""
+        return error if getattr(error, "located", False) else self._taught(type(error), statement, str(error))
 
     # ---- launching ------------------------------------------------------------------------------
 
@@ -516,6 +583,8 @@ class _Program:
     def _parallel_loop(self, node):
         slot, body = self._slot(node.loop_var), self._stmt(node.body)
         start, extent = self._expr(node.min), self._expr(node.extent)
+        lane = (str(node.loop_var.name), slot)
+        tracked = self._shared_between_lanes(node)
 
         def run_parallel(frame):
             first, count = start(frame), extent(frame)
@@ -525,12 +594,129 @@ class _Program:
             lanes = np.arange(int(first), int(first) + int(count), dtype=np.int64).reshape((int(count),) + (1,) * depth)
             frame.values[slot] = lanes
             frame.lane_depth = depth + 1
+            frame.lanes.append(lane)
+            if depth == 0 and tracked:  # the outermost loop of a nest: no lane has written anything yet
+                frame.writers = dict.fromkeys(tracked)  # each made at the nest's first store into its buffer
             outer_mask = frame.mask
             body(frame)
             frame.mask = outer_mask
             frame.lane_depth = depth
+            frame.lanes.pop()
+            if depth == 0:
+                frame.writers = {}
 
         return run_parallel
+
+    def _shared_between_lanes(self, nest):
+        """The slots of the shared and fragment buffers that the T.Parallel loop `nest` (and the loops in
+        it) both writes and reads, or writes by two statements, where one lane may touch another's
+        element. A buffer that every access indexes by the same lane variables on the same axes (X_s[r, d]
+        and X_s[j, d], d the lane) is left out: a lane touches only elements that it or its replicas own."""
+        t = self.tirx
+        from tvm.tirx.stmt_functor import post_order_visit
+
+        lane_vars, accesses, stores = set(), {}, {}
+
+        def visit(node):
+            if isinstance(node, t.For) and int(node.kind) in (1, 2):
+                lane_vars.add(node.loop_var.__chandle__())
+            elif isinstance(node, (t.BufferStore, t.BufferLoad)) and not _is_var(node.buffer) \
+                    and node.buffer.scope() != "global":
+                slot = self._slot(node.buffer)
+                accesses.setdefault(slot, []).append(node.indices)
+                if isinstance(node, t.BufferStore):
+                    stores[slot] = stores.get(slot, 0) + 1
+
+        post_order_visit(nest, visit)
+
+        def lane_axes(indices):
+            """((axis, lane variable), ...) of an access, or None where a lane variable sits in an expression."""
+            found = []
+            for axis, index in enumerate(indices):
+                used = lanes_in(index)
+                if used and not (isinstance(index, t.Var) and index.__chandle__() in lane_vars):
+                    return None
+                if used:
+                    found.append((axis, index.__chandle__()))
+            return tuple(found)
+
+        def lanes_in(expression):
+            used = []
+            post_order_visit(expression, lambda e: used.append(e) if isinstance(e, t.Var) and e.__chandle__() in lane_vars
+                             else None)
+            return used
+
+        tracked = []
+        for slot, count in stores.items():
+            if count < 2 and len(accesses[slot]) == count:  # written once, never read in the nest
+                continue
+            forms = {lane_axes(indices) for indices in accesses[slot]}
+            if len(forms) > 1 or None in forms:
+                tracked.append(slot)
+        return sorted(tracked)
+
+    # ---- lanes: who wrote what in a T.Parallel nest ---------------------------------------------
+
+    @staticmethod
+    def _lane_ids(frame):
+        """Each lane of the current T.Parallel nest numbered, as an array over the lanes' axes."""
+        shape = np.broadcast_shapes(*(np.shape(frame.values[slot]) for _, slot in frame.lanes))
+        return np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
+
+    @staticmethod
+    def _lane_text(frame, lane_id):
+        """'i = 3, j = 0': the loop variables of the lane numbered `lane_id` (see _lane_ids)."""
+        shape = np.broadcast_shapes(*(np.shape(frame.values[slot]) for _, slot in frame.lanes))
+        position = np.unravel_index(int(lane_id), shape)
+        return ", ".join(f"{name} = {int(np.broadcast_to(frame.values[slot], shape)[position])}"
+                         for name, slot in frame.lanes)
+
+    def _elements_by_lane(self, frame, slot, where, mask):
+        """(flat indices into the buffer in `slot`, the lane of each) for the active lanes' `where`."""
+        *where, lane, active = np.broadcast_arrays(*where, self._lane_ids(frame), mask)
+        flat = np.ravel_multi_index([np.asarray(i, dtype=np.int64)[active] for i in where], frame.values[slot].shape)
+        return flat, lane[active]
+
+    def _record_writers(self, frame, slot, where, mask):
+        """Note which lane writes each element `where` selects; LaneRace where another lane of this nest
+        wrote it before (no barrier between two statements of one T.Parallel loop)."""
+        writers = frame.writers[slot]
+        if writers is None:
+            writers = frame.writers[slot] = np.full(frame.values[slot].shape, _NO_LANE, dtype=np.int64)
+        flat, lane = self._elements_by_lane(frame, slot, where, mask)
+        before = writers.flat[flat]
+        clash = (before >= 0) & (before != lane)
+        if clash.any():
+            k = int(np.argmax(clash))
+            element = list(map(int, np.unravel_index(int(flat[k]), writers.shape)))
+            raise LaneRace(
+                f"{self.buffers[slot].name}{element}: the lane {self._lane_text(frame, lane[k])} writes it after the lane "
+                f"{self._lane_text(frame, before[k])} wrote it in this same T.Parallel loop: on the GPU the two lanes are "
+                f"threads that run at once, with no barrier inside the loop, and which write lands last is undefined; "
+                f"write each element from one lane, or split the loop in two")
+        writers.flat[flat] = lane
+        writers.flat[np.flatnonzero(np.bincount(flat, minlength=writers.size) > 1)] = _EVERY_LANE  # one value: replicated
+
+    def _check_own_lane(self, frame, slot, where, mask):
+        """CrossLaneRead where a lane reads an element that another lane of this nest wrote."""
+        writers = frame.writers[slot]
+        if writers is None:  # the nest has not written the buffer yet
+            return
+        flat, lane = self._elements_by_lane(frame, slot, where, mask)
+        writer = writers.flat[flat]
+        crossed = (writer >= 0) & (writer != lane)
+        if crossed.any():
+            k = int(np.argmax(crossed))
+            buffer = self.buffers[slot]
+            element = list(map(int, np.unravel_index(int(flat[k]), writers.shape)))
+            where_it_lives = ("lives in the registers of the thread that wrote it"
+                              if buffer.scope() == "local.fragment" else "is in shared memory, with no barrier inside the loop")
+            raise CrossLaneRead(
+                f"the lane {self._lane_text(frame, lane[k])} reads {buffer.name}{element}, which the lane "
+                f"{self._lane_text(frame, writer[k])} wrote in this same T.Parallel loop: the interpreter runs the loop "
+                f"statement by statement, but on the GPU its lanes are threads that run at once, and that element "
+                f"{where_it_lives}; have each lane read only what it wrote, or split the loop in two (TileLang puts a "
+                f"barrier, or a layout that moves the values, between loops)")
 
     def _if(self, node):
         condition = self._expr(node.condition)
@@ -574,10 +760,18 @@ class _Program:
         name = buffer.name
 
         def run_store(frame):
+            try:
+                store(frame)
+            except (OutOfRange, LaneRace) as error:
+                raise self._locate(error, node) from None
+
+        def store(frame):
             target = frame.values[slot]
             where = [i(frame) for i in indices]
             new = round_to_dtype(value(frame), dtype)
             mask = frame.mask
+            if slot in frame.writers:
+                self._record_writers(frame, slot, _check_bounds(name, target.shape, where, mask), mask)
             if mask is True:  # every lane stores: fancy assignment broadcasts indices and value
                 where = tuple(_check_bounds(name, target.shape, where, True))
                 try:
@@ -685,8 +879,9 @@ class _Program:
         dst_slot, dst, dst_starts, dst_sizes = self._region(call.args[1], node)
         src_tile, dst_tile = [s for s in src_sizes if s != 1], [s for s in dst_sizes if s != 1]
         if src_tile != dst_tile:
-            raise self._unsupported(
-                f"T.copy between regions of shapes {src_sizes} ({src.name}) and {dst_sizes} ({dst.name})", node)
+            raise self._taught(TileShapeMismatch, node, (
+                f"T.copy moves {src_sizes} ({src.name}) into {dst_sizes} ({dst.name}): the two regions of a copy must "
+                f"have one shape (axes of size 1 aside); slice the larger one, or give the buffer the tile's shape"))
         dtype = str(dst.dtype)
         self.written.add(dst_slot)
 
@@ -737,7 +932,9 @@ class _Program:
         starts = [int(s(frame)) for s in starts]
         tile = _read_window(frame.values[slot], starts, sizes)
         if tile.size != shape[0] * shape[1]:
-            raise InterpreterError(f"T.gemm: a region of sizes {sizes} is not a {shape[0]} x {shape[1]} operand")
+            raise self._taught(TileShapeMismatch, statement, (
+                f"T.gemm: the region {sizes} of {self.buffers[slot].name} is not the {shape[0]} x {shape[1]} operand "
+                f"that the GEMM's M, N, K and transpose flags ask for"))
         unwritten = self._unwritten_part(frame, slot, starts, tile, statement, hint=hint)
         if unwritten is not None:
             unwritten = unwritten[0].reshape(shape), unwritten[1]
@@ -772,7 +969,8 @@ class _Program:
             lhs = lhs.T if transpose_a else lhs
             rhs = rhs.T if transpose_b else rhs
             if int(np.prod(c_sizes)) != M * N:
-                raise InterpreterError(f"T.gemm shapes: {a.name} {lhs.shape} x {b.name} {rhs.shape} -> {c.name} {c_sizes}")
+                raise self._taught(TileShapeMismatch, node, (
+                    f"T.gemm shapes: {a.name} {lhs.shape} x {b.name} {rhs.shape} does not fit {c.name} {c_sizes}"))
             product = lhs @ rhs
             starts = [int(s(frame)) for s in c_starts]
             accumulator_unwritten = None
@@ -914,18 +1112,28 @@ class _Program:
         if _is_var(buffer):
             return lambda frame: frame.values[slot]
         indices = [self._expr(i) for i in node.indices]
+        statement = self._statement
+
+        def checked_indices(frame, source):
+            """The indices, inside the buffer; from the lane that wrote the element, in a T.Parallel nest."""
+            try:
+                where = _check_bounds(name, source.shape, [i(frame) for i in indices], frame.mask)
+                if slot in frame.writers:
+                    self._check_own_lane(frame, slot, where, frame.mask)
+                return where
+            except (OutOfRange, CrossLaneRead) as error:
+                raise self._locate(error, statement) from None
+
         if slot not in self.poisoned:
             def read(frame):
                 source = frame.values[slot]
-                where = _check_bounds(name, source.shape, [i(frame) for i in indices], frame.mask)
-                return source[tuple(where)]
+                return source[tuple(checked_indices(frame, source))]
 
             return read
-        statement = self._statement
 
         def read_written(frame):
             source = frame.values[slot]
-            where = _check_bounds(name, source.shape, [i(frame) for i in indices], frame.mask)
+            where = checked_indices(frame, source)
             values = source[tuple(where)]
             if slot in frame.filled or self._filled(frame, slot):
                 return values
@@ -1032,7 +1240,7 @@ def _check_bounds(name, shape, where, mask):
     for axis, (index, size) in enumerate(zip(where, shape)):
         if type(index) is not np.ndarray or index.ndim == 0:
             if not 0 <= index < size and (mask is True or np.any(mask)):
-                raise InterpreterError(f"{name}: index {int(index)} is outside axis {axis} of size {size}")
+                raise OutOfRange(f"{name}: index {int(index)} is outside axis {axis} of size {size}")
             safe.append(int(index))
             continue
         if index.size and (index.min() < 0 or index.max() >= size):
@@ -1041,7 +1249,7 @@ def _check_bounds(name, shape, where, mask):
                 # the mask may span more lanes than this index varies over: broadcast both
                 index_b, bad_b = np.broadcast_arrays(index, outside & mask)
                 bad = index_b[bad_b][0]
-                raise InterpreterError(f"{name}: index {int(bad)} is outside axis {axis} of size {size}")
+                raise OutOfRange(f"{name}: index {int(bad)} is outside axis {axis} of size {size}")
             index = np.clip(index, 0, size - 1)  # lanes that do not execute read any valid element
         safe.append(index)
     return safe
@@ -1061,7 +1269,7 @@ def _check_no_race(name, shape, where, values):
     clash = same_element & differ
     if np.any(clash):
         element = np.unravel_index(int(flat[1:][clash][0]), shape)
-        raise InterpreterError(
+        raise LaneRace(
             f"{name}{list(map(int, element))}: lanes of one T.Parallel store different values into this element "
             f"(a race on the GPU: which lane wins is undefined); give each lane its own element, or reduce "
             f"with T.reduce_* / a serial loop")

@@ -13,7 +13,10 @@ often as the loops around it and the grid say:
   (`O[b, t0 + r, h, d] = ...` in a `T.Parallel` loop) is one read or one write per lane;
 - **element-wise FLOPs**: each floating-point +, -, *, /, min, max or math call (exp2 say) in a
   statement counts once per lane (a `T.if_then_else` counts both its branches): the work of the CUDA
-  cores, beside the tensor cores'.
+  cores, beside the tensor cores';
+- **shared memory**: the bytes of the buffers a program allocates in shared memory (`T.alloc_shared`),
+  per block, as the program declares them: the compile report's figure (stages.common.tilelang_tools)
+  adds what lowering adds, a pipelined loop's extra copies of the buffers its `T.copy`s fill.
 
 A loop whose extent depends on an outer loop (`for j in T.serial(r)`) and an `if` on loop variables
 (`if j < r`) are counted exactly: every loop variable becomes one axis of a NumPy array of index
@@ -25,6 +28,7 @@ its page tells), and the traffic between shared memory and registers.
 
     cost = program_cost(build_program(1, 4096, 32, 128, 128))
     cost.gemm_flops, cost.bytes, cost.intensity     # FLOPs, bytes, FLOPs per byte
+    counted_cost(program)                            # the four counts a tuning exercise is graded on
 """
 
 import re
@@ -34,7 +38,7 @@ import numpy as np
 
 from stages.common.tile_regions import region_parts
 
-__all__ = ["Cost", "CostError", "program_cost"]
+__all__ = ["Cost", "CostError", "CountedCost", "counted_cost", "program_cost"]
 
 _ARITHMETIC = {"Add", "Sub", "Mul", "Div", "Min", "Max"}
 _COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal, "GT": np.greater,
@@ -60,6 +64,7 @@ class Cost:
     bytes_read: int = 0
     bytes_written: int = 0
     bytes_by_buffer: dict = field(default_factory=dict)  # global buffer name -> bytes read and written
+    shared_bytes: int = 0  # shared memory a block allocates (T.alloc_shared), before lowering adds copies
 
     @property
     def bytes(self) -> int:
@@ -79,6 +84,24 @@ class Cost:
 def program_cost(prim_func) -> Cost:
     """Count the FLOPs and bytes of one launch of a `@T.prim_func` (see the module docstring)."""
     return _Counter(prim_func).cost
+
+
+@dataclass(frozen=True)
+class CountedCost:
+    """The four counts of one launch that a tuning exercise is graded on (the fields of Cost it names):
+    global memory traffic, tensor-core work, CUDA-core work, and the shared memory one block holds."""
+
+    global_bytes: int
+    gemm_flops: int
+    elementwise_flops: int
+    shared_bytes: int
+
+
+def counted_cost(prim_func) -> CountedCost:
+    """program_cost(prim_func) as the four counts a tuning exercise is graded on."""
+    cost = program_cost(prim_func)
+    return CountedCost(global_bytes=cost.bytes, gemm_flops=cost.gemm_flops,
+                       elementwise_flops=cost.elementwise_flops, shared_bytes=cost.shared_bytes)
 
 
 class _Unknown:
@@ -149,6 +172,10 @@ class _Counter:
             for statement in node.seq:
                 self._stmt(statement)
         elif isinstance(node, t.SBlockRealize):
+            for buffer in node.block.alloc_buffers:
+                if str(buffer.scope()).startswith("shared"):
+                    elements = int(np.prod([self._known(n, "a shared buffer's shape") for n in buffer.shape], dtype=np.int64))
+                    self.cost.shared_bytes += elements * _itemsize(buffer.dtype)
             if node.block.init is not None:
                 self._stmt(node.block.init)
             self._stmt(node.block.body)

@@ -327,7 +327,8 @@ def build_error_message(error, build_program):
     """
     said = f"{type(error).__name__}: {_what_tilelang_said(error)}"
     plain = _gemm_shapes_in_plain_words(error) or _unequal_shapes_in_plain_words(error)
-    said = f"{said}; in plain words: {plain}" if plain else said
+    # a shape check: the interpreter page's section on tile shapes (stages.common.interpreter.TileShapeMismatch)
+    said = f'{said}; in plain words: {plain} (read the interpreter page, "A tile of the wrong shape")' if plain else said
     path = getattr(getattr(build_program, "__code__", None), "co_filename", None)
     line = None
     traceback = error.__traceback__

@@ -1,0 +1,202 @@
+"""The tile interpreter's errors that teach: each mistake a kernel writer makes, in a small broken
+program, stops the run with a message that names the writer's file and line, says what went wrong in
+the GPU's terms, and names the section of the interpreter page (docs/interpreter.md, "Errors it
+names") to read. The programs are written in this file, so the messages name this file's lines."""
+
+import numpy as np
+import pytest
+
+from stages.common.interpreter import (CrossLaneRead, InterpreterError, LaneRace, OutOfRange, ReadBeforeWrite,
+                                       TileShapeMismatch, interpret)
+
+HERE = "tests/test_interpreter_errors.py"
+
+
+def _tilelang():
+    import tilelang.language as T
+
+    return T
+
+
+def _where(statement):
+    """'tests/test_interpreter_errors.py, line N: `statement`': how a message names the one line of this
+    file that holds `statement`."""
+    numbers = [n for n, line in enumerate(open(__file__).read().splitlines(), 1) if line.strip() == statement]
+    assert len(numbers) == 1, f"{statement!r} is on lines {numbers}"
+    return f"{HERE}, line {numbers[0]}: `{statement}`"
+
+
+def _interpreter_page_sections():
+    """The headings of docs/interpreter.md's "Errors it names" section."""
+    from kdacourse import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "interpreter.md").read_text(encoding="utf-8")
+    errors = text.split("## Errors it names", 1)[1].split("\n## ", 1)[0]
+    return [line[4:].strip() for line in errors.splitlines() if line.startswith("### ")]
+
+
+def _assert_teaches(error, statement, section):
+    message = str(error.value)
+    assert message.startswith(_where(statement) + ": "), message
+    assert f'read the interpreter page, "{section}"' in message, message
+    assert section in _interpreter_page_sections(), f"docs/interpreter.md has no section {section!r}"
+
+
+def test_a_copy_between_tiles_of_different_shapes():
+    T = _tilelang()
+
+    @T.prim_func
+    def wrong_tile(A: T.Tensor((16, 16), "float16"), O: T.Tensor((16, 16), "float16")):
+        with T.Kernel(1, threads=128) as _bx:
+            tile = T.alloc_shared((16, 8), "float16")
+            T.copy(A[0:16, 0:16], tile)
+            T.copy(tile, O[0:16, 0:8])
+
+    with pytest.raises(TileShapeMismatch) as error:
+        interpret(wrong_tile, out_idx=[1])
+    _assert_teaches(error, "T.copy(A[0:16, 0:16], tile)", "A tile of the wrong shape")
+    assert "[16, 16] (A) into [16, 8] (tile)" in str(error.value)
+
+
+def test_a_gemm_whose_operand_is_not_the_shape_it_needs():
+    """TileLang checks a T.gemm's shapes when it builds the program: the course's tests (kernel_checks.build)
+    turn its assertion into the same kind of message, through build_error_message."""
+    from stages.common.tilelang_tools import build_error_message
+
+    def build_program():
+        T = _tilelang()
+
+        @T.prim_func
+        def wrong_operand(A: T.Tensor((16, 32), "float16"), B: T.Tensor((32, 16), "float16"),
+                          O: T.Tensor((16, 16), "float32")):
+            with T.Kernel(1, threads=128) as _bx:
+                A_s = T.alloc_shared((16, 32), "float16")
+                B_s = T.alloc_shared((32, 16), "float16")
+                C_f = T.alloc_fragment((16, 16), "float32")
+                T.copy(A, A_s)
+                T.copy(B, B_s)
+                T.gemm(A_s, B_s[0:16, :], C_f, clear_accum=True)
+                T.copy(C_f, O)
+
+        return wrong_operand
+
+    with pytest.raises(AssertionError) as error:
+        build_program()
+    message = build_error_message(error.value, build_program)
+    assert message.startswith("the program does not build: " + _where("T.gemm(A_s, B_s[0:16, :], C_f, clear_accum=True)"))
+    assert "A gives K = 32, B gives K = 16" in message
+    assert f'read the interpreter page, "{TileShapeMismatch.section}"' in message
+
+
+def test_a_store_out_of_range():
+    T = _tilelang()
+
+    @T.prim_func
+    def past_the_end(A: T.Tensor((8, 8), "float32"), O: T.Tensor((8, 8), "float32")):
+        with T.Kernel(1, threads=32) as _bx:
+            for i, j in T.Parallel(8, 8):
+                O[i, j + 1] = A[i, j]
+
+    with pytest.raises(OutOfRange) as error:
+        interpret(past_the_end, out_idx=[1])(np.ones((8, 8), np.float32))
+    _assert_teaches(error, "O[i, j + 1] = A[i, j]", "A store or load out of range")
+    assert "O: index 8 is outside axis 1 of size 8" in str(error.value)
+
+
+def test_a_shared_buffer_used_before_its_copy():
+    T = _tilelang()
+
+    @T.prim_func
+    def before_copy(A: T.Tensor((16, 16), "float16"), O: T.Tensor((16, 16), "float16")):
+        with T.Kernel(1, threads=128) as _bx:
+            A_s = T.alloc_shared((16, 16), "float16")
+            doubled = T.alloc_fragment((16, 16), "float16")
+            for i, j in T.Parallel(16, 16):
+                doubled[i, j] = A_s[i, j] * 2
+            T.copy(A, A_s)
+            T.copy(doubled, O)
+
+    with pytest.raises(ReadBeforeWrite) as error:
+        interpret(before_copy, out_idx=[1])(np.ones((16, 16), np.float16))
+    _assert_teaches(error, "doubled[i, j] = A_s[i, j] * 2", "A buffer read before it is written")
+
+
+def test_a_fragment_read_across_lanes():
+    """Lane i reads the element lane i + 1 wrote in the same T.Parallel loop: in the interpreter the
+    whole statement runs before the next, on the GPU that element is in another thread's registers."""
+    T = _tilelang()
+
+    @T.prim_func
+    def neighbour(A: T.Tensor((16,), "float32"), O: T.Tensor((16,), "float32")):
+        with T.Kernel(1, threads=32) as _bx:
+            squared = T.alloc_fragment((16,), "float32")
+            for i in T.Parallel(16):
+                squared[i] = A[i] * A[i]
+                O[i] = squared[(i + 1) % 16] - squared[i]
+
+    with pytest.raises(CrossLaneRead) as error:
+        interpret(neighbour, out_idx=[1])(np.arange(16, dtype=np.float32))
+    _assert_teaches(error, "O[i] = squared[(i + 1) % 16] - squared[i]", "A value read across lanes")
+    assert "the lane i = 0 reads squared[1], which the lane i = 1 wrote" in str(error.value)
+
+
+def test_a_race_between_lanes():
+    """Two lanes write one shared element in one T.Parallel loop, by two statements: no barrier between."""
+    T = _tilelang()
+
+    @T.prim_func
+    def two_writers(A: T.Tensor((16,), "float32"), O: T.Tensor((16,), "float32")):
+        with T.Kernel(1, threads=32) as _bx:
+            row_s = T.alloc_shared((16,), "float32")
+            for i in T.Parallel(16):
+                row_s[i] = A[i]
+                row_s[15 - i] = A[i] * 2
+            T.copy(row_s, O)
+
+    with pytest.raises(LaneRace) as error:
+        interpret(two_writers, out_idx=[1])(np.arange(16, dtype=np.float32))
+    _assert_teaches(error, "row_s[15 - i] = A[i] * 2", "A race between lanes")
+
+
+def test_one_statement_storing_different_values_into_one_element_is_a_race():
+    T = _tilelang()
+
+    @T.prim_func
+    def many_to_one(A: T.Tensor((8, 4), "float32"), O: T.Tensor((8,), "float32")):
+        with T.Kernel(1, threads=32) as _bx:
+            row = T.alloc_fragment((8,), "float32")
+            for i, j in T.Parallel(8, 4):
+                row[i] = A[i, j]
+            T.copy(row, O)
+
+    with pytest.raises(LaneRace) as error:
+        interpret(many_to_one, out_idx=[1])(np.ones((8, 4), np.float32) * np.arange(4))
+    _assert_teaches(error, "row[i] = A[i, j]", "A race between lanes")
+
+
+def test_what_a_lane_writes_and_reads_itself_is_no_error():
+    """The patterns of the course's kernels: a lane reads back its own element in the same loop, lanes
+    along an axis the store leaves out store one value (a replicated fragment), and a later loop reads
+    any lane's element (TileLang puts a barrier or a layout between loops)."""
+    T = _tilelang()
+
+    @T.prim_func
+    def fine(A: T.Tensor((8, 4), "float32"), O: T.Tensor((8, 4), "float32")):
+        with T.Kernel(1, threads=32) as _bx:
+            row = T.alloc_fragment((8,), "float32")
+            tile = T.alloc_fragment((8, 4), "float32")
+            for i, j in T.Parallel(8, 4):
+                row[i] = A[i, 0] * 2
+                tile[i, j] = A[i, j] + row[i]
+                tile[i, j] = tile[i, j] * 2
+            for i, j in T.Parallel(8, 4):
+                O[i, j] = tile[7 - i, j] + row[i]
+
+    a = np.arange(32, dtype=np.float32).reshape(8, 4)
+    expected = 2 * (a + 2 * a[:, :1])
+    assert np.array_equal(interpret(fine, out_idx=[1])(a), expected[::-1] + 2 * a[:, :1])
+
+
+def test_every_kind_is_an_interpreter_error():
+    for kind in (TileShapeMismatch, OutOfRange, CrossLaneRead, LaneRace):
+        assert InterpreterError in kind.__bases__  # a direct subclass: the grader's sandbox relays these by name
