@@ -32,6 +32,9 @@ def main(argv=None):
     grade_all = commands.add_parser("grade-all", help="grade every student folder of a folder, in parallel")
     grade_all.add_argument("submissions", help="a folder with one folder per student, each laid out like exercises/")
     _grading_options(grade_all, "folder for gradebook.csv and each student's reports")
+    grade_all.add_argument("--leaderboard", action="store_true",
+                           help="add each passed tune exercise's counted cost to the gradebook and rank the class "
+                                "by it in leaderboard.csv (builds each program once more, in the sandbox)")
 
     serve = commands.add_parser("serve", help="build the course site and serve it locally")
     serve.add_argument("--port", type=int, default=8000, help="the port to serve on (default: 8000)")
@@ -78,7 +81,8 @@ def main(argv=None):
     if args.command == "grade-all":
         from kdacourse.gradeall import grade_all
 
-        return grade_all(args.submissions, args.out, timeout_per_test=args.timeout, trust=args.trust)
+        return grade_all(args.submissions, args.out, timeout_per_test=args.timeout, trust=args.trust,
+                         leaderboard=args.leaderboard)
     if args.command == "serve":
         from kdacourse.site import serve
 

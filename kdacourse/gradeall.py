@@ -9,7 +9,10 @@ of one student; either grades as `course grade` does (cheating scored zero). DIR
 - gradebook.csv: one row per student, one column per exercise (its points), then the total and the
   maximum; a plain CSV with a header row, which LMS gradebook imports accept (map `student` to the
   LMS's user identifier; an exercise of a stage the student did not hand in counts 0);
-- <student>/report.md, report.json, junit.xml: each student's reports, as `course grade` writes them.
+- <student>/report.md, report.json, junit.xml: each student's reports, as `course grade` writes them;
+- with --leaderboard, a column per tune exercise in gradebook.csv with the counted cost of each
+  program that passed it (kdacourse.leaderboard), and leaderboard.csv: per tune exercise, the passed
+  programs ranked by global bytes, then FLOPs, then shared memory (the counts the exercise is graded on).
 """
 
 import csv
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from kdacourse.catalog import exercises, stages
 from kdacourse.grading import JOBS, exercise_limit, grade_report, refuse, run_batch, run_exercise, write_reports
+from kdacourse.leaderboard import counted_cost_of, leaderboard_cell
 
 BAR_WIDTH = 30
 
@@ -32,7 +36,7 @@ def student_folders(root):
             and not path.name.startswith(".")]
 
 
-def grade_all(submissions, out, timeout_per_test=60, trust=False, jobs=JOBS):
+def grade_all(submissions, out, timeout_per_test=60, trust=False, jobs=JOBS, leaderboard=False):
     """Grade every student folder of `submissions`; write gradebook.csv and per-student reports to `out`.
 
     Returns the exit code: 0 once graded, 2 when there is nothing to grade or no sandbox."""
@@ -81,7 +85,7 @@ def grade_all(submissions, out, timeout_per_test=60, trust=False, jobs=JOBS):
 
     batches = [(student, selected) for student, selected in plan.items() if selected] if not trust else [
         (student, [exercise]) for student, selected in plan.items() for exercise in selected]
-    rows = {}
+    rows, costs = {}, {}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(run, student, batch): (student, batch) for student, batch in batches}
         for future in as_completed(futures):
@@ -98,26 +102,55 @@ def grade_all(submissions, out, timeout_per_test=60, trust=False, jobs=JOBS):
                 report["sandbox"] = not trust
                 write_reports(out_path / student.name, report, ordered)
                 rows[student.name] = {e.id: results[student][e.id].points for e in plan[student]}
+                if leaderboard:
+                    costs[student.name] = {e.id: counted_cost_of(results[student][e.id], student, trust)
+                                           for e in plan[student] if e.kind == "tune"}
             progress.advance(student.name if done_student else None,
                              f"{report['score']}/{report['max_score']}" if done_student else "", len(batch))
     progress.finish()
-    write_gradebook(out_path / "gradebook.csv", rows)
+    write_gradebook(out_path / "gradebook.csv", rows, costs if leaderboard else None)
+    if leaderboard:
+        write_leaderboard(out_path / "leaderboard.csv", costs)
     print(f"graded {len(students)} students in {time.monotonic() - started:.0f} s; "
           f"{out_path / 'gradebook.csv'} and one report folder per student", flush=True)
     return 0
 
 
-def write_gradebook(path, rows):
-    """gradebook.csv: student, one column per catalog exercise (its points, 0 if not handed in), total, max."""
+def write_gradebook(path, rows, costs=None):
+    """gradebook.csv: student, one column per catalog exercise (its points, 0 if not handed in), total, max;
+    with costs ({student: {tune exercise id: CountedCost or None}}), a column per tune exercise after them."""
     catalog = exercises()
     maximum = sum(exercise.points for exercise in catalog)
+    tuned = [exercise.id for exercise in catalog if exercise.kind == "tune"] if costs is not None else []
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["student", *[exercise.id for exercise in catalog], "total", "max"])
+        writer.writerow(["student", *[exercise.id for exercise in catalog], "total", "max",
+                         *[f"{exercise_id} counted cost" for exercise_id in tuned]])
         for student in sorted(rows):
             points = [rows[student].get(exercise.id, 0) for exercise in catalog]
-            writer.writerow([_csv_safe(student), *points, sum(points), maximum])
+            cells = [leaderboard_cell(costs.get(student, {}).get(exercise_id)) for exercise_id in tuned]
+            writer.writerow([_csv_safe(student), *points, sum(points), maximum, *cells])
+
+
+def write_leaderboard(path, costs):
+    """leaderboard.csv: per tune exercise, the students whose program passed, ranked by its counts (global
+    bytes, then GEMM and element-wise FLOPs, then shared memory: fewer is better; ties share a rank)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["exercise", "rank", "student", "global_bytes", "gemm_flops", "elementwise_flops",
+                         "shared_bytes"])
+        for exercise in (e for e in exercises() if e.kind == "tune"):
+            passed = sorted((cost.global_bytes, cost.gemm_flops + cost.elementwise_flops, cost.shared_bytes,
+                             student, cost) for student, by_exercise in costs.items()
+                            if (cost := by_exercise.get(exercise.id)) is not None)
+            rank, previous = 0, None
+            for position, (*key, student, cost) in enumerate(passed, 1):
+                if key != previous:
+                    rank, previous = position, key
+                writer.writerow([exercise.id, rank, _csv_safe(student), cost.global_bytes, cost.gemm_flops,
+                                 cost.elementwise_flops, cost.shared_bytes])
 
 
 def _csv_safe(text):
