@@ -238,7 +238,7 @@ def _measure_ours(decode_kernel, block_dv, inputs, pool, expected_o, expected_st
     flags = flags_for(q.device)
     function, method = graph_or_events(lambda: compiled(q, k, v, g, beta, slots, work, flags))
     record("ours", "kernel", function, method, block_dv, errors)
-    if block_dv == decode_kernel.DEFAULT_BLOCK_DV:
+    if block_dv == decode_kernel.decode_block_dv(d):  # the default call's block
         record("ours", "call", lambda: decode_kernel.decode(q, k, v, g, beta, work, slots, block_dv=block_dv),
                "events", block_dv)
         record("ours", "call_host_checks", lambda: decode_kernel.decode(q, k, v, g, beta, work, slots,

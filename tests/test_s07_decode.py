@@ -421,3 +421,10 @@ def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
             kept = torch.ones(P_, dtype=torch.bool, device=device)
             kept[slots[:3].long()] = False
             assert torch.equal(arguments["state_pool"][kept], before[kept]), "a slot past the pool wrote a state"
+
+
+@pytest.mark.parametrize("d_v, block_dv", [(128, 64), (64, 64), (32, 32), (96, 32)])
+def test_decode_takes_64_value_columns_where_they_divide_d_v(d_v, block_dv):
+    from stages.s07_serving.kernel import decode_block_dv
+
+    assert decode_block_dv(d_v) == block_dv

@@ -163,9 +163,10 @@ def test_decode_table_gives_bandwidth_and_fla_timed_alike(tmp_path, monkeypatch)
     rows = [_decode_row("ours", "kernel", "16", "graph", 0.2, 0.19, 0.21, **checked),
             _decode_row("ours", "kernel", "32", "graph", 0.1, 0.09, 0.11, **checked),
             _decode_row("ours", "call", "32", "events", 0.4, 0.38, 0.45),
-            _decode_row("ours", "call_unchecked", "32", "events", 0.125, 0.12, 0.13),
+            _decode_row("ours", "call_host_checks", "32", "events", 0.125, 0.12, 0.13),
             _decode_row("fla", "call", "", "events", 0.2, 0.18, 0.3, **checked),
             _decode_row("fla", "kernel", "", "graph", 0.15, 0.14, 0.16, **checked),
+            _decode_row("ours", "call_graph", "32", "graph", 0.12, 0.11, 0.13),
             dict(impl="ours", what="kernel", block_dv="64", error="RuntimeError: no compile")]
     _write_csv(tmp_path / "decode.csv", decode.FIELDS, rows)
     text = _written(tmp_path, monkeypatch, page.write_decode_timings)
@@ -177,7 +178,8 @@ def test_decode_table_gives_bandwidth_and_fla_timed_alike(tmp_path, monkeypatch)
     # each of ours' calls: 0.2 / 0.4 = 0.50 and 0.2 / 0.125 = 1.60
     assert table[1] == ("| ours | kernel | 32 | CUDA graph | 100.0 (90.0 to 110.0) | 2.62 | 65.5% | 1.50 | 1.6e-03 "
                         "| 5.1e-08 |")
-    assert [line.split(" | ")[7] for line in table] == ["0.75", "1.50", "0.50", "1.60", "–", "–"]
-    assert table[2].endswith("| – | – |") and table[3].split(" | ")[1] == "call unchecked"
+    # and the default call as a graph against FLA's graph: 0.15 / 0.12 = 1.25
+    assert [line.split(" | ")[7] for line in table] == ["0.75", "1.50", "0.50", "1.60", "–", "–", "1.25"]
+    assert table[2].endswith("| – | – |") and table[3].split(" | ")[1] == "call host checks"
     assert table[4].split(" | ")[1:4] == ["call", "–", "CUDA events"]
     assert "- ours kernel at block_dv 64: RuntimeError: no compile" in text

@@ -171,7 +171,7 @@ def write_decode_timings(path):
     timed = [row for row in rows if row.get("time_ms")]
     fla = {row["what"]: float(row["time_ms"]) for row in timed if row["impl"] == "fla"}
     # ours' measurement: FLA's timed the same way
-    same_form = {"kernel": "kernel", "call": "call", "call_unchecked": "call"}
+    same_form = {"kernel": "kernel", "call": "call", "call_graph": "kernel", "call_host_checks": "call"}
 
     def microseconds(row):
         return (f"{float(row['time_ms']) * 1e3:.1f} ({float(row['time_ms_p20']) * 1e3:.1f} to "
@@ -200,9 +200,39 @@ def write_decode_timings(path):
     path.write_text(about + table + _failures(rows, lambda row: f"block_dv {row['block_dv'] or '–'}"))
 
 
+DECODE_BATCH_RUNS = ("decode_b1.csv", "decode_b8.csv", "decode.csv", "decode_b256.csv")  # B = 1, 8, 64, 256
+
+
+def write_decode_batches(path):
+    """The decode step at each batch size of DECODE_BATCH_RUNS: each block_dv's kernel and the default
+    call (values checked on the device) as CUDA graphs, FLA's graph, FLA / ours and the copy fraction."""
+    runs = [rows for rows in (committed_run(name)[0] for name in DECODE_BATCH_RUNS) if rows]
+    if not runs:
+        path.write_text(NOT_COMMITTED.format(what="decode", module="decode", files="DIR/decode.csv"))
+        return
+    table = []
+    for rows in runs:
+        timed = {(row["impl"], row["what"], row["block_dv"]): row for row in rows if row.get("time_ms")}
+        fla = timed.get(("fla", "kernel", ""))
+        for (impl, what, block_dv), row in timed.items():
+            if impl != "ours" or what not in ("kernel", "call_graph"):
+                continue
+            milliseconds = float(row["time_ms"])
+            table.append((row["B"], "kernel" if what == "kernel" else "default call", block_dv,
+                          f"{milliseconds * 1e3:.1f}", f"{float(row['fraction_of_copy']):.1%}",
+                          f"{float(fla['time_ms']) * 1e3:.1f}" if fla else "–",
+                          f"{float(fla['time_ms']) / milliseconds:.2f}" if fla else "–"))
+    commands = "; ".join(f"`{_decode_command(rows)}`" for rows in runs)
+    path.write_text(f"Each CUDA graph replayed, H = 32, d_k = d_v = 128, a pool of 256 fp32 states, bf16 q, k, v; "
+                    f"one run per batch size ({commands}).\n\n" + markdown_table(
+                        ["B", "ours", "block_dv", "time (µs)", "of the copy bandwidth", "FLA graph (µs)",
+                         "FLA / ours"], table))
+
+
 def generated_files():
     return {
         "docs/generated/backward_timings.md": write_backward_timings,
         "docs/generated/varlen_timings.md": write_varlen_timings,
         "docs/generated/decode_timings.md": write_decode_timings,
+        "docs/generated/decode_batches.md": write_decode_batches,
     }

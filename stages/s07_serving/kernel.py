@@ -51,6 +51,9 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_BLOCK_DV = 32
+# decode's value columns per program where d_v allows: at B >= 8 on the H200, 64 moved the states 3-7%
+# faster than 32 and 128 (benchmarks/results/decode*.csv, the benchmarks page's decode table)
+DECODE_BLOCK_DV = 64
 DEFAULT_THREADS = 128
 
 
@@ -150,14 +153,15 @@ def compiled_decode(B, P, H, d_k, d_v, block_dv, dtype, threads):
 
 # --8<-- [start:decode]
 def decode(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
-           state_pool: "torch.Tensor", slots: "torch.Tensor", block_dv: int = DEFAULT_BLOCK_DV,
+           state_pool: "torch.Tensor", slots: "torch.Tensor", block_dv: int | None = None,
            threads: int = DEFAULT_THREADS, checks: str = "device") -> "torch.Tensor":
     """One decode step on CUDA tensors: q, k (B, H, d_k), v (B, H, d_v) in fp16 or bf16; g (B, H, d_k)
     fp32 log gates (<= 0); beta (B, H) fp32 in [0, 1]; state_pool (P, H, d_k, d_v) fp32, S^T in the
     kernel layout; slots (B,) int32, distinct, in [0, P).
 
     Returns o (B, H, d_v) in the input dtype; state_pool[slots] is advanced by one token in place
-    and every other slot is left as it was. Shapes, dtypes and devices are checked here. The values:
+    and every other slot is left as it was. block_dv=None takes decode_block_dv(d_v). Shapes, dtypes
+    and devices are checked here. The values:
     checks="device" (the default) leaves them to the kernel, which flags a bad g, beta or slot as it
     reads them (stages.common.device_checks: `raise_if_flagged(q.device)` reports them) and never
     writes through a slot outside the pool; the call has no host sync, so a server can capture it in
@@ -168,13 +172,19 @@ def decode(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Te
     if checks not in ("device", "host"):
         raise ValueError(f'checks must be "device" or "host", got {checks!r}')
     B, H, d_k, d_v = check_decode_inputs(q, k, v, g, beta, state_pool, slots, block_dv, check_values=checks == "host")
+    block_dv = decode_block_dv(d_v) if block_dv is None else block_dv
     kernel = compiled_decode(B, state_pool.shape[0], H, d_k, d_v, block_dv, dtype_name(q), threads)
     return kernel(q, k, v, g, beta, slots, state_pool, flags_for(q.device))
 
 
+def decode_block_dv(d_v: int) -> int:
+    """decode's default block_dv: DECODE_BLOCK_DV where it divides d_v, else DEFAULT_BLOCK_DV."""
+    return DECODE_BLOCK_DV if d_v % DECODE_BLOCK_DV == 0 else DEFAULT_BLOCK_DV
+
+
 def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
                         beta: "torch.Tensor", state_pool: "torch.Tensor", slots: "torch.Tensor",
-                        block_dv: int = DEFAULT_BLOCK_DV, check_values: bool = True) -> tuple[int, int, int, int]:
+                        block_dv: int | None = None, check_values: bool = True) -> tuple[int, int, int, int]:
     """Every check of `decode`'s arguments (see its docstring); returns (B, H, d_k, d_v).
 
     In stage 5's order (check_forward_inputs): what the tensors' types, shapes and dtypes tell, and
@@ -198,7 +208,7 @@ def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
         raise ValueError(f"state_pool must be (P, H, d_k, d_v) = (P, {H}, {d_k}, {d_v}), S^T in the kernel layout, "
                          f"got {tuple(state_pool.shape)}")
     check_slots(slots, B)
-    check_block(d_v, block_dv)
+    check_block(d_v, decode_block_dv(d_v) if block_dv is None else block_dv)
     if check_values:
         check_decode_values(g, beta, slots, state_pool.shape[0])
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_pool": state_pool, "slots": slots})
