@@ -80,13 +80,13 @@ case $part in
     train_unbounded --no-value-check
     ;;
   5)
-    # decode checked on the device (issue 27): the block and thread sweep at B = 64 beside FLA, then
-    # blocks 32 and 64 at B = 1, 8, 256
-    for threads in 128 256; do
+    # decode checked on the device (issue 27): the block and thread sweep at B = 64 beside FLA (SWEEP=0
+    # leaves it out), then blocks 32 and 64 at B = 1, 8, 64, 256
+    [ "${SWEEP:-1}" = 1 ] && for threads in 128 256; do
       step "decode_t$threads" 120 python -m benchmarks.decode --out "$out/decode_t$threads" --B 64 \
         --block-dv 32,64,128 --threads "$threads"
     done
-    for batch in 1 8 256; do
+    for batch in 1 8 64 256; do
       step "decode_b$batch" 90 python -m benchmarks.decode --out "$out/decode_b$batch" --B "$batch" --pool 256 \
         --block-dv 32,64
     done
