@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 DEFAULT_BLOCK_DV = 32
 # decode's value columns per program where d_v allows: at B >= 8 on the H200, 64 moved the states 3-7%
-# faster than 32 and 128 (benchmarks/results/decode*.csv, the benchmarks page's decode table)
+# faster than 32, and 128 was slower still (benchmarks/results/decode_b64_blocks.csv; decode*.csv)
 DECODE_BLOCK_DV = 64
 DEFAULT_THREADS = 128
 
