@@ -2,7 +2,7 @@
 its parameters it writes, and how much shared memory one block of it asks for.
 
 The build exercises check any program a student writes with them, not only the course's: a program
-must leave its inputs as it found them (`parameters_written` names only its outputs), and must fit
+must leave its inputs as it found them (`parameters_written` finds only its outputs), and must fit
 in an H200 block's shared memory (`shared_memory_bytes` at most SHARED_MEMORY_PER_BLOCK). Both read
 the program as the tile interpreter and the cost counter do (stages.common.tile_regions).
 """
@@ -20,12 +20,11 @@ _WRITTEN = (2, 3)
 
 
 def parameters_written(program):
-    """The names of the program's parameters (its global buffers) that a statement writes: stored to
-    element by element, or a tile operation's operand marked as written (the destination of a copy,
-    a GEMM's accumulator, a fill)."""
+    """The program's parameters (its global buffers) that a statement writes, as [position, name]
+    pairs in parameter order: stored to element by element, or a tile operation's operand marked as
+    written (the destination of a copy, a GEMM's accumulator, a fill)."""
     from tvm import tirx
 
-    parameters = {buffer.name for buffer in program.buffer_map.values()}
     written = set()
 
     def visit(node):
@@ -38,7 +37,8 @@ def parameters_written(program):
         return True
 
     tirx.stmt_functor.pre_order_visit(program.body, visit)
-    return sorted(written & parameters)
+    parameters = [program.buffer_map[handle].name for handle in program.params]
+    return [[position, name] for position, name in enumerate(parameters) if name in written]
 
 
 def shared_memory_bytes(program):

@@ -13,13 +13,14 @@ BUDGET_HEAD_DIM = 128
 
 
 def assert_writes_only(program, outputs):
-    """The program writes the parameters named in `outputs` and no other (its inputs are unchanged)."""
+    """The program writes the parameters at the positions `outputs` (0-based, as out_idx counts them)
+    and no other: its inputs are unchanged."""
     __tracebackhide__ = True
     from stages.common.program_facts import parameters_written
 
-    written = tir_facts(parameters_written, program)
-    inputs_written = sorted(set(written) - set(outputs))
-    assert_rule(not inputs_written, f"the program writes only {', '.join(outputs)}",
+    inputs_written = [f"{name} (parameter {position})" for position, name in tir_facts(parameters_written, program)
+                      if position not in outputs]
+    assert_rule(not inputs_written, f"the program writes only its outputs, parameters {', '.join(map(str, outputs))}",
                 f"it also writes {', '.join(inputs_written)}: a caller's input must come back as it went in; "
                 "copy it to a shared or fragment buffer and change that instead")
 

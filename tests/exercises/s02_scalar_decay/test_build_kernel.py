@@ -88,7 +88,7 @@ def test_length_not_a_multiple_of_the_chunk(build_program):
 
 
 def test_writes_only_its_output(build_program):
-    assert_writes_only(build(build_program, 2, 64, 2, 32, 32, **TILES), outputs=["O"])
+    assert_writes_only(build(build_program, 2, 64, 2, 32, 32, **TILES), outputs=[4])
 
 
 def test_respects_ordering_constraints(build_program):

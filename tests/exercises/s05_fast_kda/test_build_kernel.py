@@ -106,7 +106,7 @@ def test_length_not_a_multiple_of_the_chunk(build_recurrence_program):
 
 
 def test_writes_only_its_outputs(build_recurrence_program):
-    assert_writes_only(build(build_recurrence_program, 2, 64, 2, 32, 32, **TILES), outputs=["O", "Final_state"])
+    assert_writes_only(build(build_recurrence_program, 2, 64, 2, 32, 32, **TILES), outputs=OUTPUTS)
 
 
 def test_respects_ordering_constraints(build_recurrence_program):
