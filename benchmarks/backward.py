@@ -120,7 +120,7 @@ def open_writer(path):
     import csv
 
     f = open(path, "w", newline="")
-    writer = bench._flushing(csv.DictWriter(f, FIELDS), f)
+    writer = bench.flushing(csv.DictWriter(f, FIELDS), f)
     writer.writeheader()
     return writer, f
 
@@ -146,16 +146,16 @@ def compile_all(shapes, backward_block_dv, num_sms, log):
     from stages.s05_fast_kda import kernel as stage5
     from stages.s06_backward import kernel
 
-    o = fair._forward_defaults()
+    o = fair.forward_defaults()
     jobs, shape_of = {}, {}
     for B, N, H, D in shapes:
         forward_block_dv, block_dv = block_dvs(B, H, D, num_sms, backward_block_dv)
-        calls = {"prepare": (stage5._compiled_prepare, B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"]),
-                 "recurrence": (stage5._compiled_recurrence, B, N, H, D, D, o["chunk_size"], forward_block_dv, DTYPE,
+        calls = {"prepare": (stage5.compiled_prepare, B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"]),
+                 "recurrence": (stage5.compiled_recurrence, B, N, H, D, D, o["chunk_size"], forward_block_dv, DTYPE,
                                 o["num_stages"], o["threads"])}
         for name, arguments in kernel.kernel_arguments(B, N, H, D, D, o["chunk_size"], block_dv, DTYPE).items():
             if name != "prepare":  # the backward's prepare is the forward's
-                calls[name] = (kernel._compiled, name, *arguments)
+                calls[name] = (kernel.compiled_one_kernel, name, *arguments)
         for name, (function, *arguments) in calls.items():
             key = f"{name} at B={B} N={N} H={H} D={D}"
             jobs[key], shape_of[key] = functools.partial(function, *arguments), (B, N, H, D)
@@ -163,7 +163,7 @@ def compile_all(shapes, backward_block_dv, num_sms, log):
     failures = {}
     for key, result in compile_in_threads(jobs, log).items():
         if isinstance(result, Exception):
-            failures.setdefault(shape_of[key], f"{key}: {fair._error(result)}")
+            failures.setdefault(shape_of[key], f"{key}: {fair.failure_text(result)}")
     return failures
 
 
@@ -184,15 +184,15 @@ class Shape:
         do = torch.randn(q.shape, device=q.device, generator=torch.Generator(q.device).manual_seed(1)).to(q.dtype)
         self.inputs = (q, k, v, g, beta, do)
         state = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device)
-        o = fair._forward_defaults()
+        o = fair.forward_defaults()
         C = o["chunk_size"]
         if N % C:
             raise ValueError(f"N = {N} must be a multiple of the chunk size {C} here (the kernels take padded inputs)")
         self.forward_block_dv, self.block_dv = block_dvs(B, H, D, stage5.streaming_multiprocessors(q.device),
                                                          backward_block_dv)
         # the forward's two kernels as forward() launches them at this shape, the backward's as backward() does
-        forward_prepare = stage5._compiled_prepare(B, N, H, D, D, C, DTYPE, o["prepare_threads"])
-        recurrence = stage5._compiled_recurrence(B, N, H, D, D, C, self.forward_block_dv, DTYPE, o["num_stages"],
+        forward_prepare = stage5.compiled_prepare(B, N, H, D, D, C, DTYPE, o["prepare_threads"])
+        recurrence = stage5.compiled_recurrence(B, N, H, D, D, C, self.forward_block_dv, DTYPE, o["num_stages"],
                                                  o["threads"])
         kernels = kernel.compiled_kernels(B, N, H, D, D, C, self.block_dv, DTYPE)
 
@@ -239,8 +239,8 @@ class Shape:
             self.errors[("fla", "fwd_bwd_kernels")] = FLA_GRAPH_NOT_TRIED
         except Exception as failure:  # FLA missing or failing: ours is still measured
             for what in ("fwd_bwd_call", "backward_call", "fwd_bwd_kernels"):
-                self.errors.setdefault(("fla", what), fair._error(failure))
-            log(f"{self.label}: FLA failed: {fair._error(failure)}")
+                self.errors.setdefault(("fla", what), fair.failure_text(failure))
+            log(f"{self.label}: FLA failed: {fair.failure_text(failure)}")
         torch.cuda.synchronize()
 
     def notes(self):
@@ -295,7 +295,7 @@ class Shape:
                 try:
                     row["time_ms"] = f"{timer(self.functions[key]):.4f}"
                 except Exception as failure:  # recorded, the run goes on
-                    row["error"] = fair._error(failure)
+                    row["error"] = fair.failure_text(failure)
                     traceback.print_exc()
             else:
                 continue
@@ -361,9 +361,9 @@ def run(args, log, started):
                 shape = Shape(B, N, H, D, args.block_dv, log)
             except Exception as failure:
                 traceback.print_exc()
-                notes[label] = {"error": fair._error(failure)}
+                notes[label] = {"error": fair.failure_text(failure)}
                 writer.writerow(dict(round=0, B=B, N=N, H=H, D=D, dtype=DTYPE, impl="ours", what="setup",
-                                     error=fair._error(failure)))
+                                     error=fair.failure_text(failure)))
                 torch.cuda.empty_cache()
                 continue
             try:

@@ -266,7 +266,7 @@ def run_precision(stage, writer, log, lengths=PRECISION_LENGTHS, heads=4, deadli
                         f"{row.get('rel_l2_vs_float64', row.get('error'))}")
 
 
-def _flushing(writer, file):
+def flushing(writer, file):
     """A csv writer whose rows reach the disk at once: a run stopped from outside keeps them."""
     write_row = writer.writerow
 
@@ -311,7 +311,7 @@ def main(argv=None):
                     "bytes", "memory_bound_ms", "error"]
     if not args.no_timings:
         with open(out / "bench.csv", "w", newline="") as f:
-            writer = _flushing(csv.DictWriter(f, bench_fields), f)
+            writer = flushing(csv.DictWriter(f, bench_fields), f)
             writer.writeheader()
             try:
                 for stage in selected:
@@ -321,7 +321,7 @@ def main(argv=None):
     if not args.no_precision:
         precision_fields = ["stage", "N", "dtype", "impl", "gate_lower", "gate_upper", "rel_l2_vs_float64", "error"]
         with open(out / "precision.csv", "w", newline="") as f:
-            writer = _flushing(csv.DictWriter(f, precision_fields), f)
+            writer = flushing(csv.DictWriter(f, precision_fields), f)
             writer.writeheader()
             lengths = [int(n) for n in args.precision_lengths.split(",")]
             try:

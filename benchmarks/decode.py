@@ -11,7 +11,9 @@ a device-to-device copy reaches on the same machine (benchmarks/roofs.py, measur
 
 Measured, each as the median of repeats with the 20th and 80th percentiles (triton's do_bench):
 - ours `kernel`: the compiled kernel alone, replayed from a CUDA graph, one row per block_dv;
-- ours `call` and `call_unchecked`: the whole `decode(...)` with and without the value checks;
+- ours `call`: the whole default `decode(...)` (values checked on the device, no sync), timed eagerly;
+  `call_graph`: the same call captured in a CUDA graph (a server's decode loop); `call_host_checks`:
+  with checks="host" (the values read to the host first, two syncs);
 - FLA `call`: `fla.ops.kda.fused_recurrent_kda` with q, k, v of shape (B, 1, H, D), scale=1.0 and
   the B states gathered from the pool into initial_state (B, H, d_k, d_v) fp32, FLA's convention
   (the same S^T layout), output_final_state=True: the same bytes read and written; and FLA `kernel`,
@@ -28,7 +30,7 @@ import sys
 import traceback
 from pathlib import Path
 
-FIELDS = ("impl", "what", "block_dv", "method", "B", "H", "d_k", "d_v", "pool", "dtype", "time_ms", "time_ms_p20",
+FIELDS = ("impl", "what", "block_dv", "threads", "method", "B", "H", "d_k", "d_v", "pool", "dtype", "time_ms", "time_ms_p20",
           "time_ms_p80", "bytes", "state_bytes", "bytes_per_s", "copy_bytes_per_s", "fraction_of_copy",
           "rel_l2_o", "rel_l2_state", "error")
 GATE_RANGE = (0.9, 0.999)
@@ -44,9 +46,15 @@ def parse_args(argv=None):
     parser.add_argument("--pool", type=_positive, default=256, help="states in the pool, at least B (default 256)")
     parser.add_argument("--block-dv", type=_block_sizes, default=(16, 32, 64),
                         help="value columns per program, comma-separated, each dividing d (default 16,32,64)")
+    parser.add_argument("--threads", type=_positive, default=None,
+                        help="threads per program (default: the kernel's DEFAULT_THREADS)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.threads is None:
+        from stages.s07_serving.kernel import DEFAULT_THREADS
+
+        args.threads = DEFAULT_THREADS
     if args.pool < args.B:
         parser.error(f"--pool must be at least --B = {args.B} (one state per sequence), got {args.pool}")
     for block_dv in args.block_dv:
@@ -166,7 +174,7 @@ def run(args, log=print):
         log(f"copy bandwidth not measured ({copy['error']}): using {copy_bandwidth / 1e12:.2f} TB/s")
     else:
         log(f"copy bandwidth measured here: {copy_bandwidth / 1e12:.2f} TB/s")
-    base = dict(B=B, H=H, d_k=d, d_v=d, pool=P, dtype=args.dtype, bytes=total_bytes, state_bytes=state_bytes,
+    base = dict(B=B, H=H, d_k=d, d_v=d, pool=P, dtype=args.dtype, threads=args.threads, bytes=total_bytes, state_bytes=state_bytes,
                 copy_bytes_per_s=f"{copy_bandwidth:.4g}")
     rows = []
 
@@ -217,20 +225,28 @@ def run(args, log=print):
 
 def _measure_ours(decode_kernel, block_dv, inputs, pool, expected_o, expected_states, record, args):
     """Check the kernel at block_dv against the float64 step (from the original pool), then time it."""
+    from stages.common.device_checks import flags_for, raise_if_flagged
+
     q, k, v, g, beta, work, slots = inputs
     work.copy_(pool)
-    o = decode_kernel.decode(q, k, v, g, beta, work, slots, block_dv=block_dv)
+    o = decode_kernel.decode(q, k, v, g, beta, work, slots, block_dv=block_dv, threads=args.threads)
+    raise_if_flagged(q.device)  # the benchmark's inputs are good: a flag is a kernel bug
     errors = dict(rel_l2_o=f"{relative_l2(o, expected_o):.3e}",
                   rel_l2_state=f"{relative_l2(work[slots.long()], expected_states):.3e}")
     B, H, d = q.shape
-    compiled = decode_kernel._compiled(B, pool.shape[0], H, d, d, block_dv, args.dtype, decode_kernel.DEFAULT_THREADS)
-    function, method = graph_or_events(lambda: compiled(q, k, v, g, beta, slots, work))
+    compiled = decode_kernel.compiled_decode(B, pool.shape[0], H, d, d, block_dv, args.dtype, args.threads)
+    flags = flags_for(q.device)
+    function, method = graph_or_events(lambda: compiled(q, k, v, g, beta, slots, work, flags))
     record("ours", "kernel", function, method, block_dv, errors)
     if block_dv == decode_kernel.DEFAULT_BLOCK_DV:
         record("ours", "call", lambda: decode_kernel.decode(q, k, v, g, beta, work, slots, block_dv=block_dv),
                "events", block_dv)
-        record("ours", "call_unchecked", lambda: decode_kernel.decode(q, k, v, g, beta, work, slots, block_dv=block_dv,
-                                                                      check_values=False), "events", block_dv)
+        record("ours", "call_host_checks", lambda: decode_kernel.decode(q, k, v, g, beta, work, slots,
+                                                                        block_dv=block_dv, checks="host"),
+               "events", block_dv)
+        function, method = graph_or_events(lambda: decode_kernel.decode(q, k, v, g, beta, work, slots,
+                                                                         block_dv=block_dv))
+        record("ours", "call_graph", function, method, block_dv)
 
 
 def _summary(rows, log):
@@ -253,7 +269,7 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.decode times a kernel on a GPU: torch sees no CUDA device here "
-                         "(the kernel's CPU checks are in tests/test_s07_serving.py)")
+                         "(the kernel's CPU checks are in tests/test_s07_decode.py)")
     run(args)
 
 

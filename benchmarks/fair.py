@@ -175,14 +175,14 @@ def open_writer(path):
     """A csv.DictWriter over FIELDS on `path`, header written, every row flushed at once (a run stopped
     from outside keeps its rows); returns (writer, file)."""
     f = open(path, "w", newline="")
-    writer = bench._flushing(csv.DictWriter(f, FIELDS), f)
+    writer = bench.flushing(csv.DictWriter(f, FIELDS), f)
     writer.writeheader()
     return writer, f
 
 
 # ------------------------------------------------------------------ on the GPU
 
-def _forward_defaults():
+def forward_defaults():
     """Stage 5's forward defaults: the kernels timed alone are the ones forward launches."""
     from stages.s05_fast_kda import kernel
 
@@ -195,7 +195,7 @@ def forward_block_dv(B, H, D, num_sms):
     """The recurrence's block_dv that forward takes at this shape on a GPU of num_sms SMs."""
     from stages.s05_fast_kda import kernel
 
-    return _forward_defaults()["block_dv"] or kernel.default_block_dv(B, H, D, num_sms)
+    return forward_defaults()["block_dv"] or kernel.default_block_dv(B, H, D, num_sms)
 
 
 def program_costs(B, N, H, D, num_sms):
@@ -203,7 +203,7 @@ def program_costs(B, N, H, D, num_sms):
     from stages.common.program_cost import program_cost
     from stages.s05_fast_kda import kernel
 
-    o = _forward_defaults()
+    o = forward_defaults()
     block_dv = forward_block_dv(B, H, D, num_sms)
     return {"prepare": program_cost(kernel.build_prepare_program(B, N, H, D, D, o["chunk_size"], DTYPE,
                                                                  o["prepare_threads"])),
@@ -241,11 +241,11 @@ class Shape:
         self.label = f"B={B} N={N} H={H} D={D}"
         self.errors, self.methods, self.functions = {}, {}, {}
         q, k, v, g, beta = bench.make_inputs(bench.STAGES["s05"], B, N, H, D, torch.bfloat16)
-        o = _forward_defaults()
+        o = forward_defaults()
         num_sms = kernel.streaming_multiprocessors(q.device)
         self.block_dv = forward_block_dv(B, H, D, num_sms)
-        prepare = kernel._compiled_prepare(B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"])
-        recurrence = kernel._compiled_recurrence(B, N, H, D, D, o["chunk_size"], self.block_dv, DTYPE,
+        prepare = kernel.compiled_prepare(B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"])
+        recurrence = kernel.compiled_recurrence(B, N, H, D, D, o["chunk_size"], self.block_dv, DTYPE,
                                                  o["num_stages"], o["threads"])
         state = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device)
         prepared = prepare(q, k, v, g, beta)
@@ -271,9 +271,9 @@ class Shape:
             self.functions[("fla", "call")], self.methods[("fla", "call")] = (lambda: fla_call(q, k, v, g, beta)), "events"
             self._graph(("fla", "kernels"), lambda: fla_call(q, k, v, g, beta), log)
         except Exception as failure:  # FLA missing or failing: ours is still measured
-            self.errors.setdefault(("fla", "call"), _error(failure))
-            self.errors.setdefault(("fla", "kernels"), _error(failure))
-            log(f"{self.label}: FLA failed: {_error(failure)}")
+            self.errors.setdefault(("fla", "call"), failure_text(failure))
+            self.errors.setdefault(("fla", "kernels"), failure_text(failure))
+            log(f"{self.label}: FLA failed: {failure_text(failure)}")
         del ours_output
         torch.cuda.synchronize()
 
@@ -281,8 +281,8 @@ class Shape:
         try:
             graph = capture(launch)
         except Exception as failure:
-            self.errors[key] = f"no CUDA graph: {_error(failure)}"
-            log(f"{self.label}: {key[0]} {key[1]} did not capture: {_error(failure)}")
+            self.errors[key] = f"no CUDA graph: {failure_text(failure)}"
+            log(f"{self.label}: {key[0]} {key[1]} did not capture: {failure_text(failure)}")
             _recover()
             return False
         self.functions[key], self.methods[key] = graph.replay, "graph"
@@ -306,7 +306,7 @@ class Shape:
                 try:
                     row["time_ms"] = f"{timer(self.functions[key]):.4f}"
                 except Exception as failure:  # recorded, the run goes on
-                    row["error"] = _error(failure)
+                    row["error"] = failure_text(failure)
                     traceback.print_exc()
             else:
                 continue
@@ -315,7 +315,8 @@ class Shape:
                 f"({row['method']}){' ' + row['error'] if row.get('error') else ''}")
 
 
-def _error(failure):
+def failure_text(failure):
+    """An exception as one short line for a CSV row or a log: its type and the first 200 characters."""
     return f"{type(failure).__name__}: {str(failure)[:200]}"
 
 
@@ -369,9 +370,9 @@ def run(args, log, started):
                 shape = Shape(B, N, H, D, log)
             except Exception as failure:
                 traceback.print_exc()
-                setup_notes[f"B={B} N={N} H={H} D={D}"] = {"error": _error(failure)}
+                setup_notes[f"B={B} N={N} H={H} D={D}"] = {"error": failure_text(failure)}
                 writer.writerow(dict(round=0, B=B, N=N, H=H, D=D, dtype=DTYPE, impl="ours", what="setup",
-                                     error=_error(failure)))
+                                     error=failure_text(failure)))
                 torch.cuda.empty_cache()
                 continue
             setup_notes[shape.label] = {"rel_l2_ours_vs_fla": shape.rel_l2_vs_fla,
@@ -435,7 +436,7 @@ def run_meta(args, argv, torch):
                 python=platform.python_version(),
                 command="python -m benchmarks.fair " + " ".join(sys.argv[1:] if argv is None else argv),
                 date=time.strftime("%Y-%m-%d"), rounds=args.rounds, quick=args.quick, dtype=DTYPE,
-                forward_defaults=_forward_defaults(), kernel=bench.STAGES["s05"].kernel_digest())
+                forward_defaults=forward_defaults(), kernel=bench.STAGES["s05"].kernel_digest())
 
 
 def write_meta(out, meta, started, complete):

@@ -13,6 +13,9 @@
 #                            # (state carried, FLA)
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 4     # part 3's unbounded gate with the trap alone and
 #                            # the kernels' value check off, and the replays of the call it saved
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 5     # decode checked on the device, timed beside FLA
+#                            # (block and thread sweep, B = 1 to 256)
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 6     # stages 5-7's GPU tests, two processes at once
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -58,8 +61,8 @@ case $part in
     step bench 260 python -m benchmarks.bench --stages s05 --no-timings --precision-lengths 4096,16384 \
       --out "$out/bench" &
     step s05_gpu 260 python -m pytest tests/test_s05_fast_kda.py -m gpu -v -s -p no:cacheprovider &
-    step s07_prefill 260 python -m pytest tests/test_s07_serving.py -m gpu -v -s -p no:cacheprovider \
-      -k "prefill or layer_served" &
+    step s07_prefill 260 python -m pytest tests/test_s07_prefill.py tests/test_s07_serving.py -m gpu -v -s \
+      -p no:cacheprovider &
     wait
     ;;
   2)
@@ -76,8 +79,38 @@ case $part in
   4)
     train_unbounded --no-value-check
     ;;
+  5)
+    # decode checked on the device (issue 27): the block and thread sweep at B = 64 beside FLA, then
+    # blocks 32 and 64 at B = 1, 8, 256
+    for threads in 128 256; do
+      step "decode_t$threads" 120 python -m benchmarks.decode --out "$out/decode_t$threads" --B 64 \
+        --block-dv 32,64,128 --threads "$threads"
+    done
+    for batch in 1 8 256; do
+      step "decode_b$batch" 90 python -m benchmarks.decode --out "$out/decode_b$batch" --B "$batch" --pool 256 \
+        --block-dv 32,64
+    done
+    ;;
+  6)
+    # the GPU tests of stages 5-7 (bodies moved into macros, one input check per call kind, decode's
+    # flags), two test processes sharing the GPU; FLA's comparisons apart (its autotuning takes minutes)
+    step s07_gpu 400 python -m pytest tests/test_s07_decode.py tests/test_s07_prefill.py tests/test_s07_serving.py \
+      -m gpu -v -p no:cacheprovider &
+    step s05_s06_gpu 400 python -m pytest tests/test_s05_fast_kda.py tests/test_s06_kernels.py tests/test_s06_autograd.py \
+      tests/exercises/s05_fast_kda tests/exercises/s06_backward --target=solutions -m gpu -v -p no:cacheprovider \
+      -k "not fla and not carry" &
+    wait
+    ;;
+  7)
+    # part 6's failure alone (stage 5's bf16 match at B=2, N=1024, H=4 failed while stage 7's tests
+    # compiled beside it), decode's flags and graph, and stage 6's any-gate tests against FLA
+    step s05_alone 200 python -m pytest tests/test_s05_fast_kda.py -m gpu -v -p no:cacheprovider -k match_reference
+    step decode_flags 150 python -m pytest tests/test_s07_decode.py -m gpu -v -p no:cacheprovider -k default_call
+    step s06_any_gate 420 python -m pytest tests/test_s06_kernels.py tests/test_s06_autograd.py -m gpu -v -s \
+      -p no:cacheprovider -k "any_gate or strong_gates"
+    ;;
   *)
-    echo "part must be 1, 2, 3 or 4, got $part" >&2
+    echo "part must be 1 to 7, got $part" >&2
     exit 2
     ;;
 esac

@@ -14,8 +14,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu
 for stage in ${stages//,/ }; do
   test_file=$(ls tests/test_${stage}_*.py 2>/dev/null | head -1)
   [ -n "$test_file" ] || { echo "== $stage: no test file" | tee -a "$out/gpu_tests.log"; continue; }
-  echo "== python -m pytest $test_file -m 'gpu or compile' -v -s --target=solutions -p no:cacheprovider" | tee -a "$out/gpu_tests.log"
-  python -m pytest "$test_file" -m "gpu or compile" -v -s --target=solutions -p no:cacheprovider 2>&1 \
+  # the tests every stage shares (tests/test_stages.py) are selected by the stage's name
+  echo "== python -m pytest $test_file tests/test_stages.py -k $stage -m 'gpu or compile' -v -s --target=solutions -p no:cacheprovider" | tee -a "$out/gpu_tests.log"
+  python -m pytest "$test_file" tests/test_stages.py -k "$stage" -m "gpu or compile" -v -s --target=solutions -p no:cacheprovider 2>&1 \
     | grep -v "TileLang begins\|TileLang completes" | tee -a "$out/gpu_tests.log" | tail -3
 done
 python -m pytest tests/exercises -m gpu -v -s --target=solutions -p no:cacheprovider 2>&1 \

@@ -27,7 +27,7 @@ def _bf16_inputs_and_prepare(B, N, H, D):
     from stages.s05_fast_kda import kernel
 
     inputs = make_inputs(STAGES["s05"], B, N, H, D, torch.bfloat16)
-    return inputs, kernel._compiled_prepare(B, N, H, D, D, kernel.DEFAULT_CHUNK_SIZE, "bfloat16", None)
+    return inputs, kernel.compiled_prepare(B, N, H, D, D, kernel.DEFAULT_CHUNK_SIZE, "bfloat16", None)
 
 
 def main(B=1, N=16384, H=32, D=128):
@@ -47,7 +47,7 @@ def time_each_kernel(B=1, N=16384, H=32, D=128):
     from stages.s05_fast_kda import kernel
 
     (q, k, v, g, beta), prepare = _bf16_inputs_and_prepare(B, N, H, D)
-    recurrence = kernel._compiled_recurrence(B, N, H, D, D, kernel.DEFAULT_CHUNK_SIZE, kernel.DEFAULT_BLOCK_DV,
+    recurrence = kernel.compiled_recurrence(B, N, H, D, D, kernel.DEFAULT_CHUNK_SIZE, kernel.DEFAULT_BLOCK_DV,
                                              "bfloat16", 2, 128)
     prepared = prepare(q, k, v, g, beta)
     initial_state = q.new_zeros((B, H, D, D), dtype=torch.float32)

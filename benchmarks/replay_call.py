@@ -4,8 +4,8 @@
 
 PATH is what `python -m benchmarks.train_kda --nan-trap` saved (NanTrap: q, k, v, g, beta as the
 layer passed them, chunk_kda's keyword arguments, do once the backward had it, and the message of the
-kernels' range check if it refused the call). The replay runs past that check (check_diagonal_range),
-on both paths: it shows what the kernels do with the gates, not what the check allows. Every kernel of
+kernels' value check if it refused the call). The replay runs past that check (check_values=False),
+on both paths: it shows what the kernels do with the inputs, not what the check allows. Every kernel of
 the call (stage 5's prepare and recurrence, stage 6's five backward kernels) is wrapped so that each
 output is checked as it comes out, and the call runs again as the training step ran it:
 
@@ -57,14 +57,13 @@ def replay_on_cuda(saved):
     import stages.s06_backward.kernel as stage6
     from stages.s06_backward.autograd import chunk_kda
 
-    prepare, recurrence, backward_kernels = (stage5._compiled_prepare, stage5._compiled_recurrence,
+    prepare, recurrence, backward_kernels = (stage5.compiled_prepare, stage5.compiled_recurrence,
                                              stage6.compiled_kernels)
-    stage5._compiled_prepare = lambda *a: Checked("prepare", prepare(*a))
-    stage5._compiled_recurrence = lambda *a: Checked("recurrence", recurrence(*a))
+    stage5.compiled_prepare = lambda *a: Checked("prepare", prepare(*a))
+    stage5.compiled_recurrence = lambda *a: Checked("recurrence", recurrence(*a))
     stage6.compiled_kernels = lambda *a: {name: Checked(name, kernel) for name, kernel in backward_kernels(*a).items()}
-    stage5.check_diagonal_range = lambda *arguments: None  # what the kernels do, not what the check allows
     leaves = [x.cuda().requires_grad_(x.is_floating_point()) for x in saved["inputs"]]
-    o, _ = chunk_kda(*leaves, **saved["options"])
+    o, _ = chunk_kda(*leaves, **dict(saved["options"], check_values=False))
     if "do" in saved:
         o.backward(saved["do"].cuda())
 
@@ -73,13 +72,13 @@ def replay_on_cpu(saved, chunk_size=DEFAULT_CHUNK_SIZE):
     """The seven kernels through the tile interpreter, on the inputs chunk_kda gives its kernels."""
     from stages.common.interpreter import interpret
     from stages.s05_fast_kda.kernel import build_prepare_program, build_recurrence_program, default_block_dv
-    from stages.s06_backward.autograd import _l2_normalize
+    from stages.s06_backward.autograd import l2_normalize
     from stages.s06_backward.kernel import BUILDERS, kernel_arguments, run_kernels
 
     q, k, v, g, beta = (x.float() for x in saved["inputs"])
     options = saved["options"]
     if options.get("use_qk_l2norm_in_kernel"):
-        q, k = _l2_normalize(q), _l2_normalize(k)
+        q, k = l2_normalize(q), l2_normalize(k)
     scale = options.get("scale") or 1.0 / math.sqrt(q.shape[-1])
     q = q * scale
     B, N, H, d_k = q.shape

@@ -1,9 +1,10 @@
 """Grading a whole class at once: `course grade-all SUBMISSIONS --out DIR`.
 
 SUBMISSIONS holds one folder per student (named as the gradebook should name the student), each laid
-out like exercises/. Every (student, exercise) run goes to one pool, JOBS at a time, so the machine
-stays busy across students; each run is what `course grade` does for one exercise (kdacourse.grading:
-the student's code in the sandbox unless trust, cheating scored zero). DIR receives:
+out like exercises/. The runs go to one pool, JOBS at a time, so the machine stays busy across
+students: in the sandbox a run is one student's whole submission in one test process
+(kdacourse.grading.run_batch: one start, one analysis child), as the grader (--trust) one exercise
+of one student; either grades as `course grade` does (cheating scored zero). DIR receives:
 
 - gradebook.csv: one row per student, one column per exercise (its points), then the total and the
   maximum; a plain CSV with a header row, which LMS gradebook imports accept (map `student` to the
@@ -20,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kdacourse.catalog import exercises, stages
-from kdacourse.grading import JOBS, _error, exercise_limit, grade_report, run_exercise, write_reports
+from kdacourse.grading import JOBS, exercise_limit, grade_report, refuse, run_batch, run_exercise, write_reports
 
 BAR_WIDTH = 30
 
@@ -37,24 +38,23 @@ def grade_all(submissions, out, timeout_per_test=60, trust=False, jobs=JOBS):
     Returns the exit code: 0 once graded, 2 when there is nothing to grade or no sandbox."""
     root = Path(submissions).expanduser().resolve()
     if not root.is_dir():
-        return _error(f"cannot grade {submissions}: no such folder")
+        return refuse(f"cannot grade {submissions}: no such folder")
     out_path = Path(out).expanduser().resolve()
     if out_path == root or root in out_path.parents:
-        return _error(f"the reports would go inside the submissions folder {submissions}; choose --out elsewhere")
+        return refuse(f"the reports would go inside the submissions folder {submissions}; choose --out elsewhere")
     students = [folder for folder in student_folders(root) if any((folder / stage).is_dir() for stage in stages())]
     if not students:
-        return _error(f"cannot grade {submissions}: no student folder in it has a stage folder "
+        return refuse(f"cannot grade {submissions}: no student folder in it has a stage folder "
                       f"({', '.join(stages())})")
     if not trust:
         from kdacourse.sandbox import sandbox_problem
 
         problem = sandbox_problem()
         if problem:
-            return _error(f"cannot grade untrusted code here: {problem}")
+            return refuse(f"cannot grade untrusted code here: {problem}")
     from kdacourse.cheating import check_exercise
 
     timeout_per_exercise = exercise_limit(timeout_per_test)
-    extra_args = () if trust else ("--sandbox",)
     plan = {student: [exercise for exercise in exercises() if (student / exercise.stage).is_dir()]
             for student in students}
     total = sum(len(selected) for selected in plan.values())
@@ -67,20 +67,27 @@ def grade_all(submissions, out, timeout_per_test=60, trust=False, jobs=JOBS):
     student_started = {}
     lock = threading.Lock()
 
-    def run(student, exercise):
+    def run(student, batch):
+        """The results of `batch`, exercises of `student`: in the sandbox all of a student's exercises
+        run in one test process (run_batch); as the grader, each in a process of its own."""
         with lock:
             student_started.setdefault(student, time.monotonic())
-        cheating = check_exercise(str(student), exercise)
-        return run_exercise(str(student), exercise, timeout_per_test, timeout_per_exercise, extra_args,
-                            cheating=cheating)
+        cheating = {exercise.id: check_exercise(str(student), exercise) for exercise in batch}
+        if not trust:
+            return run_batch(str(student), batch, timeout_per_test, timeout_per_exercise, cheating)
+        (exercise,) = batch
+        return [run_exercise(str(student), exercise, timeout_per_test, timeout_per_exercise,
+                             cheating=cheating[exercise.id])]
 
+    batches = [(student, selected) for student, selected in plan.items() if selected] if not trust else [
+        (student, [exercise]) for student, selected in plan.items() for exercise in selected]
     rows = {}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(run, student, exercise): (student, exercise)
-                   for student, selected in plan.items() for exercise in selected}
+        futures = {pool.submit(run, student, batch): (student, batch) for student, batch in batches}
         for future in as_completed(futures):
-            student, exercise = futures[future]
-            results[student][exercise.id] = future.result()
+            student, batch = futures[future]
+            for exercise, result in zip(batch, future.result()):
+                results[student][exercise.id] = result
             done_student = len(results[student]) == len(plan[student])
             if done_student:
                 ordered = [results[student][e.id] for e in plan[student]]
@@ -92,7 +99,7 @@ def grade_all(submissions, out, timeout_per_test=60, trust=False, jobs=JOBS):
                 write_reports(out_path / student.name, report, ordered)
                 rows[student.name] = {e.id: results[student][e.id].points for e in plan[student]}
             progress.advance(student.name if done_student else None,
-                             f"{report['score']}/{report['max_score']}" if done_student else "")
+                             f"{report['score']}/{report['max_score']}" if done_student else "", len(batch))
     progress.finish()
     write_gradebook(out_path / "gradebook.csv", rows)
     print(f"graded {len(students)} students in {time.monotonic() - started:.0f} s; "
@@ -127,8 +134,8 @@ class _Progress:
         self.started = time.monotonic()
         self.tty = sys.stdout.isatty()
 
-    def advance(self, student, score):
-        self.done_runs += 1
+    def advance(self, student, score, runs=1):
+        self.done_runs += runs
         elapsed = time.monotonic() - self.started
         if student is not None:
             self.done_students += 1

@@ -3,10 +3,13 @@
     course grade FOLDER --out DIR    every exercise of the folder, a report in DIR
     course check [STAGE]             your exercises, PASS or FAIL, and what to read next
 
-Both run each exercise's tests, tests/exercises/<stage>/test_<file>, in a pytest process of its own
-(kdacourse.runner) against the folder, with a time limit per test and one per exercise: a syntax
-error, an exception at import, an endless loop or an exit of the process costs that exercise, never
-the run. The folder is only read (kdacourse.targets compiles its files in memory), never written.
+Both run each exercise's tests, tests/exercises/<stage>/test_<file>, with pytest (kdacourse.runner)
+against the folder, with a time limit per test and one per exercise: a syntax error, an exception at
+import, an endless loop or an exit of the process costs that exercise, never the run. Run as the
+grader (`course check`, --trust), the student's code runs in the pytest process, so each exercise
+has a process of its own; in the sandbox it runs only in sandboxed children (kdacourse.remote), so
+several exercises share one pytest process, its start and its analysis child (run_batch). The
+folder is only read (kdacourse.targets compiles its files in memory), never written.
 
 An exercise is passed when every one of its tests passes; it then earns its points, else none.
 """
@@ -18,7 +21,7 @@ import sys
 import textwrap
 import time
 import xml.etree.ElementTree as ElementTree
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -51,6 +54,9 @@ CHECK_WALL_LIMIT_PER_EXERCISE = 600
 # no student change to pass once the program is right: `course check` runs them with --compile only.
 # tests/conftest.py gives each one 600 s, so the exercise may take that much longer.
 COMPILE_TEST_LIMIT = 600
+# A kernel program exercise's tests cost about this many times another's (split_by_stage): TileLang's
+# import in its child, and the tile interpreter's runs.
+KERNEL_PROGRAM_WEIGHT = 6
 # How much of a failure message the reports quote.
 MESSAGE_LINES = 3
 MESSAGE_LINE_CHARS = 200
@@ -201,33 +207,91 @@ def run_exercise(target, exercise, timeout_per_test, timeout_per_exercise, extra
     return ExerciseResult(exercise, run, time.monotonic() - started, timeout_per_exercise)
 
 
-def run_exercises(target, selected, timeout_per_test, timeout_per_exercise, on_result, extra_args=(),
-                  cpu_timeout_per_test=0, cheating=None):
-    """Run each exercise's tests against `target`, JOBS processes at a time.
+def run_batch(target, batch, timeout_per_test, timeout_per_exercise, cheating=None):
+    """Run the tests of several exercises against `target` in the sandbox, in one pytest process.
 
-    Calls on_result(position, result) in catalog order as results come in; returns the results.
+    The student's code runs only in sandboxed children (one per file, started as its tests begin), so
+    nothing it does can end that process: the exercises share its start, the library's import and the
+    analysis child of their kernel programs. Each keeps its limits: each test's, and
+    timeout_per_exercise for its tests together (kdacourse.runner's limit per file). Exercises with
+    cheating findings (exercise id -> findings) score zero unrun. Returns the results in batch order.
     """
-
-    def run_one(exercise):
-        return run_exercise(target, exercise, timeout_per_test, timeout_per_exercise, extra_args,
-                            cpu_timeout_per_test, (cheating or {}).get(exercise.id))
-
+    cheating = cheating or {}
+    to_run = [exercise for exercise in batch if not cheating.get(exercise.id)]
+    run = RunResult()
+    if to_run:
+        run = run_tests(target, [exercise.test_path.relative_to(REPO_ROOT) for exercise in to_run],
+                        timeout_per_test=pytest_timeout(timeout_per_test, sandboxed=True),
+                        # a file may pass its limit by the test that was running when it did
+                        timeout_total=EXERCISE_START_SECONDS + len(to_run) * (timeout_per_exercise
+                                                                              + 2 * timeout_per_test),
+                        extra_args=("--sandbox",), timeout_per_file=timeout_per_exercise)
     results = []
-    with ThreadPoolExecutor(max_workers=JOBS) as pool:
-        for position, result in enumerate(pool.map(run_one, selected), 1):
-            on_result(position, result)
-            results.append(result)
+    for exercise in batch:
+        if cheating.get(exercise.id):
+            results.append(ExerciseResult(exercise, RunResult(), 0.0, timeout_per_exercise,
+                                          tuple(cheating[exercise.id])))
+            continue
+        part = run.of_file(exercise.test_path.relative_to(REPO_ROOT))
+        results.append(ExerciseResult(exercise, part, sum(part.seconds.values()), timeout_per_exercise))
     return results
 
 
-def _error(message):
+def split_by_stage(selected, parts):
+    """`selected` (catalog order) in at most `parts` batches of whole stages, about equal in work: a
+    kernel program's tests (TileLang's import, the interpreter) weigh as much as several others'."""
+    work = {}
+    for exercise in selected:
+        work[exercise.stage] = work.get(exercise.stage, 0) + (KERNEL_PROGRAM_WEIGHT if exercise.file ==
+                                                               "kernel_program.py" else 1)
+    batches = [[] for _ in range(min(parts, len(work)))]
+    loads = [0] * len(batches)
+    for stage in sorted(work, key=work.get, reverse=True):
+        lightest = loads.index(min(loads))
+        batches[lightest].append(stage)
+        loads[lightest] += work[stage]
+    return [[exercise for exercise in selected if exercise.stage in stages_of_batch] for stages_of_batch in batches]
+
+
+def run_exercises(target, selected, timeout_per_test, timeout_per_exercise, on_result, extra_args=(),
+                  cpu_timeout_per_test=0, cheating=None):
+    """Run each exercise's tests against `target`, JOBS processes at a time: in the sandbox
+    ("--sandbox" in extra_args) JOBS batches of whole stages (run_batch), else a process per exercise.
+
+    Calls on_result(position, result) in catalog order as results come in; returns the results.
+    """
+    cheating = cheating or {}
+    if "--sandbox" in extra_args:
+        batches = split_by_stage(selected, JOBS)
+        work = [lambda batch=batch: run_batch(target, batch, timeout_per_test, timeout_per_exercise, cheating)
+                for batch in batches]
+    else:
+        batches = [[exercise] for exercise in selected]
+        work = [lambda exercise=exercise: [run_exercise(target, exercise, timeout_per_test, timeout_per_exercise,
+                                                        extra_args, cpu_timeout_per_test, cheating.get(exercise.id))]
+                for exercise in selected]
+    done = {}
+    results = []
+    with ThreadPoolExecutor(max_workers=JOBS) as pool:
+        futures = {pool.submit(job): batch for job, batch in zip(work, batches)}
+        for future in as_completed(futures):
+            for exercise, result in zip(futures[future], future.result()):
+                done[exercise.id] = result
+            while len(results) < len(selected) and selected[len(results)].id in done:  # in catalog order
+                results.append(done[selected[len(results)].id])
+                on_result(len(results), results[-1])
+    return results
+
+
+def refuse(message):
+    """Say why a command cannot run (on stderr, as `course: ...`); the exit code 2."""
     print(f"course: {message}", file=sys.stderr)
     return 2
 
 
 def _unknown_stage(name):
     known = ", ".join(f"{stage.split('_')[0]} ({stage})" for stage in stages())
-    return _error(f"unknown stage {name!r}; the stages are: {known}")
+    return refuse(f"unknown stage {name!r}; the stages are: {known}")
 
 
 # ---------------------------------------------------------------------------------------- grade
@@ -248,20 +312,20 @@ def grade(folder, out, timeout_per_test=60, trust=False):
     """
     folder_path = Path(folder).expanduser().resolve()
     if not folder_path.is_dir():
-        return _error(f"cannot grade {folder}: no such folder")
+        return refuse(f"cannot grade {folder}: no such folder")
     graded_stages = [stage for stage in stages() if (folder_path / stage).is_dir()]
     if not graded_stages:
-        return _error(f"cannot grade {folder}: it has no stage folder; expected one of: {', '.join(stages())}")
+        return refuse(f"cannot grade {folder}: it has no stage folder; expected one of: {', '.join(stages())}")
     out_path = Path(out).expanduser().resolve()
     if out_path == folder_path or folder_path in out_path.parents:
-        return _error(f"the reports would go inside the graded folder {folder}; choose --out elsewhere")
+        return refuse(f"the reports would go inside the graded folder {folder}; choose --out elsewhere")
     timeout_per_exercise = exercise_limit(timeout_per_test)
     if not trust:
         from kdacourse.sandbox import sandbox_problem
 
         problem = sandbox_problem()
         if problem:
-            return _error(f"cannot grade untrusted code here: {problem}")
+            return refuse(f"cannot grade untrusted code here: {problem}")
 
     selected = [exercise for exercise in exercises() if exercise.stage in graded_stages]
     from kdacourse.cheating import check_exercise
@@ -450,7 +514,7 @@ def check(stage=None, target="exercises", compile=False):
     try:
         folder_path = target_folder(target)
     except TargetError as error:
-        return _error(str(error))
+        return refuse(str(error))
     # "exercises", "solutions" and "bug:<id>" mean what they mean to the tests; a folder goes absolute.
     run_target = target if target in ("exercises", "solutions") or target.startswith("bug:") else str(folder_path)
     selected = [exercise for exercise in exercises() if exercise.stage in checked_stages]

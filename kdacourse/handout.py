@@ -374,14 +374,14 @@ def stub_library(out):
     """Replace every exercise function of the handout's library by a stub; returns
     {(stage, module, name): exercise}."""
     found = exercise_functions()
-    used = _used_by_exercises()
+    used = used_by_exercises()
     for (stage, module, name), exercise in found.items():
         path = out / "stages" / stage / module
         path.write_text(_stub(path.read_text(), name, exercise, delegate=(stage, module, name) in used))
     return found
 
 
-def _used_by_exercises():
+def used_by_exercises():
     """{(stage, module, name)} of the library functions that an exercise file imports."""
     used = set()
     for path in (REPO_ROOT / "solutions").rglob("*.py"):

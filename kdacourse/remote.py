@@ -15,9 +15,16 @@ of the library (e.g. stages.common.ordering.ordering_constraints) runs in a seco
 that runs no student code: the program reaches it as TVM's JSON, which is read without evaluating
 anything. The parent only ever reads values.
 
+Each file runs in a child of its own, but for the kernel programs: the files of a submission that
+import TileLang (and that the catalog forbids the same names) share one child, which imports TileLang
+before any of them, once instead of once per file. They are one student's files, so nothing crosses
+between students; the analysis child stays apart.
+
 A call whose child times out, ends, floods or answers garbage fails that call (SandboxCallFailed);
-the next call starts a fresh child.
+the next call starts a fresh child, and each file it held is imported again.
 """
+
+import ast
 
 import builtins
 import os
@@ -203,27 +210,46 @@ class RemoteProgram:
         return f"<TileLang program built in the sandbox by {self._remote.stage}/{self._remote.file}>"
 
 
+def imports_tilelang(source):
+    """Whether the file's source imports TileLang (read as a syntax tree, never run)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        if any(name.split(".")[0] == "tilelang" for name in names):
+            return True
+    return False
+
+
 class _RemoteFile:
-    def __init__(self, session, stage, file, source, forbidden):
+    def __init__(self, session, stage, file, source, forbidden, child):
         self.session, self.stage, self.file = session, stage, file
         self.source, self.forbidden = source, list(forbidden)
-        self.child = _Child(session, "student")
+        self.child = child
         self.names = None
+        self.loaded_in = None  # the child's generation that imported the file
 
     def ensure_loaded(self):
-        if self.child.start() or self.names is None:
+        self.child.start()
+        if self.loaded_in != self.child.generation:
             delegates = [[stage, file, source] for (stage, file), source in self.session.delegates().items()
                          if (stage, file) != (self.stage, self.file)]
             names = self.child.request({"op": "load", "stage": self.stage, "file": self.file, "source": self.source,
-                                        "forbidden": self.forbidden, "delegates": delegates}, timeout=LOAD_SECONDS)
+                                        "forbidden": self.forbidden, "delegates": delegates},
+                                       timeout=self.session.load_seconds)
             if not isinstance(names, list):
                 raise SandboxCallFailed("the sandboxed process sent a malformed reply")
             self.names = {str(name) for name in names}
+            self.loaded_in = self.child.generation
 
     def call(self, name, args, kwargs):
         self.ensure_loaded()
         generation = self.child.generation
-        reply = self.child.request({"op": "call", "name": name, "args": list(args), "kwargs": dict(kwargs)},
+        reply = self.child.request({"op": "call", "stage": self.stage, "file": self.file, "name": name,
+                                    "args": list(args), "kwargs": dict(kwargs)},
                                    make_program=lambda number: RemoteProgram(self, generation, number))
         if not isinstance(reply, dict) or set(reply) != {"value", "arguments"}:
             raise SandboxCallFailed("the sandboxed process sent a malformed reply")
@@ -273,11 +299,13 @@ class RemoteModule:
 class RemoteSession:
     """The sandboxed children of one test run against one submission folder; close() kills them all."""
 
-    def __init__(self, folder, limits=None, forbidden=None):
+    def __init__(self, folder, limits=None, forbidden=None, load_seconds=LOAD_SECONDS):
         self.folder = str(folder)
         self.limits = limits or Limits()
+        self.load_seconds = load_seconds  # a file's import (a loop there costs this, not the run)
         self.forbidden = forbidden or {}  # (stage, file) -> names the catalog forbids
         self._files = {}
+        self._shared = {}  # forbidden names -> the child of the files that import TileLang
         self._analysis = None
         self._delegates = None
 
@@ -294,17 +322,30 @@ class RemoteSession:
         return self._delegates
 
     def module(self, stage, file):
-        """The proxy of folder/stage/file, loaded in its own sandboxed child.
+        """The proxy of folder/stage/file, loaded in a sandboxed child: its own, or the one its
+        submission's TileLang files share.
 
         Raises TargetRefused (the file cannot be read as a submission's file) or RemoteError (it does
         not import: its exception's type and message)."""
         key = (stage, file)
         if key not in self._files:
             source, _ = read_submission_file(self.folder, stage, file)
-            self._files[key] = _RemoteFile(self, stage, file, source, self.forbidden.get(key, ()))
+            forbidden = tuple(self.forbidden.get(key, ()))
+            if imports_tilelang(source):
+                child = self._shared.setdefault(forbidden, _Child(self, "student", preload_tilelang=True))
+            else:
+                child = _Child(self, "student")
+            self._files[key] = _RemoteFile(self, stage, file, source, forbidden, child)
         remote = self._files[key]
         remote.ensure_loaded()
         return RemoteModule(remote)
+
+    def release(self, stage, file):
+        """The tests of folder/stage/file are done: its own child is killed (a later module() starts a
+        new one); a shared child lives on for the next TileLang file."""
+        remote = self._files.pop((stage, file), None)
+        if remote is not None and remote.child not in self._shared.values():
+            remote.child.close()
 
     def analysis_child(self):
         if self._analysis is None:
@@ -314,5 +355,7 @@ class RemoteSession:
     def close(self):
         for remote in self._files.values():
             remote.child.close()
+        for child in self._shared.values():
+            child.close()
         if self._analysis is not None:
             self._analysis.close()

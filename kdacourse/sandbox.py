@@ -147,7 +147,7 @@ def graded_library():
 
 def _build_library(folder):
     """stages/ into `folder` as the handout stubs it (kdacourse.handout.stub_library), less the oracles."""
-    from kdacourse.handout import _used_by_exercises, stub_library
+    from kdacourse.handout import used_by_exercises, stub_library
 
     shutil.copytree(REPO_ROOT / "stages", folder / "stages", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (folder / "stages" / "common" / "oracles.py").unlink()  # closed forms: the answer of a reference A
@@ -155,7 +155,7 @@ def _build_library(folder):
     # compiled once here: the sandboxes read the bytecode (they may not write it) instead of each
     # compiling the library again at start
     compileall.compile_dir(folder / "stages", quiet=1)
-    delegated = _used_by_exercises()
+    delegated = used_by_exercises()
     delegates = sorted({(exercise.stage, exercise.file) for key, exercise in stubbed.items() if key in delegated})
     (folder / "delegates.json").write_text(json.dumps(delegates))
 
@@ -286,7 +286,8 @@ class SandboxedProcess:
         on a timeout, an end, an oversized or cut reply."""
         if self.dead:
             raise ChildFailed("the sandboxed process has already ended")
-        deadline = time.monotonic() + (self.limits.call_seconds if timeout is None else timeout)
+        self._seconds = self.limits.call_seconds if timeout is None else timeout  # for _check_time's message
+        deadline = time.monotonic() + self._seconds
         finished = False
         try:
             self._write(message, deadline)
@@ -331,7 +332,7 @@ class SandboxedProcess:
 
     def _check_time(self, deadline):
         if time.monotonic() >= deadline:
-            raise ChildFailed(f"timed out: the call did not return within {self.limits.call_seconds:g} s "
+            raise ChildFailed(f"timed out: the call did not return within {self._seconds:g} s "
                               f"(wall clock) and its sandboxed process was killed")
 
     def _ended(self):

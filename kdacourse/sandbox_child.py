@@ -264,8 +264,9 @@ class ParentFunction:
 class Child:
     def __init__(self, mode, requests=None, replies=None):
         self.mode = mode
-        self.module = None
-        self.where = None  # "<stage>/<file>" of the student's file, once loaded
+        self.modules = {}  # "<stage>/<file>" -> the student's module (a kernel child holds several)
+        self.module = None  # the one the request at hand runs
+        self.where = None  # its "<stage>/<file>"
         self.programs = []
         self.requests, self.replies = requests, replies
 
@@ -300,9 +301,11 @@ class Child:
 
     def handle(self, request):
         op = request.get("op")
-        if op == "load" and self.mode == "student" and self.module is None:
+        if op == "load" and self.mode == "student" and self._where(request) not in self.modules:
             return self.load(request)
-        if op == "call" and self.module is not None:
+        if op == "call" and self._where(request) in self.modules:
+            self.where = self._where(request)
+            self.module = self.modules[self.where]
             function = getattr(self.module, str(request["name"]), None)
             if not callable(function):
                 raise AttributeError(f"the module has no function {request['name']!r}")
@@ -322,6 +325,10 @@ class Child:
         if op == "analyze" and self.mode == "analysis":
             return self.analyze(request)
         raise ValueError(f"unknown request {op!r} in {self.mode} mode")
+
+    @staticmethod
+    def _where(request):
+        return f"{request.get('stage')}/{request.get('file')}"
 
     def program(self, number):
         if not isinstance(number, int) or not 0 <= number < len(self.programs):
@@ -345,7 +352,7 @@ class Child:
         sys.modules[name] = module
         linecache.cache[path] = (len(source), None, source.splitlines(keepends=True), path)
         exec(compile(source, path, "exec", dont_inherit=True), module.__dict__)
-        self.module = module
+        self.module = self.modules[self.where] = module
         return sorted(key for key, item in vars(module).items() if callable(item) and not key.startswith("__"))
 
     def analyze(self, request):

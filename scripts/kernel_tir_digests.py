@@ -66,9 +66,9 @@ def _cases():
         add(f"s07.varlen_prepare/{dtype}/fixed", s07.build_varlen_prepare_program, *fixed, dtype)
         add(f"s07.varlen_recurrence/{dtype}/fixed", s07.build_varlen_recurrence_program, *fixed, 16, dtype)
         add(f"s07.varlen_prepare/{dtype}/dynamic",
-            lambda dtype=dtype: s07.build_varlen_prepare_program(*s07._run_time_sizes(), 32, 128, 128, 64, dtype))
+            lambda dtype=dtype: s07.build_varlen_prepare_program(*s07.run_time_sizes(), 32, 128, 128, 64, dtype))
         add(f"s07.varlen_recurrence/{dtype}/dynamic",
-            lambda dtype=dtype: s07.build_varlen_recurrence_program(*s07._run_time_sizes(), 32, 128, 128, 64, 64, dtype))
+            lambda dtype=dtype: s07.build_varlen_recurrence_program(*s07.run_time_sizes(), 32, 128, 128, 64, 64, dtype))
         add(f"s07.decode/{dtype}", s07.build_decode_program, 4, 8, 2, 32, 32, 16, dtype=dtype,
             state_dtype="float64" if dtype == "float64" else "float32")
         add(f"s07.decode/{dtype}/report", s07.build_decode_program, 64, 256, 32, 128, 128, dtype=dtype)

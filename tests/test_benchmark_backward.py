@@ -99,20 +99,20 @@ def test_compile_all_builds_each_kernel_once_as_the_wrappers_launch_it(monkeypat
     from stages.s06_backward import kernel
 
     calls = []
-    monkeypatch.setattr(stage5, "_compiled_prepare", lambda *arguments: calls.append(("prepare", *arguments)))
-    monkeypatch.setattr(stage5, "_compiled_recurrence", lambda *arguments: calls.append(("recurrence", *arguments)))
+    monkeypatch.setattr(stage5, "compiled_prepare", lambda *arguments: calls.append(("prepare", *arguments)))
+    monkeypatch.setattr(stage5, "compiled_recurrence", lambda *arguments: calls.append(("recurrence", *arguments)))
 
     def backward_kernel(name, *arguments):
         if name == "intra" and arguments[0] == 8:
             raise RuntimeError("No valid warp partition for T.gemm")
         calls.append((name, *arguments))
 
-    monkeypatch.setattr(kernel, "_compiled", backward_kernel)
+    monkeypatch.setattr(kernel, "compiled_one_kernel", backward_kernel)
     heard = []
     failed = backward.compile_all([(1, 4096, 32, 128), (8, 4096, 16, 128)], None, 132, heard.append)
     assert list(failed) == [(8, 4096, 16, 128)] and "intra at B=8" in failed[(8, 4096, 16, 128)]
     assert "No valid warp partition" in failed[(8, 4096, 16, 128)]
-    o = fair._forward_defaults()
+    o = fair.forward_defaults()
     expected = []
     for B, H, block_dv in ((1, 32, 32), (8, 16, 64)):
         shape = (B, 4096, H, 128, 128, 64)
@@ -174,7 +174,7 @@ def empty_compile_caches():
     from stages.s05_fast_kda import kernel as stage5
     from stages.s06_backward import kernel
 
-    caches = (stage5._compiled_prepare, stage5._compiled_recurrence, kernel._compiled, kernel.compiled_kernels)
+    caches = (stage5.compiled_prepare, stage5.compiled_recurrence, kernel.compiled_one_kernel, kernel.compiled_kernels)
     for cache in caches:
         cache.cache_clear()
     yield

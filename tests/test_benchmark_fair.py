@@ -224,8 +224,8 @@ def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, 
     monkeypatch.setattr(bench, "make_inputs", on_cpu)
     monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
     monkeypatch.setattr(kernel, "streaming_multiprocessors", lambda device: 132)
-    monkeypatch.setattr(kernel, "_compiled_prepare", interpreted(kernel.build_prepare_program, [5, 6, 7, 8, 9, 10]))
-    monkeypatch.setattr(kernel, "_compiled_recurrence", interpreted(kernel.build_recurrence_program, [7, 8]))
+    monkeypatch.setattr(kernel, "compiled_prepare", interpreted(kernel.build_prepare_program, [5, 6, 7, 8, 9, 10]))
+    monkeypatch.setattr(kernel, "compiled_recurrence", interpreted(kernel.build_recurrence_program, [7, 8]))
     monkeypatch.setattr(bench, "fla", lambda stage: (_ for _ in ()).throw(ImportError("no FLA here")))
     monkeypatch.setattr(fair, "make_timer", lambda quick: lambda function: [function(), 1.0][1])
     out = tmp_path / "run"

@@ -5,7 +5,9 @@ Every project .py file is parsed with `ast`; every import counts, those inside f
 2. nothing outside tests/ imports tests/;
 3. no import cycle among project modules;
 4. no module imports matplotlib or playwright at import time (only inside the function that plots
-   or drives the browser), so that importing any of them needs neither.
+   or drives the browser), so that importing any of them needs neither;
+5. benchmarks/ does not import kdacourse/: the site reads the benchmarks' results (kdacourse/pages),
+   never the other way round.
 """
 
 import ast
@@ -17,6 +19,8 @@ from kdacourse import REPO_ROOT
 
 SKIPPED_FOLDERS = {".venv", "site", "docs", ".git", "build"}
 SITE_AND_TEST_TOOLS = ("matplotlib", "playwright")
+# benchmarks that still import kdacourse (none: the grader's own timing lives in kdacourse.grading_speed)
+BENCHMARKS_IMPORTING_THE_SITE = set()
 
 
 def module_name(path):
@@ -148,6 +152,14 @@ def test_nothing_outside_the_tests_imports_the_tests():
     assert not wrong, "only tests/ may import tests/:\n" + "\n".join(wrong)
 
 
+def test_benchmarks_do_not_import_the_site():
+    graph, _ = import_graph()
+    wrong = [where(module, target) for module in graph
+             if module.split(".")[0] == "benchmarks" and module not in BENCHMARKS_IMPORTING_THE_SITE
+             for target in graph[module] if target.split(".")[0] == "kdacourse"]
+    assert not wrong, "benchmarks/ must not import kdacourse/ (the pages read the results):\n" + "\n".join(wrong)
+
+
 def test_no_import_cycle():
     graph, _ = import_graph()
     found = cycles(graph)
@@ -161,3 +173,105 @@ def test_site_and_test_tools_are_imported_only_where_used(tool):
              if not module.startswith("tests") for name, line, top_level in found
              if top_level and name.split(".")[0] == tool]
     assert not wrong, f"{tool} imported at import time (import it inside the function that uses it):\n" + "\n".join(wrong)
+
+
+# ------------------------------------------------------------------ rule 5: private names stay home
+
+# Roots whose modules the rule reads; tests/ may reach into a module's privates (to patch or to probe).
+PRIVATE_RULE_ROOTS = ("stages", "solutions", "exercises", "kdacourse", "benchmarks", "scripts")
+# Modules the rule does not read yet, each with why (a test fails once one has nothing left to allow).
+PRIVATE_RULE_ALLOWED = {}
+
+
+def is_private(name):
+    """_name is private to its module; a dunder (__version__, __file__) is not."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def dotted(node):
+    """'a.b.c' for the expression a.b.c (names and attributes only), else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def private_uses(tree, module, modules, is_package=False):
+    """[(line, what)] where `module` names a private name of another project module: `from X import
+    _name`, or `X._name` with X a name bound to a project module (by `import X`, `import X as Y` or
+    `from package import X`). What counts is the name taken from X: `import f as _f` is fine."""
+    bound, found = {}, []  # bound: a local name -> the project module it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if resolve(alias.name, modules):
+                    local = alias.asname or alias.name.split(".")[0]
+                    bound[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                base = ".".join(package + ([base] if base else []))
+            if resolve(base, modules) is None:
+                continue
+            for alias in node.names:
+                if f"{base}.{alias.name}" in modules:
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+                elif is_private(alias.name) and base != module:
+                    found.append((node.lineno, f"from {base} import {alias.name}"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr):
+            owner = dotted(node.value)
+            if owner is None or owner.split(".")[0] not in bound:
+                continue
+            first, _, rest = owner.partition(".")
+            target = ".".join(filter(None, (bound[first], rest)))
+            if target in modules and target != module:
+                found.append((node.lineno, f"{owner}.{node.attr} ({target})"))
+    return sorted(found)
+
+
+def test_private_uses_are_found():
+    modules = {"pkg", "pkg.a", "pkg.b", "pkg.sub", "pkg.sub.c"}
+    source = ("from pkg.a import _hidden, shown as _alias\n"
+              "import pkg.b\n"
+              "import pkg.sub.c as c\n"
+              "from pkg import a\n"
+              "from . import _x\n"
+              "pkg.b._run()\n"
+              "c._table\n"
+              "a._f = None\n"
+              "a.__file__, a.Class._method, os._exit\n")
+    found = [what for _, what in private_uses(ast.parse(source), "pkg.sub.d", modules)]
+    assert found == ["from pkg.a import _hidden", "from pkg.sub import _x", "pkg.b._run (pkg.b)",
+                     "c._table (pkg.sub.c)", "a._f (pkg.a)"]
+    own = "from pkg.a import _helper\n"  # a module reading its own privates, or another's public names: fine
+    assert private_uses(ast.parse("import pkg.a\npkg.a.public\n"), "pkg.b", modules) == []
+    assert private_uses(ast.parse("x = 1\nx._y\n"), "pkg.a", modules) == []
+    assert private_uses(ast.parse(own), "pkg.a", modules) == []
+
+
+def project_private_uses():
+    """{module: [(line, what)]} for every module of PRIVATE_RULE_ROOTS that uses another's private name."""
+    modules = project_files()
+    found = {}
+    for module, path in modules.items():
+        if module.split(".")[0] in PRIVATE_RULE_ROOTS:
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+            uses = private_uses(tree, module, modules, is_package=path.name == "__init__.py")
+            if uses:
+                found[module] = uses
+    return found
+
+
+def test_no_private_name_crosses_modules():
+    """A name that starts with _ is its module's own: another module that needs it needs a public,
+    documented function (or the name was never private)."""
+    found = project_private_uses()
+    wrong = [f"{project_files()[module].relative_to(REPO_ROOT)}:{line}: {what}" for module, uses in found.items()
+             if module not in PRIVATE_RULE_ALLOWED for line, what in uses]
+    assert not wrong, "private names used across modules (make them public, with a docstring):\n" + "\n".join(wrong)
+    stale = sorted(set(PRIVATE_RULE_ALLOWED) - set(found))
+    assert not stale, f"nothing left to allow in {stale}: remove them from PRIVATE_RULE_ALLOWED"

@@ -1,4 +1,4 @@
-"""CPU tests of benchmarks/s05_recurrence_variants.py: every recurrence variant through the tile
+"""CPU tests of benchmarks/studies/s05_recurrence_variants.py: every recurrence variant through the tile
 interpreter (float64, from a nonzero state, against reference C's recurrence), and the script's
 arguments. The paired variants run T.wgmma_gemm and T.wait_wgmma, so these also hold that the
 interpreter runs them as T.gemm."""
@@ -6,7 +6,7 @@ interpreter runs them as T.gemm."""
 import numpy as np
 import pytest
 
-from benchmarks import s05_recurrence_variants as variants
+from benchmarks.studies import s05_recurrence_variants as variants
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.interpreter import interpret

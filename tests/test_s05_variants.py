@@ -1,11 +1,11 @@
-"""CPU tests of benchmarks/s05_variants.py: every prepare variant through the tile interpreter (float64
+"""CPU tests of benchmarks/studies/s05_variants.py: every prepare variant through the tile interpreter (float64
 against reference C's prepare, fp16 through the committed recurrence against reference A), and the
 GPU script's arguments."""
 
 import numpy as np
 import pytest
 
-from benchmarks import s05_variants
+from benchmarks.studies import s05_variants
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.interpreter import interpret

@@ -55,19 +55,14 @@ def test_compare_fla_needs_cuda(capsys):
     assert "--compare-fla needs --device cuda" in capsys.readouterr().err
 
 
-def test_the_default_gate_floor_keeps_the_kernels_in_range(capsys):
-    """The demo's gates lie in [LOWER_BOUND, 0] (the ends where the sigmoid saturates): 8 of them at the floor must pass the kernels' range
-    check for bf16 inputs (the GPU run's autocast dtype). 'none' gives the unbounded gate; a floor
-    at or above 0 is no floor."""
-    from stages.s05_fast_kda.numerics import check_diagonal_range
-
+def test_the_default_gate_floor_bounds_the_gates(capsys):
+    """The demo's gates lie in [LOWER_BOUND, 0] (the ends where the sigmoid saturates). 'none' gives
+    the unbounded gate (the kernels take any gate); a floor at or above 0 is no floor."""
     args = train_kda.parse_args(["--out", "x"])
     assert args.lower_bound == train_kda.LOWER_BOUND < 0
     model = train_kda.TinyKDAModel(8, 16, 2, 2, 8, args.lower_bound)
     gates = [block.attention.forget_gate for block in model.blocks]
     assert [gate.lower_bound for gate in gates] == [train_kda.LOWER_BOUND] * 2
-    floor = torch.full((1, 8, 2, 8), train_kda.LOWER_BOUND)
-    check_diagonal_range(floor, "bfloat16", train_kda.LOWER_BOUND)
     g = gates[0](1e3 * torch.randn(1, 8, 16))  # pushed hard both ways, the sigmoid saturates at the ends
     assert (g >= train_kda.LOWER_BOUND).all() and (g <= 0).all() and g.min() == train_kda.LOWER_BOUND
     assert train_kda.parse_args(["--out", "x", "--lower-bound", "none"]).lower_bound is None

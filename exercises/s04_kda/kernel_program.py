@@ -22,8 +22,8 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
     """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g: (B, N, H, d_k) fp32,
     beta: (B, N, H) fp32 -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program.
 
-    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v. layout maps
-    "e_plus_gamma", "e_minus_gamma" and "w" to "registers" or "shared".
+    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
+    layout maps "e_plus_gamma", "e_minus_gamma" and "w" to "registers" or "shared".
     """
     import tilelang.language as T
 
@@ -48,7 +48,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             v0 = i_v * block_dv
 
             Q_s = T.alloc_shared((C, d_k), dtype)
-            K_s = T.alloc_shared((C, d_k), dtype)  # read only (constraint 5)
+            K_s = T.alloc_shared((C, d_k), dtype)
             V_s = T.alloc_shared((C, block_dv), dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
             gamma_s = T.alloc_shared((C, d_k), accum_dtype)  # every thread reads other rows
@@ -110,8 +110,8 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 for c, j in T.Parallel(C, C):
                     A_qk_s[c, j] = T.if_then_else(j <= c, A_qk_f[c, j], 0)
 
-                # one forward substitution for both right-hand sides: row r needs rows j < r solved;
-                # each thread sums its column's correction in a register, one barrier per row
+                # one forward substitution for both right-hand sides: row r needs rows j < r solved
+                # (each thread sums its column's correction in a register: one barrier per row)
                 for r in T.serial(1, C):
                     for col in T.Parallel(width):
                         correction = 0

@@ -78,11 +78,11 @@ def write_meta(path):
     per_run = markdown_table(
         ["run", "date", "timings of", "precision of", "kernels", "seconds", "command"],
         [(index, run["date"], stages(run, "timed"), stages(run, "precision"), kernels(run), run["seconds"],
-          f"`{_shown_command(run['command'])}`") for index, run in enumerate(runs, 1)])
+          f"`{shown_command(run['command'])}`") for index, run in enumerate(runs, 1)])
     path.write_text(machine + "\n" + per_run)
 
 
-def _shown_command(command):
+def shown_command(command):
     """A run's command with its output folder, a path on the machine that ran it, written as DIR."""
     return re.sub(r"(--out[ =])\S+", r"\1DIR", command)
 

@@ -12,7 +12,7 @@ import json
 from benchmarks import fair, roofs
 from benchmarks.bench import STAGES
 from kdacourse import REPO_ROOT
-from kdacourse.pages.benchmarks import _shown_command
+from kdacourse.pages.benchmarks import shown_command
 from kdacourse.pages.tables import markdown_table, save_svg
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -44,14 +44,14 @@ def _roofs(meta):
     return roofs.DESIGN_COPY_BANDWIDTH, roofs.DESIGN_GEMM_FLOPS, "measured before the runs (DESIGN.md)"
 
 
-def _about(meta, current=None):
+def about_the_run(meta, current=None):
     """One line on the run: when, where, how many rounds, and whether its kernel is the committed one
     (`current`: the committed kernel's digest, stage 5's unless given)."""
     current = current or STAGES["s05"].kernel_digest()
     kernel = "the committed kernel" if meta.get("kernel") == current else "an earlier kernel (changed since)"
     complete = "" if meta.get("complete", True) else " The run was stopped before it finished."
     note = f" {meta['note']}" if meta.get("note") else ""
-    return (f"Run of {meta['date']} on an {meta['device']} (`{_shown_command(meta['command'])}`, "
+    return (f"Run of {meta['date']} on an {meta['device']} (`{shown_command(meta['command'])}`, "
             f"{meta['rounds']} rounds, {meta.get('seconds', '?')} s), on {kernel}.{complete}{note}\n\n")
 
 
@@ -84,7 +84,7 @@ def write_timings(path):
     failed = sorted({f"{row['impl']} {row['what']} at {row['B']}, {row['N']}, {row['H']}, {row['D']}: {row['error']}"
                      for row in rows if row.get("error")})
     notes = "".join(f"- {line}\n" for line in failed)
-    path.write_text(_about(meta) + ratios + "\nThe times, medians over the rounds (min to max):\n\n" + times
+    path.write_text(about_the_run(meta) + ratios + "\nThe times, medians over the rounds (min to max):\n\n" + times
                     + (f"\nNot measured:\n\n{notes}" if notes else ""))
 
 

@@ -193,12 +193,12 @@ ADOPTED_VARIANT = "tf32_diagonal_bf16"  # what stages/s05_fast_kda/kernel.py's p
 
 
 def write_variants_table(path):
-    """The prepare kernel's variants as measured on the H200 (benchmarks/s05_variants.py, committed
+    """The prepare kernel's variants as measured on the H200 (benchmarks/studies/s05_variants.py, committed
     results in benchmarks/results/s05_variants.csv): each step's time, its speed-up over the kernel
     it started from, the two kernels against FLA, and how far its outputs are from the old kernel's."""
     import csv
 
-    from benchmarks import s05_variants
+    from benchmarks.studies import s05_variants
     from kdacourse import REPO_ROOT
 
     results = REPO_ROOT / "benchmarks" / "results" / "s05_variants.csv"
@@ -226,12 +226,12 @@ def write_variants_table(path):
 def write_later_variants_table(path):
     """The variants tried after the adopted one, measured on the H200 on 2026-12-01: the prepare
     kernel's paired GEMMs (benchmarks/results/s05_variants_paired.csv, against staged_all, the
-    committed kernel then) and the recurrence's (benchmarks/s05_recurrence_variants.py,
+    committed kernel then) and the recurrence's (benchmarks/studies/s05_recurrence_variants.py,
     benchmarks/results/s05_recurrence_variants.csv, against the recurrence committed then)."""
     import csv
     import statistics
 
-    from benchmarks import s05_recurrence_variants, s05_variants
+    from benchmarks.studies import s05_recurrence_variants, s05_variants
     from kdacourse import REPO_ROOT
 
     results = REPO_ROOT / "benchmarks" / "results"
@@ -271,7 +271,7 @@ def write_accuracy_table(path):
     the adopted one (benchmarks/results/s05_variants_accuracy.csv)."""
     import csv
 
-    from benchmarks import s05_variants
+    from benchmarks.studies import s05_variants
     from kdacourse import REPO_ROOT
 
     results = REPO_ROOT / "benchmarks" / "results"

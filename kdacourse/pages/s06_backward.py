@@ -9,6 +9,7 @@ from kdacourse.pages.stage_tables import identities_table
 from kdacourse.pages.tables import ROUNDING_NOTE, banner, markdown_table, rounding_level, save_svg
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
+from stages.s05_fast_kda.numerics import FAST_SPAN_LOG
 from stages.s06_backward.reference import chunkwise_backward, kernel_mirror_backward, recurrent_backward
 
 SOURCE = "kdacourse/pages/s06_backward.py"
@@ -183,8 +184,66 @@ def write_cuda_training_plot(path):
     _write_loss_plot(path, CUDA_TRAINING_RUN, CUDA_LABELS)
 
 
+ANY_GATE_CHUNK, ANY_GATE_BLOCK_DV = 32, 16  # the interpreter's small shapes: two sub-blocks a chunk
+
+
+def _interpreted_backward(arguments, S_0, dS_N, dtype, anchored_only):
+    """The six gradients of stage 6's five kernels through the tile interpreter, on inputs of whole
+    chunks; anchored_only builds the intra kernel as it was before its any-gate path (the span
+    bound infinite: no sub-block flagged, no exponent clamped), stage 5's prepare as it is."""
+    import math
+    from unittest import mock
+
+    from stages.common.interpreter import interpret
+    from stages.s06_backward.kernel import BUILDERS, kernel_arguments, run_kernels
+
+    q, v = arguments[0], arguments[2]
+    B, N, H, d_k = q.shape
+    builds = kernel_arguments(B, N, H, d_k, v.shape[3], ANY_GATE_CHUNK, ANY_GATE_BLOCK_DV, dtype)
+    kernels = {}
+    for name, (build, outputs) in BUILDERS.items():
+        spans = {dtype_name: math.inf for dtype_name in FAST_SPAN_LOG} if anchored_only and name == "intra" else {}
+        with mock.patch.dict(FAST_SPAN_LOG, spans):
+            kernels[name] = interpret(build(*builds[name]), out_idx=outputs)
+    return run_kernels(kernels, *arguments, S_0, dS_N)
+
+
+def write_any_gate_table(path):
+    """The backward's failing case and its fix, through the tile interpreter on the CPU: stage 5's
+    table's inputs (gentle gates, one channel's log gates at `strength` on tokens 1 to 8, so that the
+    first sub-block's anchored factor above its middle row is e^{-8 strength}), with a random do, S_0
+    and dLoss/dS_N; the largest rel L2 of the six gradients against float64 (reference A) for the
+    intra kernel with the anchored GEMMs alone (before) and with its any-gate path (after)."""
+    from kdacourse.pages.s05_fast_kda import ANY_GATE_STRENGTHS
+
+    rows = []
+    for strength in ANY_GATE_STRENGTHS:
+        x = make_inputs(1, 2 * ANY_GATE_CHUNK, 1, 32, 32, gate="channel", gate_range=(0.9, 0.999),
+                        beta_range=(0.0, 1.0), seed=5)
+        x.g[0, 1:9, 0, 3] = strength
+        rng = np.random.default_rng(5)
+        do, S_0, dS_N = (rng.standard_normal(shape) for shape in (x.v.shape, (1, 1, 32, 32), (1, 1, 32, 32)))
+        arguments = (x.q, x.k, x.v, x.g, x.beta, do)
+        expected = recurrent_backward(*arguments, S_0, dS_N)
+        row = [f"{strength:g}", f"{-8 * strength:g}"]
+        for dtype in ("float16", "bfloat16"):
+            takes_gemms = -8 * strength <= FAST_SPAN_LOG[dtype]
+            worst = []
+            for anchored_only in (True, False):
+                gradients = _interpreted_backward(arguments, S_0, dS_N, dtype, anchored_only)
+                finite = all(np.all(np.isfinite(a)) for a in gradients)
+                worst.append(f"{max(error_report(a, getattr(expected, name)).rel_l2 for name, a in zip(GRADIENTS, gradients)):.2e}"
+                             if finite else "NaN")
+            row += ["GEMMs" if takes_gemms else "term by term", *worst]
+        rows.append(row)
+    headers = ["log gate, tokens 1-8", "span (e-folds)"] + [
+        f"{name}: {column}" for name in ("fp16", "bf16") for column in ("sub-block 0 takes", "before", "after")]
+    path.write_text(banner(SOURCE) + markdown_table(headers, rows))
+
+
 def generated_files():
     return {
+        "docs/generated/s06_any_gate.md": write_any_gate_table,
         "docs/generated/s06_errors.md": write_error_table,
         "docs/generated/s06_identities.md": write_identities_table,
         "docs/generated/s06_chunk_states.md": write_storage_table,

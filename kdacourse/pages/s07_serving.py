@@ -158,10 +158,10 @@ PREFILL_PARTS = [(("ours", "call"), "whole call"), (("ours", "call_unchecked"), 
 def write_prefill_parts(path):
     """The committed run's medians over rounds for prefill's parts, what lies around the kernels (the call
     with checks off minus the kernels), the value checks' cost and FLA's call over ours."""
-    from kdacourse.pages.serving_benchmarks import _committed, varlen_times
+    from kdacourse.pages.serving_benchmarks import committed_run, varlen_times
     from benchmarks.fair import Spread, paired
 
-    rows, _ = _committed("varlen.csv", "varlen_meta.json")
+    rows, _ = committed_run("varlen.csv", "varlen_meta.json")
     if rows is None:
         path.write_text(banner(SOURCE) + "No varlen run committed (`python -m benchmarks.varlen --out DIR`).\n")
         return

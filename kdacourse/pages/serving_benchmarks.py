@@ -16,8 +16,8 @@ from collections import defaultdict
 
 from benchmarks import backward, fair
 from kdacourse import REPO_ROOT
-from kdacourse.pages.benchmarks import _shown_command
-from kdacourse.pages.fair import _about
+from kdacourse.pages.benchmarks import shown_command
+from kdacourse.pages.fair import about_the_run
 from kdacourse.pages.tables import markdown_table
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -25,7 +25,7 @@ NOT_COMMITTED = ("No {what} timings are committed yet: `python -m benchmarks.{mo
                  "writes {files}; copied to benchmarks/results/, `course regenerate` puts them here.\n")
 
 
-def _committed(csv_name, meta_name=None):
+def committed_run(csv_name, meta_name=None):
     """(rows, meta) of a committed run ({} for a run without a meta file), or (None, None) if absent or empty."""
     csv_path = RESULTS / csv_name
     meta_path = RESULTS / meta_name if meta_name else None
@@ -62,7 +62,7 @@ BACKWARD_TIMES = [("ours", "fwd_bwd_kernels", "ours fwd+bwd kernels"), ("ours", 
 def write_backward_timings(path):
     """FLA / ours for forward + backward (kernels, calls) and the backward alone; the times; each backward
     kernel alone; our gradients against FLA's and the block_dv of both passes."""
-    rows, meta = _committed(backward.CSV_NAME, backward.META_NAME)
+    rows, meta = committed_run(backward.CSV_NAME, backward.META_NAME)
     if rows is None:
         path.write_text(NOT_COMMITTED.format(what="backward", module="backward",
                                              files="DIR/backward.csv and DIR/backward_meta.json"))
@@ -89,7 +89,7 @@ def write_backward_timings(path):
     gradients = markdown_table(["B, N, H, D", *(f"{name}: rel L2 vs FLA" for name in backward.GRADIENTS),
                                 "forward block_dv", "backward block_dv"],
                                [gradient_row(label, notes) for label, notes in meta.get("shapes", {}).items()])
-    path.write_text(_about(meta, backward.kernel_digest()) + ratios
+    path.write_text(about_the_run(meta, backward.kernel_digest()) + ratios
                     + "\nThe times, medians over the rounds (min to max):\n\n" + times
                     + "\nThe backward's five kernels, each alone on the outputs of the one before, medians over the "
                     "rounds (min to max):\n\n" + kernels
@@ -116,7 +116,7 @@ def varlen_times(rows):
 
 def write_varlen_timings(path):
     """Per mix: its tokens, FLA / ours for the calls, the times over rounds, ours against FLA's output."""
-    rows, meta = _committed("varlen.csv", "varlen_meta.json")
+    rows, meta = committed_run("varlen.csv", "varlen_meta.json")
     if rows is None:
         path.write_text(NOT_COMMITTED.format(what="variable-length prefill", module="varlen",
                                              files="DIR/varlen.csv and DIR/varlen_meta.json"))
@@ -144,7 +144,7 @@ def write_varlen_timings(path):
         ["mix", *(f"{label} (ms)" for _, _, label in VARLEN_TIMES)],
         [(mix, *(_cell(fair.Spread.of(measured[mix].get((impl, what), {}).values())) for impl, what, _ in VARLEN_TIMES))
          for mix in mixes])
-    about = (f"Run on an {meta.get('device', '?')} (`{_shown_command(meta.get('command', '?'))}`, {rounds} "
+    about = (f"Run on an {meta.get('device', '?')} (`{shown_command(meta.get('command', '?'))}`, {rounds} "
              f"round{'s' if rounds > 1 else ''}, {first[mixes[0]]['dtype']}).\n\n")
     path.write_text(about + sizes + "\nThe times, medians over the rounds (min to max):\n\n" + times
                     + _failures(rows, lambda row: f"the {row['mix']} mix"))
@@ -164,7 +164,7 @@ def write_decode_timings(path):
     """Each measurement of the decode step: its time (median, 20th to 80th percentile of the repeats), the
     bytes it moves per second as a fraction of the copy bandwidth measured in the same run, FLA / ours
     against FLA in the same form (graph or call), and the errors against the float64 step."""
-    rows, _ = _committed("decode.csv")
+    rows, _ = committed_run("decode.csv")
     if rows is None:
         path.write_text(NOT_COMMITTED.format(what="decode", module="decode", files="DIR/decode.csv"))
         return

@@ -14,7 +14,7 @@ Read: docs, stage 6, "Reference B: chunk by chunk".  Check: course check s06
 import numpy as np
 
 from stages.common.checks import Float64Array, check_chunking
-from stages.s06_backward.reference import Gradients, _check, _chunk_forward  # the checks, one chunk's forward
+from stages.s06_backward.reference import Gradients, check_gradient_inputs, chunk_forward  # one chunk's forward
 
 
 def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
@@ -26,7 +26,7 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
     keeps S^T at every chunk start; the backward recomputes the rest of a chunk and takes each of its
     forward lines back, last line first.
     """
-    B, N, H, d_k, d_v = _check(q, k, v, g, beta, do, initial_state, d_final_state)
+    B, N, H, d_k, d_v = check_gradient_inputs(q, k, v, g, beta, do, initial_state, d_final_state)
     check_chunking(N, d_v, chunk_size)
     dq, dk, dg = (np.zeros((B, N, H, d_k)) for _ in range(3))
     dv, o = np.zeros((B, N, H, d_v)), np.zeros((B, N, H, d_v))
@@ -40,7 +40,7 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
             for rows in chunks:  # forward: stage 4's reference B, keeping S^T at every chunk start
                 chunk_start_states.append(S_T)
                 Q, K, V = q[b, rows, h], k[b, rows, h], v[b, rows, h]
-                f = _chunk_forward(Q, K, V, g[b, rows, h], beta[b, rows, h])
+                f = chunk_forward(Q, K, V, g[b, rows, h], beta[b, rows, h])
                 V_new = f.U - f.W @ S_T
                 o[b, rows, h] = (Q * np.exp(f.gamma)) @ S_T + f.A_qk @ V_new
                 S_T = np.exp(f.gamma[-1])[:, None] * S_T + (K * np.exp(f.gamma[-1] - f.gamma)).T @ V_new
@@ -49,7 +49,7 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
             dS_T = np.zeros((d_k, d_v)) if d_final_state is None else d_final_state[b, h].copy()
             for rows, S_T in reversed(list(zip(chunks, chunk_start_states))):  # backward, last chunk first
                 Q, K, V, beta_c, dO = q[b, rows, h], k[b, rows, h], v[b, rows, h], beta[b, rows, h], do[b, rows, h]
-                f = _chunk_forward(Q, K, V, g[b, rows, h], beta_c)
+                f = chunk_forward(Q, K, V, g[b, rows, h], beta_c)
                 C, gamma = len(Q), f.gamma
                 decay_to_end = np.exp(gamma[-1] - gamma)  # (C, d_k)
                 V_new = f.U - f.W @ S_T

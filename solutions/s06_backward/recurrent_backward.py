@@ -14,7 +14,7 @@ Read: docs, stage 6, "Reference A: token by token".  Check: course check s06
 import numpy as np
 
 from stages.common.checks import Float64Array
-from stages.s06_backward.reference import Gradients, _check  # what the gradients come in; the input checks
+from stages.s06_backward.reference import Gradients, check_gradient_inputs  # what the gradients come in; the input checks
 
 
 def recurrent_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
@@ -26,7 +26,7 @@ def recurrent_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
     initial_state and d_final_state: S_0^T and dLoss/dS_N^T, (B, H, d_k, d_v) or None for zeros.
     Returns Gradients: dq, dk, dv, dg, dbeta, d_initial_state, then the forward's o and final state.
     """
-    B, N, H, d_k, d_v = _check(q, k, v, g, beta, do, initial_state, d_final_state)
+    B, N, H, d_k, d_v = check_gradient_inputs(q, k, v, g, beta, do, initial_state, d_final_state)
     dq, dk, dg = (np.zeros((B, N, H, d_k)) for _ in range(3))
     dv, o = np.zeros((B, N, H, d_v)), np.zeros((B, N, H, d_v))
     dbeta = np.zeros((B, N, H))

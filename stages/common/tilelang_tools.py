@@ -2,7 +2,7 @@
 
 Two paths lead from a TileLang program to numbers:
 
-- `compile_report(prim_func)` lowers the program for sm_90a on this machine's CPU, compiles the
+- `compile_report(prim_func, pass_configs)` lowers the program for sm_90a on this machine's CPU, compiles the
   generated CUDA with nvcc, and reads registers, spills and shared memory from ptxas. It needs
   nvcc, not a GPU, so it runs in CI and on a student's laptop.
 - each stage's `forward(...)` JIT-compiles the same program for the GPU torch sees and runs it.
@@ -91,9 +91,13 @@ def lower(prim_func, target=SM90A):
         return tilelang.lower(prim_func, target=target)
 
 
-def compile_report(prim_func):
-    """Lower `prim_func` for sm_90a, compile it with nvcc, and return its CompileReport."""
-    artifact = lower(prim_func)
+def compile_report(prim_func, pass_configs=None):
+    """Lower `prim_func` for sm_90a under TileLang's `pass_configs` (a dict of pass options, as
+    tilelang.compile takes them), compile it with nvcc, and return its CompileReport."""
+    from tilelang.transform import PassContext
+
+    with PassContext(config=pass_configs or {}):
+        artifact = lower(prim_func)
     source = artifact.kernel_source
     kernel_attrs = [fn.attrs for _, fn in artifact.device_mod.functions.items() if fn.attrs is not None]
     if len(kernel_attrs) != 1:

@@ -29,8 +29,8 @@ def check_kernel_tensor(name, x, rank, dtypes=KERNEL_DTYPES):
 
 
 def check_on_cuda(tensors):
-    """Every tensor of {name: tensor} is on one CUDA device."""
-    devices = {name: x.device for name, x in tensors.items()}
+    """Every tensor of {name: tensor} is on one CUDA device (a None, an optional tensor left out, is skipped)."""
+    devices = {name: x.device for name, x in tensors.items() if x is not None}
     for name, device in devices.items():
         if device.type != "cuda":
             raise ValueError(f"{name} must be on a CUDA device, got device {device}")

@@ -128,9 +128,9 @@ def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, thread
 
 
 # --8<-- [start:forward]
-def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", chunk_size: int = DEFAULT_CHUNK_SIZE,
-            block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2, threads: int = 128,
-            check_values: bool = True) -> "torch.Tensor":
+def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
+            chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2,
+            threads: int = 128, check_values: bool = True) -> "torch.Tensor":
     """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16, and
     g = log(alpha): (H,) float32, finite and <= 0.
 

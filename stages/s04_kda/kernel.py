@@ -2,23 +2,21 @@
 
 One program per (block of d_v columns, batch x head). Each program keeps its slice of the state,
 S^T (d_k x block_dv), in registers as an fp32 fragment for the whole sequence, and walks the chunks
-in a pipelined loop. Per chunk, with gamma the cumulative log gate from the chunk start, one per key
-channel (C x d_k; kernel layout throughout; reference.kernel_mirror is this control flow in NumPy):
+in a pipelined loop. Per chunk, with gamma the cumulative log gate from the chunk start, one per
+key channel (C x d_k; kernel layout throughout; reference.kernel_mirror is this control flow in NumPy):
 
     gamma  = cumsum(g)                               in shared memory, one channel per thread
     Q+, K+, K- = Q ⊙ e^{gamma}, K ⊙ e^{gamma}, K ⊙ e^{-gamma}     e^{gamma_c - gamma_i} = e^{gamma_c} e^{-gamma_i}
     L      = strict(K+ K-^T) diag(beta)               GEMM, then the mask
     A_qk   = incl(Q+ K-^T)                            GEMM, then the mask
-    X      = (I + L)^{-1} [K+ | V]                    forward substitution, C serial steps
+    X      = (I + L)^{-1} [K ⊙ e^{gamma} | V]          forward substitution, C serial steps
     W, U   = diag(beta) X                             beta after the solve
     V_new  = U - W S^T                                GEMM
-    O      = Q+ S^T + A_qk V_new                      two GEMMs into one accumulator, written ...
+    O      = (Q ⊙ e^{gamma}) S^T + A_qk V_new          two GEMMs into one accumulator, written ...
     S^T    = Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new      ... before the state moves on
 
 The seven ordering constraints of the seed are named where they apply, "constraint 1" to "7"
 (stages.common.ordering checks 1, 2 and 7 on the TIR); the wrapper's gate bound is in numerics.py.
-`build_program`'s `layout` says where e^{+gamma}, e^{-gamma} and W live: "registers" (fragments)
-or "shared" (shared memory).
 
 Run `python -m stages.s04_kda.kernel` to compile it for sm_90a and print its ptxas
 report (no GPU needed), or to check it against reference A on a GPU.
@@ -39,9 +37,8 @@ if TYPE_CHECKING:
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
-# Where e^{+gamma}, e^{-gamma} and W live: "registers" (fragments) or "shared" (shared memory).
-# All three in registers is the layout with the fewest registers and the least shared memory;
-# the page's register table compiles every other choice.
+# Where e^{+gamma}, e^{-gamma} and W live, "registers" (fragments) or "shared": all three in registers needs the
+# fewest registers and the least shared memory (the page's register table compiles every choice).
 DEFAULT_LAYOUT = (("e_plus_gamma", "registers"), ("e_minus_gamma", "registers"), ("w", "registers"))
 # Warp specialization off: 128 threads do everything, as the seed's register budget assumes, and
 # ptxas's register count is the program's demand rather than the cap TileLang sets per warp group.
@@ -54,8 +51,8 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
     """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g: (B, N, H, d_k) fp32,
     beta: (B, N, H) fp32 -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program.
 
-    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v. layout maps
-    "e_plus_gamma", "e_minus_gamma" and "w" to "registers" or "shared".
+    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
+    layout maps "e_plus_gamma", "e_minus_gamma" and "w" to "registers" or "shared".
     """
     import tilelang.language as T
 
@@ -80,7 +77,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             v0 = i_v * block_dv
 
             Q_s = T.alloc_shared((C, d_k), dtype)
-            K_s = T.alloc_shared((C, d_k), dtype)  # read only (constraint 5)
+            K_s = T.alloc_shared((C, d_k), dtype)
             V_s = T.alloc_shared((C, block_dv), dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
             gamma_s = T.alloc_shared((C, d_k), accum_dtype)  # every thread reads other rows
@@ -141,8 +138,8 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 for c, j in T.Parallel(C, C):
                     A_qk_s[c, j] = T.if_then_else(j <= c, A_qk_f[c, j], 0)
 
-                # one forward substitution for both right-hand sides: row r needs rows j < r solved;
-                # each thread sums its column's correction in a register, one barrier per row
+                # one forward substitution for both right-hand sides: row r needs rows j < r solved
+                # (each thread sums its column's correction in a register: one barrier per row)
                 for r in T.serial(1, C):
                     for col in T.Parallel(width):
                         correction = 0
@@ -190,12 +187,12 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16, and
     g = log(a): (B, N, H, d_k), beta: (B, N, H), float32, with g <= 0 and 0 <= beta <= 1.
 
-    Returns o: (B, N, H, d_v) in the input dtype. max_log_decay bounds -gamma, the log decay one
-    chunk accumulates in a channel (default MAX_LOG_DECAY[dtype]): gates that decay faster raise a
-    ValueError instead of returning garbage; math.inf runs anyway. N need not be a multiple of
-    chunk_size: the sequence is zero-padded, which is exact (see reference.kernel_mirror).
-    check_values=False skips both value checks (g, beta and the chunk decay bound: passes over g and
-    beta, device syncs): the caller vouches for the values.
+    Returns o: (B, N, H, d_v) in the input dtype. N need not be a multiple of chunk_size: the
+    sequence is zero-padded, which is exact (see reference.kernel_mirror). check_values=False skips
+    the checks of g's and beta's values and of the chunk decay bound (passes over g and beta, device
+    syncs): the caller vouches for them. max_log_decay bounds -gamma, the log decay one chunk
+    accumulates in a channel (default MAX_LOG_DECAY[dtype]): gates that decay faster raise a
+    ValueError instead of returning garbage; math.inf runs anyway.
     """
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate("g", g, (B, N, H, d_k), "(B, N, H, d_k)")
@@ -217,12 +214,9 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
 def compile_report(B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
                    block_dv=DEFAULT_BLOCK_DV, dtype="float16", num_stages=1, threads=128, layout=DEFAULT_LAYOUT):
     """Lower and compile the kernel for sm_90a without a GPU; see stages.common.tilelang_tools."""
-    from tilelang.transform import PassContext
-
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-    with PassContext(config=PASS_CONFIGS):
-        return _compile_report(build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads,
-                                             layout))
+    program = build_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads, layout)
+    return _compile_report(program, PASS_CONFIGS)
 
 
 def main():

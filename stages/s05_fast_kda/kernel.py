@@ -189,24 +189,16 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype, 
     sub = SUB_BLOCK
     d_k = channel_passes * channels_per_pass
     blocks = C // sub
-    largest_span = FAST_SPAN_LOG[diagonal_dtype]
+    flag_wide_spans = flag_wide_spans_macro(C, d_k, FAST_SPAN_LOG[diagonal_dtype])
     exact_diagonal_block = exact_diagonal_block_macro(d_k)
 
     @T.macro
     def anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s, K_slab_col_s,
                         kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s):
-        # a diagonal sub-block's largest anchored factor is e^span, span the larger of gamma_first -
-        # gamma_middle (its first row's) and gamma_middle - gamma_last (its last column's), over the
-        # channels; a flag per sub-block in shared memory, so that every thread takes one branch below
+        # a flag per sub-block in shared memory, so that every thread takes one branch below
         if any_gate:
             exact_s = T.alloc_shared((blocks,), "int32")
-            for blk in T.Parallel(blocks):
-                exact_s[blk] = 0
-            for blk, d in T.Parallel(blocks, d_k):
-                middle = gamma_s[blk * sub + sub // 2, d]
-                span = T.max(gamma_s[blk * sub, d] - middle, middle - gamma_s[blk * sub + sub - 1, d])
-                if span > largest_span:  # every lane that finds one writes the same 1
-                    exact_s[blk] = 1
+            flag_wide_spans(gamma_s, exact_s)
 
         # diagonal sub-blocks: rows and columns anchored at the middle row of their sub-block;
         # each element reads gamma and K once and takes one exp2 for each direction
@@ -264,25 +256,56 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype, 
 # --8<-- [end:prepare_scores]
 
 
+# --8<-- [start:wide_spans]
+def flag_wide_spans_macro(C, d_k, largest_span):
+    """The macro flag_wide_spans(gamma_s, exact_s): from a chunk's cumulative gates gamma_s (C, d_k)
+    fp32, exact_s[P] = 1 (int32, one per SUB_BLOCK-row sub-block) where the diagonal sub-block P's
+    middle-row anchored factors span more than largest_span e-folds in some channel, else 0.
+
+    A sub-block's largest anchored factor is e^span, span the larger of gamma_first - gamma_middle
+    (its first row's) and gamma_middle - gamma_last (its last column's): every other row's and
+    column's lies between them. Stage 5's scores and stage 6's intra kernel test the flags."""
+    import tilelang.language as T
+
+    sub = SUB_BLOCK
+    blocks = C // sub
+
+    @T.macro
+    def flag_wide_spans(gamma_s, exact_s):
+        for blk in T.Parallel(blocks):
+            exact_s[blk] = 0
+        for blk, d in T.Parallel(blocks, d_k):
+            middle = gamma_s[blk * sub + sub // 2, d]
+            span = T.max(gamma_s[blk * sub, d] - middle, middle - gamma_s[blk * sub + sub - 1, d])
+            if span > largest_span:  # every lane that finds one writes the same 1
+                exact_s[blk] = 1
+
+    return flag_wide_spans
+# --8<-- [end:wide_spans]
+
+
 # --8<-- [start:prepare_exact_block]
-def exact_diagonal_block_macro(d_k):
-    """The macro exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, first): the diagonal
-    sub-block of rows and columns first .. first + SUB_BLOCK - 1 of L = A_kk diag(beta) and A_qk, as
-    their definition, A[r, j] = sum_d x_r[d] k_j[d] e^{gamma_r[d] - gamma_j[d]} (j <= r): each decay
-    is taken whole, so it is <= 1 at any gate, and summed in fp32 on the CUDA cores (d_k
-    multiply-adds per entry and score, one exp2 shared by the two scores)."""
+def exact_diagonal_block_macro(d_k, queries=True):
+    """The macro exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_s, first): the diagonal
+    sub-block of rows and columns first .. first + SUB_BLOCK - 1 of L = A_kk diag(beta) into L_s and
+    of A_qk into A_s, as their definition, A[r, j] = sum_d x_r[d] k_j[d] e^{gamma_r[d] - gamma_j[d]}
+    (j <= r): each decay is taken whole, so it is <= 1 at any gate, and summed in fp32 on the CUDA
+    cores (d_k multiply-adds per entry and score, one exp2 shared by the two scores).
+    queries=False (stage 6's backward, whose dbeta reads A_kk itself): A_kk into A_s instead of A_qk,
+    and Q_s is not read."""
     import tilelang.language as T
 
     sub = SUB_BLOCK
 
     @T.macro
-    def exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, first):
+    def exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_s, first):
         for r, j in T.Parallel(sub, sub):
             row, col = first + r, first + j
             key_score = T.alloc_var("float32")
-            query_score = T.alloc_var("float32")
             key_score = 0
-            query_score = 0
+            if queries:
+                query_score = T.alloc_var("float32")
+                query_score = 0
             for step in T.serial(d_k):
                 # lane j starts at channel j: the 16 columns' rows of a warp then lie in different banks
                 d = (step + j) % d_k
@@ -291,9 +314,13 @@ def exact_diagonal_block_macro(d_k):
                 decay = T.exp2(T.min(gamma_s[row, d] - gamma_s[col, d], 0) * LOG2_E)
                 decayed_key = T.cast(K_s[col, d], "float32") * decay
                 key_score += T.cast(K_s[row, d], "float32") * decayed_key
-                query_score += T.cast(Q_s[row, d], "float32") * decayed_key
+                if queries:
+                    query_score += T.cast(Q_s[row, d], "float32") * decayed_key
             L_s[row, col] = T.if_then_else(j < r, key_score * beta_s[col], 0)
-            A_qk_s[row, col] = T.if_then_else(j <= r, query_score, 0)
+            if queries:
+                A_s[row, col] = T.if_then_else(j <= r, query_score, 0)
+            else:
+                A_s[row, col] = T.if_then_else(j < r, key_score, 0)
 
     return exact_diagonal_block
 # --8<-- [end:prepare_exact_block]
@@ -467,7 +494,8 @@ def advance_state_macro(d_k, block_dv):
 
 
 @functools.cache
-def _compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
+def compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
+    """The prepare kernel compiled for the GPU (its outputs allocated by the call): made once per shape."""
     import tilelang
 
     program = build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, threads)
@@ -475,7 +503,8 @@ def _compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
 
 
 @functools.cache
-def _compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads):
+def compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads):
+    """The recurrence kernel compiled for the GPU (o and the final state allocated by the call): made once per shape."""
     import tilelang
 
     program = build_recurrence_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
@@ -498,16 +527,7 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     reference.kernel_mirror). check_values=False skips the check of g's and beta's values (a pass over
     both and a device sync): the caller vouches for them, and the call has no host sync left.
     """
-    B, N, H, d_k, d_v = check_qkv(q, k, v)
-    check_gate("g", g, (B, N, H, d_k), "(B, N, H, d_k)")
-    check_gate("beta", beta, (B, N, H), "(B, N, H)")
-    if initial_state is not None:
-        check_gate("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
-    _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
-    if check_values:
-        check_gate_values(g, beta)  # any gate <= 0 runs: no range to check (anchored_scores_macro)
-    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
-    check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
+    B, N, H, d_k, d_v = check_forward_inputs(q, k, v, g, beta, initial_state, chunk_size, block_dv, check_values)
     if block_dv is None:
         block_dv = default_block_dv(B, H, d_v, streaming_multiprocessors(q.device))
 
@@ -515,13 +535,66 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     q, k, v, g, beta = pad_tokens(N_padded, q, k, v, g, beta)
     if initial_state is None:
         initial_state = zero_state(B, H, d_k, d_v, q.device)
-    prepare = _compiled_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype_name(q), prepare_threads)
-    recurrence = _compiled_recurrence(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages,
+    prepare = compiled_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype_name(q), prepare_threads)
+    recurrence = compiled_recurrence(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages,
                                       threads)
     o, final_state = recurrence(*prepare(q, k, v, g, beta), initial_state)
     o = o[:, :N]
     return (o, final_state) if output_final_state else o
 # --8<-- [end:forward]
+
+
+# --8<-- [start:checks]
+def check_forward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
+                         beta: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
+                         chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int | None = None,
+                         check_values: bool = True) -> tuple[int, int, int, int, int]:
+    """Every check of `forward`'s arguments (see its docstring); returns (B, N, H, d_k, d_v).
+
+    In this order: what the tensors' types, shapes and dtypes tell (check_token_inputs, the initial
+    state) and the tile sizes (check_kernel_sizes); then, with check_values, what only their values
+    tell (check_gate_values: a NaN, a gate above 0, beta outside [0, 1]; one pass and one device sync);
+    the device last, so that every other mistake shows, and is tested, on a machine without a GPU.
+    Any gate <= 0 runs: there is no range to check (anchored_scores_macro).
+    """
+    B, N, H, d_k, d_v = check_token_inputs(q, k, v, g, beta)
+    check_state("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
+    check_kernel_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
+    if check_values:
+        check_gate_values(g, beta)
+    check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state})
+    return B, N, H, d_k, d_v
+
+
+def check_token_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
+                       beta: "torch.Tensor", length: str = "N") -> tuple[int, int, int, int, int]:
+    """q, k: (B, N, H, d_k) and v: (B, N, H, d_v), of one dtype, fp16 or bf16; g: (B, N, H, d_k) and
+    beta: (B, N, H) in fp32; all contiguous tensors. Types, shapes and dtypes only: no value is read.
+    `length` names the token axis in the messages (T in stage 7's prefill). Returns (B, N, H, d_k, d_v)."""
+    B, N, H, d_k, d_v = check_qkv(q, k, v)
+    check_gate("g", g, (B, N, H, d_k), f"(B, {length}, H, d_k)")
+    check_gate("beta", beta, (B, N, H), f"(B, {length}, H)")
+    return B, N, H, d_k, d_v
+
+
+def check_state(name: str, state: "torch.Tensor | None", shape: tuple[int, ...], axes: str) -> None:
+    """state (an initial state, or the gradient of a final state) is None or a contiguous fp32 tensor of
+    the given shape: S^T in the kernel layout, `axes` naming its axes, "(B, H, d_k, d_v)" say."""
+    if state is not None:
+        check_gate(name, state, shape, axes)
+
+
+def check_kernel_sizes(d_k: int, d_v: int, chunk_size: int, block_dv: int) -> None:
+    """The sizes the kernels are built for: the tensor cores' tile sizes (stages.common), chunks of 2 or
+    4 sub-blocks for the block inverse, and d_k in CHANNEL_PASSES channel passes of whole 16-wide GEMM
+    steps."""
+    if chunk_size not in (2 * SUB_BLOCK, 4 * SUB_BLOCK):
+        raise ValueError(f"chunk_size must be {2 * SUB_BLOCK} or {4 * SUB_BLOCK}, got {chunk_size}")
+    if d_k % (16 * CHANNEL_PASSES):
+        raise ValueError(f"d_k must be a multiple of {16 * CHANNEL_PASSES} ({CHANNEL_PASSES} channel passes "
+                         f"of the score GEMMs), got {d_k}")
+    check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+# --8<-- [end:checks]
 
 
 # --8<-- [start:default_block_dv]
@@ -567,17 +640,6 @@ def _cached_zero_state(B, H, d_k, d_v, device):
         return torch.zeros((B, H, d_k, d_v), dtype=torch.float32, device=device)
 
 
-def _check_tile_sizes(d_k, d_v, chunk_size, block_dv):
-    """The tensor cores' tile sizes (stages.common), chunks of 2 or 4 sub-blocks for the block inverse,
-    and d_k in CHANNEL_PASSES channel passes of whole 16-wide GEMM steps."""
-    if chunk_size not in (2 * SUB_BLOCK, 4 * SUB_BLOCK):
-        raise ValueError(f"chunk_size must be {2 * SUB_BLOCK} or {4 * SUB_BLOCK}, got {chunk_size}")
-    if d_k % (16 * CHANNEL_PASSES):
-        raise ValueError(f"d_k must be a multiple of {16 * CHANNEL_PASSES} ({CHANNEL_PASSES} channel passes "
-                         f"of the score GEMMs), got {d_k}")
-    check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-
-
 def default_prepare_threads(chunk_size):
     """As many warps as the C x 16 slab GEMMs can share (one per 16 x 8 tile): 256 threads at C = 64.
 
@@ -590,7 +652,7 @@ def default_prepare_threads(chunk_size):
 def compile_report(kernel="recurrence", B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
                    block_dv=DEFAULT_BLOCK_DV, dtype="float16"):
     """Lower and compile one kernel ("prepare" or "recurrence") for sm_90a without a GPU."""
-    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    check_kernel_sizes(d_k, d_v, chunk_size, block_dv)
     if kernel == "prepare":
         return _compile_report(build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype))
     if kernel == "recurrence":

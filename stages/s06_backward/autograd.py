@@ -90,15 +90,13 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     scale: o = scale * S q, None for 1 / sqrt(K). initial_state: S_0^T (B, H, K, V) float32 (float64
     too on the CPU) or None for zeros. chunk_size: None for the device's default (64 on CUDA,
     CPU_CHUNK_SIZE on the CPU). check_values=False (the course's, not FLA's) skips the CUDA
-    forward's check of g's and beta's values (stages.s05_fast_kda.kernel.forward), which refuses
-    gates strong enough to overflow the kernels' anchored factors: to see what the kernels do with
-    them. FLA's other options (fla_options) are refused unless they hold FLA's default value (see
-    REFUSED).
+    forward's check of g's and beta's values (stages.s05_fast_kda.kernel.forward: finite gates <= 0,
+    beta in [0, 1]; any such gate runs, forward and backward): the caller vouches for them. FLA's
+    other options (fla_options) are refused unless they hold FLA's default value (see REFUSED).
     """
-    _refuse_unsupported(fla_options)
-    _check_inputs(q, k, v, g, beta, initial_state, scale)
+    check_chunk_kda_inputs(q, k, v, g, beta, initial_state, scale, fla_options)
     if use_qk_l2norm_in_kernel:
-        q, k = _l2_normalize(q), _l2_normalize(k)
+        q, k = l2_normalize(q), l2_normalize(k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if scale != 1.0:
@@ -128,12 +126,6 @@ class ChunkKDAFunction(torch.autograd.Function):
         ctx.chunk_size = chunk_size
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         if q.is_cuda:
-            if check_values and g.numel() and any(ctx.needs_input_grad):
-                # stage 5 takes any gate, stage 6's intra kernel not yet, and the backward runs unchecked:
-                # its range is checked here (one more pass over g and device sync, gradients only)
-                from stages.s05_fast_kda.numerics import check_diagonal_range
-
-                check_diagonal_range(g, str(q.dtype).removeprefix("torch."), float(g.min()))
             return _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, check_values)
         return _cpu_forward(q, k, v, g, beta, initial_state, chunk_size)
 
@@ -212,12 +204,17 @@ def _refuse_unsupported(fla_options):
             raise NotImplementedError(f"chunk_kda does not support {name}={value!r}: {refused.why}")
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, scale):
-    """Types, ranks, dtypes and one device for all; shapes and values are checked by the path that runs.
+def check_chunk_kda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           initial_state: torch.Tensor | None = None, scale: float | None = None,
+                           fla_options: dict | None = None) -> None:
+    """chunk_kda's own checks: FLA's options the course refuses (REFUSED), then types, ranks, dtypes
+    and one device for all. Shapes and values are checked by the path that runs (stage 5's
+    check_forward_inputs on CUDA, the references' checks on the CPU).
 
     Contiguity is not asked (check_kernel_tensor asks it of a contiguous copy): chunk_kda makes its
     inputs contiguous itself, as FLA's does.
     """
+    _refuse_unsupported(fla_options or {})
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
     for name, x in tensors.items():
         if name == "initial_state" and x is None:
@@ -234,7 +231,7 @@ def _check_inputs(q, k, v, g, beta, initial_state, scale):
                         f"keyword argument, as in FLA: chunk_kda(q, k, v, g, beta, initial_state=...))")
 
 
-def _l2_normalize(x):
+def l2_normalize(x):
     """x / sqrt(||x||^2 + eps) along the last axis, in float32 at least; returned in x's dtype."""
     wide = x.to(torch.promote_types(x.dtype, torch.float32))
     return (wide * torch.rsqrt((wide * wide).sum(-1, keepdim=True) + L2_NORM_EPS)).to(x.dtype)

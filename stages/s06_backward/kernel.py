@@ -36,6 +36,9 @@ anchored GEMMs) and T = (I + L)^{-1} (by blocks) are recomputed; then
     dbeta  = rowsum(dA_hat ⊙ T) + colsum(dL ⊙ A_kk),   dL^T = -T (dA_hat^T A_hat) (strict upper),
     dA_qk^T = V_new dO^T, and dM^T = diag(beta) dL^T through the scores with the forward's anchors,
     dg = reverse cumulative sum of dgamma.
+Any gate, as in stage 5: a diagonal sub-block whose anchored factors would leave the operands' range
+(FAST_SPAN_LOG) is flagged on the device, and its A_kk and score gradients are taken by their
+definition, every decay <= 1 (exact_diagonal_gradients_macro).
 
 Reference C (`stages.s06_backward.reference.kernel_mirror_backward`) runs the same steps in NumPy.
 Run `python -m stages.s06_backward.kernel` to compile the four kernels for sm_90a and print their
@@ -49,13 +52,14 @@ from typing import TYPE_CHECKING
 from stages.common.checks import padded_length
 from stages.common.tilelang_tools import LOG2_E, compile_in_threads
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, dtype_name,
+from stages.common.torch_checks import (check_gate_values, check_kernel_tensor, check_on_cuda, check_same, dtype_name,
                                         pad_tokens)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK,
-                                        _check_tile_sizes, _compiled_prepare, advance_state_macro,
-                                        block_inverse_macro, build_prepare_program, cumulative_gates_macro,
-                                        default_block_dv, streaming_multiprocessors, zero_state)
-from stages.s05_fast_kda.numerics import check_diagonal_range
+                                        advance_state_macro, block_inverse_macro, build_prepare_program,
+                                        check_kernel_sizes, check_state, check_token_inputs, compiled_prepare,
+                                        cumulative_gates_macro, default_block_dv, exact_diagonal_block_macro,
+                                        flag_wide_spans_macro, streaming_multiprocessors, zero_state)
+from stages.s05_fast_kda.numerics import FAST_SPAN_LOG
 
 if TYPE_CHECKING:
     import torch
@@ -277,7 +281,9 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
 
     The score GEMMs (A_kk, and the gradients through A_kk and A_qk) work on d_k / channel_passes
     channels at a time, as stage 5's prepare kernel does. threads=None takes
-    default_intra_threads(chunk_size, d_k, channel_passes).
+    default_intra_threads(chunk_size, d_k, channel_passes). Any gate <= 0: the diagonal sub-blocks
+    whose gates span more than FAST_SPAN_LOG allows (the diagonal operands are in the input dtype,
+    their factors computed in fp32) are taken by their definition instead of the anchored GEMMs.
     """
     import tilelang.language as T
 
@@ -286,7 +292,14 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
     accum_dtype = "float32"
     num_chunks = N // C
     channels = d_k // channel_passes
+    blocks = C // sub
+    # the span the anchored factors may take: they are computed in fp32 (from gamma) and stored in
+    # `dtype`, so both types must hold them (a float64 program keeps fp32's span)
+    largest_span = min(FAST_SPAN_LOG[dtype], FAST_SPAN_LOG[accum_dtype])
     cumulative_gates = cumulative_gates_macro(C, d_k)
+    flag_wide_spans = flag_wide_spans_macro(C, d_k, largest_span)
+    exact_key_scores = exact_diagonal_block_macro(d_k, queries=False)
+    exact_diagonal_gradients = exact_diagonal_gradients_macro(channels)
     block_inverse = block_inverse_macro(C)
 
     @T.prim_func
@@ -353,6 +366,7 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             dK_rows_s = T.alloc_shared((C, channels), accum_dtype)
             dK_columns_s = T.alloc_shared((C, channels), accum_dtype)
             dgamma_s = T.alloc_shared((C, channels), accum_dtype)
+            exact_s = T.alloc_shared((blocks,), "int32")  # 1: the sub-block is taken by its definition
 
             kk_f = T.alloc_fragment((C, C), accum_dtype)
             kk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
@@ -372,6 +386,7 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             T.copy(Beta[b, t0:t0 + C, h], beta_s)
             T.copy(G[b, t0:t0 + C, h, :], gamma_s)
             cumulative_gates(gamma_s)
+            flag_wide_spans(gamma_s, exact_s)
             # --8<-- [end:intra_setup]
 
             # --8<-- [start:intra_recompute]
@@ -387,6 +402,11 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                 in_block = r // sub == j // sub and j < r
                 A_kk_s[r, j] = T.if_then_else(in_block, kk_f[r, j], 0)
                 L_s[r, j] = T.if_then_else(in_block, kk_f[r, j] * beta_s[j], 0)
+            # the sub-blocks past the operands' range (their entries above may be inf or NaN, kept to their
+            # own block by the mask) again, by their definition, as the prepare kernel takes them
+            for blk in T.serial(blocks):
+                if exact_s[blk] == 1:
+                    exact_key_scores(Q_s, K_s, gamma_s, beta_s, L_s, A_kk_s, blk * sub)
             # ... and the slabs of sub columns anchored at the first row below them
             for s0 in tuple(range(sub, C, sub)):
                 for channel_pass in range(channel_passes):
@@ -459,9 +479,13 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             # --8<-- [start:intra_scores]
             for channel_pass in range(channel_passes):
                 d0 = channel_pass * channels
-                # diagonal sub-blocks, anchored at their middle row
+                # diagonal sub-blocks, anchored at their middle row. A GEMM below multiplies every
+                # block's operands by the other blocks' zeros, so an inf in one would spread NaN to all
+                # rows: the exponents are clamped to the span in range, which changes no sub-block but
+                # the flagged ones, taken again by their definition after the GEMMs
                 for r, d in T.Parallel(C, channels):
-                    from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
+                    from_anchor = T.max(T.min(gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d],
+                                              largest_span), -largest_span) * LOG2_E
                     to_row = T.exp2(from_anchor)
                     Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
                     K_row_s[r, d] = K_s[r, d0 + d] * to_row
@@ -480,6 +504,11 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                     dK_columns_s[r, d] = columns_f[r, d] * T.exp2(-from_anchor)
                     dgamma_s[r, d] = (Q_row_s[r, d] * rows_f[r, d] + K_row_s[r, d] * rows_k_f[r, d]
                                       - K_col_s[r, d] * columns_f[r, d])
+                # the flagged sub-blocks' rows, written over: a uniform branch, as in the recompute
+                for blk in T.serial(blocks):
+                    if exact_s[blk] == 1:
+                        exact_diagonal_gradients(Q_s, K_s, gamma_s, dA_qk_T_s, dM_T_s, d0, dQ_scores_s, dK_rows_s,
+                                                 dK_columns_s, dgamma_s, blk * sub)
 
                 # a slab of sub key columns at a time, anchored at the first row below it: rows from s0
                 # on take their decay from the anchor (<= 1); rows above are zero, since the column
@@ -542,6 +571,56 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
 # --8<-- [end:intra_gates]
 
 
+# --8<-- [start:intra_exact_block]
+def exact_diagonal_gradients_macro(channels):
+    """The macro exact_diagonal_gradients(Q_s, K_s, gamma_s, dA_qk_T_s, dM_T_s, d0, dQ_scores_s, dK_rows_s,
+    dK_columns_s, dgamma_s, first): the score gradients of the diagonal sub-block of rows and columns
+    first .. first + SUB_BLOCK - 1, for the channel pass d0 .. d0 + channels - 1, as reference C's
+    score_gradients defines them, each decay e^{gamma_c - gamma_i} (i <= c) taken whole, so <= 1 at
+    any gate, and summed in fp32 on the CUDA cores:
+        dQ_scores[c]  = sum_i dA_qk[c, i] k_i e^{gamma_c - gamma_i},   dK_rows[c] = sum_i dM[c, i] (the same)
+        dK_columns[i] = sum_c (dM[c, i] k_c + dA_qk[c, i] q_c) e^{gamma_c - gamma_i}
+        dgamma        = q ⊙ dQ_scores + k ⊙ (dK_rows - dK_columns)
+    Q_s, K_s, gamma_s: (C, d_k); dA_qk_T_s, dM_T_s (C, C): the transposes, read whole (their zeros
+    below the diagonal keep each sum to i <= c); the four (C, channels) outputs' rows of the
+    sub-block are written over, and the slabs add to them after."""
+    import tilelang.language as T
+
+    sub = SUB_BLOCK
+
+    @T.macro
+    def exact_diagonal_gradients(Q_s, K_s, gamma_s, dA_qk_T_s, dM_T_s, d0, dQ_scores_s, dK_rows_s, dK_columns_s,
+                                 dgamma_s, first):
+        for r, d in T.Parallel(sub, channels):
+            row = first + r
+            query_row = T.alloc_var("float32")  # dQ_scores[row]
+            key_row = T.alloc_var("float32")  # dK_rows[row]
+            key_column = T.alloc_var("float32")  # dK_columns[row]
+            query_row = 0
+            key_row = 0
+            key_column = 0
+            for j in T.serial(sub):
+                other = first + j
+                # e^{-|gamma_row - gamma_other|}: the decay from the earlier token to the later, <= 1
+                decay = T.exp2(-T.abs(gamma_s[row, d0 + d] - gamma_s[other, d0 + d]) * LOG2_E)
+                key = T.cast(K_s[other, d0 + d], "float32") * decay
+                # row as the later token (other <= row): dA_qk[row, other] = dA_qk_T[other, row], zero
+                # past row, and dM[row, other] likewise; as the earlier token (other >= row) ...
+                query_row += dA_qk_T_s[other, row] * key
+                key_row += dM_T_s[other, row] * key
+                # ... dM[other, row] = dM_T[row, other] and dA_qk[other, row] = dA_qk_T[row, other]
+                key_column += dM_T_s[row, other] * key + dA_qk_T_s[row, other] * T.cast(Q_s[other, d0 + d],
+                                                                                        "float32") * decay
+            dQ_scores_s[row, d] = query_row
+            dK_rows_s[row, d] = key_row
+            dK_columns_s[row, d] = key_column
+            dgamma_s[row, d] = (T.cast(Q_s[row, d0 + d], "float32") * query_row
+                                + T.cast(K_s[row, d0 + d], "float32") * (key_row - key_column))
+
+    return exact_diagonal_gradients
+# --8<-- [end:intra_exact_block]
+
+
 def default_intra_threads(chunk_size, d_k, channel_passes=CHANNEL_PASSES):
     """As many warps as the intra kernel's smallest GEMMs can share, at most 8 (two warp groups).
 
@@ -578,11 +657,13 @@ def kernel_arguments(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
 
 
 @functools.cache
-def _compiled(kernel, *arguments):
+def compiled_one_kernel(kernel, *arguments):
+    """One kernel of BUILDERS (or the forward's prepare) compiled for the GPU, with kernel_arguments'
+    arguments for it: made once per name and arguments."""
     import tilelang
 
     if kernel == "prepare":  # the forward's own compiled kernel, shared with stage 5's forward
-        return _compiled_prepare(*arguments, None)
+        return compiled_prepare(*arguments, None)
     build, outputs = BUILDERS[kernel]
     return tilelang.compile(build(*arguments), out_idx=outputs, target="cuda")
 
@@ -592,7 +673,8 @@ def compiled_kernels(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
     """{kernel: compiled for the GPU} for one backward shape (kernel_arguments' arguments). The five
     compile at once in threads on the first call: about the time of the slowest, not of all five."""
     arguments = kernel_arguments(B, N, H, d_k, d_v, chunk_size, block_dv, dtype)
-    compiled = compile_in_threads({name: functools.partial(_compiled, name, *arguments[name]) for name in arguments})
+    compiled = compile_in_threads({name: functools.partial(compiled_one_kernel, name, *arguments[name])
+                                   for name in arguments})
     for kernel in compiled.values():
         if isinstance(kernel, Exception):
             raise kernel
@@ -637,19 +719,8 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     default_block_dv for this shape and GPU, as the forward's recurrence does. check_values=False
     skips the check of g's and beta's values (a pass over both and a device sync), as in `forward`.
     """
-    B, N, H, d_k, d_v = check_qkv(q, k, v)
-    check_gate("g", g, (B, N, H, d_k), "(B, N, H, d_k)")
-    check_gate("beta", beta, (B, N, H), "(B, N, H)")
-    _check_output_gradient(do, q, v)
-    for name, state in (("initial_state", initial_state), ("d_final_state", d_final_state)):
-        if state is not None:
-            check_gate(name, state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
-    _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
-    if check_values:
-        check_diagonal_range(g, dtype_name(q), check_gate_values(g, beta))
-    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
-               "d_final_state": d_final_state}
-    check_on_cuda({name: x for name, x in tensors.items() if x is not None})
+    B, N, H, d_k, d_v = check_backward_inputs(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size, block_dv,
+                                              check_values)
     if block_dv is None:
         block_dv = default_block_dv(B, H, d_v, streaming_multiprocessors(q.device))
 
@@ -663,10 +734,27 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
 # --8<-- [end:backward]
 
 
-def _check_output_gradient(do, q, v):
-    """do = dLoss/do: contiguous, o's shape (v's, (B, N, H, d_v)) and q's dtype."""
-    from stages.common.torch_checks import check_kernel_tensor, check_same
+def check_backward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
+                          beta: "torch.Tensor", do: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
+                          d_final_state: "torch.Tensor | None" = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                          block_dv: int | None = None, check_values: bool = True) -> tuple[int, int, int, int, int]:
+    """Every check of `backward`'s arguments, in the order of stage 5's check_forward_inputs, with do
+    and d_final_state beside the forward's inputs; returns (B, N, H, d_k, d_v). With check_values, the
+    values (check_gate_values): any gate <= 0 runs, as in stage 5's forward, so no range is checked."""
+    B, N, H, d_k, d_v = check_token_inputs(q, k, v, g, beta)
+    check_output_gradient(do, q, v)
+    check_state("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
+    check_state("d_final_state", d_final_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
+    check_kernel_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
+    if check_values:
+        check_gate_values(g, beta)
+    check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
+                   "d_final_state": d_final_state})
+    return B, N, H, d_k, d_v
 
+
+def check_output_gradient(do: "torch.Tensor", q: "torch.Tensor", v: "torch.Tensor") -> None:
+    """do = dLoss/do: contiguous, o's shape (v's, (B, N, H, d_v)) and q's dtype."""
     check_kernel_tensor("do", do, rank=4)
     check_same("do", do, "v", v, "shape")
     check_same("do", do, "q", q, "dtype")
@@ -676,7 +764,7 @@ def _check_output_gradient(do, q, v):
 def compile_report(kernel="intra", B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
                    block_dv=DEFAULT_BLOCK_DV, dtype="bfloat16"):
     """Lower and compile one kernel of the backward (one of BUILDERS) for sm_90a without a GPU."""
-    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    check_kernel_sizes(d_k, d_v, chunk_size, block_dv)
     if kernel not in BUILDERS:
         raise ValueError(f"kernel must be one of {tuple(BUILDERS)}, got {kernel!r}")
     arguments = kernel_arguments(B, N, H, d_k, d_v, chunk_size, block_dv, dtype)[kernel]

@@ -45,7 +45,12 @@ class Gradients(NamedTuple):
     final_state: Float64Array  # (B, H, d_k, d_v), S_N^T
 
 
-def _check(q, k, v, g, beta, do, initial_state, d_final_state):
+def check_gradient_inputs(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+                          do: Float64Array, initial_state: Float64Array | None,
+                          d_final_state: Float64Array | None) -> tuple[int, int, int, int, int]:
+    """The inputs of a backward reference, as the forward's (stages.common.checks: float64 arrays, finite,
+    g <= 0, beta in [0, 1]) and do (B, N, H, d_v), initial_state and d_final_state (B, H, d_k, d_v) or
+    None. Returns (B, N, H, d_k, d_v)."""
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate_and_beta(g, beta, B, N, H, d_k, gate="channel")
     check_output_gradient(do, B, N, H, d_v)
@@ -77,7 +82,7 @@ def recurrent_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
     and d_initial_state = dS_0^T. The forward keeps every S_t (a reference can afford N + 1 states;
     P_t is singular when beta_t ||k_t||^2 = 1, so S_{t-1} cannot be recovered from S_t).
     """
-    B, N, H, d_k, d_v = _check(q, k, v, g, beta, do, initial_state, d_final_state)
+    B, N, H, d_k, d_v = check_gradient_inputs(q, k, v, g, beta, do, initial_state, d_final_state)
     dq, dk, dg = (np.zeros((B, N, H, d_k)) for _ in range(3))
     dv, o = np.zeros((B, N, H, d_v)), np.zeros((B, N, H, d_v))
     dbeta = np.zeros((B, N, H))
@@ -125,7 +130,7 @@ class _Chunk(NamedTuple):
     A_qk: Float64Array  # (C, C), lower, diagonal included
 
 
-def _chunk_forward(Q, K, V, G, beta_c):
+def chunk_forward(Q, K, V, G, beta_c):
     """Everything of one chunk that does not read the state, as stage 4's reference B computes it."""
     C = len(Q)
     gamma = np.cumsum(G, axis=0)
@@ -171,7 +176,7 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
     The forward keeps the state at every chunk start; the rest of a chunk is recomputed. The last
     chunk may be shorter than chunk_size.
     """
-    B, N, H, d_k, d_v = _check(q, k, v, g, beta, do, initial_state, d_final_state)
+    B, N, H, d_k, d_v = check_gradient_inputs(q, k, v, g, beta, do, initial_state, d_final_state)
     check_chunking(N, d_v, chunk_size)
     dq, dk, dg = (np.zeros((B, N, H, d_k)) for _ in range(3))
     dv, o = np.zeros((B, N, H, d_v)), np.zeros((B, N, H, d_v))
@@ -185,7 +190,7 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
             for rows in chunks:  # forward: stage 4's reference B, keeping S^T at every chunk start
                 chunk_start_states.append(S_T)
                 Q, K, V = q[b, rows, h], k[b, rows, h], v[b, rows, h]
-                f = _chunk_forward(Q, K, V, g[b, rows, h], beta[b, rows, h])
+                f = chunk_forward(Q, K, V, g[b, rows, h], beta[b, rows, h])
                 V_new = f.U - f.W @ S_T
                 o[b, rows, h] = (Q * np.exp(f.gamma)) @ S_T + f.A_qk @ V_new
                 S_T = np.exp(f.gamma[-1])[:, None] * S_T + (K * np.exp(f.gamma[-1] - f.gamma)).T @ V_new
@@ -194,7 +199,7 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
             dS_T = np.zeros((d_k, d_v)) if d_final_state is None else d_final_state[b, h].copy()
             for rows, S_T in reversed(list(zip(chunks, chunk_start_states))):  # backward, last chunk first
                 Q, K, V, beta_c, dO = q[b, rows, h], k[b, rows, h], v[b, rows, h], beta[b, rows, h], do[b, rows, h]
-                f = _chunk_forward(Q, K, V, g[b, rows, h], beta_c)
+                f = chunk_forward(Q, K, V, g[b, rows, h], beta_c)
                 C, gamma = len(Q), f.gamma
                 decay_to_end = np.exp(gamma[-1] - gamma)  # (C, d_k)
                 V_new = f.U - f.W @ S_T
@@ -277,7 +282,7 @@ def kernel_mirror_backward(q: Float64Array, k: Float64Array, v: Float64Array, g:
     The forward's o and final state, which the backward kernels do not compute, come from stage 5's
     recurrence on the same prepared tensors.
     """
-    B, N, H, d_k, d_v = _check(q, k, v, g, beta, do, initial_state, d_final_state)
+    B, N, H, d_k, d_v = check_gradient_inputs(q, k, v, g, beta, do, initial_state, d_final_state)
     block_dv = d_v if block_dv is None else block_dv
     check_chunking(N, d_v, chunk_size, block_dv)
     if sub_block is None:

@@ -33,14 +33,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from stages.common.device_checks import BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT, flags_for
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_gate, check_gate_values, check_kernel_tensor,
-                                        check_on_cuda, check_qkv, check_same, check_slot_values, check_slots, dtype_name)
-from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, _check_tile_sizes,
-                                        advance_state_macro, anchored_scores_macro, block_inverse_macro,
-                                        chunk_output_macro, cumulative_gates_macro, default_prepare_threads,
-                                        wy_outputs_macro)
+from stages.common.checks import padded_length
+from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_gate, check_gate_values,
+                                        check_kernel_tensor, check_on_cuda, check_same, check_slot_values, check_slots,
+                                        dtype_name)
+from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, advance_state_macro,
+                                        anchored_scores_macro, block_inverse_macro, check_kernel_sizes, check_state,
+                                        check_token_inputs, chunk_output_macro, cumulative_gates_macro,
+                                        default_prepare_threads, wy_outputs_macro)
 from stages.s05_fast_kda.numerics import score_operand_dtypes
 from stages.s07_serving.reference import chunk_table
 
@@ -58,7 +61,14 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
     the pool (P, H, d_k, d_v) in `state_dtype` (fp32 on the GPU; the interpreter also runs float64);
     slots (B,) int32 -> o (B, H, d_v) in `dtype`, the pool updated in place at slots.
 
-    block_dv must divide d_v. Parameters in order: Q, K, V, G, Beta, Slots, State_pool, O (out_idx=[7]).
+    The values only the data can tell are checked here, on the device, as they are read: a log gate
+    that is not finite and <= 0 sets Flags[BAD_GATE], a beta outside [0, 1] (or NaN) Flags[BAD_BETA],
+    a slot outside [0, P) Flags[BAD_SLOT] (stages.common.device_checks reads them, with no host sync
+    per call). A program whose slot is out of range reads slot 0 and writes nothing: it never
+    touches memory past the pool.
+
+    block_dv must divide d_v. Parameters in order: Q, K, V, G, Beta, Slots, State_pool, Flags, O
+    (out_idx=[8]); Flags (FLAG_COUNT,) int32 is only ever set to 1.
     """
     import tilelang.language as T
 
@@ -73,12 +83,14 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
         Beta: T.Tensor((B, H), accum_dtype),
         Slots: T.Tensor((B,), "int32"),
         State_pool: T.Tensor((P, H, d_k, d_v), accum_dtype),
+        Flags: T.Tensor((FLAG_COUNT,), "int32"),
         O: T.Tensor((B, H, d_v), dtype),
     ):
         with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
             b, h = i_bh // H, i_bh % H
             v0 = i_v * block_dv
-            slot = Slots[b]  # where sequence b's state lives in the pool
+            slot_in_pool = T.And(Slots[b] >= 0, Slots[b] < P)
+            slot = T.if_then_else(slot_in_pool, Slots[b], 0)  # where sequence b's state lives in the pool
 
             q_s = T.alloc_shared((d_k,), accum_dtype)
             k_s = T.alloc_shared((d_k,), accum_dtype)
@@ -97,6 +109,13 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
             T.copy(V[b, h, v0:v0 + block_dv], v_s)
             for d in T.Parallel(d_k):
                 decay_s[d] = T.exp2(G[b, h, d] * LOG2_E)
+                # NaN fails g <= 0; -inf would make the decay table's exp2(0 * -inf) NaN elsewhere
+                if T.Not(T.And(G[b, h, d] <= 0, G[b, h, d] >= -T.max_value(accum_dtype))):
+                    Flags[BAD_GATE] = 1
+            if T.Not(T.And(Beta[b, h] >= 0, Beta[b, h] <= 1)):
+                Flags[BAD_BETA] = 1
+            if T.Not(slot_in_pool):
+                Flags[BAD_SLOT] = 1
 
             # the decay first, then what the decayed state recalls for k
             for d, j in T.Parallel(d_k, block_dv):
@@ -112,32 +131,55 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
                 product_f[d, j] = q_s[d] * S_f[d, j]
             T.reduce_sum(product_f, o_f, dim=0)
             T.copy(o_f, O[b, h, v0:v0 + block_dv])
-            T.copy(S_f, State_pool[slot, h, :, v0:v0 + block_dv])  # back where it came from
+            for d, j in T.Parallel(d_k, block_dv):
+                if slot_in_pool:  # back where it came from; a slot out of range writes nothing
+                    State_pool[slot, h, d, v0 + j] = S_f[d, j]
 
     return kda_decode
 # --8<-- [end:program]
 
 
 @functools.cache
-def _compiled(B, P, H, d_k, d_v, block_dv, dtype, threads):
+def compiled_decode(B, P, H, d_k, d_v, block_dv, dtype, threads):
+    """The decode kernel compiled for the GPU with an fp32 pool: made once per shape, block, dtype and threads."""
     import tilelang
 
     program = build_decode_program(B, P, H, d_k, d_v, block_dv, dtype, "float32", threads)
-    return tilelang.compile(program, out_idx=[7], target="cuda")
+    return tilelang.compile(program, out_idx=[8], target="cuda")
 
 
 # --8<-- [start:decode]
 def decode(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
            state_pool: "torch.Tensor", slots: "torch.Tensor", block_dv: int = DEFAULT_BLOCK_DV,
-           threads: int = DEFAULT_THREADS, check_values: bool = True) -> "torch.Tensor":
+           threads: int = DEFAULT_THREADS, checks: str = "device") -> "torch.Tensor":
     """One decode step on CUDA tensors: q, k (B, H, d_k), v (B, H, d_v) in fp16 or bf16; g (B, H, d_k)
     fp32 log gates (<= 0); beta (B, H) fp32 in [0, 1]; state_pool (P, H, d_k, d_v) fp32, S^T in the
     kernel layout; slots (B,) int32, distinct, in [0, P).
 
     Returns o (B, H, d_v) in the input dtype; state_pool[slots] is advanced by one token in place
-    and every other slot is left as it was. check_values=False skips the checks of g's, beta's and
-    the slots' values (two passes and two device syncs): the caller vouches for them, and the call
-    has no host sync left, as a server's decode loop (or a CUDA graph of it) needs.
+    and every other slot is left as it was. Shapes, dtypes and devices are checked here. The values:
+    checks="device" (the default) leaves them to the kernel, which flags a bad g, beta or slot as it
+    reads them (stages.common.device_checks: `raise_if_flagged(q.device)` reports them) and never
+    writes through a slot outside the pool; the call has no host sync, so a server can capture it in
+    a CUDA graph. checks="host" also reads them to the host first and raises before the kernel runs
+    (two device syncs; it also catches two equal slots, which make two programs write one state):
+    the mode to debug a caller with.
+    """
+    if checks not in ("device", "host"):
+        raise ValueError(f'checks must be "device" or "host", got {checks!r}')
+    B, H, d_k, d_v = check_decode_inputs(q, k, v, g, beta, state_pool, slots, block_dv, check_values=checks == "host")
+    kernel = compiled_decode(B, state_pool.shape[0], H, d_k, d_v, block_dv, dtype_name(q), threads)
+    return kernel(q, k, v, g, beta, slots, state_pool, flags_for(q.device))
+
+
+def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
+                        beta: "torch.Tensor", state_pool: "torch.Tensor", slots: "torch.Tensor",
+                        block_dv: int = DEFAULT_BLOCK_DV, check_values: bool = True) -> tuple[int, int, int, int]:
+    """Every check of `decode`'s arguments (see its docstring); returns (B, H, d_k, d_v).
+
+    In stage 5's order (check_forward_inputs): what the tensors' types, shapes and dtypes tell, and
+    block_dv; then, with check_values, what only their values tell (check_decode_values); the device
+    last, so that every other mistake shows, and is tested, on a machine without a GPU.
     """
     check_kernel_tensor("q", q, rank=3)
     check_kernel_tensor("k", k, rank=3)
@@ -156,13 +198,19 @@ def decode(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Te
         raise ValueError(f"state_pool must be (P, H, d_k, d_v) = (P, {H}, {d_k}, {d_v}), S^T in the kernel layout, "
                          f"got {tuple(state_pool.shape)}")
     check_slots(slots, B)
-    _check_block(d_v, block_dv)
+    check_block(d_v, block_dv)
     if check_values:
-        check_gate_values(g, beta)
-        check_slot_values(slots, state_pool.shape[0])
+        check_decode_values(g, beta, slots, state_pool.shape[0])
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_pool": state_pool, "slots": slots})
-    kernel = _compiled(B, state_pool.shape[0], H, d_k, d_v, block_dv, dtype_name(q), threads)
-    return kernel(q, k, v, g, beta, slots, state_pool)
+    return B, H, d_k, d_v
+
+
+def check_decode_values(g: "torch.Tensor", beta: "torch.Tensor", slots: "torch.Tensor", P: int) -> None:
+    """What only the values tell: g finite and <= 0, beta in [0, 1] (check_gate_values), and the slots
+    distinct and in [0, P) (check_slot_values). Two passes, two device syncs: decode's checks="host";
+    by default the kernel checks them itself (build_decode_program)."""
+    check_gate_values(g, beta)
+    check_slot_values(slots, P)
 # --8<-- [end:decode]
 
 
@@ -363,7 +411,7 @@ def build_varlen_recurrence_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k,
 # --8<-- [end:varlen_recurrence_program]
 
 
-def _run_time_sizes():
+def run_time_sizes():
     """The token count, the chunk-aligned row count, the chunk count and the sequence count of a batch,
     as TileLang symbols: the kernels compiled with them serve every batch."""
     import tilelang.language as T
@@ -377,7 +425,7 @@ def _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype):
     TileLang allocates an output only when each of its sizes is a symbol of its own."""
     import tilelang
 
-    program = build_varlen_prepare_program(*_run_time_sizes(), H, d_k, d_v, chunk_size, dtype)
+    program = build_varlen_prepare_program(*run_time_sizes(), H, d_k, d_v, chunk_size, dtype)
     return tilelang.compile(program, target="cuda")
 
 
@@ -385,7 +433,7 @@ def _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype):
 def _compiled_varlen_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype):
     import tilelang
 
-    program = build_varlen_recurrence_program(*_run_time_sizes(), H, d_k, d_v, chunk_size, block_dv, dtype)
+    program = build_varlen_recurrence_program(*run_time_sizes(), H, d_k, d_v, chunk_size, block_dv, dtype)
     return tilelang.compile(program, target="cuda")
 
 
@@ -428,24 +476,13 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
 
     from stages.s05_fast_kda.kernel import default_block_dv, forward, streaming_multiprocessors, zero_state
 
-    B, T, H, d_k, d_v = check_qkv(q, k, v)
-    check_gate("g", g, (B, T, H, d_k), "(B, T, H, d_k)")
-    check_gate("beta", beta, (B, T, H), "(B, T, H)")
     if cu_seqlens is None:
         return forward(q, k, v, g, beta, chunk_size=chunk_size, block_dv=block_dv, initial_state=initial_state,
                        output_final_state=output_final_state, check_values=check_values)
-    offsets = np.asarray(check_cu_seqlens(cu_seqlens, B, T))
-    N_seq = len(offsets) - 1
-    if initial_state is not None:
-        check_gate("initial_state", initial_state, (N_seq, H, d_k, d_v), "(N_seq, H, d_k, d_v)")
-    _check_tile_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
+    offsets = check_prefill_inputs(q, k, v, g, beta, cu_seqlens, initial_state, chunk_size, block_dv, check_values)
+    H, d_k, d_v, N_seq = q.shape[2], q.shape[3], v.shape[3], len(offsets) - 1
     index = varlen_index(offsets, chunk_size)
     n_chunks = int(index[2 * N_seq + 1])  # chunk_offsets[-1]
-    _check_int32_indexing(max(T, n_chunks * chunk_size), H, max(d_k, d_v, chunk_size))
-    if check_values:
-        check_gate_values(g, beta)
-    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens}
-    check_on_cuda(tensors if initial_state is None else dict(tensors, initial_state=initial_state))
     if initial_state is None:
         initial_state = zero_state(N_seq, H, d_k, d_v, q.device)
     if block_dv is None:
@@ -455,6 +492,29 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
                                     n_chunks, initial_state, chunk_size,
                                     compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype_name(q)))
     return (o, final_state) if output_final_state else o
+
+
+def check_prefill_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
+                         beta: "torch.Tensor", cu_seqlens: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
+                         chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int | None = None,
+                         check_values: bool = True) -> np.ndarray:
+    """Every check of `prefill`'s arguments with cu_seqlens (without, `forward` checks them), in the
+    order of stage 5's check_forward_inputs: the tensors' types, shapes and dtypes, cu_seqlens (read to
+    the host: one sync), the initial states, the tile sizes and the 32-bit indexing; then, with
+    check_values, g's and beta's values (check_gate_values); the device last.
+
+    Returns the sequences' token offsets, cu_seqlens on the host (N_seq + 1 integers)."""
+    B, T, H, d_k, d_v = check_token_inputs(q, k, v, g, beta, length="T")
+    offsets = np.asarray(check_cu_seqlens(cu_seqlens, B, T))
+    check_state("initial_state", initial_state, (len(offsets) - 1, H, d_k, d_v), "(N_seq, H, d_k, d_v)")
+    check_kernel_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
+    aligned_rows = sum(padded_length(int(end - start), chunk_size) for start, end in zip(offsets, offsets[1:]))
+    check_int32_indexing(max(T, aligned_rows), H, max(d_k, d_v, chunk_size))
+    if check_values:
+        check_gate_values(g, beta)
+    check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens,
+                   "initial_state": initial_state})
+    return offsets
 # --8<-- [end:prefill]
 
 
@@ -496,7 +556,7 @@ def varlen_forward(q, k, v, g, beta, index, n_chunks, initial_state, chunk_size,
 # --8<-- [end:varlen_forward]
 
 
-def _check_int32_indexing(rows, H, width):
+def check_int32_indexing(rows: int, H: int, width: int) -> None:
     """The kernels compiled for run-time sizes index in 32 bits: a buffer of rows x H x width entries
     (rows: the packed tokens or the chunk-aligned rows, the more) must stay below 2^31 (about
     524,000 rows at H = 32 and d = 128)."""
@@ -505,7 +565,7 @@ def _check_int32_indexing(rows, H, width):
                          f"prefill it in smaller batches")
 
 
-def _check_block(d_v, block_dv):
+def check_block(d_v: int, block_dv: int) -> None:
     """block_dv: a positive divisor of d_v (the programs split the value columns evenly)."""
     if not isinstance(block_dv, int) or block_dv < 1 or d_v % block_dv:
         raise ValueError(f"block_dv must be a positive divisor of d_v = {d_v}, got {block_dv!r}")
@@ -517,7 +577,7 @@ def compile_report(B=64, P=256, H=32, d_k=128, d_v=128, block_dv=DEFAULT_BLOCK_D
     """Lower and compile the decode kernel for sm_90a without a GPU; see stages.common.tilelang_tools."""
     if dtype not in KERNEL_DTYPES:
         raise ValueError(f"dtype must be one of {KERNEL_DTYPES}, got {dtype!r}")
-    _check_block(d_v, block_dv)
+    check_block(d_v, block_dv)
     return _compile_report(build_decode_program(B, P, H, d_k, d_v, block_dv, dtype, "float32", threads))
 
 
@@ -526,11 +586,11 @@ def varlen_compile_report(kernel="recurrence", H=32, d_k=128, d_v=128, chunk_siz
                           dtype="bfloat16"):
     """Lower and compile one of prefill's kernels ("prepare" or "recurrence", both varlen) for sm_90a
     as prefill compiles them: the token, row, chunk and sequence counts run-time sizes."""
-    _check_tile_sizes(d_k, d_v, chunk_size, block_dv)
+    check_kernel_sizes(d_k, d_v, chunk_size, block_dv)
     if kernel == "prepare":
-        return _compile_report(build_varlen_prepare_program(*_run_time_sizes(), H, d_k, d_v, chunk_size, dtype))
+        return _compile_report(build_varlen_prepare_program(*run_time_sizes(), H, d_k, d_v, chunk_size, dtype))
     if kernel == "recurrence":
-        return _compile_report(build_varlen_recurrence_program(*_run_time_sizes(), H, d_k, d_v, chunk_size, block_dv,
+        return _compile_report(build_varlen_recurrence_program(*run_time_sizes(), H, d_k, d_v, chunk_size, block_dv,
                                                                dtype))
     raise ValueError(f"kernel must be 'prepare' or 'recurrence', got {kernel!r}")
 

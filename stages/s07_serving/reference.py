@@ -93,8 +93,11 @@ def initial_states(initial_state: Float64Array | None, N_seq: int, H: int, d_k: 
     return initial_state.copy()
 
 
-def _check(q, k, v, g, beta, cu_seqlens, initial_state):
-    """The inputs of a reference: returns (sequences as sequence_rows gives them, their initial states)."""
+def check_varlen_inputs(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
+                        cu_seqlens: np.ndarray | None,
+                        initial_state: Float64Array | None) -> tuple[list[tuple[int, slice]], Float64Array]:
+    """The inputs of a varlen reference (recurrent, chunkwise): returns (the sequences as sequence_rows
+    gives them, their initial states as initial_states gives them)."""
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate_and_beta(g, beta, B, N, H, d_k, gate="channel")
     sequences = sequence_rows(B, N, cu_seqlens)
@@ -111,7 +114,7 @@ def recurrent(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array
     cu_seqlens. Returns o (B, N, H, d_v), and with output_final_state also the final states
     (N_seq, H, d_k, d_v).
     """
-    sequences, states = _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    sequences, states = check_varlen_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
     o = np.zeros(v.shape)
     for i, (b, rows) in enumerate(sequences):
         pool, slot = states[i:i + 1], np.zeros(1, dtype=np.int64)  # a pool of one: the view is advanced in place
@@ -131,7 +134,7 @@ def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array
     Shapes as `recurrent`. Each sequence is cut out, padded to a multiple of chunk_size by stage 5's
     prepare, and its output cut back: the work of a batch of separate calls, one per sequence.
     """
-    sequences, states = _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    sequences, states = check_varlen_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
     check_chunking(q.shape[1], v.shape[3], chunk_size)
     o = np.zeros(v.shape)
     for i, (b, rows) in enumerate(sequences):

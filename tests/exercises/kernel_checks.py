@@ -104,12 +104,9 @@ def compile_for_sm90a(program, pass_configs=None):
     """Lower and compile `program` for sm_90a; fails if it spills, asks for too much shared memory, or
     has a barrier that some warps skip (a hang on the GPU the interpreter cannot show)."""
     __tracebackhide__ = True
-    from tilelang.transform import PassContext
-
     from stages.common.tilelang_tools import compile_report
 
-    with PassContext(config=pass_configs or {}):
-        report = compile_report(program)
+    report = compile_report(program, pass_configs)
     if report.spill_stores or report.spill_loads:
         pytest.fail(f"the kernel spills registers to local memory: {report.summary()}", pytrace=False)
     if report.divergent_barriers:

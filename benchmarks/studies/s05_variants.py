@@ -5,7 +5,7 @@ before commit ee09b80; its fastest variant, staged_all, has been the committed k
 (tests/test_s05_variants.py checks that it builds the library's program), so "committed" below means
 the kernel that run started from.
 
-    python -m benchmarks.s05_variants --out DIR [--quick] [--variants a,b] [--no-fla]
+    python -m benchmarks.studies.s05_variants --out DIR [--quick] [--variants a,b] [--no-fla]
 
 Each variant is a function with build_prepare_program's parameters and outputs (stages/s05_fast_kda/
 kernel.py is not touched). On a GPU the script compiles each variant (a failure is recorded and the
@@ -481,12 +481,15 @@ def compile_timed(builders, out_idx, log):
             for key, result in results.items()}
 
 
-def _rel_l2(actual, expected):
+def rel_l2(actual, expected):
+    """||actual - expected|| / ||expected|| of two tensors, in float64 (the variants' error measure)."""
     actual, expected = actual.double(), expected.double()
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
-def _graph_timer(quick):
+def graph_timer(quick):
+    """timer(launch) -> milliseconds per launch: a CUDA graph of it replayed under triton's do_bench
+    (CUDA events around the launch where it does not capture); fewer rounds when quick."""
     import torch
     from triton.testing import do_bench
 
@@ -513,15 +516,15 @@ def run(args, log):
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    timer = _graph_timer(args.quick)
+    timer = graph_timer(args.quick)
     compiled = _compile_all(args.variants, args.shapes, log)
     rows = []
     for shape in args.shapes:
         B, N, H, D = shape
         label = f"B={B} N={N} H={H} D={D}"
         inputs = bench.make_inputs(bench.STAGES["s05"], B, N, H, D, torch.bfloat16)
-        reference = kernel._compiled_prepare(B, N, H, D, D, DEFAULT_CHUNK_SIZE, DTYPE, None)
-        recurrence = kernel._compiled_recurrence(B, N, H, D, D, DEFAULT_CHUNK_SIZE, kernel.DEFAULT_BLOCK_DV, DTYPE,
+        reference = kernel.compiled_prepare(B, N, H, D, D, DEFAULT_CHUNK_SIZE, DTYPE, None)
+        recurrence = kernel.compiled_recurrence(B, N, H, D, D, DEFAULT_CHUNK_SIZE, kernel.DEFAULT_BLOCK_DV, DTYPE,
                                                  2, 128)
         state = torch.zeros(B, H, D, D, dtype=torch.float32, device="cuda")
         expected = [t.clone() for t in reference(*inputs)]
@@ -548,11 +551,11 @@ def run(args, log):
             try:
                 actual = prepare(*inputs)
                 for output_name, a, e in zip(OUTPUTS, actual, expected):
-                    row[f"rel_l2_{output_name}"] = f"{_rel_l2(a, e):.3e}"
+                    row[f"rel_l2_{output_name}"] = f"{rel_l2(a, e):.3e}"
                 o = recurrence(*actual, state)[0]
                 if fla_o is not None:
-                    row["rel_l2_o_vs_fla"] = f"{_rel_l2(o, fla_o):.3e}"
-                    row["rel_l2_o_committed_vs_fla"] = f"{_rel_l2(committed_o, fla_o):.3e}"
+                    row["rel_l2_o_vs_fla"] = f"{rel_l2(o, fla_o):.3e}"
+                    row["rel_l2_o_committed_vs_fla"] = f"{rel_l2(committed_o, fla_o):.3e}"
                 del actual, o
                 checks[name] = row
                 log(f"{label} {name}: checked, rel L2 vs committed: "

@@ -1,6 +1,6 @@
 """Sweep a stage kernel's tile parameters at one shape and print the time of each, fastest first.
 
-    python -m benchmarks.tune s01 --shape 1,16384,32,128
+    python -m benchmarks.studies.tune s01 --shape 1,16384,32,128
 
 Each configuration is checked against FLA's output before it is timed; one that fails to compile
 or disagrees is reported and skipped.

@@ -1,6 +1,6 @@
 """Each of stage 6's backward kernels alone on a GPU, against reference C's buffers for it.
 
-    python -m benchmarks.s06_kernel_parts [--dtype bfloat16] [--intra-threads 128,256] [--time 1,16384,32]
+    python -m benchmarks.studies.s06_kernel_parts [--dtype bfloat16] [--intra-threads 128,256] [--time 1,16384,32]
 
 The whole backward's GPU test says that a gradient is wrong; this says which kernel makes it wrong.
 At B=1, N=256, H=2, d_k = d_v = 128, C = 64 (gates down to 0.5, both states, as the kernel tests

@@ -1,13 +1,13 @@
 """Variants of stage 5's recurrence kernel, to time against the committed one in one GPU run.
 
-    python -m benchmarks.s05_recurrence_variants --out DIR [--quick] [--variants a,b]
+    python -m benchmarks.studies.s05_recurrence_variants --out DIR [--quick] [--variants a,b]
 
 Each variant is a function with build_recurrence_program's parameters and outputs
 (stages/s05_fast_kda/kernel.py is not touched). On a GPU the script runs the committed prepare
 kernel once per shape, compiles each variant, checks its o and final state against the committed
 recurrence's on the same inputs (rel L2), then times each recurrence alone (one launch captured as a
 CUDA graph, median under triton.testing.do_bench; interleaved rounds) at the shapes of
-benchmarks.s05_variants. Writes DIR/recurrence_variants.csv and prints a table.
+benchmarks.studies.s05_variants. Writes DIR/recurrence_variants.csv and prints a table.
 
 Where the time goes in the committed kernel: one program per (32 columns of d_v, batch x head), 128
 programs at B=1 H=32 (one wave on the H200's 132 SMs), a producer warp group loading by TMA and one
@@ -27,7 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.s05_variants import QUICK_ROUNDS, QUICK_SHAPES, ROUNDS, SHAPES, _graph_timer, _rel_l2, compile_timed
+from benchmarks.studies.s05_variants import QUICK_ROUNDS, QUICK_SHAPES, ROUNDS, SHAPES, compile_timed, graph_timer, rel_l2
 from stages.s05_fast_kda.kernel import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE
 
 DTYPE = "bfloat16"
@@ -186,17 +186,17 @@ def run(args, log):
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    timer = _graph_timer(args.quick)
+    timer = graph_timer(args.quick)
     compiled = _compile_all(args.variants, args.shapes, log)
     labels = [(name, block_dv) for name in args.variants for block_dv in BLOCK_DVS]
     rows = []
     for shape in args.shapes:
         B, N, H, D = shape
         inputs = bench.make_inputs(bench.STAGES["s05"], B, N, H, D, torch.bfloat16)
-        prepare = kernel._compiled_prepare(B, N, H, D, D, DEFAULT_CHUNK_SIZE, DTYPE, None)
+        prepare = kernel.compiled_prepare(B, N, H, D, D, DEFAULT_CHUNK_SIZE, DTYPE, None)
         prepared = prepare(*inputs)
         state = torch.randn(B, H, D, D, dtype=torch.float32, device="cuda") * 0.1
-        control = kernel._compiled_recurrence(B, N, H, D, D, DEFAULT_CHUNK_SIZE, DEFAULT_BLOCK_DV, DTYPE, 2, 128)
+        control = kernel.compiled_recurrence(B, N, H, D, D, DEFAULT_CHUNK_SIZE, DEFAULT_BLOCK_DV, DTYPE, 2, 128)
         expected_o, expected_state = (t.clone() for t in control(*prepared, state))
         checked = {}
         for name, block_dv in labels:
@@ -208,8 +208,8 @@ def run(args, log):
             row["compile_s"] = f"{result[1]:.1f}"
             try:
                 o, final_state = result[0](*prepared, state)
-                row["rel_l2_o"] = f"{_rel_l2(o, expected_o):.3e}"
-                row["rel_l2_final_state"] = f"{_rel_l2(final_state, expected_state):.3e}"
+                row["rel_l2_o"] = f"{rel_l2(o, expected_o):.3e}"
+                row["rel_l2_final_state"] = f"{rel_l2(final_state, expected_state):.3e}"
             except Exception as failure:  # noqa: BLE001 - recorded, the run goes on
                 traceback.print_exc()
                 row["error"] = f"run: {type(failure).__name__}: {str(failure)[:300]}"

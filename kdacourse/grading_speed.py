@@ -1,7 +1,10 @@
 """Time untrusted grading: one full submission (`course grade`) and a class (`course grade-all`).
 
-    python -m benchmarks.grading_speed [--students 30] [--endless 5] [--stages s01 ...] [--trust]
-                                       [--out benchmarks/results/grading_speed.csv]
+    python -m kdacourse.grading_speed [--students 30] [--endless 5] [--stages s01 ...] [--trust]
+                                      [--out benchmarks/results/grading_speed.csv]
+
+It lives in the grader's package, not in benchmarks/ (which never imports the course's tooling), and
+writes its figures beside the other benchmarks' in benchmarks/results/.
 
 The submissions are made from the course itself: the full one is a copy of solutions/ (every
 exercise passes, so every test runs); the class alternates copies of solutions/ and of the shipped
@@ -11,9 +14,11 @@ default limit (60 s a call). --stages keeps only those stages in every submissio
 on 2 cores: a full submission in at most 2 minutes, 30 submissions in at most 30 minutes; issue 25's:
 30 submissions, 5 of them with an endless loop, in at most 10 minutes.
 
-Each row records the wall-clock time, the CPU time of the whole process tree (sandboxes included),
-and the load average before and after: on a shared machine the wall clock grows with other work,
-the CPU time does not.
+Each row records the wall-clock time, the CPU time of the whole process tree, and the load average
+before and after: on a shared machine the wall clock grows with other work, the CPU time does not.
+The CPU time is read from a cgroup of its own where the machine lets us make one (cgroup v1's
+cpuacct, as root): it then counts the sandboxed children too, which grading kills rather than waits
+for, so that the rusage of waited children (the fallback, column cpu_from) misses them.
 """
 
 import argparse
@@ -32,9 +37,10 @@ from kdacourse import REPO_ROOT
 from kdacourse.catalog import resolve_stage
 from kdacourse.shipped import split_region
 
-RESULTS = Path(__file__).parent / "results" / "grading_speed.csv"
+RESULTS = REPO_ROOT / "benchmarks" / "results" / "grading_speed.csv"
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 FIELDS = ["command", "students", "endless", "stages", "exercise_runs", "wall_s", "cpu_s", "slowest_endless_s",
-          "load_before", "load_after", "sandbox", "machine"]
+          "load_before", "load_after", "sandbox", "machine", "cpu_from"]
 ENDLESS_LOOP = "while True:\n    pass"
 
 
@@ -53,18 +59,45 @@ def _loop_forever(submission, exercise):
     path.write_text(before + "".join(indent + line + "\n" for line in ENDLESS_LOOP.splitlines()) + after)
 
 
+def _cgroup():
+    """A fresh cpuacct cgroup folder for the grading process tree, or None where none can be made."""
+    try:
+        folder = CPUACCT / f"grading-speed-{os.getpid()}-{time.monotonic_ns()}"
+        folder.mkdir()
+        return folder
+    except OSError:
+        return None
+
+
 def _course(*arguments):
+    """Run `course ARGUMENTS`: (wall s, CPU s, load before, load after, where the CPU time came from)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load_before = os.getloadavg()[0]
+    cgroup = _cgroup()
+    # the child joins the cgroup before it starts anything, so every process it starts is counted
+    join = (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
     started = time.monotonic()
     completed = subprocess.run([sys.executable, "-m", "kdacourse.cli", *map(str, arguments)], cwd=REPO_ROOT,
-                               capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                               capture_output=True, text=True, stdin=subprocess.DEVNULL, preexec_fn=join)
     wall = time.monotonic() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if completed.returncode != 0:
         raise SystemExit(f"course {' '.join(map(str, arguments))} failed:\n{completed.stdout}\n{completed.stderr}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu, load_before, os.getloadavg()[0]
+    if cgroup is not None:
+        cpu, source = int((cgroup / "cpuacct.usage").read_text()) / 1e9, "cgroup"
+        _remove_when_empty(cgroup)
+    else:
+        cpu, source = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), "rusage"
+    return wall, cpu, load_before, os.getloadavg()[0], source
+
+
+def _remove_when_empty(cgroup):
+    for _ in range(50):  # a killed sandbox's processes may take a moment to leave
+        try:
+            cgroup.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
 
 
 def main(argv=None):
@@ -89,10 +122,11 @@ def main(argv=None):
         work = Path(work)
         if not args.skip_one:
             _copy(REPO_ROOT / "solutions", work / "one", stages)
-            wall, cpu, load_before, load_after = _course("grade", work / "one", "--out", work / "one-out", *trust)
+            wall, cpu, load_before, load_after, source = _course("grade", work / "one", "--out", work / "one-out",
+                                                                 *trust)
             rows.append({"command": "grade", "students": 1, "endless": 0, "stages": stage_names,
                          "exercise_runs": len(graded), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-                         "load_before": load_before, "load_after": load_after})
+                         "load_before": load_before, "load_after": load_after, "cpu_from": source})
             print(f"one full submission: {wall:.0f} s wall, {cpu:.0f} s CPU", flush=True)
         endless = []
         for number in range(args.students):
@@ -102,11 +136,13 @@ def main(argv=None):
                 exercise = looping[len(endless) % len(looping)]
                 _loop_forever(student, exercise)
                 endless.append((student.name, exercise.id))
-        wall, cpu, load_before, load_after = _course("grade-all", work / "class", "--out", work / "class-out", *trust)
+        wall, cpu, load_before, load_after, source = _course("grade-all", work / "class", "--out",
+                                                             work / "class-out", *trust)
         slowest = max((_seconds(work / "class-out" / name, exercise_id) for name, exercise_id in endless), default=0)
         rows.append({"command": "grade-all", "students": args.students, "endless": len(endless), "stages": stage_names,
                      "exercise_runs": args.students * len(graded), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-                     "slowest_endless_s": slowest, "load_before": load_before, "load_after": load_after})
+                     "slowest_endless_s": slowest, "load_before": load_before, "load_after": load_after,
+                     "cpu_from": source})
         print(f"{args.students} submissions ({len(endless)} with an endless loop): {wall:.0f} s wall, {cpu:.0f} s CPU; "
               f"the slowest endless exercise took {slowest:.0f} s", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,59 @@
+"""Value checks on the device: what only the data can tell, found without a host sync.
+
+A shape, a dtype or a device is known on the host and checked there. Whether a log gate is above 0,
+a beta outside [0, 1], a value NaN or a slot outside the pool only the data can tell, and reading the
+data to the host costs a device sync on every call: at decode, 213 us on a 77 us step, and a call
+that syncs cannot be captured in a CUDA graph, which is how servers run decode. So the kernels check
+the values they read anyway, as they read them, and set a flag in `Flags` (FLAG_COUNT int32, one
+per kind of bad value, only ever set to 1). The flags live in a small tensor per device that the
+caller passes to every call; nothing is read back per call.
+
+The flags are read where the caller synchronizes anyway: `raise_if_flagged(device)` waits for the
+device, and raises ValueError naming what was wrong (clearing the flags). A server calls it where
+it reads a step's output (it syncs there already: the sampled tokens go to the host), a training
+loop where it logs the loss, a test after the call. Until then a bad value costs nothing but its
+own wrong outputs: the kernels write nothing outside their tensors whatever the values (a slot
+outside the pool is read as slot 0 and written nowhere).
+
+The flags are sticky: a call never clears them, so a CUDA graph replayed a thousand times reports a
+bad value of any replay at the next raise_if_flagged.
+"""
+
+import functools
+
+BAD_GATE, BAD_BETA, BAD_SLOT = range(3)
+FLAG_COUNT = 3
+MESSAGES = {
+    BAD_GATE: "g must be finite and <= 0 (g = log(a), 0 < a <= 1; for a = 0 use a large negative g such as "
+              "-1e4): a call saw a g above 0, NaN or -inf",
+    BAD_BETA: "beta must lie in [0, 1]: a call saw a beta outside it or NaN",
+    BAD_SLOT: "slots must lie in [0, P): a call saw a slot outside the pool (its sequence was not advanced)",
+}
+
+
+def flags_for(device):
+    """The flags of `device` (a torch.device or its name): a (FLAG_COUNT,) int32 tensor on it, one per
+    device for the whole process, zeros until a kernel flags a bad value."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _flags(str(device))
+
+
+@functools.cache
+def _flags(device):
+    import torch
+
+    return torch.zeros(FLAG_COUNT, dtype=torch.int32, device=device)
+
+
+def raise_if_flagged(device):
+    """Raise ValueError for the bad values the kernels flagged on `device` since the flags were last
+    cleared (every call queued before this one), and clear them. One device sync."""
+    flags = flags_for(device)
+    seen = flags.tolist()  # the sync
+    if any(seen):
+        flags.zero_()
+        raise ValueError("; ".join(MESSAGES[kind] for kind, flagged in enumerate(seen) if flagged))

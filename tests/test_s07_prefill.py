@@ -1,0 +1,523 @@
+"""Stage 7, prefill of variable-length batches: the varlen references, the chunk table, the varlen
+kernels and their wrapper `prefill`.
+
+The varlen references A, B and C against each sequence run alone (stage 4's reference A from zero,
+stage 6's reference A from a state), lengths that are and are not multiples of the chunk, empty
+sequences, one chunk and many; the chunk table against its definition; chunked prefill in pieces of
+any sizes against one pass; the varlen prepare and recurrence through the tile interpreter against
+reference C, alone and as `prefill` wires them, any gate included; bad inputs refused on any
+machine; the kernels compiled for run-time sizes (`compile`) and run on a GPU against float64 and
+FLA (`gpu`). Decode is tests/test_s07_decode.py; the two serving together, tests/test_s07_serving.py.
+"""
+
+import numpy as np
+import pytest
+
+from stages.common.compare import assert_close
+from stages.common.errors import error_report
+from stages.common.inputs import make_inputs
+from stages.s04_kda.reference import recurrent
+from tests.s07_cases import FP32_FLOOR, POOL_AXES, UNIT_ROUNDOFF, make_sequences
+
+TF32_FLOOR = 2.0**-13  # stage 5's prepare: its block-inverse merges run as TF32 GEMMs
+
+
+# ------------------------------------------------------------------------------------------ varlen references
+
+MIXES = [  # (lengths, chunk_size, block_dv, sub_block): the sequences of one packed batch
+    ((5, 0, 17, 16, 1, 33), 8, 3, 4),  # empty, one token, a full chunk, short last chunks, many chunks
+    ((16,), 16, 6, 4),  # one sequence of one full chunk
+    ((9, 40), 16, 2, 8),  # two sequences, neither a multiple of the chunk
+]
+
+
+def _packed(lengths, H=2, d_k=8, d_v=6, seed=0):
+    """A packed batch (1, T, ...) of sequences of the given lengths, strong gates, beta 0 and 1; its cu_seqlens."""
+    x = make_sequences(1, sum(lengths), H, d_k, d_v, seed=seed)
+    return x, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _each_sequence_alone(x, cu_seqlens, initial_state):
+    """o and the final states from stage 6's reference A (token by token, paper layout, its own
+    initial-state code), one call per sequence: the independent answer."""
+    from stages.s06_backward.reference import recurrent_backward
+
+    o, final_states = np.zeros(x.v.shape), initial_state.copy()
+    for i, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        if end > start:
+            rows = slice(start, end)
+            alone = recurrent_backward(*(a[:, rows] for a in (x.q, x.k, x.v, x.g, x.beta)),
+                                       np.zeros(x.v[:, rows].shape), initial_state[i:i + 1])
+            o[:, rows], final_states[i] = alone.o, alone.final_state[0]
+    return o, final_states
+
+
+def _varlen_references(x, chunk_size, block_dv, sub_block):
+    """The three references as callables (cu_seqlens, initial_state) -> (o, final states)."""
+    from stages.s07_serving.reference import chunkwise, kernel_mirror, recurrent
+
+    args = (x.q, x.k, x.v, x.g, x.beta)
+    return {
+        "A": lambda cu, S0: recurrent(*args, cu, S0, output_final_state=True),
+        "B": lambda cu, S0: chunkwise(*args, chunk_size, cu, S0, output_final_state=True),
+        "C": lambda cu, S0: kernel_mirror(*args, chunk_size, block_dv, cu, S0, output_final_state=True,
+                                         sub_block=sub_block),
+    }
+
+
+@pytest.mark.parametrize("lengths, chunk_size, block_dv, sub_block", MIXES)
+@pytest.mark.parametrize("which", ["A", "B", "C"])
+def test_varlen_reference_equals_each_sequence_alone(which, lengths, chunk_size, block_dv, sub_block):
+    """From nonzero initial states: the outputs and the final states of each sequence run alone."""
+    x, cu_seqlens = _packed(lengths, seed=len(lengths))
+    initial_state = np.random.default_rng(1).standard_normal((len(lengths), 2, 8, 6))
+    kept = [a.copy() for a in (x.q, x.k, x.v, x.g, x.beta, cu_seqlens, initial_state)]
+    expected_o, expected_states = _each_sequence_alone(x, cu_seqlens, initial_state)
+    reference = _varlen_references(x, chunk_size, block_dv, sub_block)[which]
+    o, final_states = reference(cu_seqlens, initial_state)
+    assert_close(o, expected_o, rel_l2=1e-12)
+    assert_close(final_states, expected_states, rel_l2=1e-12, name="the final states", axes=POOL_AXES)
+    again = reference(cu_seqlens, initial_state)
+    assert np.array_equal(again[0], o) and np.array_equal(again[1], final_states), "a second call differs"
+    for given, before in zip((x.q, x.k, x.v, x.g, x.beta, cu_seqlens, initial_state), kept):
+        assert np.array_equal(given, before), f"reference {which} changed an input"
+
+
+@pytest.mark.parametrize("which", ["A", "B", "C"])
+def test_varlen_reference_from_zero_equals_stage_four(which):
+    """No initial state: each sequence's output is stage 4's reference A on it alone, and an empty
+    sequence's final state is zero."""
+    lengths = (13, 0, 24)
+    x, cu_seqlens = _packed(lengths, seed=3)
+    o, final_states = _varlen_references(x, 8, 3, 4)[which](cu_seqlens, None)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        rows = slice(start, end)
+        if end > start:
+            assert_close(o[:, rows], recurrent(*(a[:, rows] for a in (x.q, x.k, x.v, x.g, x.beta))), rel_l2=1e-12)
+    assert np.array_equal(final_states[1], np.zeros((2, 8, 6))), "an empty sequence's state moved"
+
+
+@pytest.mark.parametrize("which", ["A", "B", "C"])
+def test_equal_length_batch_is_the_packed_batch(which):
+    """Without cu_seqlens each row of (B, N, ...) is one sequence: the same numbers as the rows packed
+    into one with cu_seqlens = 0, N, 2N, ..."""
+    B, N, H, d_k, d_v = 3, 11, 2, 8, 6
+    x = make_sequences(B, N, H, d_k, d_v, seed=4)
+    S0 = np.random.default_rng(5).standard_normal((B, H, d_k, d_v))
+    o, final_states = _varlen_references(x, 8, 3, 4)[which](None, S0)
+    packed = type(x)(*(a.reshape(1, B * N, *a.shape[2:]) for a in (x.q, x.k, x.v, x.g, x.beta)))
+    expected_o, expected_states = _each_sequence_alone(packed, np.arange(B + 1) * N, S0)
+    assert_close(o, expected_o.reshape(B, N, H, d_v), rel_l2=1e-12)
+    assert_close(final_states, expected_states, rel_l2=1e-12, name="the final states", axes=POOL_AXES)
+
+
+def test_output_final_state_false_returns_the_output_alone():
+    from stages.s07_serving.reference import chunkwise, kernel_mirror
+    from stages.s07_serving.reference import recurrent as recurrent_varlen
+
+    x, cu_seqlens = _packed((4, 7))
+    args = (x.q, x.k, x.v, x.g, x.beta)
+    for o in (recurrent_varlen(*args, cu_seqlens), chunkwise(*args, 8, cu_seqlens), kernel_mirror(*args, 16, 6, cu_seqlens)):
+        assert isinstance(o, np.ndarray) and o.shape == x.v.shape
+
+
+def test_chunk_table_lists_every_chunk_of_every_sequence_in_order():
+    """Against its definition written out: sequence i of n tokens owns chunks 0 .. ceil(n / C) - 1."""
+    from stages.s07_serving.reference import chunk_table
+
+    lengths, C = [5, 0, 17, 16, 1, 33], 8
+    expected = [(i, c) for i, n in enumerate(lengths) for c in range((n + C - 1) // C)]
+    chunks, chunk_offsets = chunk_table(np.concatenate([[0], np.cumsum(lengths)]), C)
+    assert [tuple(row) for row in chunks] == expected
+    for i in range(len(lengths)):
+        owned = chunks[chunk_offsets[i]:chunk_offsets[i + 1]]
+        assert [tuple(row) for row in owned] == [row for row in expected if row[0] == i]
+
+
+@pytest.mark.parametrize("pieces", [(1, 3, 63, 64, 65, 200), (396,), (0, 200, 196)])
+def test_prefill_in_pieces_equals_one_pass(pieces):
+    """Pieces of any sizes (one token, under, at and over the chunk of 64), each from the state the
+    one before left: the output and the final state of one pass over the whole prompt."""
+    from stages.s07_serving.reference import chunkwise, prefill_in_pieces
+
+    B, N, H, d_k, d_v = 2, 396, 1, 8, 4
+    x = make_sequences(B, N, H, d_k, d_v, seed=6, gate_range=(0.5, 1.0))
+    S0 = np.random.default_rng(7).standard_normal((B, H, d_k, d_v))
+    def forward(q, k, v, g, beta, initial_state):
+        return chunkwise(q, k, v, g, beta, 64, initial_state=initial_state, output_final_state=True)
+
+    o, state = prefill_in_pieces(forward, x.q, x.k, x.v, x.g, x.beta, list(pieces), initial_state=S0)
+    expected = _each_sequence_alone(type(x)(*(a.reshape(1, B * N, *a.shape[2:]) for a in (x.q, x.k, x.v, x.g, x.beta))),
+                                    np.arange(B + 1) * N, S0)
+    assert_close(o, expected[0].reshape(B, N, H, d_v), rel_l2=1e-12, chunk_size=64)
+    assert_close(state, expected[1], rel_l2=1e-12, name="the state after the last piece", axes=POOL_AXES)
+
+
+def _bad_varlen_calls():
+    from stages.s07_serving.reference import chunkwise, kernel_mirror, prefill_in_pieces
+    from stages.s07_serving.reference import recurrent as recurrent_varlen
+
+    x, cu = _packed((4, 7))
+    args = (x.q, x.k, x.v, x.g, x.beta)
+    return [
+        (lambda: recurrent_varlen(*args, [0, 4, 11]), TypeError, "cu_seqlens must be a numpy.ndarray"),
+        (lambda: recurrent_varlen(*args, cu.astype(float)), TypeError, "cu_seqlens must have an integer dtype"),
+        (lambda: recurrent_varlen(*args, np.array([0, 5, 4, 11])), ValueError, "never decrease"),
+        (lambda: chunkwise(*args, 8, np.array([1, 4, 11])), ValueError, "must start at 0"),
+        (lambda: kernel_mirror(*args, 8, 6, np.array([0, 4, 12])), ValueError, "end at N = 11"),
+        (lambda: recurrent_varlen(*args, np.array([0])), ValueError, r"shape \(N_seq \+ 1,\)"),
+        (lambda: recurrent_varlen(*(np.concatenate([a, a]) for a in args), cu), ValueError, "B must be 1"),
+        (lambda: recurrent_varlen(*args, cu, np.zeros((3, 2, 8, 6))), ValueError, r"initial_state must have shape \(N_seq"),
+        (lambda: chunkwise(*args, 8, cu, np.zeros((2, 2, 6, 8))), ValueError, "initial_state must have shape"),
+        (lambda: kernel_mirror(*args, 8, 4, cu), ValueError, "block_dv must be a positive divisor of d_v = 6"),
+        (lambda: prefill_in_pieces(recurrent_varlen, *args, [4, 6]), ValueError, "sum to N = 11"),
+        (lambda: prefill_in_pieces(recurrent_varlen, *args, []), ValueError, "one or more lengths"),
+        (lambda: prefill_in_pieces(recurrent_varlen, *args, [12, -1]), ValueError, ">= 0"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(13))
+def test_varlen_references_refuse_bad_inputs(case):
+    call, error, message = _bad_varlen_calls()[case]
+    with pytest.raises(error, match=message):
+        call()
+
+
+# ------------------------------------------------------------------------------------------ prefill, on the CPU
+
+
+def test_chunk_aligned_rows_start_every_sequence_on_a_chunk():
+    """Against the definition written out: sequence i's tokens, in order, from row C * chunk_offsets[i]
+    on, where chunk_offsets counts whole chunks per sequence; no row taken twice; the layout as short
+    as it can be (every chunk holds a token of one sequence)."""
+    from stages.s07_serving.reference import chunk_aligned_rows
+
+    lengths, C = [5, 0, 17, 16, 1, 33], 8
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+    token_rows, chunk_offsets = chunk_aligned_rows(cu_seqlens, C)
+    expected, row = [], 0
+    for n in lengths:
+        expected += list(range(row, row + n))
+        row += C * ((n + C - 1) // C)
+    assert token_rows.tolist() == expected
+    assert chunk_offsets[-1] * C == row
+    assert len(set((token_rows // C).tolist())) == chunk_offsets[-1], "a chunk without a token"
+
+
+# prefill's CPU checks: shapes the interpreter runs in a few seconds (d_k in two 16-wide channel
+# passes, C = 32), lengths 0, 1, C - 1, C, C + 1 and several chunks, packed in no order of length; the
+# last one short, so that a load or store past a sequence's end runs off the batch (the interpreter
+# raises: its programs run in order, and a later sequence would overwrite a store into its rows)
+PREFILL_LENGTHS, PREFILL_C, PREFILL_H, PREFILL_D, PREFILL_BLOCK_DV = (32, 0, 1, 31, 70, 33), 32, 2, 32, 16
+
+
+def _interpreted_kernels(lengths, dtype):
+    """(varlen prepare, varlen recurrence) through the tile interpreter, built for the packed batch of
+    `lengths`, as varlen_forward calls them (torch tensors, outputs written in place)."""
+    from stages.common.interpreter import interpret
+    from stages.s07_serving.kernel import build_varlen_prepare_program, build_varlen_recurrence_program
+    from stages.s07_serving.reference import chunk_table
+
+    n_chunks = int(chunk_table(np.concatenate([[0], np.cumsum(lengths)]), PREFILL_C)[1][-1])
+    sizes = (sum(lengths), n_chunks * PREFILL_C, n_chunks, len(lengths), PREFILL_H, PREFILL_D, PREFILL_D, PREFILL_C)
+    return (interpret(build_varlen_prepare_program(*sizes, dtype)),
+            interpret(build_varlen_recurrence_program(*sizes, PREFILL_BLOCK_DV, dtype)))
+
+
+def _prefill_on_the_cpu(x, cu_seqlens, S0, dtype, kernels):
+    """stages.s07_serving.kernel.varlen_forward on CPU torch tensors with interpreted kernels: the
+    wrapper's index and the kernels' launches as on the GPU. Returns float64 (o, final states)."""
+    import torch
+
+    from stages.s07_serving.kernel import varlen_forward, varlen_index
+
+    operand = {"float64": torch.float64, "bfloat16": torch.bfloat16}[dtype]
+    state = torch.float64 if dtype == "float64" else torch.float32
+    args = [torch.tensor(a, dtype=operand) for a in (x.q, x.k, x.v)] + [torch.tensor(a, dtype=state) for a in (x.g, x.beta)]
+    index = varlen_index(cu_seqlens, PREFILL_C)
+    o, final_states = varlen_forward(*args, torch.from_numpy(index), int(index[2 * len(S0) + 1]),
+                                     torch.tensor(S0, dtype=state), PREFILL_C, kernels)
+    return o.double().numpy(), final_states.double().numpy()
+
+
+def _prefill_case(seed, lengths=PREFILL_LENGTHS, with_state=True):
+    x, cu_seqlens = _packed(lengths, H=PREFILL_H, d_k=PREFILL_D, d_v=PREFILL_D, seed=seed)
+    S0 = np.random.default_rng(seed).standard_normal((len(lengths), PREFILL_H, PREFILL_D, PREFILL_D))
+    return x, cu_seqlens, (0.1 * S0.astype(np.float32).astype(np.float64) if with_state else np.zeros_like(S0))
+
+
+def _varlen_sizes(cu_seqlens):
+    """(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_v, C) of the CPU checks' packed batch."""
+    from stages.s07_serving.reference import chunk_table
+
+    n_chunks = int(chunk_table(cu_seqlens, PREFILL_C)[1][-1])
+    return (int(cu_seqlens[-1]), n_chunks * PREFILL_C, n_chunks, len(cu_seqlens) - 1, PREFILL_H, PREFILL_D, PREFILL_D,
+            PREFILL_C)
+
+
+def test_varlen_prepare_program_matches_reference_c():
+    """The varlen prepare alone (float64 operands, fp32 on chip) against reference C's prepare_varlen:
+    each token's outputs at its chunk-aligned row within the TF32 rounding of stage 5's block-inverse
+    merges, the rows past each sequence's end exactly zero (the recurrence reads them as zero tokens),
+    the chunk decays by row of the chunk table; the packed inputs read in place, unchanged."""
+    from stages.common.interpreter import interpret
+    from stages.s07_serving.kernel import build_varlen_prepare_program, varlen_index
+    from stages.s07_serving.reference import CHUNK_FIELDS, chunk_aligned_rows, prepare_varlen
+
+    x, cu_seqlens, _ = _prefill_case(seed=50)
+    inputs = (x.q, x.k, x.v, x.g, x.beta)
+    kept = [a.copy() for a in inputs]
+    expected = prepare_varlen(*inputs, cu_seqlens, PREFILL_C, sub_block=16)
+    sizes = _varlen_sizes(cu_seqlens)
+    index, N_seq = varlen_index(cu_seqlens, PREFILL_C), sizes[3]
+    program = build_varlen_prepare_program(*sizes, "float64")
+    outputs = interpret(program, out_idx=[7, 8, 9, 10, 11, 12])(
+        *inputs, index[2 * N_seq + 2:].reshape(-1, 2), index[:N_seq + 1])
+    prepared, chunk_decay = dict(zip(("w", "u", "q_decayed", "k_to_chunk_end", "a_qk"), outputs[:5])), outputs[5]
+    token_rows, _ = chunk_aligned_rows(cu_seqlens, PREFILL_C)
+    padding_rows = np.setdiff1d(np.arange(sizes[1]), token_rows)
+    assert len(padding_rows) == sizes[1] - sizes[0] > 0
+    for field in CHUNK_FIELDS:
+        assert_close(prepared[field][:, token_rows], getattr(expected, field), rel_l2=TF32_FLOOR, name=field)
+        assert np.array_equal(prepared[field][:, padding_rows], np.zeros_like(prepared[field][:, padding_rows])), \
+            f"{field}: a row past a sequence's end is not zero"
+    assert_close(chunk_decay, expected.chunk_decay, rel_l2=FP32_FLOOR, name="the chunk decays")
+    for given, before in zip(inputs, kept):
+        assert np.array_equal(given, before), "the prepare changed an input"
+
+
+def test_varlen_recurrence_program_matches_reference_c():
+    """The varlen recurrence alone (float64 operands, its fp32 state) against reference C's
+    recurrence_varlen on reference C's prepare_varlen, laid out chunk-aligned: fp32's rounding, a
+    program per (d_v block, sequence x head) that reads only its own sequence's chunks, and o stored
+    straight to the packed rows (every row written once: o's buffer starts as NaN in the interpreter)."""
+    from stages.common.interpreter import interpret
+    from stages.s07_serving.kernel import build_varlen_recurrence_program
+    from stages.s07_serving.reference import chunk_aligned_rows, prepare_varlen, recurrence_varlen
+
+    x, cu_seqlens, S0 = _prefill_case(seed=51)
+    tensors = prepare_varlen(x.q, x.k, x.v, x.g, x.beta, cu_seqlens, PREFILL_C, sub_block=16)
+    expected_o, expected_states = recurrence_varlen(tensors, cu_seqlens, PREFILL_BLOCK_DV, S0)
+    token_rows, chunk_offsets = chunk_aligned_rows(cu_seqlens, PREFILL_C)
+    n_chunks = int(chunk_offsets[-1])
+    program_fields = ("w", "u", "q_decayed", "k_to_chunk_end", "a_qk")  # the program's parameter order
+
+    def chunk_aligned(a):
+        out = np.zeros((1, n_chunks * PREFILL_C, *a.shape[2:]))
+        out[0, token_rows] = a[0]
+        return out
+
+    program = build_varlen_recurrence_program(*_varlen_sizes(cu_seqlens), PREFILL_BLOCK_DV, "float64")
+    o, final_states = interpret(program, out_idx=[9, 10])(
+        *(chunk_aligned(getattr(tensors, field)) for field in program_fields), tensors.chunk_decay, S0,
+        chunk_offsets.astype(np.int32), cu_seqlens.astype(np.int32))
+    assert_close(o, expected_o, rel_l2=FP32_FLOOR)
+    assert_close(final_states, expected_states, rel_l2=FP32_FLOOR, name="the final states", axes=POOL_AXES)
+    assert np.array_equal(final_states[1], S0[1].astype(np.float32)), "the empty sequence's state moved"
+
+
+@pytest.mark.parametrize("lengths, with_state", [(PREFILL_LENGTHS, True), (PREFILL_LENGTHS, False),
+                                                 ((64, 0, 32), True)])  # the last: every length whole chunks
+def test_prefill_through_the_interpreter_matches_reference_c(lengths, with_state):
+    """The whole prefill path (the index, the varlen prepare, the varlen recurrence) in float64 against
+    reference C: within the TF32 rounding of stage 5's block-inverse merges; inputs unchanged and a
+    second call the same."""
+    from stages.s07_serving.reference import kernel_mirror
+
+    x, cu_seqlens, S0 = _prefill_case(seed=52, lengths=lengths, with_state=with_state)
+    kept = [a.copy() for a in (x.q, x.k, x.v, x.g, x.beta, S0)]
+    expected_o, expected_states = kernel_mirror(x.q, x.k, x.v, x.g, x.beta, PREFILL_C, PREFILL_BLOCK_DV, cu_seqlens,
+                                                S0 if with_state else None, output_final_state=True, sub_block=16)
+    kernels = _interpreted_kernels(lengths, "float64")
+    o, final_states = _prefill_on_the_cpu(x, cu_seqlens, S0, "float64", kernels)
+    assert_close(o, expected_o, rel_l2=TF32_FLOOR, chunk_size=PREFILL_C)
+    assert_close(final_states, expected_states, rel_l2=TF32_FLOOR, name="the final states", axes=POOL_AXES)
+    again = _prefill_on_the_cpu(x, cu_seqlens, S0, "float64", kernels)
+    assert np.array_equal(again[0], o) and np.array_equal(again[1], final_states), "a second call differs"
+    for given, before in zip((x.q, x.k, x.v, x.g, x.beta, S0), kept):
+        assert np.array_equal(given, before), "prefill changed an input"
+
+
+def test_bf16_prefill_through_the_interpreter_rounds_like_bf16():
+    """bf16 q, k, v and o, fp32 gates and states: each sequence's outputs and final states against
+    reference A within [u/4, 4u] of bf16 (the lower end: the casts round at all)."""
+    from stages.s07_serving.reference import recurrent as recurrent_varlen
+
+    x, cu_seqlens, S0 = _prefill_case(seed=53)
+    expected_o, expected_states = recurrent_varlen(x.q, x.k, x.v, x.g, x.beta, cu_seqlens, S0, output_final_state=True)
+    o, final_states = _prefill_on_the_cpu(x, cu_seqlens, S0, "bfloat16", _interpreted_kernels(PREFILL_LENGTHS, "bfloat16"))
+    u = UNIT_ROUNDOFF["bfloat16"]
+    assert_close(o, expected_o, rel_l2=4 * u, chunk_size=PREFILL_C)
+    assert error_report(o, expected_o).rel_l2 >= u / 4, "bf16 does not round"
+    assert_close(final_states, expected_states, rel_l2=4 * u, name="the final states", axes=POOL_AXES)
+
+
+def _prefill_arguments():
+    import torch
+
+    T, H, d_k, d_v = 10, 2, 32, 32
+    q, k = torch.randn(1, T, H, d_k, dtype=torch.bfloat16), torch.randn(1, T, H, d_k, dtype=torch.bfloat16)
+    return dict(q=q, k=k, v=torch.randn(1, T, H, d_v, dtype=torch.bfloat16), g=-torch.rand(1, T, H, d_k),
+                beta=torch.rand(1, T, H), cu_seqlens=torch.tensor([0, 3, 10], dtype=torch.int32),
+                initial_state=torch.zeros(2, H, d_k, d_v))
+
+
+def _bad_prefill_inputs():
+    import torch
+
+    return [
+        (dict(cu_seqlens=torch.tensor([0.0, 3.0, 10.0])), TypeError, "cu_seqlens must have dtype int32 or int64"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 11], dtype=torch.int32)), ValueError, "end at T = 10"),
+        (dict(cu_seqlens=torch.tensor([0, 5, 3, 10])), ValueError, "never decrease"),
+        (dict(cu_seqlens=torch.tensor([0])), ValueError, r"shape \(N_seq \+ 1,\)"),
+        (dict(initial_state=torch.zeros(3, 2, 32, 32)), ValueError, r"initial_state must have shape \(N_seq"),
+        (dict(initial_state=torch.zeros(2, 2, 32, 32, dtype=torch.float64)), TypeError, "initial_state must have dtype"),
+        (dict(g=torch.full((1, 10, 2, 32), 0.5)), ValueError, "g must be finite and <= 0"),
+        (dict(beta=torch.rand(1, 10, 3)), ValueError, r"beta must have shape \(B, T, H\)"),
+        (dict(chunk_size=48), ValueError, "chunk_size must be 32 or 64"),
+        (dict(block_dv=12), ValueError, "block_dv"),
+        (dict(q=torch.randn(1, 10, 2, 16, dtype=torch.bfloat16), k=torch.randn(1, 10, 2, 16, dtype=torch.bfloat16),
+              g=-torch.rand(1, 10, 2, 16), initial_state=torch.zeros(2, 2, 16, 32)), ValueError,
+         "d_k must be a multiple of 32"),
+        (dict(), ValueError, "must be on a CUDA device"),  # every check passed: the device is last
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_prefill_refuses_bad_inputs_on_any_machine(case):
+    from stages.s07_serving.kernel import prefill
+
+    change, error, message = _bad_prefill_inputs()[case]
+    arguments = _prefill_arguments()
+    arguments.update(change)
+    with pytest.raises(error, match=message):
+        prefill(**arguments)
+
+
+def test_prefill_refuses_cu_seqlens_with_more_than_one_row():
+    import torch
+
+    from stages.s07_serving.kernel import prefill
+
+    arguments = _prefill_arguments()
+    for name in ("q", "k", "v", "g", "beta"):
+        arguments[name] = torch.cat([arguments[name]] * 2)
+    with pytest.raises(ValueError, match="B must be 1"):
+        prefill(**arguments)
+
+
+def _chunked_fp32_gates(g, cu_seqlens, C):
+    """The log gates whose float64 cumulative sums are the varlen prepare's fp32 ones: each chunk of
+    each sequence summed in fp32 row by row from the chunk's start, and differenced back."""
+    held = np.empty_like(g)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        for first in range(start, end, C):
+            rows = slice(first, min(first + C, end))
+            gamma = np.cumsum(g[:, rows].astype(np.float32), axis=1, dtype=np.float32)
+            held[:, rows] = np.diff(gamma.astype(np.float64), axis=1, prepend=0.0)
+    return held
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_prefill_through_the_interpreter_takes_any_gate(dtype):
+    """Gates down to -1e4 a token in the packed batch (lengths not multiples of the chunk, beta 0 and
+    1): finite, against reference A within the TF32 floor (float64, on the gates the kernel's fp32
+    cumulative sums hold) or 4u (bf16); inputs unchanged, a second call the same."""
+    from stages.s07_serving.reference import recurrent as recurrent_varlen
+
+    x, cu_seqlens, S0 = _prefill_case(seed=54)
+    rng = np.random.default_rng(54)
+    x.g[:, 40:80] = -rng.uniform(0.0, 1e4, x.g[:, 40:80].shape)
+    x.g[:, 100:112, :, :3] = -300.0
+    kept = [a.copy() for a in (x.q, x.k, x.v, x.g, x.beta, S0)]
+    kernels = _interpreted_kernels(PREFILL_LENGTHS, dtype)
+    o, final_states = _prefill_on_the_cpu(x, cu_seqlens, S0, dtype, kernels)
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(final_states))
+    gates = _chunked_fp32_gates(x.g, cu_seqlens, PREFILL_C) if dtype == "float64" else x.g
+    expected_o, expected_states = recurrent_varlen(x.q, x.k, x.v, gates, x.beta, cu_seqlens, S0, output_final_state=True)
+    bound = TF32_FLOOR if dtype == "float64" else 4 * UNIT_ROUNDOFF[dtype]
+    assert_close(o, expected_o, rel_l2=bound, chunk_size=PREFILL_C)
+    assert_close(final_states, expected_states, rel_l2=bound, name="the final states", axes=POOL_AXES)
+    again = _prefill_on_the_cpu(x, cu_seqlens, S0, dtype, kernels)
+    assert np.array_equal(again[0], o) and np.array_equal(again[1], final_states), "a second call differs"
+    for given, before in zip((x.q, x.k, x.v, x.g, x.beta, S0), kept):
+        assert np.array_equal(given, before), "prefill changed an input"
+
+
+# ------------------------------------------------------------------------------------------ compile, GPU
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kernel", ["prepare", "recurrence"])
+def test_prefill_kernels_compile_for_any_batch_without_spills(kernel):
+    """As prefill compiles them, the token, chunk and sequence counts run-time sizes (H=32, d=128, bf16,
+    C=64, 64 columns a program): no spills, shared memory within an H100/H200 SM's 227 KiB."""
+    from stages.s07_serving.kernel import varlen_compile_report
+
+    report = varlen_compile_report(kernel)
+    print(f"{kernel} sm_90a:", report.summary())
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
+    assert not report.divergent_barriers, report.divergent_barriers  # a barrier some warps skip hangs the GPU
+    assert not report.misplaced_warp_group_operands, report.misplaced_warp_group_operands  # wrong columns read
+    assert report.shared_memory <= 227 * 1024, report.summary()
+    assert "N_seq" in str(report.grid) if kernel == "recurrence" else "n_chunks" in str(report.grid), report.grid
+
+
+def test_prefill_refuses_a_batch_past_32_bit_indices():
+    """The kernels of run-time size index in int32: 2^31 entries or more in one buffer are refused."""
+    from stages.s07_serving.kernel import check_int32_indexing
+
+    check_int32_indexing(2**31 // (32 * 128) - 64, 32, 128)  # the largest batch of 64-row chunks that fits
+    with pytest.raises(ValueError, match="2\\^31 or more: prefill it in smaller batches"):
+        check_int32_indexing(2**31 // (32 * 128), 32, 128)
+
+
+# lengths of a packed batch on the GPU: one token, under, at and over the chunk, long, and empty
+GPU_LENGTHS = (1, 63, 64, 65, 300, 1000, 0, 17)
+
+
+def _gpu_packed(lengths, H, D, seed):
+    x = make_inputs(1, sum(lengths), H, D, D, gate="channel", gate_range=(0.5, 1.0), beta_range=(0.0, 1.0), seed=seed)
+    S0 = np.random.default_rng(seed).standard_normal((len(lengths), H, D, D)).astype(np.float32).astype(np.float64)
+    return x, np.concatenate([[0], np.cumsum(lengths)]), 0.1 * S0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_prefill_matches_float64_and_fla_with_cu_seqlens(dtype_name):
+    """A packed batch from nonzero states through prefill and through FLA's chunk_kda with the same
+    arguments (cu_seqlens, initial_state, output_final_state, scale 1): ours within twice FLA's error
+    against float64 (stage 7's reference B), outputs and final states."""
+    import torch
+
+    from stages.s07_serving.kernel import prefill
+    from stages.s07_serving.reference import chunkwise
+
+    H, D = 4, 128
+    x, cu_seqlens, S0 = _gpu_packed(GPU_LENGTHS, H, D, seed=31)
+    expected_o, expected_states = chunkwise(x.q, x.k, x.v, x.g, x.beta, 64, cu_seqlens, S0, output_final_state=True)
+    dtype = getattr(torch, dtype_name)
+    args = [torch.tensor(a, dtype=dtype, device="cuda") for a in (x.q, x.k, x.v)]
+    args += [torch.tensor(a, dtype=torch.float32, device="cuda") for a in (x.g, x.beta)]
+    cu = torch.tensor(cu_seqlens, dtype=torch.int64, device="cuda")
+    state = torch.tensor(S0, dtype=torch.float32, device="cuda")
+    o, final_states = prefill(*args, cu_seqlens=cu, initial_state=state, output_final_state=True)
+    assert torch.equal(state, torch.tensor(S0, dtype=torch.float32, device="cuda")), "prefill changed initial_state"
+    ours = error_report(o, expected_o), error_report(final_states, expected_states)
+    print(f"{dtype_name} prefill vs float64: o {ours[0]}, states {ours[1]}")
+    u = UNIT_ROUNDOFF[dtype_name]
+    assert_close(o.double().cpu().numpy(), expected_o, rel_l2=8 * u)
+    assert_close(final_states.double().cpu().numpy(), expected_states, rel_l2=8 * u, name="the final states",
+                 axes=POOL_AXES)
+    fla_ops = pytest.importorskip("fla.ops")
+    fla_o, fla_states = fla_ops.chunk_kda(*args, scale=1.0, initial_state=state.clone(), output_final_state=True,
+                                          cu_seqlens=cu)
+    fla = error_report(fla_o, expected_o), error_report(fla_states, expected_states)
+    print(f"{dtype_name} FLA chunk_kda vs float64: o {fla[0]}, states {fla[1]}; ours vs FLA {error_report(o, fla_o)}")
+    assert ours[0].rel_l2 <= max(2 * fla[0].rel_l2, u), "our output is further from float64 than FLA's"
+    assert ours[1].rel_l2 <= max(2 * fla[1].rel_l2, u), "our final states are further from float64 than FLA's"
+    from_zero = prefill(*args, cu_seqlens=cu, output_final_state=True)  # no initial_state: zeros
+    expected_from_zero = chunkwise(x.q, x.k, x.v, x.g, x.beta, 64, cu_seqlens, output_final_state=True)
+    assert_close(from_zero[0].double().cpu().numpy(), expected_from_zero[0], rel_l2=8 * u, name="o from zero states")
+    assert_close(from_zero[1].double().cpu().numpy(), expected_from_zero[1], rel_l2=8 * u,
+                 name="the final states from zero", axes=POOL_AXES)
