@@ -39,8 +39,8 @@ from stages.s03_gated_deltanet.kernel import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZ
 
 def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
                   dtype="float16", num_stages=2, threads=128):
-    """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g, beta: (B, N, H) float32
-    -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program, the kernel layout.
+    """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g: (B, N, H) fp32,
+    beta: (B, N, H) fp32 -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program.
 
     N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
     """

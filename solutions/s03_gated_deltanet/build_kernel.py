@@ -39,8 +39,8 @@ from stages.s03_gated_deltanet.kernel import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZ
 
 def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
                   dtype="float16", num_stages=2, threads=128):
-    """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g, beta: (B, N, H) float32
-    -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program, the kernel layout.
+    """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g: (B, N, H) fp32,
+    beta: (B, N, H) fp32 -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program.
 
     N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
     """
@@ -70,7 +70,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             V_s = T.alloc_shared((C, block_dv), dtype)
             gamma_s = T.alloc_shared((C,), accum_dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
-            L_s = T.alloc_shared((C, C), accum_dtype)  # read across rows by the substitution
+            L_s = T.alloc_shared((C, C), accum_dtype)  # every thread reads row r of L
             X_s = T.alloc_shared((C, width), accum_dtype)  # [K ⊙ e^{gamma} | V], solved in place
             W_s = T.alloc_shared((C, d_k), dtype)
             S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
@@ -109,23 +109,24 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 for c, j in T.Parallel(C, C):
                     A_qk_s[c, j] = T.if_then_else(j <= c, scores[c, j] * Gamma[c, j], 0)
 
-                # one forward substitution for both right-hand sides: row r needs rows j < r solved
+                # the right-hand sides [K ⊙ e^{gamma} | V], solved together
                 for r, d in T.Parallel(C, d_k):
                     X_s[r, d] = K_s[r, d] * T.exp2(gamma_s[r] * LOG2_E)
-                for r, d in T.Parallel(C, block_dv):
-                    X_s[r, d_k + d] = V_s[r, d]
-                for r in T.serial(1, C):
-                    for d in T.Parallel(width):
-                        for j in T.serial(r):
-                            X_s[r, d] -= L_s[r, j] * X_s[j, d]
+                for r, j in T.Parallel(C, block_dv):
+                    X_s[r, d_k + j] = V_s[r, j]
 
+                # one forward substitution for both right-hand sides: row r needs rows j < r solved
+                for r in T.serial(1, C):
+                    for col in T.Parallel(width):
+                        for j in T.serial(r):
+                            X_s[r, col] -= L_s[r, j] * X_s[j, col]
                 # beta only now, after the solve: diag(beta) T, the pairing of L[c, i] = beta_i M[c, i]
                 for r, d in T.Parallel(C, d_k):
                     W_s[r, d] = beta_s[r] * X_s[r, d]
                 T.copy(S_f, S_s)
                 T.gemm(W_s, S_s, W_S, clear_accum=True)
-                for r, d in T.Parallel(C, block_dv):
-                    V_new_s[r, d] = beta_s[r] * X_s[r, d_k + d] - W_S[r, d]  # U - W S^T
+                for r, j in T.Parallel(C, block_dv):
+                    V_new_s[r, j] = beta_s[r] * X_s[r, d_k + j] - W_S[r, j]  # U - W S^T
 
                 # Q K^T is done, so Q_s may now take its decay: Q ⊙ e^{gamma}
                 for r, d in T.Parallel(C, d_k):
@@ -134,7 +135,8 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 T.gemm(A_qk_s, V_new_s, acc_o)
                 T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
 
-                # the state moves on: decay first, then the chunk's keys, decayed to the chunk's end
+                # only now does the state move past this chunk: decay it first, then add
+                # (K ⊙ e^{gamma_C - gamma})^T V_new, the chunk's keys decayed to the chunk's end
                 for d, j in T.Parallel(d_k, block_dv):
                     S_f[d, j] *= T.exp2(gamma_s[C - 1] * LOG2_E)
                 for r, d in T.Parallel(C, d_k):
