@@ -232,6 +232,10 @@ def _copy(out):
 
 
 ANSWER_LINES_THAT_GIVE_IT_AWAY = 4  # lines of a fill's answer that make another function hold it (boilerplate slicing lines are shared by up to 3)
+# A build exercise's answer is a whole kernel, whose grid, allocations and loads every later stage's
+# kernels share line for line: another function holds it when it holds this share of its lines.
+BUILD_FILE = "build_kernel.py"
+SHARE_OF_A_BUILD_ANSWER_THAT_GIVES_IT_AWAY = 0.5
 
 
 def solution_functions():
@@ -266,6 +270,8 @@ def exercise_functions():
         if exercise.kind != "fill":
             continue
         answer = answer_lines(exercise)
+        given_away = (SHARE_OF_A_BUILD_ANSWER_THAT_GIVES_IT_AWAY * len(answer) if exercise.file == BUILD_FILE
+                      else ANSWER_LINES_THAT_GIVE_IT_AWAY)
         for path in sorted((REPO_ROOT / "stages").glob("s[0-9][0-9]_*/*.py")):
             if path.name not in LIBRARY_MODULES:
                 continue
@@ -275,7 +281,7 @@ def exercise_functions():
                 if key is None or key in found:
                     continue
                 lines = {line.strip() for line in ast.get_source_segment(source, node).splitlines()}
-                if len(answer & lines) >= ANSWER_LINES_THAT_GIVE_IT_AWAY:
+                if len(answer & lines) >= given_away:
                     found[key] = exercise
     return found
 

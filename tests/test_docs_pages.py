@@ -277,3 +277,38 @@ def test_no_prose_above_known_bugs_names_a_shipped_bug(page):
     shipped = sorted(exercise.bug for exercise in exercises() if exercise.bug)
     named = [bug for bug in shipped if re.search(rf"(?<![\w-]){re.escape(bug)}(?![\w-])", text)]
     assert not named, f"{page.name} names shipped bug(s) {named} above its Known bugs section"
+
+
+KERNEL_EXERCISE_FILES = ("kernel_program.py", "build_kernel.py")
+KERNEL_EXERCISES = [exercise for exercise in exercises() if exercise.file in KERNEL_EXERCISE_FILES]
+MOST_OF_A_KERNEL_ANSWER_ABOVE = 0.2  # share of its solution's lines a page may show above a kernel exercise
+TRIVIAL_LINE = re.compile(r"^([)\]}:,]+|return \w+|else:|pass|break|continue)$")
+
+
+def answer_lines(exercise):
+    """The solution's region lines that say something: not trivial (`)`, `return out`, `else:`)."""
+    return [line for line in region_lines(exercise) if not TRIVIAL_LINE.match(line)]
+
+
+@pytest.mark.parametrize("exercise", KERNEL_EXERCISES, ids=lambda exercise: exercise.id)
+def test_page_above_a_kernel_exercise_shows_little_of_its_solution(exercise):
+    """At most a fifth of a kernel exercise's solution lines appear, verbatim, anywhere on the page above
+    its subsection (in code, a table cell or prose; collapsed blocks count too): a table that maps
+    reference C to the kernel line by line belongs in the exercise's hints, after it."""
+    page, shown = above_exercise(exercise)
+    text = "\n".join(shown)
+    answer = answer_lines(exercise)
+    seen = [line for line in answer if line in text]
+    assert len(seen) <= MOST_OF_A_KERNEL_ANSWER_ABOVE * len(answer), (
+        f"docs/{page.name} shows {len(seen)} of the {len(answer)} lines of {exercise.id}'s solution above its "
+        f"subsection (at most {MOST_OF_A_KERNEL_ANSWER_ABOVE:.0%}), e.g. {seen[:4]}: move them after the exercise, "
+        'into its `??? tip "Hint N"` blocks or its solution block')
+
+
+@pytest.mark.parametrize("exercise", exercises(), ids=lambda exercise: exercise.id)
+def test_every_exercise_has_a_place_on_the_path(exercise):
+    """docs/index.md's path through the course orders each stage's exercises by the catalog's
+    `difficulty` (1 to 5) and states its `minutes`: every exercise has both."""
+    assert exercise.difficulty in range(1, 6), f"{exercise.id}: difficulty = {exercise.difficulty!r}, expected 1 to 5"
+    assert isinstance(exercise.minutes, int) and exercise.minutes > 0, (
+        f"{exercise.id}: minutes = {exercise.minutes!r}, expected an estimate of a student's minutes")

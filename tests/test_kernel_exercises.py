@@ -1,6 +1,6 @@
 """The kernel exercises' solutions are the library's kernels: the program a student completes in
-solutions/<stage>/kernel_program.py must build the same TIR as the builder of the same name in
-stages/<stage>/kernel.py, so that a change to a stage's kernel cannot leave its exercise behind."""
+solutions/<stage>/kernel_program.py (or writes whole in build_kernel.py) must build the same TIR as the
+builder of the same name in stages/<stage>/kernel.py, so that a change to a stage's kernel cannot leave its exercise behind."""
 
 import importlib
 
@@ -9,7 +9,8 @@ import pytest
 from kdacourse.catalog import exercises
 from kdacourse.targets import load_module
 
-KERNEL_EXERCISES = [e for e in exercises() if e.file == "kernel_program.py"]
+KERNEL_FILES = ("kernel_program.py", "build_kernel.py")
+KERNEL_EXERCISES = [e for e in exercises() if e.file in KERNEL_FILES]
 SHAPE = (1, 128, 2, 64, 64)  # B, N, H, d_k, d_v: every stage's tile constraints hold
 
 

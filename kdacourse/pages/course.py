@@ -9,6 +9,9 @@ of the catalog, three files under docs/generated/catalog/ (a stage page includes
     <stage>_exercises.md      the stage's exercises: file, kind, points, the bug it ships with
     <stage>_bugs.md           the stage's known bugs: the mistake, why it is easy, when it hides
     <stage>_kill_matrix.md    the stage's rows of the kill matrix
+
+and docs/generated/course_path.md, the path through the course (docs/index.md): per stage, its
+exercises from the easiest to the hardest with the catalog's estimate of the minutes each takes.
 """
 
 import ast
@@ -120,12 +123,38 @@ def write_stage_kill_matrix(stage, path):
 def generated_files():
     table = {"docs/generated/course_commands.md": write_course_commands,
              "docs/generated/reference_modules.md": write_reference_modules,
-             KILL_MATRIX_PATH: write_kill_matrix}
+             KILL_MATRIX_PATH: write_kill_matrix,
+             COURSE_PATH: write_course_path}
     for stage in stages():
         table[f"{CATALOG_TABLES_DIR}/{stage}_exercises.md"] = lambda path, s=stage: write_exercise_table(s, path)
         table[f"{CATALOG_TABLES_DIR}/{stage}_bugs.md"] = lambda path, s=stage: write_bug_table(s, path)
         table[f"{CATALOG_TABLES_DIR}/{stage}_kill_matrix.md"] = lambda path, s=stage: write_stage_kill_matrix(s, path)
     return table
+
+
+COURSE_PATH = "docs/generated/course_path.md"
+DIFFICULTY = {1: "a line or two", 2: "a short function", 3: "a step of a kernel", 4: "a whole function or kernel",
+              5: "a whole kernel of many parts"}
+BUILD_FILE = "build_kernel.py"  # a fill exercise whose region is a kernel's whole body
+
+
+def write_course_path(path):
+    """Per stage, its exercises in order of difficulty (then of the time they take), with the
+    catalog's estimate of the minutes each takes and the stage's total."""
+    rows = []
+    for stage in stages():
+        ordered = sorted((e for e in exercises() if e.stage == stage), key=lambda e: (e.difficulty, e.minutes))
+        page = stage + ".md"
+        for step, exercise in enumerate(ordered, 1):
+            rows.append((f"[{stage.split('_')[0]}]({page})" if step == 1 else "", step,
+                         f"[`{exercise.id}`]({exercise.read})", "build" if exercise.file == BUILD_FILE else exercise.kind,
+                         f"{exercise.difficulty} ({DIFFICULTY[exercise.difficulty]})", exercise.minutes))
+        rows.append(("", "", f"*{len(ordered)} exercises*", "", "",
+                     f"*{sum(e.minutes for e in ordered)}*"))
+    total_hours = sum(e.minutes for e in exercises()) / 60
+    path.write_text(banner("kdacourse/pages/course.py and the catalog (difficulty, minutes)") + markdown_table(
+        ["stage", "step", "exercise", "kind", "difficulty", "minutes"], rows)
+        + f"\nAbout {total_hours:.0f} hours in all; the minutes are estimates, not measurements.\n")
 
 
 def write_course_commands(path):

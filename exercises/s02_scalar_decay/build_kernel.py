@@ -1,0 +1,47 @@
+"""Exercise s02.build_kernel (build): stage 2's TileLang kernel, written whole from an empty body.
+
+Write build_program so that it returns a `@T.prim_func` computing o = chunked linear attention with
+a constant decay alpha = e^g per head, as reference C does (stages/s02_scalar_decay/reference.py,
+kernel_mirror). Any correct program passes: choose your own grid, tiles and order, within what the
+tests below ask.
+
+What is given, and what the tests need:
+- the signature below, and the parameters of the prim_func in this order: Q, K, V, G (inputs; G is
+  the log decay per head, float32 of shape (H,)), O (the output, written once per element);
+- the layout: the state is kept as S^T (d_k x d_v), as in reference C; a program may own a block of
+  block_dv of its columns;
+- the buffer names that the ordering check reads in your TIR (stages.common.ordering): the state is
+  an fp32 fragment `S_f` that lives across the chunk loop, its copy that the output's product reads
+  is the shared buffer `S_s`, and each chunk's output is summed in the fp32 fragment `acc_o`; the
+  state's decay is a store into `S_f` (an element-wise loop), its update a `T.gemm` into `S_f`;
+- the chunk loop is the program's one `T.Pipelined` loop; every exp is exp2(x * log2(e)).
+
+The tests (tests/exercises/s02_scalar_decay/test_build_kernel.py), all on a CPU:
+- float64 through the tile interpreter equals reference C, with one chunk and with several chunks
+  and two blocks of value columns, gates a in [0.5, 0.99]; fp16 is within fp16's rounding of
+  reference A;
+- strong gates: some heads with g = -50 (a decay of e^-50 per token), in float64 and fp16;
+- a length that is not a multiple of the chunk, zero-padded as the wrapper pads it;
+- the program writes O and nothing else (the inputs are unchanged);
+- ordering constraints 1, 2 and 7: the output reads the state before the chunk changes it; the state
+  decays before the product adds the chunk to it; the state is cleared once, before the chunk loop,
+  the output accumulator in every chunk;
+- the H200's budget at d_k = d_v = 128, chunk_size = 64: at most 227 KiB of shared memory per block
+  (counted from your TIR); with `course check s02 --compile` (nvcc), no register spills.
+Read: stage 2 page, "s02.build_kernel".  Check: course check s02
+"""
+
+from stages.common.tilelang_tools import LOG2_E
+from stages.s02_scalar_decay.kernel import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE
+
+
+def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
+                  dtype="float16", num_stages=2, threads=128):
+    """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g: (H,) float32
+    -> o: (B, N, H, d_v).
+
+    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
+    """
+    # EXERCISE BEGIN
+    raise NotImplementedError("s02.build_kernel: fill this region; see the docstring and the page")
+    # EXERCISE END

@@ -1,0 +1,49 @@
+"""Exercise s03.build_kernel (build): stage 3's TileLang kernel, written whole from an empty body.
+
+Write build_program so that it returns a `@T.prim_func` computing the chunked Gated DeltaNet forward,
+as reference C does (stages/s03_gated_deltanet/reference.py, kernel_mirror): per chunk, the UT
+transform of its keys and values by a forward substitution, the pseudo-values V_new = U - W S^T, the
+output, and the state's move past the chunk. Any correct program passes: choose your own grid,
+tiles, pairing of beta and order, within what the tests below ask.
+
+What is given, and what the tests need:
+- the signature below, and the parameters of the prim_func in this order: Q, K, V, G, Beta (inputs;
+  G the log gate and Beta the write strength per token, float32 of shape (B, N, H)), O (the output,
+  written once per element);
+- the layout: the state is kept as S^T (d_k x d_v), as in reference C; a program may own a block of
+  block_dv of its columns;
+- the buffer names that the ordering check reads in your TIR (stages.common.ordering): the state is
+  an fp32 fragment `S_f` that lives across the chunk loop, its copy that the products read is the
+  shared buffer `S_s`, and each chunk's output is summed in the fp32 fragment `acc_o`; the state's
+  decay is a store into `S_f` (an element-wise loop), its update a `T.gemm` into `S_f`;
+- the chunk loop is the program's one `T.Pipelined` loop; every exp is exp2(x * log2(e)).
+
+The tests (tests/exercises/s03_gated_deltanet/test_build_kernel.py), all on a CPU:
+- float64 through the tile interpreter equals reference C, with one chunk and with several chunks
+  and two blocks of value columns, gates a in [0.5, 0.99], beta varying per token, and with some
+  beta at 0 and some at 1; fp16 is within fp16's rounding of reference A;
+- strong gates: some tokens with g = -50, in float64 and fp16;
+- a length that is not a multiple of the chunk, zero-padded as the wrapper pads it (g = 0, beta = 0);
+- the program writes O and nothing else (the inputs are unchanged);
+- ordering constraints 1, 2 and 7: the output reads the state before the chunk changes it; the state
+  decays before the product adds the chunk to it; the state is cleared once, before the chunk loop,
+  the output accumulator in every chunk;
+- the H200's budget at d_k = d_v = 128, chunk_size = 64: at most 227 KiB of shared memory per block
+  (counted from your TIR); with `course check s03 --compile` (nvcc), no register spills.
+Read: stage 3 page, "s03.build_kernel".  Check: course check s03
+"""
+
+from stages.common.tilelang_tools import LOG2_E
+from stages.s03_gated_deltanet.kernel import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE
+
+
+def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
+                  dtype="float16", num_stages=2, threads=128):
+    """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g: (B, N, H) fp32,
+    beta: (B, N, H) fp32 -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program.
+
+    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
+    """
+    # EXERCISE BEGIN
+    raise NotImplementedError("s03.build_kernel: fill this region; see the docstring and the page")
+    # EXERCISE END

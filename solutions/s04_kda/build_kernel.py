@@ -1,0 +1,168 @@
+"""Exercise s04.build_kernel (build): the KDA kernel, written whole from an empty body.
+
+Write build_program so that it returns a `@T.prim_func` computing the chunked KDA forward, as
+reference C does (stages/s04_kda/reference.py, kernel_mirror): stage 3's kernel with a gate per key
+channel, so the decay between two rows is e^{gamma_c - gamma_i} channel by channel, and enters the
+products through the split e^{gamma_c} e^{-gamma_i}. Any correct program passes: choose your own
+grid, tiles, pairing of beta and order, within what the tests below ask.
+
+What is given, and what the tests need:
+- the signature below, and the parameters of the prim_func in this order: Q, K, V, G, Beta (inputs;
+  G the log gate per token and key channel, float32 of shape (B, N, H, d_k); Beta the write strength
+  per token, float32 of shape (B, N, H)), O (the output, written once per element); `layout` is the
+  course's tuning knob (where e^{+gamma}, e^{-gamma} and W live): you may ignore it;
+- the layout: the state is kept as S^T (d_k x d_v), as in reference C; a program may own a block of
+  block_dv of its columns;
+- the buffer names that the ordering check reads in your TIR (stages.common.ordering): the state is
+  an fp32 fragment `S_f` that lives across the chunk loop, its copy that the products read is the
+  shared buffer `S_s`, and each chunk's output is summed in the fp32 fragment `acc_o`; the state's
+  decay is a store into `S_f` (an element-wise loop), its update a `T.gemm` into `S_f`;
+- the chunk loop is the program's one `T.Pipelined` loop; every exp is exp2(x * log2(e)); the gates
+  stay within the wrapper's bound (stages/s04_kda/numerics.py: no chunk decays a channel by more
+  than e^{-14 ln 2} in fp16).
+
+The tests (tests/exercises/s04_kda/test_build_kernel.py), all on a CPU:
+- float64 through the tile interpreter equals reference C, with one chunk and with several chunks
+  and two blocks of value columns, channel gates a in [0.5, 0.999], beta over [0, 1] with exact 0s
+  and 1s; fp16 is within fp16's rounding of reference A;
+- strong gates: channels with g = -5 per token in float64 (e^{-80} across a chunk of 16), and
+  channels at the fp16 bound in fp16;
+- a length that is not a multiple of the chunk, zero-padded as the wrapper pads it (g = 0, beta = 0);
+- the program writes O and nothing else (the inputs are unchanged);
+- ordering constraints 1, 2 and 7: the output reads the state before the chunk changes it; the state
+  decays before the product adds the chunk to it; the state is cleared once, before the chunk loop,
+  the output accumulator in every chunk;
+- the H200's budget at d_k = d_v = 128, chunk_size = 64: at most 227 KiB of shared memory per block
+  (counted from your TIR); with `course check s04 --compile` (nvcc), no register spills.
+Read: stage 4 page, "s04.build_kernel".  Check: course check s04
+"""
+
+from stages.common.tilelang_tools import LOG2_E
+from stages.s04_kda.kernel import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_LAYOUT
+
+
+def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
+                  dtype="float16", num_stages=1, threads=128, layout=DEFAULT_LAYOUT):
+    """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g: (B, N, H, d_k) fp32,
+    beta: (B, N, H) fp32 -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program.
+
+    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v. layout maps
+    "e_plus_gamma", "e_minus_gamma" and "w" to "registers" or "shared".
+    """
+    # EXERCISE BEGIN
+    import tilelang.language as T
+
+    C = chunk_size
+    accum_dtype = "float32"
+    num_chunks = N // C
+    width = d_k + block_dv  # the columns of [K ⊙ e^{gamma} | V], solved together
+    place = dict(layout)
+    alloc = {"registers": T.alloc_fragment, "shared": T.alloc_shared}
+
+    @T.prim_func
+    def kda_fwd(
+        Q: T.Tensor((B, N, H, d_k), dtype),
+        K: T.Tensor((B, N, H, d_k), dtype),
+        V: T.Tensor((B, N, H, d_v), dtype),
+        G: T.Tensor((B, N, H, d_k), accum_dtype),
+        Beta: T.Tensor((B, N, H), accum_dtype),
+        O: T.Tensor((B, N, H, d_v), dtype),
+    ):
+        with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
+            b, h = i_bh // H, i_bh % H
+            v0 = i_v * block_dv
+
+            Q_s = T.alloc_shared((C, d_k), dtype)
+            K_s = T.alloc_shared((C, d_k), dtype)  # read only (constraint 5)
+            V_s = T.alloc_shared((C, block_dv), dtype)
+            beta_s = T.alloc_shared((C,), accum_dtype)
+            gamma_s = T.alloc_shared((C, d_k), accum_dtype)  # every thread reads other rows
+            E_plus = alloc[place["e_plus_gamma"]]((C, d_k), accum_dtype)  # e^{gamma} <= 1
+            E_minus = alloc[place["e_minus_gamma"]]((C, d_k), accum_dtype)  # e^{-gamma} >= 1
+            Q_plus_s = T.alloc_shared((C, d_k), dtype)  # q ⊙ e^{gamma}: both of q's GEMMs want it
+            K_plus_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{gamma}; later k ⊙ e^{gamma_C - gamma}
+            K_minus_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{-gamma}
+            L_s = T.alloc_shared((C, C), accum_dtype)  # every thread reads row r of L
+            X_s = T.alloc_shared((C, width), accum_dtype)  # [K ⊙ e^{gamma} | V], solved in place
+            W = alloc[place["w"]]((C, d_k), dtype)  # beta ⊙ X[:, :d_k], a GEMM operand
+            S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
+            A_qk_s = T.alloc_shared((C, C), dtype)
+            V_new_s = T.alloc_shared((C, block_dv), dtype)
+
+            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across chunks
+            M_f = T.alloc_fragment((C, C), accum_dtype)
+            A_qk_f = T.alloc_fragment((C, C), accum_dtype)
+            V_new_f = T.alloc_fragment((C, block_dv), accum_dtype)
+            acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
+            correction = T.alloc_var(accum_dtype)
+
+            T.clear(S_f)  # constraint 7: once, outside the chunk loop
+            for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
+                t0 = i_c * C
+                T.copy(Q[b, t0:t0 + C, h, :], Q_s)
+                T.copy(K[b, t0:t0 + C, h, :], K_s)
+                T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
+                # the gates are read by the threads that use them, outside the copy pipeline, so
+                # that no prefetch of the next chunk can overwrite them while this chunk reads them
+                for r in T.Parallel(C):
+                    beta_s[r] = Beta[b, t0 + r, h]
+                # per-channel cumulative log decay: channels in parallel, positions in order
+                for d in T.Parallel(d_k):
+                    gamma_s[0, d] = G[b, t0, h, d]
+                    for r in T.serial(1, C):
+                        gamma_s[r, d] = gamma_s[r - 1, d] + G[b, t0 + r, h, d]
+
+                # the exponent split e^{gamma_c - gamma_i} = e^{gamma_c} e^{-gamma_i}
+                for r, d in T.Parallel(C, d_k):
+                    E_plus[r, d] = T.exp2(gamma_s[r, d] * LOG2_E)
+                    E_minus[r, d] = T.exp2(-gamma_s[r, d] * LOG2_E)
+                for r, d in T.Parallel(C, d_k):
+                    # constraint 3: q ⊙ e^{gamma} serves both GEMMs of q, so q is never needed again
+                    Q_plus_s[r, d] = Q_s[r, d] * E_plus[r, d]
+                    # constraint 5: K_s is only read; every derived key goes to its own buffer
+                    K_plus_s[r, d] = K_s[r, d] * E_plus[r, d]
+                    K_minus_s[r, d] = K_s[r, d] * E_minus[r, d]
+                    X_s[r, d] = K_s[r, d] * E_plus[r, d]
+                for r, j in T.Parallel(C, block_dv):
+                    X_s[r, d_k + j] = V_s[r, j]
+
+                # constraint 4: L strictly lower (i < c), A_qk with its diagonal (j <= c)
+                T.gemm(K_plus_s, K_minus_s, M_f, transpose_B=True, clear_accum=True)
+                for c, i in T.Parallel(C, C):
+                    L_s[c, i] = T.if_then_else(i < c, M_f[c, i] * beta_s[i], 0)
+                T.gemm(Q_plus_s, K_minus_s, A_qk_f, transpose_B=True, clear_accum=True)
+                for c, j in T.Parallel(C, C):
+                    A_qk_s[c, j] = T.if_then_else(j <= c, A_qk_f[c, j], 0)
+
+                # one forward substitution for both right-hand sides: row r needs rows j < r solved;
+                # each thread sums its column's correction in a register, one barrier per row
+                for r in T.serial(1, C):
+                    for col in T.Parallel(width):
+                        correction = 0
+                        for j in T.serial(r):
+                            correction += L_s[r, j] * X_s[j, col]
+                        X_s[r, col] -= correction
+                # constraint 6: beta only now, after the solve: diag(beta) T, not T diag(beta)
+                for r, d in T.Parallel(C, d_k):
+                    W[r, d] = X_s[r, d] * beta_s[r]
+                T.copy(S_f, S_s)
+                T.gemm(W, S_s, V_new_f, clear_accum=True)
+                for r, j in T.Parallel(C, block_dv):
+                    V_new_f[r, j] = X_s[r, d_k + j] * beta_s[r] - V_new_f[r, j]
+                T.copy(V_new_f, V_new_s)
+
+                # the inter-chunk and intra-chunk terms into one accumulator (constraint 7: clear_accum)
+                T.gemm(Q_plus_s, S_s, acc_o, clear_accum=True)
+                T.gemm(A_qk_s, V_new_s, acc_o)
+                T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
+
+                # constraint 1: the state moves only after the chunk's output is written;
+                # constraint 2: its rows decay (one rate per key channel) before the GEMM adds to it
+                for d, j in T.Parallel(d_k, block_dv):
+                    S_f[d, j] *= T.exp2(gamma_s[C - 1, d] * LOG2_E)
+                for r, d in T.Parallel(C, d_k):
+                    K_plus_s[r, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
+                T.gemm(K_plus_s, V_new_s, S_f, transpose_A=True)
+
+    return kda_fwd
+    # EXERCISE END
