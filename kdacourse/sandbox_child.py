@@ -301,6 +301,8 @@ class Child:
 
     def handle(self, request):
         op = request.get("op")
+        if op == "ready":  # the process has started and imported what it preloads
+            return True
         if op == "load" and self.mode == "student" and self._where(request) not in self.modules:
             return self.load(request)
         if op == "call" and self._where(request) in self.modules:

@@ -137,6 +137,8 @@ def test_a_stage_of_tricks_scores_zero(tmp_path):
         "def build_program(*args, **kwargs):\n"
         "    kernel = sys.modules['stages.s01_linear_' + 'attention.kernel']\n"
         "    return getattr(kernel, 'build_' + 'program')(*args, **kwargs)\n")
+    # the build exercise writes the same program from nothing: the same reach into the library
+    (submission / "build_kernel.py").write_text((submission / "kernel_program.py").read_text())
     for exercise in exercises_of_stage(STAGE):
         assert check_exercise(str(tmp_path / "submission"), exercise) == [], exercise.id
     assert grade(tmp_path / "submission", tmp_path / "out") == 0

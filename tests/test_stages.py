@@ -143,7 +143,10 @@ def test_kernel_compiles_for_sm90a_without_spills(stage):
     assert not report.misplaced_warp_group_operands, report.misplaced_warp_group_operands  # wrong columns read
     assert 0 < report.registers <= 255
     assert report.shared_memory <= 227 * 1024
-    assert report.threads == 128, report.summary()  # the stage's pass configs reached the lowering
+    # a stage that turns warp specialization off (its PASS_CONFIGS) runs the 128 threads it asks for;
+    # the others get TileLang's producer warp group on top
+    specialized = not getattr(kernel, "PASS_CONFIGS", {}).get("tl.disable_warp_specialized")
+    assert report.threads == (256 if specialized else 128), report.summary()
     assert kernel.build_program(**COMPILE_SHAPE).attrs["global_symbol"] in report.cuda_source
 
 
