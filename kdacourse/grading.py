@@ -54,8 +54,8 @@ CHECK_WALL_LIMIT_PER_EXERCISE = 600
 # no student change to pass once the program is right: `course check` runs them with --compile only.
 # tests/conftest.py gives each one 600 s, so the exercise may take that much longer.
 COMPILE_TEST_LIMIT = 600
-# A kernel program exercise's tests cost about this many times another's (split_by_stage): TileLang's
-# import in its child, and the tile interpreter's runs.
+# A kernel exercise's tests (kernel_program, build_kernel, tune_kernel) cost about this many times
+# another's (split_by_stage): the tile interpreter's runs and the TIR analyses.
 KERNEL_PROGRAM_WEIGHT = 6
 # How much of a failure message the reports quote.
 MESSAGE_LINES = 3
@@ -238,12 +238,16 @@ def run_batch(target, batch, timeout_per_test, timeout_per_exercise, cheating=No
 
 
 def split_by_stage(selected, parts):
-    """`selected` (catalog order) in at most `parts` batches of whole stages, about equal in work: a
-    kernel program's tests (TileLang's import, the interpreter) weigh as much as several others'."""
+    """`selected` (catalog order) in at most `parts` batches of whole stages, about equal in work: the
+    tests of a kernel exercise (its solution imports TileLang: the interpreter's runs, the analyses)
+    weigh as much as several others'."""
+    from kdacourse.remote import imports_tilelang
+
     work = {}
     for exercise in selected:
-        work[exercise.stage] = work.get(exercise.stage, 0) + (KERNEL_PROGRAM_WEIGHT if exercise.file ==
-                                                               "kernel_program.py" else 1)
+        solution = (REPO_ROOT / "solutions" / exercise.stage / exercise.file).read_text(encoding="utf-8")
+        weight = KERNEL_PROGRAM_WEIGHT if imports_tilelang(solution) else 1
+        work[exercise.stage] = work.get(exercise.stage, 0) + weight
     batches = [[] for _ in range(min(parts, len(work)))]
     loads = [0] * len(batches)
     for stage in sorted(work, key=work.get, reverse=True):

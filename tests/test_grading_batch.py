@@ -193,3 +193,18 @@ def test_grade_all_starts_one_test_process_per_student(tmp_path, monkeypatch):
     per_student = {os.path.basename(target): len(paths) for target, paths in runs}
     stage_1, stage_2 = (sum(e.stage == stage for e in exercises()) for stage in (STAGE, "s02_scalar_decay"))
     assert per_student == {"ada": stage_1, "bob": stage_1, "cy": stage_1 + stage_2}
+
+
+def test_a_submission_splits_into_whole_stages():
+    """course grade's batches: one per core, every exercise once, whole stages, catalog order within
+    each. (How the work is weighed is a speed choice, measured by kdacourse.grading_speed, not checked.)"""
+    from kdacourse.catalog import exercises
+    from kdacourse.grading import split_by_stage
+
+    selected = exercises()
+    batches = split_by_stage(selected, 2)
+    assert len(batches) == 2
+    assert sorted(e.id for batch in batches for e in batch) == sorted(e.id for e in selected)
+    for batch in batches:
+        assert batch == [e for e in selected if e in batch]
+        assert not {e.stage for e in batch} & {e.stage for other in batches if other is not batch for e in other}
