@@ -101,29 +101,49 @@ def run_tests(target, test_paths, timeout_per_test=30, timeout_total=300, extra_
     file's tests together (the plugin's --course-file-limit).
     """
     with tempfile.TemporaryDirectory(prefix="course-run-") as workdir:
-        junit = Path(workdir) / "junit.xml"
-        lines = Path(workdir) / "results.jsonl"
-        command = [
-            sys.executable, "-m", "pytest", *map(str, test_paths),
-            f"--target={target}", *timeout_options(timeout_per_test), f"--cpu-timeout={cpu_timeout_per_test}",
-            f"--junitxml={junit}", "-p", "kdacourse.runner", f"--course-results={lines}",
-            f"--course-file-limit={timeout_per_file}",
-            "-p", "no:cacheprovider", "-q", "--no-header", "-rN", *extra_args,
-        ]
-        environment = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        arguments = run_arguments(target, test_paths, workdir, timeout_per_test, extra_args, cpu_timeout_per_test,
+                                     timeout_per_file)
         try:
-            completed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
-                                       timeout=timeout_total, env=environment, stdin=subprocess.DEVNULL)
+            completed = subprocess.run([sys.executable, "-m", "pytest", *arguments], cwd=REPO_ROOT,
+                                       capture_output=True, text=True, timeout=timeout_total, env=run_environment(),
+                                       stdin=subprocess.DEVNULL)
             returncode, output, timed_out = completed.returncode, completed.stdout + completed.stderr, False
         except subprocess.TimeoutExpired as expired:
             returncode, timed_out = -1, True
             output = _text(expired.stdout) + _text(expired.stderr) + f"\n[stopped after {timeout_total} s]"
-        xml = junit.read_text() if junit.exists() else ""
-        result = RunResult(returncode=returncode, timed_out=timed_out, output=output, junit_xml=xml)
-        if xml:
-            _read_junit(xml, result)
-        if lines.exists():
-            _read_results(lines.read_text(), result)
+        return read_run(workdir, returncode, timed_out, output)
+
+
+def run_arguments(target, test_paths, workdir, timeout_per_test=30, extra_args=(), cpu_timeout_per_test=0,
+                     timeout_per_file=0):
+    """The arguments of `pytest` for one run (see run_tests), its JUnit file and the plugin's lines
+    written into `workdir`, where read_run reads them."""
+    return [
+        *map(str, test_paths),
+        f"--target={target}", *timeout_options(timeout_per_test), f"--cpu-timeout={cpu_timeout_per_test}",
+        f"--junitxml={Path(workdir) / JUNIT_FILE}", "-p", "kdacourse.runner",
+        f"--course-results={Path(workdir) / RESULTS_FILE}", f"--course-file-limit={timeout_per_file}",
+        "-p", "no:cacheprovider", "-q", "--no-header", "-rN", *extra_args,
+    ]
+
+
+JUNIT_FILE, RESULTS_FILE = "junit.xml", "results.jsonl"
+
+
+def run_environment():
+    """A run's environment: the caller's, writing no bytecode into the repository."""
+    return dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+
+
+def read_run(workdir, returncode, timed_out, output):
+    """The RunResult of a run whose files run_arguments put in `workdir`."""
+    junit, lines = Path(workdir) / JUNIT_FILE, Path(workdir) / RESULTS_FILE
+    xml = junit.read_text() if junit.exists() else ""
+    result = RunResult(returncode=returncode, timed_out=timed_out, output=output, junit_xml=xml)
+    if xml:
+        _read_junit(xml, result)
+    if lines.exists():
+        _read_results(lines.read_text(), result)
     return result
 
 
