@@ -78,7 +78,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 for r, j in T.Parallel(C, C):
                     scores_s[r, j] = T.if_then_else(j <= r, scores[r, j], 0)
 
-                # inter-chunk term Q S^T, then the intra-chunk term added into the same accumulator
+                # the inter-chunk and intra-chunk terms into one accumulator (constraint 7: clear_accum)
                 T.copy(S_f, S_s)
                 T.gemm(Q_s, S_s, acc_o, clear_accum=True)
                 T.gemm(scores_s, V_s, acc_o)

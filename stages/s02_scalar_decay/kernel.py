@@ -54,7 +54,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
     num_chunks = N // C
 
     @T.prim_func
-    def linear_attention_fwd(
+    def scalar_decay_fwd(
         Q: T.Tensor((B, N, H, d_k), dtype),
         K: T.Tensor((B, N, H, d_k), dtype),
         V: T.Tensor((B, N, H, d_v), dtype),
@@ -102,11 +102,11 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 for r, j in T.Parallel(C, C):
                     scores_s[r, j] = scores[r, j] * decay[r, j]
 
-                # inter-chunk term Q S^T, decayed per row, then the intra-chunk term on top
+                # the inter-chunk and intra-chunk terms into one accumulator (constraint 7: clear_accum)
                 T.copy(S_f, S_s)
                 T.gemm(Q_s, S_s, acc_o, clear_accum=True)
                 for r, c in T.Parallel(C, block_dv):
-                    acc_o[r, c] *= query_decay[r]
+                    acc_o[r, c] *= query_decay[r]  # the inter-chunk term, decayed per row
                 T.gemm(scores_s, V_s, acc_o)
                 T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
 
@@ -118,7 +118,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                     S_f[d, c] *= state_decay
                 T.gemm(K_s, V_decayed_s, S_f, transpose_A=True)
 
-    return linear_attention_fwd
+    return scalar_decay_fwd
 # --8<-- [end:program]
 
 

@@ -56,7 +56,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
     width = d_k + block_dv  # the columns of [K ⊙ e^{gamma} | V], solved together
 
     @T.prim_func
-    def linear_attention_fwd(
+    def gated_delta_rule_fwd(
         Q: T.Tensor((B, N, H, d_k), dtype),
         K: T.Tensor((B, N, H, d_k), dtype),
         V: T.Tensor((B, N, H, d_v), dtype),
@@ -159,7 +159,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                     K_plus_s[r, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
                 T.gemm(K_plus_s, V_new_s, S_f, transpose_A=True)
 
-    return linear_attention_fwd
+    return gated_delta_rule_fwd
 # --8<-- [end:program]
 
 
