@@ -177,3 +177,30 @@ def test_kernel_wrapper_rejects_bad_input(stage):
     for qkv, error, message in cases:
         with pytest.raises(error, match=message):
             forward(*qkv, *rest)
+
+
+# The most lines a diff of one stage's kernel.py against the stage before it may change (removed plus added,
+# as difflib counts them): the first two at what the files reach now plus 5, the third at issue 26's target. What
+# a stage chooses beside its idea (a layout option, pass configs) lives in a module of its own, and what two
+# kernels share (docstrings, comments, names, the wrapper) reads the same in both.
+KERNEL_DIFF_BOUNDS = {("s01_linear_attention", "s02_scalar_decay"): 98,
+                      ("s02_scalar_decay", "s03_gated_deltanet"): 161,
+                      ("s03_gated_deltanet", "s04_kda"): 125}
+
+
+def changed_lines(before, after):
+    """Lines removed plus lines added by a diff of two texts (difflib, no junk heuristic)."""
+    import difflib
+
+    matcher = difflib.SequenceMatcher(None, before.splitlines(), after.splitlines(), autojunk=False)
+    return sum(i2 - i1 + j2 - j1 for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal")
+
+
+@pytest.mark.parametrize("before, after", list(zip(STAGES, STAGES[1:])))
+def test_kernel_diff_from_the_stage_before_shows_one_idea(before, after):
+    changed = changed_lines(*((REPO_ROOT / "stages" / stage / "kernel.py").read_text() for stage in (before, after)))
+    bound = KERNEL_DIFF_BOUNDS[(before, after)]
+    print(f"{before} -> {after}: {changed} lines changed (bound {bound})")
+    assert changed <= bound, (
+        f"diff stages/{before}/kernel.py stages/{after}/kernel.py changes {changed} lines, over {bound}: move what "
+        f"is not {after}'s idea out of its kernel.py, or word what the two share alike")

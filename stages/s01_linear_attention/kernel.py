@@ -9,6 +9,9 @@ in a pipelined loop (the copies of chunk i+1 overlap the GEMMs of chunk i):
     O      = acc_o                         written before ...
     S^T   += K^T V                         ... the state moves on
 
+Comments name the seed's ordering constraints where they apply ("constraint 1" to "7", listed on
+stage 4's page; stages.common.ordering checks 1, 2 and 7 on the TIR).
+
 Run `python -m stages.s01_linear_attention.kernel` to compile it for sm_90a and print its ptxas
 report (no GPU needed), or to check it against reference A on a GPU.
 """
@@ -62,7 +65,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             scores = T.alloc_fragment((C, C), accum_dtype)
             acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
 
-            T.clear(S_f)  # once, outside the chunk loop: the state carries over
+            T.clear(S_f)  # once, outside the chunk loop: the state carries over (constraint 7)
             for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
                 t0 = i_c * C
                 T.copy(Q[b, t0:t0 + C, h, :], Q_s)
@@ -75,13 +78,13 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 for r, j in T.Parallel(C, C):
                     scores_s[r, j] = T.if_then_else(j <= r, scores[r, j], 0)
 
-                # inter-chunk term Q S^T, then the intra-chunk term added into the same accumulator
+                # the inter-chunk and intra-chunk terms into one accumulator (constraint 7: clear_accum)
                 T.copy(S_f, S_s)
                 T.gemm(Q_s, S_s, acc_o, clear_accum=True)
                 T.gemm(scores_s, V_s, acc_o)
                 T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
 
-                # only now does the state move past this chunk: S^T += K^T V
+                # only now does the state move past this chunk (constraint 1): S^T += K^T V
                 T.gemm(K_s, V_s, S_f, transpose_A=True)
 
     return linear_attention_fwd

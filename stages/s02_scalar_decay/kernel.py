@@ -16,6 +16,9 @@ once, before the chunk loop, from G (H,) in float32 (every exp is exp2(x * log2(
     O      = acc_o                                         written before ...
     S^T    = state_decay S^T + K^T (key_decay ⊙ V)         ... the state moves on
 
+Comments name the seed's ordering constraints where they apply ("constraint 1" to "7", listed on
+stage 4's page; stages.common.ordering checks 1, 2 and 7 on the TIR).
+
 Run `python -m stages.s02_scalar_decay.kernel` to compile it for sm_90a and print its ptxas
 report (no GPU needed), or to check it against reference A on a GPU.
 """
@@ -87,7 +90,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 key_decay_s[r] = T.exp2((C - 1 - r) * log2_alpha)
             state_decay = T.exp2(C * log2_alpha)
 
-            T.clear(S_f)  # once, outside the chunk loop: the state carries over
+            T.clear(S_f)  # once, outside the chunk loop: the state carries over (constraint 7)
             for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
                 t0 = i_c * C
                 T.copy(Q[b, t0:t0 + C, h, :], Q_s)
@@ -99,15 +102,15 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 for r, j in T.Parallel(C, C):
                     scores_s[r, j] = scores[r, j] * decay[r, j]
 
-                # inter-chunk term Q S^T, decayed per row, then the intra-chunk term on top
+                # the inter-chunk and intra-chunk terms into one accumulator (constraint 7: clear_accum)
                 T.copy(S_f, S_s)
                 T.gemm(Q_s, S_s, acc_o, clear_accum=True)
                 for r, c in T.Parallel(C, block_dv):
-                    acc_o[r, c] *= query_decay[r]
+                    acc_o[r, c] *= query_decay[r]  # the inter-chunk term, decayed per row
                 T.gemm(scores_s, V_s, acc_o)
                 T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
 
-                # only now does the state move past this chunk: decay it first, then add
+                # only now does the state move past this chunk (constraint 1): decay it first (constraint 2), then add
                 # K^T (key_decay ⊙ V) (a scalar per row, so it may go on V, the smaller operand)
                 for r, c in T.Parallel(C, block_dv):
                     V_decayed_s[r, c] = V_s[r, c] * key_decay_s[r]

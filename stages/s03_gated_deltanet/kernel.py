@@ -15,6 +15,9 @@ token (C of them; kernel layout throughout; reference.kernel_mirror is this cont
     O      = (Q ⊙ e^{gamma}) S^T + A_qk V_new          two GEMMs into one accumulator, written ...
     S^T    = e^{gamma_C} S^T + (K ⊙ e^{gamma_C - gamma})^T V_new      ... before the state moves on
 
+Comments name the seed's ordering constraints where they apply ("constraint 1" to "7", listed on
+stage 4's page; stages.common.ordering checks 1, 2 and 7 on the TIR).
+
 Run `python -m stages.s03_gated_deltanet.kernel` to compile it for sm_90a and print its ptxas
 report (no GPU needed), or to check it against reference A on a GPU.
 """
@@ -51,7 +54,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
     width = d_k + block_dv  # the columns of [K ⊙ e^{gamma} | V], solved together
 
     @T.prim_func
-    def gated_deltanet_fwd(
+    def gated_delta_rule_fwd(
         Q: T.Tensor((B, N, H, d_k), dtype),
         K: T.Tensor((B, N, H, d_k), dtype),
         V: T.Tensor((B, N, H, d_v), dtype),
@@ -81,15 +84,17 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             W_S = T.alloc_fragment((C, block_dv), accum_dtype)
             acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
 
-            T.clear(S_f)  # once, outside the chunk loop: the state carries over
+            T.clear(S_f)  # once, outside the chunk loop: the state carries over (constraint 7)
             for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
                 t0 = i_c * C
                 T.copy(Q[b, t0:t0 + C, h, :], Q_s)
                 T.copy(K[b, t0:t0 + C, h, :], K_s)
                 T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
-                # gamma restarts at every chunk; each row sums its own prefix (C threads, no scan)
+                # the gates are read by the threads that use them, outside the copy pipeline, so
+                # that no prefetch of the next chunk can overwrite them while this chunk reads them
                 for r in T.Parallel(C):
                     beta_s[r] = Beta[b, t0 + r, h]
+                    # gamma restarts at every chunk; each row sums its own prefix (C threads, no scan)
                     gamma_s[r] = 0
                     for j in T.serial(r + 1):
                         gamma_s[r] += G[b, t0 + j, h]
@@ -118,7 +123,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                     for col in T.Parallel(width):
                         for j in T.serial(r):
                             X_s[r, col] -= L_s[r, j] * X_s[j, col]
-                # beta only now, after the solve: diag(beta) T, the pairing of L[c, i] = beta_i M[c, i]
+                # constraint 6: beta only now, after the solve: diag(beta) T, the pairing of L[c, i] = beta_i M[c, i]
                 for r, d in T.Parallel(C, d_k):
                     W_s[r, d] = beta_s[r] * X_s[r, d]
                 T.copy(S_f, S_s)
@@ -129,11 +134,12 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 # Q K^T is done, so Q_s may now take its decay: Q ⊙ e^{gamma}
                 for r, d in T.Parallel(C, d_k):
                     Q_s[r, d] = Q_s[r, d] * T.exp2(gamma_s[r] * LOG2_E)
+                # the inter-chunk and intra-chunk terms into one accumulator (constraint 7: clear_accum)
                 T.gemm(Q_s, S_s, acc_o, clear_accum=True)
                 T.gemm(A_qk_s, V_new_s, acc_o)
                 T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
 
-                # only now does the state move past this chunk: decay it first, then add
+                # only now does the state move past this chunk (constraint 1): decay it first (constraint 2), then add
                 # (K ⊙ e^{gamma_C - gamma})^T V_new, the chunk's keys decayed to the chunk's end
                 for d, j in T.Parallel(d_k, block_dv):
                     S_f[d, j] *= T.exp2(gamma_s[C - 1] * LOG2_E)
@@ -141,7 +147,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                     K_s[r, d] = K_s[r, d] * T.exp2((gamma_s[C - 1] - gamma_s[r]) * LOG2_E)
                 T.gemm(K_s, V_new_s, S_f, transpose_A=True)
 
-    return gated_deltanet_fwd
+    return gated_delta_rule_fwd
 # --8<-- [end:program]
 
 
@@ -162,7 +168,7 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
 
     Returns o: (B, N, H, d_v) in the input dtype. N need not be a multiple of chunk_size: the
     sequence is zero-padded, which is exact (see reference.kernel_mirror). check_values=False skips
-    the check of g's and beta's values (a pass over both and a device sync): the caller vouches for them.
+    the checks of g's and beta's values (passes over the gates, a device sync per check): the caller vouches for them.
     """
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate("g", g, (B, N, H), "(B, N, H)")

@@ -15,8 +15,8 @@ key channel (C x d_k; kernel layout throughout; reference.kernel_mirror is this 
     O      = (Q ⊙ e^{gamma}) S^T + A_qk V_new          two GEMMs into one accumulator, written ...
     S^T    = Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new      ... before the state moves on
 
-The seven ordering constraints of the seed are named where they apply, "constraint 1" to "7"
-(stages.common.ordering checks 1, 2 and 7 on the TIR); the wrapper's gate bound is in numerics.py.
+Comments name the seed's ordering constraints where they apply ("constraint 1" to "7", listed on
+stage 4's page; stages.common.ordering checks 1, 2 and 7 on the TIR).
 
 Run `python -m stages.s04_kda.kernel` to compile it for sm_90a and print its ptxas
 report (no GPU needed), or to check it against reference A on a GPU.
@@ -30,6 +30,7 @@ from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
                                         dtype_name, pad_tokens)
+from stages.s04_kda.compile_options import DEFAULT_LAYOUT, PASS_CONFIGS, alloc_placed
 from stages.s04_kda.numerics import MAX_LOG_DECAY, check_gate_range
 
 if TYPE_CHECKING:
@@ -37,12 +38,6 @@ if TYPE_CHECKING:
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
-# Where e^{+gamma}, e^{-gamma} and W live, "registers" (fragments) or "shared": all three in registers needs the
-# fewest registers and the least shared memory (the page's register table compiles every choice).
-DEFAULT_LAYOUT = (("e_plus_gamma", "registers"), ("e_minus_gamma", "registers"), ("w", "registers"))
-# Warp specialization off: 128 threads do everything, as the seed's register budget assumes, and
-# ptxas's register count is the program's demand rather than the cap TileLang sets per warp group.
-PASS_CONFIGS = {"tl.disable_warp_specialized": True}
 
 
 # --8<-- [start:program]
@@ -52,7 +47,6 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
     beta: (B, N, H) fp32 -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program.
 
     N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
-    layout maps "e_plus_gamma", "e_minus_gamma" and "w" to "registers" or "shared".
     """
     import tilelang.language as T
 
@@ -60,11 +54,9 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
     accum_dtype = "float32"
     num_chunks = N // C
     width = d_k + block_dv  # the columns of [K ⊙ e^{gamma} | V], solved together
-    place = dict(layout)
-    alloc = {"registers": T.alloc_fragment, "shared": T.alloc_shared}
 
     @T.prim_func
-    def kda_fwd(
+    def gated_delta_rule_fwd(
         Q: T.Tensor((B, N, H, d_k), dtype),
         K: T.Tensor((B, N, H, d_k), dtype),
         V: T.Tensor((B, N, H, d_v), dtype),
@@ -81,14 +73,14 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             V_s = T.alloc_shared((C, block_dv), dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
             gamma_s = T.alloc_shared((C, d_k), accum_dtype)  # every thread reads other rows
-            E_plus = alloc[place["e_plus_gamma"]]((C, d_k), accum_dtype)  # e^{gamma} <= 1
-            E_minus = alloc[place["e_minus_gamma"]]((C, d_k), accum_dtype)  # e^{-gamma} >= 1
+            E_plus = alloc_placed(layout, "e_plus_gamma", (C, d_k), accum_dtype)  # e^{gamma} <= 1
+            E_minus = alloc_placed(layout, "e_minus_gamma", (C, d_k), accum_dtype)  # e^{-gamma} >= 1
             Q_plus_s = T.alloc_shared((C, d_k), dtype)  # q ⊙ e^{gamma}: both of q's GEMMs want it
             K_plus_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{gamma}; later k ⊙ e^{gamma_C - gamma}
             K_minus_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{-gamma}
             L_s = T.alloc_shared((C, C), accum_dtype)  # every thread reads row r of L
             X_s = T.alloc_shared((C, width), accum_dtype)  # [K ⊙ e^{gamma} | V], solved in place
-            W = alloc[place["w"]]((C, d_k), dtype)  # beta ⊙ X[:, :d_k], a GEMM operand
+            W = alloc_placed(layout, "w", (C, d_k), dtype)  # beta ⊙ X[:, :d_k], a GEMM operand
             S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
             A_qk_s = T.alloc_shared((C, C), dtype)
             V_new_s = T.alloc_shared((C, block_dv), dtype)
@@ -98,9 +90,9 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             A_qk_f = T.alloc_fragment((C, C), accum_dtype)
             V_new_f = T.alloc_fragment((C, block_dv), accum_dtype)
             acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
-            correction = T.alloc_var(accum_dtype)
+            correction = T.alloc_var(accum_dtype)  # a column's sum in the solve, in a register: one barrier a row
 
-            T.clear(S_f)  # constraint 7: once, outside the chunk loop
+            T.clear(S_f)  # once, outside the chunk loop: the state carries over (constraint 7)
             for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
                 t0 = i_c * C
                 T.copy(Q[b, t0:t0 + C, h, :], Q_s)
@@ -139,14 +131,13 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                     A_qk_s[c, j] = T.if_then_else(j <= c, A_qk_f[c, j], 0)
 
                 # one forward substitution for both right-hand sides: row r needs rows j < r solved
-                # (each thread sums its column's correction in a register: one barrier per row)
                 for r in T.serial(1, C):
                     for col in T.Parallel(width):
                         correction = 0
                         for j in T.serial(r):
                             correction += L_s[r, j] * X_s[j, col]
                         X_s[r, col] -= correction
-                # constraint 6: beta only now, after the solve: diag(beta) T, not T diag(beta)
+                # constraint 6: beta only now, after the solve: diag(beta) T, the pairing of L[c, i] = beta_i M[c, i]
                 for r, d in T.Parallel(C, d_k):
                     W[r, d] = X_s[r, d] * beta_s[r]
                 T.copy(S_f, S_s)
@@ -160,15 +151,15 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                 T.gemm(A_qk_s, V_new_s, acc_o)
                 T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
 
-                # constraint 1: the state moves only after the chunk's output is written;
-                # constraint 2: its rows decay (one rate per key channel) before the GEMM adds to it
+                # only now does the state move past this chunk (constraint 1): decay it first (constraint 2), then add
+                # (K ⊙ e^{gamma_C - gamma})^T V_new, the chunk's keys decayed to the chunk's end
                 for d, j in T.Parallel(d_k, block_dv):
-                    S_f[d, j] *= T.exp2(gamma_s[C - 1, d] * LOG2_E)
+                    S_f[d, j] *= T.exp2(gamma_s[C - 1, d] * LOG2_E)  # one rate per key channel
                 for r, d in T.Parallel(C, d_k):
                     K_plus_s[r, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
                 T.gemm(K_plus_s, V_new_s, S_f, transpose_A=True)
 
-    return kda_fwd
+    return gated_delta_rule_fwd
 # --8<-- [end:program]
 
 
@@ -189,10 +180,8 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
 
     Returns o: (B, N, H, d_v) in the input dtype. N need not be a multiple of chunk_size: the
     sequence is zero-padded, which is exact (see reference.kernel_mirror). check_values=False skips
-    the checks of g's and beta's values and of the chunk decay bound (passes over g and beta, device
-    syncs): the caller vouches for them. max_log_decay bounds -gamma, the log decay one chunk
-    accumulates in a channel (default MAX_LOG_DECAY[dtype]): gates that decay faster raise a
-    ValueError instead of returning garbage; math.inf runs anyway.
+    the checks of g's and beta's values (passes over the gates, a device sync per check): the caller vouches for them.
+    max_log_decay bounds a chunk's log decay per channel (numerics.check_gate_range; default MAX_LOG_DECAY[dtype]).
     """
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate("g", g, (B, N, H, d_k), "(B, N, H, d_k)")
