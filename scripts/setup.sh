@@ -7,7 +7,7 @@ venv=${2:-.venv}
 cd "$(dirname "$0")/.."
 if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
   echo "setup: the course needs Python 3.11 or newer (it reads its catalog with tomllib); $python is" \
-       "$("$python" --version 2>&1 | head -1)". Give another: make setup PYTHON=python3.11" >&2
+       "$("$python" --version 2>&1 | head -1). Give another: make setup PYTHON=python3.11" >&2
   exit 1
 fi
 # bubblewrap: the sandbox `course grade` runs students' code in (kdacourse/sandbox.py); course check needs none
