@@ -17,18 +17,46 @@ outside the pool is read as slot 0 and written nowhere).
 
 The flags are sticky: a call never clears them, so a CUDA graph replayed a thousand times reports a
 bad value of any replay at the next raise_if_flagged.
+
+Every fast call (stage 5's forward, stage 6's chunk_kda, stage 7's prefill and decode) takes one of
+CHECKS: "device" (the default: the kernels flag, nothing is read per call), "host" (the values read
+to the host and refused before any kernel runs: a sync per call, the mode to debug a caller with) or
+"off" (the caller vouches for the values: kernels built without the flags, what the benchmarks time
+as unchecked).
 """
 
 import functools
 
 BAD_GATE, BAD_BETA, BAD_SLOT = range(3)
 FLAG_COUNT = 3
+CHECKS = ("device", "host", "off")
 MESSAGES = {
     BAD_GATE: "g must be finite and <= 0 (g = log(a), 0 < a <= 1; for a = 0 use a large negative g such as "
               "-1e4): a call saw a g above 0, NaN or -inf",
     BAD_BETA: "beta must lie in [0, 1]: a call saw a beta outside it or NaN",
     BAD_SLOT: "slots must lie in [0, P): a call saw a slot outside the pool (its sequence was not advanced)",
 }
+
+
+def check_mode(checks):
+    """checks is one of CHECKS (see above)."""
+    if checks not in CHECKS:
+        raise ValueError(f"checks must be one of {', '.join(map(repr, CHECKS))}, got {checks!r}")
+
+
+def bad_gate(g, dtype="float32"):
+    """The TIR condition, in a kernel, that a log gate g (a `dtype` value it loaded) is bad: not <= 0
+    (NaN fails every comparison) or -inf (a decay table's exp2(0 * -inf) would be NaN)."""
+    import tilelang.language as T
+
+    return T.Not(T.And(g <= 0, g >= -T.max_value(dtype)))
+
+
+def bad_beta(beta):
+    """The TIR condition, in a kernel, that a beta it loaded lies outside [0, 1] or is NaN."""
+    import tilelang.language as T
+
+    return T.Not(T.And(beta >= 0, beta <= 1))
 
 
 def flags_for(device):

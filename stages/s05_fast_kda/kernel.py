@@ -24,6 +24,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
+from stages.common.device_checks import BAD_BETA, BAD_GATE, FLAG_COUNT, bad_beta, bad_gate
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
@@ -41,7 +42,7 @@ CHANNEL_PASSES = 2  # the score GEMMs sum over d_k in this many passes (their op
 
 # --8<-- [start:prepare_setup]
 def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
-                          channel_passes=CHANNEL_PASSES, any_gate=True):
+                          channel_passes=CHANNEL_PASSES, any_gate=True, value_flags=False):
     """The prepare kernel: q, k (B, N, H, d_k), v (B, N, H, d_v) in `dtype`, g (B, N, H, d_k) and
     beta (B, N, H) in fp32 -> W, Q e^gamma, K e^{gamma_C - gamma} (B, N, H, d_k), U (B, N, H, d_v),
     A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) in fp32.
@@ -52,6 +53,9 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     d_k of 16 * channel_passes. threads=None takes default_prepare_threads(chunk_size).
     any_gate=False leaves out the exact path for sub-blocks past the operands' range
     (anchored_scores_macro): the kernel as it was before it, to time what the path costs.
+    value_flags=True adds a parameter Flags (FLAG_COUNT,) int32 after Beta (outputs from index 6 on)
+    and checks every g and beta as it is loaded (flag_bad_values_macro): forward's default kernel.
+    Without it the program has no Flags: stage 5's exercise builds that one, and checks="off" runs it.
 
     From the loads on, the body is the macros below (stage 7's varlen prepare runs the same ones).
     """
@@ -63,25 +67,15 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     num_chunks = N // C
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
+    flag_bad_values = flag_bad_values_macro(C, d_k)
     cumulative_gates = cumulative_gates_macro(C, d_k)
     anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype, any_gate)
     block_inverse = block_inverse_macro(C)
     wy_outputs = wy_outputs_macro(C)
 
-    @T.prim_func
-    def kda_prepare(
-        Q: T.Tensor((B, N, H, d_k), dtype),
-        K: T.Tensor((B, N, H, d_k), dtype),
-        V: T.Tensor((B, N, H, d_v), dtype),
-        G: T.Tensor((B, N, H, d_k), accum_dtype),
-        Beta: T.Tensor((B, N, H), accum_dtype),
-        W: T.Tensor((B, N, H, d_k), dtype),
-        U: T.Tensor((B, N, H, d_v), dtype),
-        Q_decayed: T.Tensor((B, N, H, d_k), dtype),
-        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
-        A_qk: T.Tensor((B, N, H, C), dtype),
-        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
-    ):
+    # one body, two signatures (a TileLang program's parameters are fixed where it is written)
+    @T.macro
+    def prepare(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay):
         with T.Kernel(num_chunks, B * H, threads=threads) as (i_c, i_bh):
             b, h = i_bh // H, i_bh % H
             t0 = i_c * C
@@ -122,6 +116,8 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             T.copy(K[b, t0:t0 + C, h, :], K_s)
             T.copy(Beta[b, t0:t0 + C, h], beta_s)
             T.copy(G[b, t0:t0 + C, h, :], gamma_s)  # all loads in flight at once, then the sum on chip
+            if Flags is not None:  # value_flags: the gates and betas checked as they arrive
+                flag_bad_values(gamma_s, beta_s, Flags)
             cumulative_gates(gamma_s)
 
             anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s,
@@ -149,7 +145,64 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             T.copy(U_s, U[b, t0:t0 + C, h, :])
             # --8<-- [end:prepare_decayed]
 
+
+    if value_flags:
+        @T.prim_func
+        def kda_prepare(
+            Q: T.Tensor((B, N, H, d_k), dtype),
+            K: T.Tensor((B, N, H, d_k), dtype),
+            V: T.Tensor((B, N, H, d_v), dtype),
+            G: T.Tensor((B, N, H, d_k), accum_dtype),
+            Beta: T.Tensor((B, N, H), accum_dtype),
+            Flags: T.Tensor((FLAG_COUNT,), "int32"),
+            W: T.Tensor((B, N, H, d_k), dtype),
+            U: T.Tensor((B, N, H, d_v), dtype),
+            Q_decayed: T.Tensor((B, N, H, d_k), dtype),
+            K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+            A_qk: T.Tensor((B, N, H, C), dtype),
+            Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+        ):
+            prepare(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay)
+    else:  # the kernel as stage 5's exercise builds it: no Flags parameter
+        @T.prim_func
+        def kda_prepare(
+            Q: T.Tensor((B, N, H, d_k), dtype),
+            K: T.Tensor((B, N, H, d_k), dtype),
+            V: T.Tensor((B, N, H, d_v), dtype),
+            G: T.Tensor((B, N, H, d_k), accum_dtype),
+            Beta: T.Tensor((B, N, H), accum_dtype),
+            W: T.Tensor((B, N, H, d_k), dtype),
+            U: T.Tensor((B, N, H, d_v), dtype),
+            Q_decayed: T.Tensor((B, N, H, d_k), dtype),
+            K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+            A_qk: T.Tensor((B, N, H, C), dtype),
+            Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+        ):
+            prepare(Q, K, V, G, Beta, None, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay)
+
     return kda_prepare
+
+
+# --8<-- [start:value_flags]
+def flag_bad_values_macro(C, d_k):
+    """The macro flag_bad_values(gamma_s, beta_s, Flags): a chunk's log gates (C, d_k) and betas (C,)
+    fp32 in shared memory, as loaded (before cumulative_gates), checked on the device: a g that is
+    not finite and <= 0 sets Flags[BAD_GATE], a beta outside [0, 1] or NaN Flags[BAD_BETA]
+    (stages.common.device_checks). Rows past a sequence's end are loaded as zeros, good values, so
+    padding never sets a flag. Nothing is written but a 1 into Flags, and only by a bad value."""
+    import tilelang.language as T
+
+    @T.macro
+    def flag_bad_values(gamma_s, beta_s, Flags):
+        for r, d in T.Parallel(C, d_k):
+            if bad_gate(gamma_s[r, d]):  # every lane that finds one writes the same 1
+                Flags[BAD_GATE] = 1
+        for r in T.Parallel(C):
+            if bad_beta(beta_s[r]):
+                Flags[BAD_BETA] = 1
+
+    return flag_bad_values
+# --8<-- [end:value_flags]
 
 
 # --8<-- [start:prepare_gates]

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from stages.common.device_checks import BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT, flags_for
+from stages.common.device_checks import (BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT, bad_beta, bad_gate, check_mode,
+                                         flags_for)
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.checks import padded_length
@@ -43,7 +44,7 @@ from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_g
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, advance_state_macro,
                                         anchored_scores_macro, block_inverse_macro, check_kernel_sizes, check_state,
                                         check_token_inputs, chunk_output_macro, cumulative_gates_macro,
-                                        default_prepare_threads, wy_outputs_macro)
+                                        default_prepare_threads, flag_bad_values_macro, wy_outputs_macro)
 from stages.s05_fast_kda.numerics import score_operand_dtypes
 from stages.s07_serving.reference import chunk_table
 
@@ -59,7 +60,7 @@ DEFAULT_THREADS = 128
 
 # --8<-- [start:program]
 def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="float16", state_dtype="float32",
-                         threads=DEFAULT_THREADS):
+                         threads=DEFAULT_THREADS, value_flags=True):
     """The decode program: q, k (B, H, d_k), v (B, H, d_v) in `dtype`; g (B, H, d_k), beta (B, H) and
     the pool (P, H, d_k, d_v) in `state_dtype` (fp32 on the GPU; the interpreter also runs float64);
     slots (B,) int32 -> o (B, H, d_v) in `dtype`, the pool updated in place at slots.
@@ -71,24 +72,17 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
     touches memory past the pool.
 
     block_dv must divide d_v. Parameters in order: Q, K, V, G, Beta, Slots, State_pool, Flags, O
-    (out_idx=[8]); Flags (FLAG_COUNT,) int32 is only ever set to 1.
+    (out_idx=[8]); Flags (FLAG_COUNT,) int32 is only ever set to 1. value_flags=False leaves Flags
+    out (O is then parameter 7) and flags nothing, for decode's checks="off"; a slot outside the
+    pool still writes nothing.
     """
     import tilelang.language as T
 
     accum_dtype = state_dtype
 
-    @T.prim_func
-    def kda_decode(
-        Q: T.Tensor((B, H, d_k), dtype),
-        K: T.Tensor((B, H, d_k), dtype),
-        V: T.Tensor((B, H, d_v), dtype),
-        G: T.Tensor((B, H, d_k), accum_dtype),
-        Beta: T.Tensor((B, H), accum_dtype),
-        Slots: T.Tensor((B,), "int32"),
-        State_pool: T.Tensor((P, H, d_k, d_v), accum_dtype),
-        Flags: T.Tensor((FLAG_COUNT,), "int32"),
-        O: T.Tensor((B, H, d_v), dtype),
-    ):
+    # one body, two signatures (a TileLang program's parameters are fixed where it is written)
+    @T.macro
+    def decode_step(Q, K, V, G, Beta, Slots, State_pool, Flags, O):
         with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
             b, h = i_bh // H, i_bh % H
             v0 = i_v * block_dv
@@ -112,13 +106,14 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
             T.copy(V[b, h, v0:v0 + block_dv], v_s)
             for d in T.Parallel(d_k):
                 decay_s[d] = T.exp2(G[b, h, d] * LOG2_E)
-                # NaN fails g <= 0; -inf would make the decay table's exp2(0 * -inf) NaN elsewhere
-                if T.Not(T.And(G[b, h, d] <= 0, G[b, h, d] >= -T.max_value(accum_dtype))):
-                    Flags[BAD_GATE] = 1
-            if T.Not(T.And(Beta[b, h] >= 0, Beta[b, h] <= 1)):
-                Flags[BAD_BETA] = 1
-            if T.Not(slot_in_pool):
-                Flags[BAD_SLOT] = 1
+                if Flags is not None:  # value_flags
+                    if bad_gate(G[b, h, d], accum_dtype):
+                        Flags[BAD_GATE] = 1
+            if Flags is not None:
+                if bad_beta(Beta[b, h]):
+                    Flags[BAD_BETA] = 1
+                if T.Not(slot_in_pool):
+                    Flags[BAD_SLOT] = 1
 
             # the decay first, then what the decayed state recalls for k
             for d, j in T.Parallel(d_k, block_dv):
@@ -137,6 +132,35 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
             for d, j in T.Parallel(d_k, block_dv):
                 if slot_in_pool:  # back where it came from; a slot out of range writes nothing
                     State_pool[slot, h, d, v0 + j] = S_f[d, j]
+
+
+    if value_flags:
+        @T.prim_func
+        def kda_decode(
+            Q: T.Tensor((B, H, d_k), dtype),
+            K: T.Tensor((B, H, d_k), dtype),
+            V: T.Tensor((B, H, d_v), dtype),
+            G: T.Tensor((B, H, d_k), accum_dtype),
+            Beta: T.Tensor((B, H), accum_dtype),
+            Slots: T.Tensor((B,), "int32"),
+            State_pool: T.Tensor((P, H, d_k, d_v), accum_dtype),
+            Flags: T.Tensor((FLAG_COUNT,), "int32"),
+            O: T.Tensor((B, H, d_v), dtype),
+        ):
+            decode_step(Q, K, V, G, Beta, Slots, State_pool, Flags, O)
+    else:
+        @T.prim_func
+        def kda_decode(
+            Q: T.Tensor((B, H, d_k), dtype),
+            K: T.Tensor((B, H, d_k), dtype),
+            V: T.Tensor((B, H, d_v), dtype),
+            G: T.Tensor((B, H, d_k), accum_dtype),
+            Beta: T.Tensor((B, H), accum_dtype),
+            Slots: T.Tensor((B,), "int32"),
+            State_pool: T.Tensor((P, H, d_k, d_v), accum_dtype),
+            O: T.Tensor((B, H, d_v), dtype),
+        ):
+            decode_step(Q, K, V, G, Beta, Slots, State_pool, None, O)
 
     return kda_decode
 # --8<-- [end:program]
@@ -226,7 +250,7 @@ def check_decode_values(g: "torch.Tensor", beta: "torch.Tensor", slots: "torch.T
 
 # --8<-- [start:varlen_prepare_program]
 def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE,
-                                 dtype="float16", threads=None, channel_passes=CHANNEL_PASSES):
+                                 dtype="float16", threads=None, channel_passes=CHANNEL_PASSES, value_flags=False):
     """Stage 5's prepare on a packed batch: q, k, g (1, T_tokens, H, d_k), v (1, T_tokens, H, d_v), beta
     (1, T_tokens, H), packed by Cu_seqlens (N_seq + 1,) int32, and the chunk table Chunks (n_chunks, 2)
     int32 (stages.s07_serving.reference.chunk_table) -> W, U, Q e^gamma, K e^{gamma_C - gamma}, A_qk
@@ -238,7 +262,10 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     recurrence reads. Between its loads and its stores it runs stage 5's prepare: the same buffers and
     the same macros (cumulative_gates, anchored_scores, block_inverse, wy_outputs). T_tokens, T_padded,
     n_chunks and N_seq may be TileLang symbols (T.dynamic). Parameters in order: Q, K, V, G, Beta,
-    Chunks, Cu_seqlens, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay.
+    Chunks, Cu_seqlens, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay; value_flags=True adds
+    Flags (FLAG_COUNT,) int32 before W and checks each sequence's g and beta as they are loaded (stage
+    5's flag_bad_values_macro; the zeros loaded past a sequence's end never set a flag): prefill's
+    default kernel.
     """
     import tilelang.language as T
 
@@ -247,27 +274,15 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     accum_dtype = "float32"
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
+    flag_bad_values = flag_bad_values_macro(C, d_k)
     cumulative_gates = cumulative_gates_macro(C, d_k)
     anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype)
     block_inverse = block_inverse_macro(C)
     wy_outputs = wy_outputs_macro(C)
 
-    @T.prim_func
-    def kda_prepare_varlen(
-        Q: T.Tensor((1, T_tokens, H, d_k), dtype),
-        K: T.Tensor((1, T_tokens, H, d_k), dtype),
-        V: T.Tensor((1, T_tokens, H, d_v), dtype),
-        G: T.Tensor((1, T_tokens, H, d_k), accum_dtype),
-        Beta: T.Tensor((1, T_tokens, H), accum_dtype),
-        Chunks: T.Tensor((n_chunks, 2), "int32"),
-        Cu_seqlens: T.Tensor((N_seq + 1,), "int32"),
-        W: T.Tensor((1, T_padded, H, d_k), dtype),
-        U: T.Tensor((1, T_padded, H, d_v), dtype),
-        Q_decayed: T.Tensor((1, T_padded, H, d_k), dtype),
-        K_to_chunk_end: T.Tensor((1, T_padded, H, d_k), dtype),
-        A_qk: T.Tensor((1, T_padded, H, C), dtype),
-        Chunk_decay: T.Tensor((1, n_chunks, H, d_k), accum_dtype),
-    ):
+    # one body, two signatures (a TileLang program's parameters are fixed where it is written)
+    @T.macro
+    def prepare_varlen(Q, K, V, G, Beta, Chunks, Cu_seqlens, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay):
         with T.Kernel(n_chunks, H, threads=threads) as (i_c, h):
             sequence = Chunks[i_c, 0]
             start = Cu_seqlens[sequence] + Chunks[i_c, 1] * C  # the chunk's first token in the packed batch
@@ -315,6 +330,8 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
                 gamma_s[r, d] = T.if_then_else(r < rows, G[0, start + r, h, d], 0)
             for r in T.Parallel(C):
                 beta_s[r] = T.if_then_else(r < rows, Beta[0, start + r, h], 0)
+            if Flags is not None:  # value_flags: the sequence's gates and betas checked as they arrive
+                flag_bad_values(gamma_s, beta_s, Flags)
             cumulative_gates(gamma_s)
 
             # stage 5's prepare, storing at the chunk-aligned rows; V masked as the others
@@ -335,6 +352,45 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
             wy_outputs(T_s, beta_s, A_hat_s, Kg_s, V_s, w_f, u_f, W_s, U_s)
             T.copy(W_s, W[0, t0:t0 + C, h, :])
             T.copy(U_s, U[0, t0:t0 + C, h, :])
+
+
+    if value_flags:
+        @T.prim_func
+        def kda_prepare_varlen(
+            Q: T.Tensor((1, T_tokens, H, d_k), dtype),
+            K: T.Tensor((1, T_tokens, H, d_k), dtype),
+            V: T.Tensor((1, T_tokens, H, d_v), dtype),
+            G: T.Tensor((1, T_tokens, H, d_k), accum_dtype),
+            Beta: T.Tensor((1, T_tokens, H), accum_dtype),
+            Chunks: T.Tensor((n_chunks, 2), "int32"),
+            Cu_seqlens: T.Tensor((N_seq + 1,), "int32"),
+            Flags: T.Tensor((FLAG_COUNT,), "int32"),
+            W: T.Tensor((1, T_padded, H, d_k), dtype),
+            U: T.Tensor((1, T_padded, H, d_v), dtype),
+            Q_decayed: T.Tensor((1, T_padded, H, d_k), dtype),
+            K_to_chunk_end: T.Tensor((1, T_padded, H, d_k), dtype),
+            A_qk: T.Tensor((1, T_padded, H, C), dtype),
+            Chunk_decay: T.Tensor((1, n_chunks, H, d_k), accum_dtype),
+        ):
+            prepare_varlen(Q, K, V, G, Beta, Chunks, Cu_seqlens, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay)
+    else:
+        @T.prim_func
+        def kda_prepare_varlen(
+            Q: T.Tensor((1, T_tokens, H, d_k), dtype),
+            K: T.Tensor((1, T_tokens, H, d_k), dtype),
+            V: T.Tensor((1, T_tokens, H, d_v), dtype),
+            G: T.Tensor((1, T_tokens, H, d_k), accum_dtype),
+            Beta: T.Tensor((1, T_tokens, H), accum_dtype),
+            Chunks: T.Tensor((n_chunks, 2), "int32"),
+            Cu_seqlens: T.Tensor((N_seq + 1,), "int32"),
+            W: T.Tensor((1, T_padded, H, d_k), dtype),
+            U: T.Tensor((1, T_padded, H, d_v), dtype),
+            Q_decayed: T.Tensor((1, T_padded, H, d_k), dtype),
+            K_to_chunk_end: T.Tensor((1, T_padded, H, d_k), dtype),
+            A_qk: T.Tensor((1, T_padded, H, C), dtype),
+            Chunk_decay: T.Tensor((1, n_chunks, H, d_k), accum_dtype),
+        ):
+            prepare_varlen(Q, K, V, G, Beta, Chunks, Cu_seqlens, None, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay)
 
     return kda_prepare_varlen
 # --8<-- [end:varlen_prepare_program]
