@@ -213,8 +213,9 @@ def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, 
         return [q, k, v, g, 0.1 + 0.8 * torch.rand(B, N, H, generator=generator)]
 
     def interpreted(build, out_idx):
-        def compiled(*arguments):
-            run = interpret(build(*arguments), out_idx=out_idx)
+        def compiled(*arguments, value_flags=False):  # the flagged prepare takes Flags before its outputs
+            program = build(*arguments, value_flags=True) if value_flags else build(*arguments)
+            run = interpret(program, out_idx=[i + value_flags for i in out_idx])
             return lambda *tensors: [torch.from_numpy(x) for x in run(*tensors)]
         return compiled
 

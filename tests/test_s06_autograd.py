@@ -183,17 +183,17 @@ def test_bad_inputs_are_refused_with_clear_errors():
             chunk_kda(*args, **kwargs)
 
 
-def test_check_values_reaches_stage_5s_forward(monkeypatch):
-    """The CUDA path hands check_values to stage 5's forward, which runs (or skips) the value check;
+def test_the_checks_mode_reaches_stage_5s_forward(monkeypatch):
+    """The CUDA path hands chunk_kda's checks to stage 5's forward, which checks the values as it says;
     checked on the CPU with the forward stubbed, since the path itself needs a GPU."""
     import stages.s05_fast_kda.kernel as stage5
     from stages.s06_backward import autograd
 
     seen = []
-    monkeypatch.setattr(stage5, "forward", lambda *arguments, **options: seen.append(options["check_values"]))
-    for check_values in (True, False):
-        autograd._cuda_forward(*[None] * 6, 64, check_values)
-    assert seen == [True, False]
+    monkeypatch.setattr(stage5, "forward", lambda *arguments, **options: seen.append(options["checks"]))
+    for checks in ("device", "host", "off"):
+        autograd._cuda_forward(*[None] * 6, 64, checks)
+    assert seen == ["device", "host", "off"]
 
 
 def test_non_contiguous_inputs_are_accepted():

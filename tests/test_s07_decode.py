@@ -276,7 +276,7 @@ def _bad_wrapper_inputs():
         (dict(checks="host", g=torch.full((2, 2, 16), 0.5)), ValueError, "g must be finite and <= 0"),
         (dict(checks="host", beta=torch.full((2, 2), 2.0)), ValueError, r"beta must lie in \[0, 1\]"),
         (dict(block_dv=12), ValueError, "block_dv must be a positive divisor of d_v = 32"),
-        (dict(checks="sometimes"), ValueError, 'checks must be "device" or "host"'),
+        (dict(checks="sometimes"), ValueError, "checks must be one of 'device', 'host', 'off'"),
         (dict(), ValueError, "must be on a CUDA device"),  # every check passed: the device is last
     ]
 

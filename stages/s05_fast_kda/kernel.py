@@ -24,7 +24,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
-from stages.common.device_checks import BAD_BETA, BAD_GATE, FLAG_COUNT, bad_beta, bad_gate
+from stages.common.device_checks import BAD_BETA, BAD_GATE, FLAG_COUNT, bad_beta, bad_gate, check_mode, flags_for
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
@@ -547,12 +547,14 @@ def advance_state_macro(d_k, block_dv):
 
 
 @functools.cache
-def compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
-    """The prepare kernel compiled for the GPU (its outputs allocated by the call): made once per shape."""
+def compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags=False):
+    """The prepare kernel compiled for the GPU (its outputs allocated by the call): made once per shape.
+    value_flags: the kernel that also takes Flags after beta and flags bad values (forward's default)."""
     import tilelang
 
-    program = build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, threads)
-    return tilelang.compile(program, out_idx=[5, 6, 7, 8, 9, 10], target="cuda")
+    program = build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags=value_flags)
+    first_output = 6 if value_flags else 5
+    return tilelang.compile(program, out_idx=list(range(first_output, first_output + 6)), target="cuda")
 
 
 @functools.cache
@@ -569,7 +571,7 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
             chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int | None = None, num_stages: int = 2,
             threads: int = 128, prepare_threads: int | None = None, initial_state: "torch.Tensor | None" = None,
             output_final_state: bool = False,
-            check_values: bool = True) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+            checks: str = "device") -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
     """Run both kernels on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16),
     g: (B, N, H, d_k) fp32 log gates (<= 0), beta: (B, N, H) fp32 in [0, 1].
 
@@ -577,10 +579,17 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     initial_state: S_0^T (B, H, d_k, d_v) fp32 or None (zeros). Returns o: (B, N, H, d_v) in the
     input dtype, and with output_final_state also the final state S^T (B, H, d_k, d_v) fp32.
     N need not be a multiple of chunk_size: the sequence is zero-padded, which is exact (see
-    reference.kernel_mirror). check_values=False skips the check of g's and beta's values (a pass over
-    both and a device sync): the caller vouches for them, and the call has no host sync left.
+    reference.kernel_mirror).
+
+    Shapes, dtypes and devices are checked here, on the host. g's and beta's values (finite g <= 0,
+    beta in [0, 1]) by `checks`: "device" (the default) leaves them to the prepare kernel, which flags
+    a bad one as it loads it (stages.common.device_checks: `raise_if_flagged(q.device)` reports it
+    where the caller synchronizes anyway); the call has no host sync and can be captured in a CUDA
+    graph. "host" reads them to the host first and raises before any kernel runs (a pass over both
+    and a device sync: the mode to debug a caller with). "off": the caller vouches for them, and the
+    kernel runs without the flags.
     """
-    B, N, H, d_k, d_v = check_forward_inputs(q, k, v, g, beta, initial_state, chunk_size, block_dv, check_values)
+    B, N, H, d_k, d_v = check_forward_inputs(q, k, v, g, beta, initial_state, chunk_size, block_dv, checks)
     if block_dv is None:
         block_dv = default_block_dv(B, H, d_v, streaming_multiprocessors(q.device))
 
@@ -588,10 +597,13 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     q, k, v, g, beta = pad_tokens(N_padded, q, k, v, g, beta)
     if initial_state is None:
         initial_state = zero_state(B, H, d_k, d_v, q.device)
-    prepare = compiled_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype_name(q), prepare_threads)
+    value_flags = checks == "device"
+    prepare = compiled_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype_name(q), prepare_threads,
+                               value_flags=value_flags)
     recurrence = compiled_recurrence(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages,
                                       threads)
-    o, final_state = recurrence(*prepare(q, k, v, g, beta), initial_state)
+    flags = (flags_for(q.device),) if value_flags else ()
+    o, final_state = recurrence(*prepare(q, k, v, g, beta, *flags), initial_state)
     o = o[:, :N]
     return (o, final_state) if output_final_state else o
 # --8<-- [end:forward]
@@ -601,19 +613,20 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
 def check_forward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
                          beta: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
                          chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int | None = None,
-                         check_values: bool = True) -> tuple[int, int, int, int, int]:
+                         checks: str = "device") -> tuple[int, int, int, int, int]:
     """Every check of `forward`'s arguments (see its docstring); returns (B, N, H, d_k, d_v).
 
-    In this order: what the tensors' types, shapes and dtypes tell (check_token_inputs, the initial
-    state) and the tile sizes (check_kernel_sizes); then, with check_values, what only their values
-    tell (check_gate_values: a NaN, a gate above 0, beta outside [0, 1]; one pass and one device sync);
-    the device last, so that every other mistake shows, and is tested, on a machine without a GPU.
-    Any gate <= 0 runs: there is no range to check (anchored_scores_macro).
+    In this order: the checks mode; what the tensors' types, shapes and dtypes tell (check_token_inputs,
+    the initial state) and the tile sizes (check_kernel_sizes); then, with checks="host", what only
+    their values tell (check_gate_values: a NaN, a gate above 0, beta outside [0, 1]; one pass and one
+    device sync); the device last, so that every other mistake shows, and is tested, on a machine
+    without a GPU. Any gate <= 0 runs: there is no range to check (anchored_scores_macro).
     """
+    check_mode(checks)
     B, N, H, d_k, d_v = check_token_inputs(q, k, v, g, beta)
     check_state("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     check_kernel_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
-    if check_values:
+    if checks == "host":
         check_gate_values(g, beta)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state})
     return B, N, H, d_k, d_v
@@ -703,11 +716,12 @@ def default_prepare_threads(chunk_size):
 
 @functools.cache  # the page's report and the compile test share one nvcc run
 def compile_report(kernel="recurrence", B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
-                   block_dv=DEFAULT_BLOCK_DV, dtype="float16"):
-    """Lower and compile one kernel ("prepare" or "recurrence") for sm_90a without a GPU."""
+                   block_dv=DEFAULT_BLOCK_DV, dtype="float16", value_flags=False):
+    """Lower and compile one kernel ("prepare" or "recurrence") for sm_90a without a GPU; value_flags:
+    the prepare that flags bad values (forward's default)."""
     check_kernel_sizes(d_k, d_v, chunk_size, block_dv)
     if kernel == "prepare":
-        return _compile_report(build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype))
+        return _compile_report(build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, value_flags=value_flags))
     if kernel == "recurrence":
         return _compile_report(build_recurrence_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype))
     raise ValueError(f"kernel must be 'prepare' or 'recurrence', got {kernel!r}")
