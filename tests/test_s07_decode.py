@@ -243,6 +243,26 @@ def test_a_slot_outside_the_pool_writes_nothing_anywhere():
     assert not np.any(after[good] == before[good])
 
 
+def test_the_unflagged_decode_takes_no_flags_and_still_writes_no_slot_outside_the_pool():
+    """value_flags=False (decode's checks="off"): no Flags parameter, so bad values set nothing; a slot
+    past the pool still reads slot 0 and writes no state."""
+    from stages.common.interpreter import interpret
+    from stages.s07_serving.kernel import build_decode_program
+
+    program = build_decode_program(B, P, H, D_K, D_V, BLOCK_DV, dtype="float64", state_dtype="float64",
+                                   value_flags=False)
+    assert "Flags" not in [program.buffer_map[p].name for p in program.params]
+    x, pool = _kernel_case(seed=25, N=1)
+    q, k, v, g, beta = (a.copy() for a in _token(x, 0))
+    g[1, 0, 3], beta[0, 0] = 0.25, 1.5
+    slots = SLOTS.astype(np.int32)
+    slots[1] = P + 3
+    before = pool.copy()
+    interpret(program)(q, k, v, g, beta, slots, pool, np.zeros((B, H, D_V)))
+    untouched = np.setdiff1d(np.arange(P), SLOTS[[0, 2]])
+    assert np.array_equal(pool[untouched], before[untouched])
+
+
 # ------------------------------------------------------------------------------------------ the wrapper
 
 
@@ -303,6 +323,8 @@ def test_the_default_call_leaves_the_values_to_the_kernel():
     arguments.update(slots=torch.tensor([1, 1], dtype=torch.int32), g=torch.full((2, 2, 16), 0.5))
     with pytest.raises(ValueError, match="must be on a CUDA device"):
         decode(**arguments)
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        decode(**arguments, checks="off")
 
 
 # ------------------------------------------------------------------------------------------ compile, GPU
@@ -373,7 +395,8 @@ def test_kernel_matches_reference_on_gpu(dtype_name, B, P, H, d_k, d_v):
 def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
     """checks="device" on the GPU: a good step replayed from a CUDA graph equals the eager steps and
     flags nothing; a positive gate, a beta above 1 and a slot past the pool each raise at
-    raise_if_flagged (not at the call), the slot's step writing no state."""
+    raise_if_flagged (not at the call), the slot's step writing no state; with checks="off" none of
+    them flags."""
     import torch
 
     from stages.common.device_checks import MESSAGES, raise_if_flagged
@@ -421,6 +444,8 @@ def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
             kept = torch.ones(P_, dtype=torch.bool, device=device)
             kept[slots[:3].long()] = False
             assert torch.equal(arguments["state_pool"][kept], before[kept]), "a slot past the pool wrote a state"
+        decode(**dict(arguments, state_pool=before.clone()), checks="off")
+        raise_if_flagged(device)  # "off": the kernel without the flags sets nothing
 
 
 @pytest.mark.parametrize("d_v, block_dv", [(128, 64), (64, 64), (32, 32), (96, 32)])
