@@ -234,7 +234,7 @@ def _measure_ours(decode_kernel, block_dv, inputs, pool, expected_o, expected_st
     errors = dict(rel_l2_o=f"{relative_l2(o, expected_o):.3e}",
                   rel_l2_state=f"{relative_l2(work[slots.long()], expected_states):.3e}")
     B, H, d = q.shape
-    compiled = decode_kernel.compiled_decode(B, pool.shape[0], H, d, d, block_dv, args.dtype, args.threads)
+    compiled = decode_kernel.compiled_decode(B, pool.shape[0], H, d, d, block_dv, args.dtype, args.threads, True)
     flags = flags_for(q.device)
     function, method = graph_or_events(lambda: compiled(q, k, v, g, beta, slots, work, flags))
     record("ours", "kernel", function, method, block_dv, errors)

@@ -431,7 +431,7 @@ def cpu_forward(monkeypatch):
     from stages.common.interpreter import interpret
     from stages.s05_fast_kda import kernel
 
-    def compiled_prepare(B, N, H, d_k, d_v, C, dtype, threads, value_flags=False):
+    def interpreted_prepare(B, N, H, d_k, d_v, C, dtype, threads, value_flags):
         run = interpret(kernel.build_prepare_program(B, N, H, d_k, d_v, C, dtype, threads, value_flags=value_flags))
 
         def prepare(q, k, v, g, beta, *flags):
@@ -448,7 +448,8 @@ def cpu_forward(monkeypatch):
         return lambda *tensors: [torch.from_numpy(x) for x in run(*tensors)]
 
     monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
-    monkeypatch.setattr(kernel, "compiled_prepare", compiled_prepare)
+    monkeypatch.setattr(kernel, "compiled_prepare", lambda *arguments: interpreted_prepare(*arguments, False))
+    monkeypatch.setattr(kernel, "compiled_flagged_prepare", lambda *arguments: interpreted_prepare(*arguments, True))
     monkeypatch.setattr(kernel, "compiled_recurrence", compiled_recurrence)
     flags_for("cpu").zero_()
 
@@ -510,7 +511,8 @@ def test_checks_off_flags_nothing_and_host_refuses_before_the_kernels(cpu_forwar
     bad = _flag_inputs(("g", (0, 22, 1, 5), 0.25))
     cpu_forward(bad, checks="off")
     assert not flags_for("cpu").any()
-    monkeypatch.setattr(kernel, "compiled_prepare", lambda *arguments, **options: pytest.fail("a kernel was built"))
+    for name in ("compiled_prepare", "compiled_flagged_prepare"):
+        monkeypatch.setattr(kernel, name, lambda *arguments: pytest.fail("a kernel was built"))
     with pytest.raises(ValueError, match="g must be finite and <= 0"):
         cpu_forward(bad, checks="host")
     with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):

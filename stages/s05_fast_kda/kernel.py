@@ -547,14 +547,24 @@ def advance_state_macro(d_k, block_dv):
 
 
 @functools.cache
-def compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags=False):
+def compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
     """The prepare kernel compiled for the GPU (its outputs allocated by the call): made once per shape.
-    value_flags: the kernel that also takes Flags after beta and flags bad values (forward's default)."""
+    Without the value flags: forward's checks="host" and "off", stage 6's backward, the benchmarks'
+    kernels alone."""
     import tilelang
 
-    program = build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags=value_flags)
-    first_output = 6 if value_flags else 5
-    return tilelang.compile(program, out_idx=list(range(first_output, first_output + 6)), target="cuda")
+    program = build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, threads)
+    return tilelang.compile(program, out_idx=[5, 6, 7, 8, 9, 10], target="cuda")
+
+
+@functools.cache
+def compiled_flagged_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
+    """The prepare kernel that also takes Flags after beta and flags bad values (value_flags=True):
+    forward's default, checks="device". Made once per shape."""
+    import tilelang
+
+    program = build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags=True)
+    return tilelang.compile(program, out_idx=[6, 7, 8, 9, 10, 11], target="cuda")
 
 
 @functools.cache
@@ -598,8 +608,8 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     if initial_state is None:
         initial_state = zero_state(B, H, d_k, d_v, q.device)
     value_flags = checks == "device"
-    prepare = compiled_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype_name(q), prepare_threads,
-                               value_flags=value_flags)
+    compile_prepare = compiled_flagged_prepare if value_flags else compiled_prepare
+    prepare = compile_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype_name(q), prepare_threads)
     recurrence = compiled_recurrence(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages,
                                       threads)
     flags = (flags_for(q.device),) if value_flags else ()

@@ -167,9 +167,9 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
 
 
 @functools.cache
-def compiled_decode(B, P, H, d_k, d_v, block_dv, dtype, threads, value_flags=True):
-    """The decode kernel compiled for the GPU with an fp32 pool: made once per shape, block, dtype and
-    threads; value_flags=False: the one without Flags (checks="off")."""
+def compiled_decode(B, P, H, d_k, d_v, block_dv, dtype, threads, value_flags):
+    """The decode kernel compiled for the GPU with an fp32 pool: made once per shape, block, dtype,
+    threads and value_flags (False: the one without Flags, checks="off")."""
     import tilelang
 
     program = build_decode_program(B, P, H, d_k, d_v, block_dv, dtype, "float32", threads, value_flags)
