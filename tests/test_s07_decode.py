@@ -394,8 +394,8 @@ def test_kernel_matches_reference_on_gpu(dtype_name, B, P, H, d_k, d_v):
 @pytest.mark.gpu
 def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
     """checks="device" on the GPU: a good step replayed from a CUDA graph equals the eager steps and
-    flags nothing; a positive gate, a beta above 1 and a slot past the pool each raise at
-    raise_if_flagged (not at the call), the slot's step writing no state; with checks="off" none of
+    flags nothing; a positive gate, a beta above 1, a slot past the pool and a NaN g or beta each raise
+    at raise_if_flagged (not at the call), the slot's step writing no state; with checks="off" none of
     them flags."""
     import torch
 
@@ -431,8 +431,11 @@ def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
 
     bad_gate, bad_beta, bad_slots = g.clone(), beta.clone(), slots.clone()
     bad_gate[1, 0, 3], bad_beta[2, 1], bad_slots[3] = 0.5, 1.5, P_
+    nan_gate, nan_beta = g.clone(), beta.clone()  # NaN: the test the compiler could simplify away
+    nan_gate[0, 1, 7], nan_beta[3, 0] = float("nan"), float("nan")
     for change, message in ((dict(g=bad_gate), MESSAGES[0]), (dict(beta=bad_beta), MESSAGES[1]),
-                            (dict(slots=bad_slots), MESSAGES[2])):
+                            (dict(slots=bad_slots), MESSAGES[2]), (dict(g=nan_gate), MESSAGES[0]),
+                            (dict(beta=nan_beta), MESSAGES[1])):
         arguments = dict(q=q, k=k, v=v, g=g, beta=beta, state_pool=pool.clone(), slots=slots)
         arguments.update(change)
         before = arguments["state_pool"].clone()

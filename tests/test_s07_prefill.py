@@ -564,13 +564,14 @@ def test_rows_past_a_sequence_end_are_not_read_for_the_flags(token, flagged):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("kernel", ["prepare", "recurrence"])
-def test_prefill_kernels_compile_for_any_batch_without_spills(kernel):
+@pytest.mark.parametrize("kernel, value_flags", [("prepare", False), ("prepare", True), ("recurrence", False)])
+def test_prefill_kernels_compile_for_any_batch_without_spills(kernel, value_flags):
     """As prefill compiles them, the token, chunk and sequence counts run-time sizes (H=32, d=128, bf16,
-    C=64, 64 columns a program): no spills, shared memory within an H100/H200 SM's 227 KiB."""
+    C=64, 64 columns a program), the prepare with and without the value flags (prefill's default
+    has them): no spills, shared memory within an H100/H200 SM's 227 KiB."""
     from stages.s07_serving.kernel import varlen_compile_report
 
-    report = varlen_compile_report(kernel)
+    report = varlen_compile_report(kernel, value_flags=value_flags)
     print(f"{kernel} sm_90a:", report.summary())
     assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
     assert not report.divergent_barriers, report.divergent_barriers  # a barrier some warps skip hangs the GPU

@@ -45,18 +45,23 @@ def check_mode(checks):
 
 
 def bad_gate(g, dtype="float32"):
-    """The TIR condition, in a kernel, that a log gate g (a `dtype` value it loaded) is bad: not <= 0
-    (NaN fails every comparison) or -inf (a decay table's exp2(0 * -inf) would be NaN)."""
+    """The TIR condition, in a kernel, that a log gate g (a `dtype` value it loaded) is bad: NaN,
+    above 0, or -inf (a decay table's exp2(0 * -inf) would be NaN).
+
+    NaN is asked for by name: "not (g <= 0)" would hold for it, but TVM's simplifier rewrites that
+    as "g > 0", false for NaN, and the CUDA kernel would miss it (the interpreter, which runs the
+    program before that rewrite, would not)."""
     import tilelang.language as T
 
-    return T.Not(T.And(g <= 0, g >= -T.max_value(dtype)))
+    return T.Or(T.isnan(g), T.Or(g > 0, g < -T.max_value(dtype)))
 
 
 def bad_beta(beta):
-    """The TIR condition, in a kernel, that a beta it loaded lies outside [0, 1] or is NaN."""
+    """The TIR condition, in a kernel, that a beta it loaded is NaN or lies outside [0, 1] (NaN by
+    name, as in bad_gate)."""
     import tilelang.language as T
 
-    return T.Not(T.And(beta >= 0, beta <= 1))
+    return T.Or(T.isnan(beta), T.Or(beta < 0, beta > 1))
 
 
 def flags_for(device):
