@@ -54,3 +54,16 @@ def test_the_compiled_kernels_still_test_for_nan(kernel):
         guards = _flag_guards(source, kind)
         assert guards, f"{kernel} sets no Flags[{kind}]"
         assert all("!=" in guard for guard in guards), guards
+
+
+@pytest.mark.gpu
+def test_the_flags_are_not_made_inside_a_cuda_graph_capture(monkeypatch):
+    """Made in a capture, the flags would be zeroed by every replay: the first call must come before."""
+    from stages.common import device_checks
+
+    monkeypatch.setattr(device_checks, "_FLAGS", {})  # as in a fresh process
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="make one call before the capture"):
+        with torch.cuda.graph(graph):
+            flags_for("cuda")
+    assert flags_for("cuda").device.type == "cuda"  # made outside: fine

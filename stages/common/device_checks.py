@@ -25,8 +25,6 @@ to the host and refused before any kernel runs: a sync per call, the mode to deb
 as unchecked).
 """
 
-import functools
-
 BAD_GATE, BAD_BETA, BAD_SLOT = range(3)
 FLAG_COUNT = 3
 CHECKS = ("device", "host", "off")
@@ -66,20 +64,25 @@ def bad_beta(beta):
 
 def flags_for(device):
     """The flags of `device` (a torch.device or its name): a (FLAG_COUNT,) int32 tensor on it, one per
-    device for the whole process, zeros until a kernel flags a bad value."""
+    device for the whole process, zeros until a kernel flags a bad value.
+
+    Made by the first call on a device, which must not be inside a CUDA graph's capture: the tensor
+    would live in the graph's memory and its zeroing would be captured, so that every replay cleared
+    the flags. A capture follows a warm-up call anyway (the kernels compile on their first call)."""
     import torch
 
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _flags(str(device))
+    if str(device) not in _FLAGS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the value flags of {device} are made by the first checked call, which must not be "
+                               f"captured in a CUDA graph: make one call before the capture")
+        _FLAGS[str(device)] = torch.zeros(FLAG_COUNT, dtype=torch.int32, device=device)
+    return _FLAGS[str(device)]
 
 
-@functools.cache
-def _flags(device):
-    import torch
-
-    return torch.zeros(FLAG_COUNT, dtype=torch.int32, device=device)
+_FLAGS = {}  # device name -> its flags (flags_for)
 
 
 def raise_if_flagged(device):
