@@ -652,14 +652,20 @@ def test_the_default_prefill_flags_bad_values_on_the_gpu():
     from stages.s07_serving.kernel import prefill
 
     device = torch.device("cuda")
-    x, cu_seqlens = _flagged_case()
+    x, cu_seqlens, _ = _gpu_packed(GPU_LENGTHS, 2, 128, seed=32)  # sequences from tokens 0, 1, 64, 128, 193, 493, 1493
+    x.g[0, 600:700, 1] = -50.0
+    x.g[0, 700, 0, :5], x.beta[0, 3], x.beta[0, 4] = -1e4, 0.0, 1.0
     args = [torch.tensor(a, dtype=torch.bfloat16, device=device) for a in (x.q, x.k, x.v)]
     g, beta = (torch.tensor(a, dtype=torch.float32, device=device) for a in (x.g, x.beta))
     cu = torch.tensor(cu_seqlens, device=device)
     raise_if_flagged(device)
     prefill(*args, g, beta, cu_seqlens=cu)
     raise_if_flagged(device)  # good values: quiet
-    for name, token, value, flag in BAD_PREFILL_VALUES:
+    gpu_bad_values = [  # the middle of the 300-token sequence, the last token of the 65-token one, the
+        # 1-token one, the last token of the batch, the 1000-token one, the last of the 63-token one, a first token
+        ("g", 343, 0.25, "gate"), ("g", 192, np.nan, "gate"), ("g", 0, -np.inf, "gate"), ("beta", 1509, -0.01, "beta"),
+        ("beta", 1000, 1.5, "beta"), ("beta", 63, np.nan, "beta"), ("beta", 193, 2.0, "beta")]
+    for name, token, value, flag in gpu_bad_values:
         bad = {"g": g.clone(), "beta": beta.clone()}
         bad[name][(0, token, 1, 7) if name == "g" else (0, token, 1)] = value
         prefill(*args, bad["g"], bad["beta"], cu_seqlens=cu, checks="off")
