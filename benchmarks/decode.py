@@ -13,7 +13,9 @@ Measured, each as the median of repeats with the 20th and 80th percentiles (trit
 - ours `kernel`: the compiled kernel alone, replayed from a CUDA graph, one row per block_dv;
 - ours `call`: the whole default `decode(...)` (values checked on the device, no sync), timed eagerly;
   `call_graph`: the same call captured in a CUDA graph (a server's decode loop); `call_host_checks`:
-  with checks="host" (the values read to the host first, two syncs);
+  with checks="host" (the values read to the host first, two syncs); `call_unchecked_graph`: the
+  call with checks="off" (the kernel without the flags) captured as `call_graph` is, what the
+  default's flags cost;
 - FLA `call`: `fla.ops.kda.fused_recurrent_kda` with q, k, v of shape (B, 1, H, D), scale=1.0 and
   the B states gathered from the pool into initial_state (B, H, d_k, d_v) fp32, FLA's convention
   (the same S^T layout), output_final_state=True: the same bytes read and written; and FLA `kernel`,
@@ -234,7 +236,7 @@ def _measure_ours(decode_kernel, block_dv, inputs, pool, expected_o, expected_st
     errors = dict(rel_l2_o=f"{relative_l2(o, expected_o):.3e}",
                   rel_l2_state=f"{relative_l2(work[slots.long()], expected_states):.3e}")
     B, H, d = q.shape
-    compiled = decode_kernel.compiled_decode(B, pool.shape[0], H, d, d, block_dv, args.dtype, args.threads)
+    compiled = decode_kernel.compiled_decode(B, pool.shape[0], H, d, d, block_dv, args.dtype, args.threads, True)
     flags = flags_for(q.device)
     function, method = graph_or_events(lambda: compiled(q, k, v, g, beta, slots, work, flags))
     record("ours", "kernel", function, method, block_dv, errors)
@@ -247,6 +249,9 @@ def _measure_ours(decode_kernel, block_dv, inputs, pool, expected_o, expected_st
         function, method = graph_or_events(lambda: decode_kernel.decode(q, k, v, g, beta, work, slots,
                                                                          block_dv=block_dv))
         record("ours", "call_graph", function, method, block_dv)
+        function, method = graph_or_events(lambda: decode_kernel.decode(q, k, v, g, beta, work, slots,
+                                                                         block_dv=block_dv, checks="off"))
+        record("ours", "call_unchecked_graph", function, method, block_dv)
 
 
 def _summary(rows, log):

@@ -10,9 +10,10 @@ it first compiles, autotunes, captures and checks (ours against FLA), then times
   graph replayed (no Python, no checks, no allocation of the inputs); `prepare` and `recurrence`
   each alone the same way (the roofline's points); if a graph does not capture, CUDA events around
   the launches instead (the row's `method` says which);
-- ours `call`: stage 5's forward as a caller runs it, value checks on (the default), and
-  `call_unchecked` with check_values=False; `value_check`: the check alone
-  (stages.common.torch_checks.check_gate_values, as forward makes it: no range check, any gate runs);
+- ours `call`: stage 5's forward as a caller runs it, checks="device" (the default: the prepare
+  kernel flags bad values, no host sync), and `call_unchecked` with checks="off" (the kernel
+  without the flags); `value_check`: the check checks="host" adds, alone
+  (stages.common.torch_checks.check_gate_values: one pass and a sync; no range check, any gate runs);
 - FLA `call`: chunk_kda as a caller runs it, once per shape and round, and FLA `kernels`: the same
   call captured as a CUDA graph, if it captures.
 
@@ -256,12 +257,12 @@ class Shape:
         for what, launch in launches.items():
             self._graph_or_events(("ours", what), launch, log)
         self.functions[("ours", "call")] = lambda: kernel.forward(q, k, v, g, beta)
-        self.functions[("ours", "call_unchecked")] = lambda: kernel.forward(q, k, v, g, beta, check_values=False)
-        # the check forward() makes (it takes any gate: no range check)
+        self.functions[("ours", "call_unchecked")] = lambda: kernel.forward(q, k, v, g, beta, checks="off")
+        # the check forward(checks="host") makes (it takes any gate: no range check)
         self.functions[("ours", "value_check")] = lambda: check_gate_values(g, beta)
         for key in (("ours", "call"), ("ours", "call_unchecked"), ("ours", "value_check")):
             self.methods[key] = "events"
-        ours_output = kernel.forward(q, k, v, g, beta, check_values=False)
+        ours_output = kernel.forward(q, k, v, g, beta, checks="off")
         self.rel_l2_vs_fla = None
         try:
             fla_call = bench.fla(bench.STAGES["s05"])

@@ -4,7 +4,7 @@
 
 PATH is what `python -m benchmarks.train_kda --nan-trap` saved (NanTrap: q, k, v, g, beta as the
 layer passed them, chunk_kda's keyword arguments, do once the backward had it, and the message of the
-kernels' value check if it refused the call). The replay runs past that check (check_values=False),
+kernels' value check if it refused the call). The replay runs past that check (checks="off"),
 on both paths: it shows what the kernels do with the inputs, not what the check allows. Every kernel of
 the call (stage 5's prepare and recurrence, stage 6's five backward kernels) is wrapped so that each
 output is checked as it comes out, and the call runs again as the training step ran it:
@@ -63,7 +63,7 @@ def replay_on_cuda(saved):
     stage5.compiled_recurrence = lambda *a: Checked("recurrence", recurrence(*a))
     stage6.compiled_kernels = lambda *a: {name: Checked(name, kernel) for name, kernel in backward_kernels(*a).items()}
     leaves = [x.cuda().requires_grad_(x.is_floating_point()) for x in saved["inputs"]]
-    o, _ = chunk_kda(*leaves, **dict(saved["options"], check_values=False))
+    o, _ = chunk_kda(*leaves, **dict(saved["options"], checks="off"))
     if "do" in saved:
         o.backward(saved["do"].cuda())
 

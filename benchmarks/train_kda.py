@@ -18,7 +18,7 @@ The forget gate is bounded below by default (--lower-bound, FLA's safe gate at -
 tensor-core path asks: the kernels' diagonal blocks scale q and k by up to e^{-(8 consecutive log
 gates)}, which fp32 holds only down to a sum of -88.7. With the unbounded gate, on the H200
 (2026-12-01), our loss followed FLA's to the third decimal until the kernels' value check refused
-the call at step 161; past the check (--no-value-check) the output was NaN at step 165, where eight
+the call at step 161; past the check (then --no-value-check, now --checks off) the output was NaN at step 165, where eight
 gates of one sub-block summed to -93.5 (benchmarks/results/train_kda_cuda_unbounded). --nan-trap
 saves the first failing or refused call for `python -m benchmarks.replay_call`.
 
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from stages.common.device_checks import CHECKS, raise_if_flagged
 from stages.s06_backward.autograd import chunk_kda
 from stages.s06_backward.layer import KDALayer
 
@@ -127,7 +128,7 @@ def train(args) -> list[dict]:
     model = TinyKDAModel(2 * args.vocab, args.d_model, args.layers, args.heads, args.head_dim,
                          args.lower_bound).to(device)
     models = {"ours": model}
-    kernel = chunk_kda if args.check_values else functools.partial(chunk_kda, check_values=False)
+    kernel = functools.partial(chunk_kda, checks=args.checks)
     if args.nan_trap:
         kernel = NanTrap(args.out / "nan_trap.pt", kernel)
     model.use_kernel(kernel)
@@ -145,6 +146,7 @@ def train(args) -> list[dict]:
         row = {"step": step}
         for name, m in models.items():  # the same batch for every copy
             row[f"loss_{name}"], row[f"accuracy_{name}"] = train_step(m, optimizers[name], tokens, targets)
+        raise_if_flagged(device)  # a bad g or beta our kernels flagged (checks="device"): read where the loss is
         if not all(math.isfinite(row[f"loss_{name}"]) for name in models):
             raise FloatingPointError(f"the loss is not finite at step {step}: {row}")
         rows.append(row)
@@ -274,9 +276,10 @@ def parse_args(argv=None):
     parser.add_argument("--nan-trap", action="store_true",
                         help="stop at our chunk_kda's first non-finite output or gradient, or at a call its value "
                              "check refuses, the call's inputs saved in DIR/nan_trap.pt")
-    parser.add_argument("--no-value-check", dest="check_values", action="store_false",
-                        help="our kernels skip the check of g and beta (which refuses gates whose 8-token sums "
-                             "could overflow the anchored factors): to see what they do with such gates")
+    parser.add_argument("--checks", choices=CHECKS, default="device",
+                        help="how our chunk_kda checks g's and beta's values: 'device' (flagged by the kernels, "
+                             "raised after the step, where the loss is read), 'host' (refused at the call, a sync "
+                             "per call: with --nan-trap, to save the refused call) or 'off'")
     parser.add_argument("--replot", action="store_true",
                         help="train nothing: draw DIR/train_kda_loss.svg from DIR/train_kda.csv (give the run's --vocab)")
     args = parser.parse_args(argv)

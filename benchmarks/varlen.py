@@ -13,8 +13,8 @@ Measured, each the median of CUDA-event timings after warm-up (triton's do_bench
 L2 cache), in `--rounds` interleaved rounds (each round runs the measurements in the reverse order of
 the one before):
 - ours `call` and `call_unchecked`: stages.s07_serving.kernel.prefill with cu_seqlens, initial_state
-  and output_final_state, with and without the value checks (it reads cu_seqlens to the host: one
-  sync, which no CUDA graph can hold);
+  and output_final_state, with checks="device" (the default: the varlen prepare flags bad values, no
+  sync) and checks="off" (it reads cu_seqlens to the host: one sync, which no CUDA graph can hold);
 - ours `kernels`: prefill's two kernels alone (the varlen prepare, the varlen recurrence, through
   varlen_forward) with the chunk table already on the device: `call_unchecked` less the host's work
   (the checks, cu_seqlens read to the host, the chunk table built and copied);
@@ -122,17 +122,17 @@ def measurements(inputs, cu_seqlens, initial_state):
     from stages.s05_fast_kda.kernel import forward
     from stages.s07_serving.kernel import prefill
 
-    def ours(check_values=True):
+    def ours(checks="device"):
         return prefill(*inputs, cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=True,
-                       check_values=check_values)
+                       checks=checks)
 
     def fla():
         return chunk_kda(*inputs, scale=1.0, initial_state=initial_state, output_final_state=True,
                          cu_seqlens=cu_seqlens)
 
-    table = {("ours", "call"): (ours, "events"), ("ours", "call_unchecked"): (lambda: ours(False), "events"),
+    table = {("ours", "call"): (ours, "events"), ("ours", "call_unchecked"): (lambda: ours("off"), "events"),
              ("ours", "kernels"): (prefill_kernels(inputs, cu_seqlens, initial_state), "events"),
-             ("ours", "one_sequence"): (lambda: forward(*inputs, check_values=False), "events"),
+             ("ours", "one_sequence"): (lambda: forward(*inputs, checks="off"), "events"),
              ("fla", "call"): (fla, "events")}
     replay, method = graph_or_events(fla)
     if method == "graph":

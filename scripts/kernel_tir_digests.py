@@ -52,6 +52,8 @@ def _cases():
         add(f"s05.prepare/{dtype}/exercise", s05.build_prepare_program, *exercise_shape, 64, dtype)
         add(f"s05.prepare/{dtype}/c32", s05.build_prepare_program, 1, 96, 2, 32, 32, 32, dtype)
         add(f"s05.prepare/{dtype}/report", s05.build_prepare_program, 1, 4096, 8, 128, 128, 64, dtype)
+        add(f"s05.prepare/{dtype}/report/value_flags", s05.build_prepare_program, 1, 4096, 8, 128, 128, 64, dtype,
+            value_flags=True)
         add(f"s05.recurrence/{dtype}/exercise", s05.build_recurrence_program, *exercise_shape, 64, 32, dtype)
         add(f"s05.recurrence/{dtype}/c32", s05.build_recurrence_program, 1, 96, 2, 32, 32, 32, 16, dtype)
         add(f"s05.recurrence/{dtype}/report", s05.build_recurrence_program, 1, 4096, 8, 128, 128, 64, 64, dtype)
@@ -67,11 +69,16 @@ def _cases():
         add(f"s07.varlen_recurrence/{dtype}/fixed", s07.build_varlen_recurrence_program, *fixed, 16, dtype)
         add(f"s07.varlen_prepare/{dtype}/dynamic",
             lambda dtype=dtype: s07.build_varlen_prepare_program(*s07.run_time_sizes(), 32, 128, 128, 64, dtype))
+        add(f"s07.varlen_prepare/{dtype}/dynamic/value_flags",
+            lambda dtype=dtype: s07.build_varlen_prepare_program(*s07.run_time_sizes(), 32, 128, 128, 64, dtype,
+                                                                 value_flags=True))
         add(f"s07.varlen_recurrence/{dtype}/dynamic",
             lambda dtype=dtype: s07.build_varlen_recurrence_program(*s07.run_time_sizes(), 32, 128, 128, 64, 64, dtype))
         add(f"s07.decode/{dtype}", s07.build_decode_program, 4, 8, 2, 32, 32, 16, dtype=dtype,
             state_dtype="float64" if dtype == "float64" else "float32")
         add(f"s07.decode/{dtype}/report", s07.build_decode_program, 64, 256, 32, 128, 128, dtype=dtype)
+        add(f"s07.decode/{dtype}/report/no_value_flags", s07.build_decode_program, 64, 256, 32, 128, 128, dtype=dtype,
+            value_flags=False)
     for layout in _s04_layouts(s04):
         name = ",".join(place for _, place in layout)
         add(f"s04.program/float16/layout={name}", s04.build_program, 1, 4096, 8, 128, 128, layout=layout)

@@ -212,9 +212,9 @@ def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, 
         g = torch.log(0.9 + 0.099 * torch.rand(B, N, H, D, generator=generator))
         return [q, k, v, g, 0.1 + 0.8 * torch.rand(B, N, H, generator=generator)]
 
-    def interpreted(build, out_idx):
+    def interpreted(build, out_idx, **options):
         def compiled(*arguments):
-            run = interpret(build(*arguments), out_idx=out_idx)
+            run = interpret(build(*arguments, **options), out_idx=out_idx)
             return lambda *tensors: [torch.from_numpy(x) for x in run(*tensors)]
         return compiled
 
@@ -225,6 +225,8 @@ def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, 
     monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
     monkeypatch.setattr(kernel, "streaming_multiprocessors", lambda device: 132)
     monkeypatch.setattr(kernel, "compiled_prepare", interpreted(kernel.build_prepare_program, [5, 6, 7, 8, 9, 10]))
+    monkeypatch.setattr(kernel, "compiled_flagged_prepare",  # the default call's: Flags after beta
+                        interpreted(kernel.build_prepare_program, [6, 7, 8, 9, 10, 11], value_flags=True))
     monkeypatch.setattr(kernel, "compiled_recurrence", interpreted(kernel.build_recurrence_program, [7, 8]))
     monkeypatch.setattr(bench, "fla", lambda stage: (_ for _ in ()).throw(ImportError("no FLA here")))
     monkeypatch.setattr(fair, "make_timer", lambda quick: lambda function: [function(), 1.0][1])

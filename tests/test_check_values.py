@@ -1,12 +1,14 @@
-"""check_values=False in every gated stage's forward: the value checks are skipped, nothing else.
+"""check_values=False in stages 2-4's forward, checks="off" in stage 5's: the value checks are
+skipped, nothing else.
 
 On a CPU the device check comes after the value checks, so a forward given bad gate values on CPU
-tensors fails on the values with the checks on, and on the device with them off.
+tensors fails on the values with the (host) checks on, and on the device with them off. Stage 5's
+default, checks="device", reads no value on the host (the kernel flags them: tests/test_s05_fast_kda.py).
 """
 
 import pytest
 
-STAGES = ["s02_scalar_decay", "s03_gated_deltanet", "s04_kda", "s05_fast_kda"]
+STAGES = ["s02_scalar_decay", "s03_gated_deltanet", "s04_kda"]
 
 
 def _inputs(stage, torch):
@@ -30,6 +32,26 @@ def test_check_values_false_skips_only_the_value_checks(stage):
         forward(*args, check_values=False)
     with pytest.raises(TypeError, match="g must have dtype float32"):  # the other checks stay
         forward(*args[:3], args[3].double(), *args[4:], check_values=False)
+
+
+def test_s05_checks_on_the_host_or_leaves_the_values_to_the_device():
+    """checks="host" refuses the bad values before the device check; "device" (the default) and
+    "off" read none on the host, and reach the device check; the other checks stay in every mode."""
+    torch = pytest.importorskip("torch")
+    from stages.s05_fast_kda.kernel import forward
+
+    args = _inputs("s05_fast_kda", torch)
+    with pytest.raises(ValueError, match="g must be finite and <= 0"):
+        forward(*args, checks="host")
+    for checks in ("device", "off"):
+        with pytest.raises(ValueError, match="q must be on a CUDA device"):
+            forward(*args, checks=checks)
+        with pytest.raises(TypeError, match="g must have dtype float32"):
+            forward(*args[:3], args[3].double(), *args[4:], checks=checks)
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):
+        forward(*args)
+    with pytest.raises(ValueError, match="checks must be one of 'device', 'host', 'off', got True"):
+        forward(*args, checks=True)
 
 
 def test_s05_zero_state_is_made_once_per_shape_and_device():

@@ -22,3 +22,48 @@ def test_flags_raise_once_with_each_message_and_are_cleared(kinds):
         assert (MESSAGES[kind] in str(raised.value)) == (kind in kinds)
     assert not flags_for("cpu").any()
     raise_if_flagged("cpu")  # cleared: the next read is quiet
+
+
+def _flag_guards(cuda_source, kind):
+    """The conditions of the ifs that set Flags[kind] in a kernel's CUDA source (the line above each store)."""
+    lines = cuda_source.splitlines()
+    return [lines[i - 1] for i, line in enumerate(lines) if line.strip() == f"Flags[{kind}] = 1;"]
+
+
+def _flagged_reports():
+    """The CUDA sources of the three kernels that flag values, at the shapes their stages' compile tests
+    use (compile_report's cache shares one nvcc run)."""
+    from stages.s05_fast_kda.kernel import compile_report as forward_report
+    from stages.s07_serving.kernel import compile_report as decode_report
+    from stages.s07_serving.kernel import varlen_compile_report
+
+    return {"stage 5's prepare": lambda: forward_report("prepare", B=2, N=1024, H=4, d_k=128, d_v=128, value_flags=True),
+            "prefill's varlen prepare": lambda: varlen_compile_report("prepare", value_flags=True),
+            "decode": decode_report}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kernel", ["stage 5's prepare", "prefill's varlen prepare", "decode"])
+def test_the_compiled_kernels_still_test_for_nan(kernel):
+    """Each store of BAD_GATE and BAD_BETA in the CUDA source is guarded by a test that holds for NaN,
+    a value compared with itself (x != x, what TIR's isnan lowers to). Written as "not (g <= 0)", the
+    guard is simplified to "0 < g", false for NaN: the GPU missed NaN while the interpreter, which
+    runs the TIR before that rewrite, caught it."""
+    source = _flagged_reports()[kernel]().cuda_source
+    for kind in (BAD_GATE, BAD_BETA):
+        guards = _flag_guards(source, kind)
+        assert guards, f"{kernel} sets no Flags[{kind}]"
+        assert all("!=" in guard for guard in guards), guards
+
+
+@pytest.mark.gpu
+def test_the_flags_are_not_made_inside_a_cuda_graph_capture(monkeypatch):
+    """Made in a capture, the flags would be zeroed by every replay: the first call must come before."""
+    from stages.common import device_checks
+
+    monkeypatch.setattr(device_checks, "_FLAGS", {})  # as in a fresh process
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="make one call before the capture"):
+        with torch.cuda.graph(graph):
+            flags_for("cuda")
+    assert flags_for("cuda").device.type == "cuda"  # made outside: fine

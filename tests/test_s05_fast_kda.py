@@ -140,17 +140,19 @@ def test_rounding_floor_is_the_dtypes_own(dtype_name, low, high):
     assert low <= _rounding_floor(x, dtype_name) <= high
 
 
-def test_kernels_compile_for_sm90a_without_spills():
+@pytest.mark.parametrize("kernel, value_flags", [("prepare", False), ("prepare", True), ("recurrence", False)])
+def test_kernels_compile_for_sm90a_without_spills(kernel, value_flags):
+    """Both kernels, the prepare also as forward's default builds it (value_flags: Flags written by
+    the lanes that find a bad value, none of them in a branch some warps skip at a barrier)."""
     from stages.s05_fast_kda.kernel import compile_report
 
-    for kernel in ("prepare", "recurrence"):
-        report = compile_report(kernel, B=2, N=1024, H=4, d_k=128, d_v=128)
-        assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
-        assert not report.divergent_barriers, report.divergent_barriers  # a barrier some warps skip hangs the GPU
-        assert not report.misplaced_warp_group_operands, report.misplaced_warp_group_operands  # wrong columns read
-        assert 0 < report.registers <= 255
-        assert report.shared_memory <= 227 * 1024
-        assert f"kda_{kernel}" in report.cuda_source or "main_kernel" in report.cuda_source
+    report = compile_report(kernel, B=2, N=1024, H=4, d_k=128, d_v=128, value_flags=value_flags)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
+    assert not report.divergent_barriers, report.divergent_barriers  # a barrier some warps skip hangs the GPU
+    assert not report.misplaced_warp_group_operands, report.misplaced_warp_group_operands  # wrong columns read
+    assert 0 < report.registers <= 255
+    assert report.shared_memory <= 227 * 1024
+    assert f"kda_{kernel}" in report.cuda_source or "main_kernel" in report.cuda_source
 
 
 def _cuda_inputs(x, dtype):
@@ -276,8 +278,10 @@ def test_kernel_wrapper_rejects_bad_input():
         ((q, q, q, g, beta), {"block_dv": 24}, ValueError, "block_dv must be a multiple of 16"),
         ((q[..., :48].contiguous(), q[..., :48].contiguous(), q, g[..., :48].contiguous(), beta), {}, ValueError,
          "d_k must be a multiple of 32"),
-        ((q, q, q, -g, beta), {}, ValueError, r"g must be finite and <= 0 .* largest entry is 1"),
-        ((q, q, q, g, beta + 1), {}, ValueError, r"beta must lie in \[0, 1\]"),
+        ((q, q, q, -g, beta), {"checks": "host"}, ValueError, r"g must be finite and <= 0 .* largest entry is 1"),
+        ((q, q, q, g, beta + 1), {"checks": "host"}, ValueError, r"beta must lie in \[0, 1\]"),
+        # checks="device", the default: the values are the kernel's to flag, none is read here
+        ((q, q, q, -g, beta + 1), {}, ValueError, "q must be on a CUDA device"),
         ((q.transpose(1, 2).contiguous().transpose(1, 2), q, q, g, beta), {}, ValueError, "q must be contiguous"),
         # any gate: fp16 gates far past the diagonal operands' range pass the value checks (the kernel
         # takes those sub-blocks term by term), and CPU tensors stop at the device check
@@ -396,7 +400,7 @@ def test_kernels_take_any_gate_as_accurately_as_fla(dtype_name):
         for _ in range(20):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            forward(*inputs, check_values=False)
+            forward(*inputs, checks="off")
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
@@ -405,3 +409,171 @@ def test_kernels_take_any_gate_as_accurately_as_fla(dtype_name):
     print(f"any gate, {dtype_name}: ours {ours_error}, FLA {fla_error}; forward {median_ms(args):.3f} ms on these "
           f"gates, {median_ms(gentle):.3f} ms on gentle ones")
     assert ours_error.rel_l2 <= 1.1 * fla_error.rel_l2
+
+
+# ------------------------------------------------------------------------------------------ value flags
+
+# forward's default call on the CPU: the device check skipped, both kernels run by the tile
+# interpreter. N not a multiple of the chunk, so the wrapper pads the last chunk with zero tokens
+FLAG_SHAPE, FLAG_C, FLAG_BLOCK_DV = (1, 45, 2, 32, 32), 32, 16
+BAD_VALUES = [  # (tensor, index, value, flag): in the middle, in the padded last chunk, at the first token
+    ("g", (0, 22, 1, 5), 0.25, "gate"), ("g", (0, 44, 0, 31), np.nan, "gate"), ("g", (0, 0, 1, 0), -np.inf, "gate"),
+    ("g", (0, 33, 0, 7), np.inf, "gate"),
+    ("beta", (0, 22, 0), -0.01, "beta"), ("beta", (0, 44, 1), 1.5, "beta"), ("beta", (0, 0, 0), np.nan, "beta"),
+]
+
+
+@pytest.fixture
+def cpu_forward(monkeypatch):
+    """stage 5's forward on CPU torch tensors (fp16, gates fp32), its kernels interpreted: the prepare
+    run in place, so that the Flags tensor it is given is written as on the GPU. The CPU's flags are
+    clear before and after."""
+    torch = pytest.importorskip("torch")
+    from stages.common.device_checks import flags_for
+    from stages.common.interpreter import interpret
+    from stages.s05_fast_kda import kernel
+
+    def interpreted_prepare(B, N, H, d_k, d_v, C, dtype, threads, value_flags):
+        run = interpret(kernel.build_prepare_program(B, N, H, d_k, d_v, C, dtype, threads, value_flags=value_flags))
+
+        def prepare(q, k, v, g, beta, *flags):
+            operand = torch.float16
+            outputs = [torch.empty(B, N, H, d_k, dtype=operand), torch.empty(B, N, H, d_v, dtype=operand),
+                       torch.empty(B, N, H, d_k, dtype=operand), torch.empty(B, N, H, d_k, dtype=operand),
+                       torch.empty(B, N, H, C, dtype=operand), torch.empty(B, N // C, H, d_k)]
+            run(q, k, v, g, beta, *flags, *outputs)
+            return outputs
+        return prepare
+
+    def compiled_recurrence(*arguments):
+        run = interpret(kernel.build_recurrence_program(*arguments), out_idx=[7, 8])
+        return lambda *tensors: [torch.from_numpy(x) for x in run(*tensors)]
+
+    monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(kernel, "compiled_prepare", lambda *arguments: interpreted_prepare(*arguments, False))
+    monkeypatch.setattr(kernel, "compiled_flagged_prepare", lambda *arguments: interpreted_prepare(*arguments, True))
+    monkeypatch.setattr(kernel, "compiled_recurrence", compiled_recurrence)
+    flags_for("cpu").zero_()
+
+    def forward(x, checks="device"):
+        tensors = [torch.tensor(a, dtype=torch.float16) for a in (x.q, x.k, x.v)]
+        tensors += [torch.tensor(a, dtype=torch.float32) for a in (x.g, x.beta)]
+        return kernel.forward(*tensors, chunk_size=FLAG_C, block_dv=FLAG_BLOCK_DV, checks=checks)
+
+    yield forward
+    flags_for("cpu").zero_()
+
+
+def _flag_inputs(change=None):
+    """Good inputs at the edges of the range: g down to -50 and -1e4, g = 0, beta exactly 0 and 1;
+    then, with change = (tensor, index, value), one entry changed."""
+    x = make_inputs(*FLAG_SHAPE, gate="channel", gate_range=GATES, beta_range=BETAS, seed=5)
+    x.g[0, 10:20, 1] = -50.0
+    x.g[0, 20, 0, :4], x.g[0, 21, 1, 3] = -1e4, 0.0
+    x.beta[0, 3], x.beta[0, 44] = 0.0, 1.0
+    if change is not None:
+        name, index, value = change
+        getattr(x, name)[index] = value
+    return x
+
+
+@pytest.mark.parametrize("name, index, value, flag", BAD_VALUES)
+def test_the_default_forward_flags_a_bad_value_and_raises_where_the_caller_syncs(cpu_forward, name, index, value,
+                                                                                 flag):
+    """A bad g (above 0, NaN, -inf, +inf) or beta (below 0, above 1, NaN), anywhere: the call returns,
+    raise_if_flagged raises that kind's message alone, and clears the flags."""
+    from stages.common.device_checks import BAD_BETA, BAD_GATE, MESSAGES, raise_if_flagged
+
+    cpu_forward(_flag_inputs((name, index, value)))  # no host read, no error here
+    with pytest.raises(ValueError) as raised:
+        raise_if_flagged("cpu")
+    assert str(raised.value) == MESSAGES[BAD_GATE if flag == "gate" else BAD_BETA]
+    raise_if_flagged("cpu")  # cleared
+
+
+def test_good_values_and_the_padding_flag_nothing(cpu_forward):
+    """The edges (g to -1e4, g = 0, beta 0 and 1) and the zero tokens the wrapper pads with set no
+    flag, and the flagged kernel's output is the unflagged one's, bit for bit."""
+    import torch
+
+    from stages.common.device_checks import flags_for
+
+    x = _flag_inputs()
+    flagged = cpu_forward(x)
+    assert not flags_for("cpu").any(), flags_for("cpu")
+    assert torch.equal(flagged, cpu_forward(x, checks="off"))
+
+
+def test_checks_off_flags_nothing_and_host_refuses_before_the_kernels(cpu_forward, monkeypatch):
+    """checks="off" runs the kernel without Flags: a bad value sets nothing. checks="host" raises at
+    the call, before any kernel is built."""
+    from stages.common.device_checks import flags_for
+    from stages.s05_fast_kda import kernel
+
+    bad = _flag_inputs(("g", (0, 22, 1, 5), 0.25))
+    cpu_forward(bad, checks="off")
+    assert not flags_for("cpu").any()
+    for name in ("compiled_prepare", "compiled_flagged_prepare"):
+        monkeypatch.setattr(kernel, name, lambda *arguments: pytest.fail("a kernel was built"))
+    with pytest.raises(ValueError, match="g must be finite and <= 0"):
+        cpu_forward(bad, checks="host")
+    with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
+        cpu_forward(_flag_inputs(("beta", (0, 44, 1), 1.5)), checks="host")
+
+
+def test_only_the_flagged_prepare_takes_flags():
+    """value_flags=False builds the program stage 5's exercise builds (no Flags); True adds Flags after
+    Beta, and nothing else of the signature moves."""
+    from stages.s05_fast_kda.kernel import build_prepare_program
+
+    def names(program):
+        return [program.buffer_map[p].name for p in program.params]
+
+    plain, flagged = (build_prepare_program(1, 64, 2, 32, 32, 32, value_flags=flags) for flags in (False, True))
+    assert "Flags" not in names(plain)
+    assert names(flagged) == names(plain)[:5] + ["Flags"] + names(plain)[5:]
+
+
+@pytest.mark.gpu
+def test_the_default_forward_flags_bad_values_on_the_gpu_and_captures_in_a_cuda_graph():
+    """checks="device" on the GPU: the default call has no host sync, so it captures in a CUDA graph,
+    whose replays equal the eager call and flag nothing on good values (g down to -1e4, beta 0 and 1);
+    a bad g or beta, eager or replayed, raises at raise_if_flagged (not at the call), and checks="off"
+    flags nothing. prefill with cu_seqlens reads them to the host and cannot be captured (its GPU tests
+    are in tests/test_s07_prefill.py)."""
+    import torch
+
+    from stages.common.device_checks import BAD_BETA, BAD_GATE, MESSAGES, raise_if_flagged
+    from stages.s05_fast_kda.kernel import forward
+
+    device = torch.device("cuda")
+    x = _inputs(1, 1000, 2, 128, 128, seed=16)
+    x.g[0, 100:110, 1] = -1e4
+    x.beta[0, 3], x.beta[0, 9] = 0.0, 1.0
+    q, k, v, g, beta = _cuda_inputs(x, torch.bfloat16)
+    raise_if_flagged(device)
+    eager = forward(q, k, v, g, beta)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward(q, k, v, g, beta)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    raise_if_flagged(device)  # good values: quiet
+
+    for name, index, value, flag in BAD_VALUES:
+        index = (index[0], index[1] + 955, *index[2:])  # near the end of the 1000 tokens, most in the padded chunk
+        bad = {"g": g.clone(), "beta": beta.clone()}
+        bad[name][index] = value
+        forward(q, k, v, bad["g"], bad["beta"], checks="off")
+        raise_if_flagged(device)  # "off": nothing flagged
+        forward(q, k, v, bad["g"], bad["beta"])  # no error here
+        with pytest.raises(ValueError) as raised:
+            raise_if_flagged(device)
+        assert str(raised.value) == MESSAGES[BAD_GATE if flag == "gate" else BAD_BETA]
+    g[0, 500, 0, 0] = 0.5  # the captured graph reads g in place: its next replay sees the bad gate
+    graph.replay()
+    with pytest.raises(ValueError, match="g must be finite and <= 0"):
+        raise_if_flagged(device)

@@ -183,17 +183,17 @@ def test_bad_inputs_are_refused_with_clear_errors():
             chunk_kda(*args, **kwargs)
 
 
-def test_check_values_reaches_stage_5s_forward(monkeypatch):
-    """The CUDA path hands check_values to stage 5's forward, which runs (or skips) the value check;
+def test_the_checks_mode_reaches_stage_5s_forward(monkeypatch):
+    """The CUDA path hands chunk_kda's checks to stage 5's forward, which checks the values as it says;
     checked on the CPU with the forward stubbed, since the path itself needs a GPU."""
     import stages.s05_fast_kda.kernel as stage5
     from stages.s06_backward import autograd
 
     seen = []
-    monkeypatch.setattr(stage5, "forward", lambda *arguments, **options: seen.append(options["check_values"]))
-    for check_values in (True, False):
-        autograd._cuda_forward(*[None] * 6, 64, check_values)
-    assert seen == [True, False]
+    monkeypatch.setattr(stage5, "forward", lambda *arguments, **options: seen.append(options["checks"]))
+    for checks in ("device", "host", "off"):
+        autograd._cuda_forward(*[None] * 6, 64, checks)
+    assert seen == ["device", "host", "off"]
 
 
 def test_non_contiguous_inputs_are_accepted():
@@ -276,3 +276,33 @@ def test_cuda_backward_takes_strong_gates_as_accurately_as_fla():
         print(f"strong gates {name}: ours {our_error}, FLA {fla_error}, ours / FLA "
               f"{our_error.rel_l2 / fla_error.rel_l2:.2f}")
         assert our_error.rel_l2 <= max(2 * fla_error.rel_l2, 1e-2), name
+
+
+@pytest.mark.gpu
+def test_chunk_kda_flags_bad_values_on_the_device_through_forward_and_backward():
+    """chunk_kda's default (checks="device") on the GPU: a bad g or beta passes the call and the
+    backward without a sync and raises at raise_if_flagged, the step's one read; checks="off" flags
+    nothing, checks="host" refuses at the call."""
+    from stages.common.device_checks import BAD_BETA, BAD_GATE, MESSAGES, raise_if_flagged
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    B, T, H, D = 1, 200, 2, 64
+    q, k, v = (torch.randn(B, T, H, D, device=device, generator=generator).to(torch.bfloat16) for _ in range(3))
+    g = -torch.rand(B, T, H, D, device=device, generator=generator)
+    beta = torch.rand(B, T, H, device=device, generator=generator)
+    raise_if_flagged(device)
+    for name, index, value, kind in (("g", (0, 150, 1, 5), 0.5, BAD_GATE), ("g", (0, 7, 0, 0), float("nan"), BAD_GATE),
+                                     ("beta", (0, 199, 1), 1.5, BAD_BETA)):
+        bad = {"g": g.clone(), "beta": beta.clone()}
+        bad[name][index] = value
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o, _ = chunk_kda(*leaves, bad["g"], bad["beta"], use_qk_l2norm_in_kernel=True)
+        o.float().square().mean().backward()  # no error until the flags are read
+        with pytest.raises(ValueError) as raised:
+            raise_if_flagged(device)
+        assert str(raised.value) == MESSAGES[kind]
+        chunk_kda(q, k, v, bad["g"], bad["beta"], use_qk_l2norm_in_kernel=True, checks="off")
+        raise_if_flagged(device)
+        with pytest.raises(ValueError, match=name):
+            chunk_kda(q, k, v, bad["g"], bad["beta"], use_qk_l2norm_in_kernel=True, checks="host")

@@ -174,6 +174,11 @@ def test_beta_is_a_sigmoid_and_the_kernel_is_called_as_fla_s():
     layer = _layer(kernel=recording_kernel)
     layer(_x(1, 4, seed=7))
     assert calls == [{"initial_state": None, "output_final_state": False, "use_qk_l2norm_in_kernel": True}]
+    for checks in ("device", "host", "off"):  # the layer's checks, handed to the kernel as chunk_kda's
+        calls.clear()
+        _layer(kernel=recording_kernel, checks=checks)(_x(1, 4, seed=7))
+        assert calls == [{"initial_state": None, "output_final_state": False, "use_qk_l2norm_in_kernel": True,
+                          "checks": checks}]
 
 
 @pytest.mark.gpu

@@ -243,6 +243,26 @@ def test_a_slot_outside_the_pool_writes_nothing_anywhere():
     assert not np.any(after[good] == before[good])
 
 
+def test_the_unflagged_decode_takes_no_flags_and_still_writes_no_slot_outside_the_pool():
+    """value_flags=False (decode's checks="off"): no Flags parameter, so bad values set nothing; a slot
+    past the pool still reads slot 0 and writes no state."""
+    from stages.common.interpreter import interpret
+    from stages.s07_serving.kernel import build_decode_program
+
+    program = build_decode_program(B, P, H, D_K, D_V, BLOCK_DV, dtype="float64", state_dtype="float64",
+                                   value_flags=False)
+    assert "Flags" not in [program.buffer_map[p].name for p in program.params]
+    x, pool = _kernel_case(seed=25, N=1)
+    q, k, v, g, beta = (a.copy() for a in _token(x, 0))
+    g[1, 0, 3], beta[0, 0] = 0.25, 1.5
+    slots = SLOTS.astype(np.int32)
+    slots[1] = P + 3
+    before = pool.copy()
+    interpret(program)(q, k, v, g, beta, slots, pool, np.zeros((B, H, D_V)))
+    untouched = np.setdiff1d(np.arange(P), SLOTS[[0, 2]])
+    assert np.array_equal(pool[untouched], before[untouched])
+
+
 # ------------------------------------------------------------------------------------------ the wrapper
 
 
@@ -276,7 +296,7 @@ def _bad_wrapper_inputs():
         (dict(checks="host", g=torch.full((2, 2, 16), 0.5)), ValueError, "g must be finite and <= 0"),
         (dict(checks="host", beta=torch.full((2, 2), 2.0)), ValueError, r"beta must lie in \[0, 1\]"),
         (dict(block_dv=12), ValueError, "block_dv must be a positive divisor of d_v = 32"),
-        (dict(checks="sometimes"), ValueError, 'checks must be "device" or "host"'),
+        (dict(checks="sometimes"), ValueError, "checks must be one of 'device', 'host', 'off'"),
         (dict(), ValueError, "must be on a CUDA device"),  # every check passed: the device is last
     ]
 
@@ -303,6 +323,8 @@ def test_the_default_call_leaves_the_values_to_the_kernel():
     arguments.update(slots=torch.tensor([1, 1], dtype=torch.int32), g=torch.full((2, 2, 16), 0.5))
     with pytest.raises(ValueError, match="must be on a CUDA device"):
         decode(**arguments)
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        decode(**arguments, checks="off")
 
 
 # ------------------------------------------------------------------------------------------ compile, GPU
@@ -372,8 +394,9 @@ def test_kernel_matches_reference_on_gpu(dtype_name, B, P, H, d_k, d_v):
 @pytest.mark.gpu
 def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
     """checks="device" on the GPU: a good step replayed from a CUDA graph equals the eager steps and
-    flags nothing; a positive gate, a beta above 1 and a slot past the pool each raise at
-    raise_if_flagged (not at the call), the slot's step writing no state."""
+    flags nothing; a positive gate, a beta above 1, a slot past the pool and a NaN g or beta each raise
+    at raise_if_flagged (not at the call), the slot's step writing no state; with checks="off" none of
+    them flags."""
     import torch
 
     from stages.common.device_checks import MESSAGES, raise_if_flagged
@@ -408,8 +431,11 @@ def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
 
     bad_gate, bad_beta, bad_slots = g.clone(), beta.clone(), slots.clone()
     bad_gate[1, 0, 3], bad_beta[2, 1], bad_slots[3] = 0.5, 1.5, P_
+    nan_gate, nan_beta = g.clone(), beta.clone()  # NaN: the test the compiler could simplify away
+    nan_gate[0, 1, 7], nan_beta[3, 0] = float("nan"), float("nan")
     for change, message in ((dict(g=bad_gate), MESSAGES[0]), (dict(beta=bad_beta), MESSAGES[1]),
-                            (dict(slots=bad_slots), MESSAGES[2])):
+                            (dict(slots=bad_slots), MESSAGES[2]), (dict(g=nan_gate), MESSAGES[0]),
+                            (dict(beta=nan_beta), MESSAGES[1])):
         arguments = dict(q=q, k=k, v=v, g=g, beta=beta, state_pool=pool.clone(), slots=slots)
         arguments.update(change)
         before = arguments["state_pool"].clone()
@@ -421,6 +447,8 @@ def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
             kept = torch.ones(P_, dtype=torch.bool, device=device)
             kept[slots[:3].long()] = False
             assert torch.equal(arguments["state_pool"][kept], before[kept]), "a slot past the pool wrote a state"
+        decode(**dict(arguments, state_pool=before.clone()), checks="off")
+        raise_if_flagged(device)  # "off": the kernel without the flags sets nothing
 
 
 @pytest.mark.parametrize("d_v, block_dv", [(128, 64), (64, 64), (32, 32), (96, 32)])

@@ -372,7 +372,7 @@ def _bad_prefill_inputs():
         (dict(cu_seqlens=torch.tensor([0])), ValueError, r"shape \(N_seq \+ 1,\)"),
         (dict(initial_state=torch.zeros(3, 2, 32, 32)), ValueError, r"initial_state must have shape \(N_seq"),
         (dict(initial_state=torch.zeros(2, 2, 32, 32, dtype=torch.float64)), TypeError, "initial_state must have dtype"),
-        (dict(g=torch.full((1, 10, 2, 32), 0.5)), ValueError, "g must be finite and <= 0"),
+        (dict(g=torch.full((1, 10, 2, 32), 0.5), checks="host"), ValueError, "g must be finite and <= 0"),
         (dict(beta=torch.rand(1, 10, 3)), ValueError, r"beta must have shape \(B, T, H\)"),
         (dict(chunk_size=48), ValueError, "chunk_size must be 32 or 64"),
         (dict(block_dv=12), ValueError, "block_dv"),
@@ -380,10 +380,13 @@ def _bad_prefill_inputs():
               g=-torch.rand(1, 10, 2, 16), initial_state=torch.zeros(2, 2, 16, 32)), ValueError,
          "d_k must be a multiple of 32"),
         (dict(), ValueError, "must be on a CUDA device"),  # every check passed: the device is last
+        # the default, checks="device": a bad value is the kernel's to flag, none is read here
+        (dict(g=torch.full((1, 10, 2, 32), 0.5)), ValueError, "must be on a CUDA device"),
+        (dict(checks="never"), ValueError, "checks must be one of 'device', 'host', 'off'"),
     ]
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(14))
 def test_prefill_refuses_bad_inputs_on_any_machine(case):
     from stages.s07_serving.kernel import prefill
 
@@ -444,17 +447,131 @@ def test_prefill_through_the_interpreter_takes_any_gate(dtype):
         assert np.array_equal(given, before), "prefill changed an input"
 
 
+# ------------------------------------------------------------------------------------------ value flags
+
+# PREFILL_LENGTHS's sequences start at tokens 0, 32, 32, 33, 64, 134 (167 in all)
+BAD_PREFILL_VALUES = [  # (tensor, token, value, flag): in the middle of the 70-token sequence, at the last
+    # token of the 31-token one, in the 1-token one, in a short last chunk, at a sequence's first token
+    ("g", 104, 0.25, "gate"), ("g", 63, np.nan, "gate"), ("g", 32, -np.inf, "gate"),
+    ("beta", 166, -0.01, "beta"), ("beta", 5, 1.5, "beta"), ("beta", 133, np.nan, "beta"), ("beta", 64, 2.0, "beta"),
+]
+
+
+@pytest.fixture
+def cpu_prefill(monkeypatch):
+    """prefill with cu_seqlens on CPU torch tensors (bf16, gates fp32), PREFILL_LENGTHS' batch: the
+    device check skipped, the varlen kernels interpreted in place (the Flags tensor written as on the
+    GPU). The CPU's flags are clear before and after."""
+    torch = pytest.importorskip("torch")
+    from stages.common.device_checks import flags_for
+    from stages.common.interpreter import interpret
+    from stages.s07_serving import kernel
+    from stages.s07_serving.reference import chunk_table
+
+    def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False):
+        n_chunks = int(chunk_table(np.concatenate([[0], np.cumsum(PREFILL_LENGTHS)]), chunk_size)[1][-1])
+        sizes = (sum(PREFILL_LENGTHS), n_chunks * chunk_size, n_chunks, len(PREFILL_LENGTHS), H, d_k, d_v, chunk_size)
+        return (interpret(kernel.build_varlen_prepare_program(*sizes, dtype, value_flags=value_flags)),
+                interpret(kernel.build_varlen_recurrence_program(*sizes, block_dv, dtype)))
+
+    monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(kernel, "compiled_prefill_kernels", compiled_prefill_kernels)
+    flags_for("cpu").zero_()
+
+    def prefill(x, cu_seqlens, checks="device"):
+        tensors = [torch.tensor(a, dtype=torch.bfloat16) for a in (x.q, x.k, x.v)]
+        tensors += [torch.tensor(a, dtype=torch.float32) for a in (x.g, x.beta)]
+        return kernel.prefill(*tensors, cu_seqlens=torch.tensor(cu_seqlens), chunk_size=PREFILL_C,
+                              block_dv=PREFILL_BLOCK_DV, checks=checks)
+
+    yield prefill
+    flags_for("cpu").zero_()
+
+
+def _flagged_case(change=None):
+    """PREFILL_LENGTHS' batch with good values at the edges (g down to -50 and -1e4, g = 0, beta 0
+    and 1: make_sequences' betas take both); with change = (tensor, token, value), one entry of that
+    token changed (g: in head 1, channel 7)."""
+    x, cu_seqlens, _ = _prefill_case(seed=55)
+    x.g[0, 70:90, 0] = -50.0
+    x.g[0, 100, 1, :3], x.g[0, 101, 0, 4] = -1e4, 0.0
+    if change is not None:
+        name, token, value = change
+        index = (0, token, 1, 7) if name == "g" else (0, token, 1)
+        getattr(x, name)[index] = value
+    return x, cu_seqlens
+
+
+@pytest.mark.parametrize("name, token, value, flag", BAD_PREFILL_VALUES)
+def test_the_default_prefill_flags_a_bad_value_and_raises_where_the_caller_syncs(cpu_prefill, name, token, value,
+                                                                                 flag):
+    """A bad g or beta in any sequence of the packed batch: the call returns, raise_if_flagged raises
+    that kind's message alone, and clears the flags."""
+    from stages.common.device_checks import BAD_BETA, BAD_GATE, MESSAGES, raise_if_flagged
+
+    cpu_prefill(*_flagged_case((name, token, value)))  # no host read of the values, no error here
+    with pytest.raises(ValueError) as raised:
+        raise_if_flagged("cpu")
+    assert str(raised.value) == MESSAGES[BAD_GATE if flag == "gate" else BAD_BETA]
+    raise_if_flagged("cpu")  # cleared
+
+
+def test_good_values_flag_nothing_in_prefill_and_off_flags_nothing(cpu_prefill):
+    """The edges set no flag, and the flagged kernels' output is the unflagged ones', bit for bit;
+    checks="off" runs the prepare without Flags, so a bad value sets nothing."""
+    import torch
+
+    from stages.common.device_checks import flags_for
+
+    x, cu_seqlens = _flagged_case()
+    flagged = cpu_prefill(x, cu_seqlens)
+    assert not flags_for("cpu").any(), flags_for("cpu")
+    assert torch.equal(flagged, cpu_prefill(x, cu_seqlens, checks="off"))
+    cpu_prefill(*_flagged_case(("g", 104, 0.25)), checks="off")
+    assert not flags_for("cpu").any()
+
+
+def test_prefill_on_the_host_refuses_before_the_kernels(cpu_prefill, monkeypatch):
+    from stages.s07_serving import kernel
+
+    monkeypatch.setattr(kernel, "compiled_prefill_kernels", lambda *arguments: pytest.fail("a kernel was built"))
+    with pytest.raises(ValueError, match="g must be finite and <= 0"):
+        cpu_prefill(*_flagged_case(("g", 63, np.nan)), checks="host")
+    with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
+        cpu_prefill(*_flagged_case(("beta", 166, -0.01)), checks="host")
+
+
+@pytest.mark.parametrize("token, flagged", [(64, False), (63, True)])
+def test_rows_past_a_sequence_end_are_not_read_for_the_flags(token, flagged):
+    """The varlen prepare run on one chunk alone, the 31-token sequence's (tokens 33 to 63): a bad g at
+    token 64, the next sequence's first (the row its program would read if the loads were not masked),
+    sets no flag; at token 63, its own last, it does."""
+    from stages.common.interpreter import interpret
+    from stages.s07_serving.kernel import build_varlen_prepare_program
+
+    x, cu_seqlens = _flagged_case(("g", token, 0.25))
+    T_tokens, C, H, d = int(cu_seqlens[-1]), PREFILL_C, PREFILL_H, PREFILL_D
+    program = build_varlen_prepare_program(T_tokens, C, 1, len(PREFILL_LENGTHS), H, d, d, C, "float64",
+                                           value_flags=True)
+    flags = np.zeros(3, dtype=np.int32)
+    outputs = [np.zeros((1, C, H, width)) for width in (d, d, d, d, C)] + [np.zeros((1, 1, H, d))]
+    chunks = np.array([[3, 0]], dtype=np.int32)  # sequence 3's chunk 0
+    interpret(program)(x.q, x.k, x.v, x.g, x.beta, chunks, cu_seqlens.astype(np.int32), flags, *outputs)
+    assert flags.tolist() == [int(flagged), 0, 0]
+
+
 # ------------------------------------------------------------------------------------------ compile, GPU
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("kernel", ["prepare", "recurrence"])
-def test_prefill_kernels_compile_for_any_batch_without_spills(kernel):
+@pytest.mark.parametrize("kernel, value_flags", [("prepare", False), ("prepare", True), ("recurrence", False)])
+def test_prefill_kernels_compile_for_any_batch_without_spills(kernel, value_flags):
     """As prefill compiles them, the token, chunk and sequence counts run-time sizes (H=32, d=128, bf16,
-    C=64, 64 columns a program): no spills, shared memory within an H100/H200 SM's 227 KiB."""
+    C=64, 64 columns a program), the prepare with and without the value flags (prefill's default
+    has them): no spills, shared memory within an H100/H200 SM's 227 KiB."""
     from stages.s07_serving.kernel import varlen_compile_report
 
-    report = varlen_compile_report(kernel)
+    report = varlen_compile_report(kernel, value_flags=value_flags)
     print(f"{kernel} sm_90a:", report.summary())
     assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
     assert not report.divergent_barriers, report.divergent_barriers  # a barrier some warps skip hangs the GPU
@@ -521,3 +638,39 @@ def test_prefill_matches_float64_and_fla_with_cu_seqlens(dtype_name):
     assert_close(from_zero[0].double().cpu().numpy(), expected_from_zero[0], rel_l2=8 * u, name="o from zero states")
     assert_close(from_zero[1].double().cpu().numpy(), expected_from_zero[1], rel_l2=8 * u,
                  name="the final states from zero", axes=POOL_AXES)
+
+
+@pytest.mark.gpu
+def test_the_default_prefill_flags_bad_values_on_the_gpu():
+    """checks="device" on the GPU, cu_seqlens given: good values (g down to -1e4, beta 0 and 1) flag
+    nothing; a bad g or beta in any sequence raises at raise_if_flagged (not at the call), with
+    checks="off" nothing. (A call with cu_seqlens reads them to the host, so it is not captured in a
+    CUDA graph; stage 5's forward, prefill without cu_seqlens, is: tests/test_s05_fast_kda.py.)"""
+    import torch
+
+    from stages.common.device_checks import BAD_BETA, BAD_GATE, MESSAGES, raise_if_flagged
+    from stages.s07_serving.kernel import prefill
+
+    device = torch.device("cuda")
+    x, cu_seqlens, _ = _gpu_packed(GPU_LENGTHS, 2, 128, seed=32)  # sequences from tokens 0, 1, 64, 128, 193, 493, 1493
+    x.g[0, 600:700, 1] = -50.0
+    x.g[0, 700, 0, :5], x.beta[0, 3], x.beta[0, 4] = -1e4, 0.0, 1.0
+    args = [torch.tensor(a, dtype=torch.bfloat16, device=device) for a in (x.q, x.k, x.v)]
+    g, beta = (torch.tensor(a, dtype=torch.float32, device=device) for a in (x.g, x.beta))
+    cu = torch.tensor(cu_seqlens, device=device)
+    raise_if_flagged(device)
+    prefill(*args, g, beta, cu_seqlens=cu)
+    raise_if_flagged(device)  # good values: quiet
+    gpu_bad_values = [  # the middle of the 300-token sequence, the last token of the 65-token one, the
+        # 1-token one, the last token of the batch, the 1000-token one, the last of the 63-token one, a first token
+        ("g", 343, 0.25, "gate"), ("g", 192, np.nan, "gate"), ("g", 0, -np.inf, "gate"), ("beta", 1509, -0.01, "beta"),
+        ("beta", 1000, 1.5, "beta"), ("beta", 63, np.nan, "beta"), ("beta", 193, 2.0, "beta")]
+    for name, token, value, flag in gpu_bad_values:
+        bad = {"g": g.clone(), "beta": beta.clone()}
+        bad[name][(0, token, 1, 7) if name == "g" else (0, token, 1)] = value
+        prefill(*args, bad["g"], bad["beta"], cu_seqlens=cu, checks="off")
+        raise_if_flagged(device)  # "off": nothing flagged
+        prefill(*args, bad["g"], bad["beta"], cu_seqlens=cu)  # no error here
+        with pytest.raises(ValueError) as raised:
+            raise_if_flagged(device)
+        assert str(raised.value) == MESSAGES[BAD_GATE if flag == "gate" else BAD_BETA]

@@ -122,18 +122,18 @@ def test_nan_trap_saves_the_call_that_went_non_finite(tmp_path, monkeypatch):
     assert torch.equal(saved["do"], do) and saved["options"] == {"scale": 0.5}
 
 
-def test_no_value_check_reaches_our_kernels(tmp_path, monkeypatch):
-    """--no-value-check hands check_values=False to every call of our chunk_kda (the default checks)."""
+def test_the_checks_option_reaches_our_kernels(tmp_path, monkeypatch):
+    """--checks MODE hands checks=MODE to every call of our chunk_kda ("device" by default)."""
     seen = []
 
     def recording(*arguments, **options):
-        seen.append(options.get("check_values", True))
+        seen.append(options["checks"])
         return chunk_kda(*arguments, **options)
 
     monkeypatch.setattr(train_kda, "chunk_kda", recording)
     tiny = ["--steps", "1", "--batch", "2", "--pairs", "2", "--queries", "2", "--vocab", "4", "--d-model", "16",
             "--heads", "1", "--head-dim", "8"]
-    for flags, expected in (([], True), (["--no-value-check"], False), (["--no-value-check", "--nan-trap"], False)):
+    for flags, expected in (([], "device"), (["--checks", "off"], "off"), (["--checks", "host", "--nan-trap"], "host")):
         seen.clear()
         train_kda.train(train_kda.parse_args(["--out", str(tmp_path), *tiny, *flags]))
         assert seen == [expected] * 2  # one call per layer

@@ -17,12 +17,17 @@ outside the pool is read as slot 0 and written nowhere).
 
 The flags are sticky: a call never clears them, so a CUDA graph replayed a thousand times reports a
 bad value of any replay at the next raise_if_flagged.
-"""
 
-import functools
+Every fast call (stage 5's forward, stage 6's chunk_kda, stage 7's prefill and decode) takes one of
+CHECKS: "device" (the default: the kernels flag, nothing is read per call), "host" (the values read
+to the host and refused before any kernel runs: a sync per call, the mode to debug a caller with) or
+"off" (the caller vouches for the values: kernels built without the flags, what the benchmarks time
+as unchecked).
+"""
 
 BAD_GATE, BAD_BETA, BAD_SLOT = range(3)
 FLAG_COUNT = 3
+CHECKS = ("device", "host", "off")
 MESSAGES = {
     BAD_GATE: "g must be finite and <= 0 (g = log(a), 0 < a <= 1; for a = 0 use a large negative g such as "
               "-1e4): a call saw a g above 0, NaN or -inf",
@@ -31,22 +36,53 @@ MESSAGES = {
 }
 
 
+def check_mode(checks):
+    """checks is one of CHECKS (see above)."""
+    if checks not in CHECKS:
+        raise ValueError(f"checks must be one of {', '.join(map(repr, CHECKS))}, got {checks!r}")
+
+
+def bad_gate(g, dtype="float32"):
+    """The TIR condition, in a kernel, that a log gate g (a `dtype` value it loaded) is bad: NaN,
+    above 0, or -inf (a decay table's exp2(0 * -inf) would be NaN).
+
+    NaN is asked for by name: "not (g <= 0)" would hold for it, but TVM's simplifier rewrites that
+    as "g > 0", false for NaN, and the CUDA kernel would miss it (the interpreter, which runs the
+    program before that rewrite, would not)."""
+    import tilelang.language as T
+
+    return T.Or(T.isnan(g), T.Or(g > 0, g < -T.max_value(dtype)))
+
+
+def bad_beta(beta):
+    """The TIR condition, in a kernel, that a beta it loaded is NaN or lies outside [0, 1] (NaN by
+    name, as in bad_gate)."""
+    import tilelang.language as T
+
+    return T.Or(T.isnan(beta), T.Or(beta < 0, beta > 1))
+
+
 def flags_for(device):
     """The flags of `device` (a torch.device or its name): a (FLAG_COUNT,) int32 tensor on it, one per
-    device for the whole process, zeros until a kernel flags a bad value."""
+    device for the whole process, zeros until a kernel flags a bad value.
+
+    Made by the first call on a device, which must not be inside a CUDA graph's capture: the tensor
+    would live in the graph's memory and its zeroing would be captured, so that every replay cleared
+    the flags. A capture follows a warm-up call anyway (the kernels compile on their first call)."""
     import torch
 
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _flags(str(device))
+    if str(device) not in _FLAGS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the value flags of {device} are made by the first checked call, which must not be "
+                               f"captured in a CUDA graph: make one call before the capture")
+        _FLAGS[str(device)] = torch.zeros(FLAG_COUNT, dtype=torch.int32, device=device)
+    return _FLAGS[str(device)]
 
 
-@functools.cache
-def _flags(device):
-    import torch
-
-    return torch.zeros(FLAG_COUNT, dtype=torch.int32, device=device)
+_FLAGS = {}  # device name -> its flags (flags_for)
 
 
 def raise_if_flagged(device):

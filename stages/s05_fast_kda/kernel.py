@@ -24,6 +24,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
+from stages.common.device_checks import BAD_BETA, BAD_GATE, FLAG_COUNT, bad_beta, bad_gate, check_mode, flags_for
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
@@ -41,7 +42,7 @@ CHANNEL_PASSES = 2  # the score GEMMs sum over d_k in this many passes (their op
 
 # --8<-- [start:prepare_setup]
 def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
-                          channel_passes=CHANNEL_PASSES, any_gate=True):
+                          channel_passes=CHANNEL_PASSES, any_gate=True, value_flags=False):
     """The prepare kernel: q, k (B, N, H, d_k), v (B, N, H, d_v) in `dtype`, g (B, N, H, d_k) and
     beta (B, N, H) in fp32 -> W, Q e^gamma, K e^{gamma_C - gamma} (B, N, H, d_k), U (B, N, H, d_v),
     A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) in fp32.
@@ -52,6 +53,9 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     d_k of 16 * channel_passes. threads=None takes default_prepare_threads(chunk_size).
     any_gate=False leaves out the exact path for sub-blocks past the operands' range
     (anchored_scores_macro): the kernel as it was before it, to time what the path costs.
+    value_flags=True adds a parameter Flags (FLAG_COUNT,) int32 after Beta (outputs from index 6 on)
+    and checks every g and beta as it is loaded (flag_bad_values_macro): forward's default kernel.
+    Without it the program has no Flags: stage 5's exercise builds that one, and checks="off" runs it.
 
     From the loads on, the body is the macros below (stage 7's varlen prepare runs the same ones).
     """
@@ -63,25 +67,15 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     num_chunks = N // C
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
+    flag_bad_values = flag_bad_values_macro(C, d_k)
     cumulative_gates = cumulative_gates_macro(C, d_k)
     anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype, any_gate)
     block_inverse = block_inverse_macro(C)
     wy_outputs = wy_outputs_macro(C)
 
-    @T.prim_func
-    def kda_prepare(
-        Q: T.Tensor((B, N, H, d_k), dtype),
-        K: T.Tensor((B, N, H, d_k), dtype),
-        V: T.Tensor((B, N, H, d_v), dtype),
-        G: T.Tensor((B, N, H, d_k), accum_dtype),
-        Beta: T.Tensor((B, N, H), accum_dtype),
-        W: T.Tensor((B, N, H, d_k), dtype),
-        U: T.Tensor((B, N, H, d_v), dtype),
-        Q_decayed: T.Tensor((B, N, H, d_k), dtype),
-        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
-        A_qk: T.Tensor((B, N, H, C), dtype),
-        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
-    ):
+    # one body, two signatures (a TileLang program's parameters are fixed where it is written)
+    @T.macro
+    def prepare(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay):
         with T.Kernel(num_chunks, B * H, threads=threads) as (i_c, i_bh):
             b, h = i_bh // H, i_bh % H
             t0 = i_c * C
@@ -122,6 +116,8 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             T.copy(K[b, t0:t0 + C, h, :], K_s)
             T.copy(Beta[b, t0:t0 + C, h], beta_s)
             T.copy(G[b, t0:t0 + C, h, :], gamma_s)  # all loads in flight at once, then the sum on chip
+            if Flags is not None:  # value_flags: the gates and betas checked as they arrive
+                flag_bad_values(gamma_s, beta_s, Flags)
             cumulative_gates(gamma_s)
 
             anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s,
@@ -149,7 +145,64 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             T.copy(U_s, U[b, t0:t0 + C, h, :])
             # --8<-- [end:prepare_decayed]
 
+
+    if value_flags:
+        @T.prim_func
+        def kda_prepare(
+            Q: T.Tensor((B, N, H, d_k), dtype),
+            K: T.Tensor((B, N, H, d_k), dtype),
+            V: T.Tensor((B, N, H, d_v), dtype),
+            G: T.Tensor((B, N, H, d_k), accum_dtype),
+            Beta: T.Tensor((B, N, H), accum_dtype),
+            Flags: T.Tensor((FLAG_COUNT,), "int32"),
+            W: T.Tensor((B, N, H, d_k), dtype),
+            U: T.Tensor((B, N, H, d_v), dtype),
+            Q_decayed: T.Tensor((B, N, H, d_k), dtype),
+            K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+            A_qk: T.Tensor((B, N, H, C), dtype),
+            Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+        ):
+            prepare(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay)
+    else:  # the kernel as stage 5's exercise builds it: no Flags parameter
+        @T.prim_func
+        def kda_prepare(
+            Q: T.Tensor((B, N, H, d_k), dtype),
+            K: T.Tensor((B, N, H, d_k), dtype),
+            V: T.Tensor((B, N, H, d_v), dtype),
+            G: T.Tensor((B, N, H, d_k), accum_dtype),
+            Beta: T.Tensor((B, N, H), accum_dtype),
+            W: T.Tensor((B, N, H, d_k), dtype),
+            U: T.Tensor((B, N, H, d_v), dtype),
+            Q_decayed: T.Tensor((B, N, H, d_k), dtype),
+            K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+            A_qk: T.Tensor((B, N, H, C), dtype),
+            Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+        ):
+            prepare(Q, K, V, G, Beta, None, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay)
+
     return kda_prepare
+
+
+# --8<-- [start:value_flags]
+def flag_bad_values_macro(C, d_k):
+    """The macro flag_bad_values(gamma_s, beta_s, Flags): a chunk's log gates (C, d_k) and betas (C,)
+    fp32 in shared memory, as loaded (before cumulative_gates), checked on the device: a g that is
+    not finite and <= 0 sets Flags[BAD_GATE], a beta outside [0, 1] or NaN Flags[BAD_BETA]
+    (stages.common.device_checks). Rows past a sequence's end are loaded as zeros, good values, so
+    padding never sets a flag. Nothing is written but a 1 into Flags, and only by a bad value."""
+    import tilelang.language as T
+
+    @T.macro
+    def flag_bad_values(gamma_s, beta_s, Flags):
+        for r, d in T.Parallel(C, d_k):
+            if bad_gate(gamma_s[r, d]):  # every lane that finds one writes the same 1
+                Flags[BAD_GATE] = 1
+        for r in T.Parallel(C):
+            if bad_beta(beta_s[r]):
+                Flags[BAD_BETA] = 1
+
+    return flag_bad_values
+# --8<-- [end:value_flags]
 
 
 # --8<-- [start:prepare_gates]
@@ -495,11 +548,23 @@ def advance_state_macro(d_k, block_dv):
 
 @functools.cache
 def compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
-    """The prepare kernel compiled for the GPU (its outputs allocated by the call): made once per shape."""
+    """The prepare kernel compiled for the GPU (its outputs allocated by the call): made once per shape.
+    Without the value flags: forward's checks="host" and "off", stage 6's backward, the benchmarks'
+    kernels alone."""
     import tilelang
 
     program = build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, threads)
     return tilelang.compile(program, out_idx=[5, 6, 7, 8, 9, 10], target="cuda")
+
+
+@functools.cache
+def compiled_flagged_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
+    """The prepare kernel that also takes Flags after beta and flags bad values (value_flags=True):
+    forward's default, checks="device". Made once per shape."""
+    import tilelang
+
+    program = build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags=True)
+    return tilelang.compile(program, out_idx=[6, 7, 8, 9, 10, 11], target="cuda")
 
 
 @functools.cache
@@ -516,7 +581,7 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
             chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int | None = None, num_stages: int = 2,
             threads: int = 128, prepare_threads: int | None = None, initial_state: "torch.Tensor | None" = None,
             output_final_state: bool = False,
-            check_values: bool = True) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+            checks: str = "device") -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
     """Run both kernels on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16),
     g: (B, N, H, d_k) fp32 log gates (<= 0), beta: (B, N, H) fp32 in [0, 1].
 
@@ -524,10 +589,17 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     initial_state: S_0^T (B, H, d_k, d_v) fp32 or None (zeros). Returns o: (B, N, H, d_v) in the
     input dtype, and with output_final_state also the final state S^T (B, H, d_k, d_v) fp32.
     N need not be a multiple of chunk_size: the sequence is zero-padded, which is exact (see
-    reference.kernel_mirror). check_values=False skips the check of g's and beta's values (a pass over
-    both and a device sync): the caller vouches for them, and the call has no host sync left.
+    reference.kernel_mirror).
+
+    Shapes, dtypes and devices are checked here, on the host. g's and beta's values (finite g <= 0,
+    beta in [0, 1]) by `checks`: "device" (the default) leaves them to the prepare kernel, which flags
+    a bad one as it loads it (stages.common.device_checks: `raise_if_flagged(q.device)` reports it
+    where the caller synchronizes anyway); the call has no host sync and can be captured in a CUDA
+    graph. "host" reads them to the host first and raises before any kernel runs (a pass over both
+    and a device sync: the mode to debug a caller with). "off": the caller vouches for them, and the
+    kernel runs without the flags.
     """
-    B, N, H, d_k, d_v = check_forward_inputs(q, k, v, g, beta, initial_state, chunk_size, block_dv, check_values)
+    B, N, H, d_k, d_v = check_forward_inputs(q, k, v, g, beta, initial_state, chunk_size, block_dv, checks)
     if block_dv is None:
         block_dv = default_block_dv(B, H, d_v, streaming_multiprocessors(q.device))
 
@@ -535,10 +607,13 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     q, k, v, g, beta = pad_tokens(N_padded, q, k, v, g, beta)
     if initial_state is None:
         initial_state = zero_state(B, H, d_k, d_v, q.device)
-    prepare = compiled_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype_name(q), prepare_threads)
+    value_flags = checks == "device"
+    compile_prepare = compiled_flagged_prepare if value_flags else compiled_prepare
+    prepare = compile_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype_name(q), prepare_threads)
     recurrence = compiled_recurrence(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages,
                                       threads)
-    o, final_state = recurrence(*prepare(q, k, v, g, beta), initial_state)
+    flags = (flags_for(q.device),) if value_flags else ()
+    o, final_state = recurrence(*prepare(q, k, v, g, beta, *flags), initial_state)
     o = o[:, :N]
     return (o, final_state) if output_final_state else o
 # --8<-- [end:forward]
@@ -548,19 +623,20 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
 def check_forward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
                          beta: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
                          chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int | None = None,
-                         check_values: bool = True) -> tuple[int, int, int, int, int]:
+                         checks: str = "device") -> tuple[int, int, int, int, int]:
     """Every check of `forward`'s arguments (see its docstring); returns (B, N, H, d_k, d_v).
 
-    In this order: what the tensors' types, shapes and dtypes tell (check_token_inputs, the initial
-    state) and the tile sizes (check_kernel_sizes); then, with check_values, what only their values
-    tell (check_gate_values: a NaN, a gate above 0, beta outside [0, 1]; one pass and one device sync);
-    the device last, so that every other mistake shows, and is tested, on a machine without a GPU.
-    Any gate <= 0 runs: there is no range to check (anchored_scores_macro).
+    In this order: the checks mode; what the tensors' types, shapes and dtypes tell (check_token_inputs,
+    the initial state) and the tile sizes (check_kernel_sizes); then, with checks="host", what only
+    their values tell (check_gate_values: a NaN, a gate above 0, beta outside [0, 1]; one pass and one
+    device sync); the device last, so that every other mistake shows, and is tested, on a machine
+    without a GPU. Any gate <= 0 runs: there is no range to check (anchored_scores_macro).
     """
+    check_mode(checks)
     B, N, H, d_k, d_v = check_token_inputs(q, k, v, g, beta)
     check_state("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     check_kernel_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
-    if check_values:
+    if checks == "host":
         check_gate_values(g, beta)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state})
     return B, N, H, d_k, d_v
@@ -650,11 +726,12 @@ def default_prepare_threads(chunk_size):
 
 @functools.cache  # the page's report and the compile test share one nvcc run
 def compile_report(kernel="recurrence", B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
-                   block_dv=DEFAULT_BLOCK_DV, dtype="float16"):
-    """Lower and compile one kernel ("prepare" or "recurrence") for sm_90a without a GPU."""
+                   block_dv=DEFAULT_BLOCK_DV, dtype="float16", value_flags=False):
+    """Lower and compile one kernel ("prepare" or "recurrence") for sm_90a without a GPU; value_flags:
+    the prepare that flags bad values (forward's default)."""
     check_kernel_sizes(d_k, d_v, chunk_size, block_dv)
     if kernel == "prepare":
-        return _compile_report(build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype))
+        return _compile_report(build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, value_flags=value_flags))
     if kernel == "recurrence":
         return _compile_report(build_recurrence_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype))
     raise ValueError(f"kernel must be 'prepare' or 'recurrence', got {kernel!r}")

@@ -80,7 +80,7 @@ REFUSED = {
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: float | None = None, initial_state: torch.Tensor | None = None,
               output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-              chunk_size: int | None = None, check_values: bool = True,
+              chunk_size: int | None = None, checks: str = "device",
               **fla_options) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward with autograd, FLA's chunk_kda convention. Returns (o (B, T, H, V), final state
     S_T^T (B, H, K, V) or None).
@@ -89,9 +89,11 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     CPU. g: (B, T, H, K) log gates (<= 0), beta: (B, T, H) in [0, 1], cast to float32 on CUDA.
     scale: o = scale * S q, None for 1 / sqrt(K). initial_state: S_0^T (B, H, K, V) float32 (float64
     too on the CPU) or None for zeros. chunk_size: None for the device's default (64 on CUDA,
-    CPU_CHUNK_SIZE on the CPU). check_values=False (the course's, not FLA's) skips the CUDA
-    forward's check of g's and beta's values (stages.s05_fast_kda.kernel.forward: finite gates <= 0,
-    beta in [0, 1]; any such gate runs, forward and backward): the caller vouches for them. FLA's
+    CPU_CHUNK_SIZE on the CPU). checks (the course's, not FLA's): how the CUDA forward checks g's and
+    beta's values (finite gates <= 0, beta in [0, 1]; any such gate runs, forward and backward), as
+    stages.s05_fast_kda.kernel.forward takes it: "device" (the default: flagged by the kernel, reported
+    by stages.common.device_checks.raise_if_flagged where the caller syncs, the loss's logging say),
+    "host" (refused before the kernels, a sync per call) or "off" (the caller vouches for them). FLA's
     other options (fla_options) are refused unless they hold FLA's default value (see REFUSED).
     """
     check_chunk_kda_inputs(q, k, v, g, beta, initial_state, scale, fla_options)
@@ -107,26 +109,26 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         g, beta = g.float(), beta.float()
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     initial_state = None if initial_state is None else initial_state.contiguous()
-    o, final_state = ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, chunk_size, check_values)
+    o, final_state = ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, chunk_size, checks)
     return o, (final_state if output_final_state else None)
 # --8<-- [end:chunk_kda]
 
 
 # --8<-- [start:function]
 class ChunkKDAFunction(torch.autograd.Function):
-    """(q, k, v, g, beta, initial_state, chunk_size, check_values) -> (o, final_state), and the way back.
+    """(q, k, v, g, beta, initial_state, chunk_size, checks) -> (o, final_state), and the way back.
 
     The final state is always an output, so that a loss on it sends its gradient dS_T^T into the
     backward; when nobody uses it, that gradient is None and the backward starts from zero.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, chunk_size, check_values):
+    def forward(ctx, q, k, v, g, beta, initial_state, chunk_size, checks):
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros
         ctx.chunk_size = chunk_size
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         if q.is_cuda:
-            return _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, check_values)
+            return _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, checks)
         return _cpu_forward(q, k, v, g, beta, initial_state, chunk_size)
 
     @staticmethod
@@ -168,17 +170,17 @@ def _cpu_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size
 
 
 # --8<-- [start:cuda_path]
-def _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, check_values):
+def _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, checks):
     """Stage 5's two kernels; the final state is fp32."""
     from stages.s05_fast_kda.kernel import forward
 
     return forward(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state, output_final_state=True,
-                   check_values=check_values)
+                   checks=checks)
 
 
 def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size):
     """Stage 6's backward kernels, each gradient cast to its input's dtype. g's and beta's values were
-    checked by the forward (check_values), so the backward skips that pass and its device sync."""
+    checked by the forward (checks), so the backward skips that pass and its device sync."""
     try:
         from stages.s06_backward.kernel import backward
     except ImportError as error:

@@ -180,13 +180,18 @@ class KDALayer(nn.Module):
     """Kimi Delta Attention as a layer: x (B, T, d_model) -> y (B, T, d_model), H = n_heads heads of
     d_k = d_v = head_dim. gate_rank: the inner size of the forget gate's and the output gate's
     low-rank projections (head_dim by default, as in FLA's layer). kernel: a function with
-    chunk_kda's calling convention (ours by default; FLA's `fla.ops.chunk_kda` to compare).
+    chunk_kda's calling convention (ours by default; FLA's `fla.ops.chunk_kda` to compare). checks:
+    handed to the kernel as chunk_kda's value-check mode ("device", "host" or "off"; see chunk_kda),
+    or None (the default) to call it without one: our chunk_kda then checks on the device, and FLA's,
+    which takes no such option, can be the kernel.
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, conv_size: int = 4, gate_rank: int | None = None,
-                 lower_bound: float | None = None, norm_eps: float = 1e-5, kernel: Callable = chunk_kda):
+                 lower_bound: float | None = None, norm_eps: float = 1e-5, kernel: Callable = chunk_kda,
+                 checks: str | None = None):
         super().__init__()
         self.n_heads, self.head_dim, self.kernel = n_heads, head_dim, kernel
+        self.kernel_options = {} if checks is None else {"checks": checks}
         width, rank = n_heads * head_dim, gate_rank or head_dim
         self.q_proj = nn.Linear(d_model, width, bias=False)
         self.k_proj = nn.Linear(d_model, width, bias=False)
@@ -218,7 +223,7 @@ class KDALayer(nn.Module):
         beta = torch.sigmoid(wide(self.b_proj(x)))  # (B, T, H)
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         o, state = self.kernel(q, k, v, g, beta, initial_state=past.state, output_final_state=use_cache,
-                               use_qk_l2norm_in_kernel=True, **packed)
+                               use_qk_l2norm_in_kernel=True, **packed, **self.kernel_options)
         gate = self.g_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
         y = self.o_proj(self.o_norm(o, gate).flatten(-2).to(x.dtype))
         return y, (KDACache(conv_q, conv_k, conv_v, state) if use_cache else None)

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from stages.common.device_checks import BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT, flags_for
+from stages.common.device_checks import (BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT, bad_beta, bad_gate, check_mode,
+                                         flags_for)
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.checks import padded_length
@@ -43,7 +44,7 @@ from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_g
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, advance_state_macro,
                                         anchored_scores_macro, block_inverse_macro, check_kernel_sizes, check_state,
                                         check_token_inputs, chunk_output_macro, cumulative_gates_macro,
-                                        default_prepare_threads, wy_outputs_macro)
+                                        default_prepare_threads, flag_bad_values_macro, wy_outputs_macro)
 from stages.s05_fast_kda.numerics import score_operand_dtypes
 from stages.s07_serving.reference import chunk_table
 
@@ -59,7 +60,7 @@ DEFAULT_THREADS = 128
 
 # --8<-- [start:program]
 def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="float16", state_dtype="float32",
-                         threads=DEFAULT_THREADS):
+                         threads=DEFAULT_THREADS, value_flags=True):
     """The decode program: q, k (B, H, d_k), v (B, H, d_v) in `dtype`; g (B, H, d_k), beta (B, H) and
     the pool (P, H, d_k, d_v) in `state_dtype` (fp32 on the GPU; the interpreter also runs float64);
     slots (B,) int32 -> o (B, H, d_v) in `dtype`, the pool updated in place at slots.
@@ -71,24 +72,17 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
     touches memory past the pool.
 
     block_dv must divide d_v. Parameters in order: Q, K, V, G, Beta, Slots, State_pool, Flags, O
-    (out_idx=[8]); Flags (FLAG_COUNT,) int32 is only ever set to 1.
+    (out_idx=[8]); Flags (FLAG_COUNT,) int32 is only ever set to 1. value_flags=False leaves Flags
+    out (O is then parameter 7) and flags nothing, for decode's checks="off"; a slot outside the
+    pool still writes nothing.
     """
     import tilelang.language as T
 
     accum_dtype = state_dtype
 
-    @T.prim_func
-    def kda_decode(
-        Q: T.Tensor((B, H, d_k), dtype),
-        K: T.Tensor((B, H, d_k), dtype),
-        V: T.Tensor((B, H, d_v), dtype),
-        G: T.Tensor((B, H, d_k), accum_dtype),
-        Beta: T.Tensor((B, H), accum_dtype),
-        Slots: T.Tensor((B,), "int32"),
-        State_pool: T.Tensor((P, H, d_k, d_v), accum_dtype),
-        Flags: T.Tensor((FLAG_COUNT,), "int32"),
-        O: T.Tensor((B, H, d_v), dtype),
-    ):
+    # one body, two signatures (a TileLang program's parameters are fixed where it is written)
+    @T.macro
+    def decode_step(Q, K, V, G, Beta, Slots, State_pool, Flags, O):
         with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
             b, h = i_bh // H, i_bh % H
             v0 = i_v * block_dv
@@ -112,13 +106,14 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
             T.copy(V[b, h, v0:v0 + block_dv], v_s)
             for d in T.Parallel(d_k):
                 decay_s[d] = T.exp2(G[b, h, d] * LOG2_E)
-                # NaN fails g <= 0; -inf would make the decay table's exp2(0 * -inf) NaN elsewhere
-                if T.Not(T.And(G[b, h, d] <= 0, G[b, h, d] >= -T.max_value(accum_dtype))):
-                    Flags[BAD_GATE] = 1
-            if T.Not(T.And(Beta[b, h] >= 0, Beta[b, h] <= 1)):
-                Flags[BAD_BETA] = 1
-            if T.Not(slot_in_pool):
-                Flags[BAD_SLOT] = 1
+                if Flags is not None:  # value_flags
+                    if bad_gate(G[b, h, d], accum_dtype):
+                        Flags[BAD_GATE] = 1
+            if Flags is not None:
+                if bad_beta(Beta[b, h]):
+                    Flags[BAD_BETA] = 1
+                if T.Not(slot_in_pool):
+                    Flags[BAD_SLOT] = 1
 
             # the decay first, then what the decayed state recalls for k
             for d, j in T.Parallel(d_k, block_dv):
@@ -138,17 +133,47 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
                 if slot_in_pool:  # back where it came from; a slot out of range writes nothing
                     State_pool[slot, h, d, v0 + j] = S_f[d, j]
 
+
+    if value_flags:
+        @T.prim_func
+        def kda_decode(
+            Q: T.Tensor((B, H, d_k), dtype),
+            K: T.Tensor((B, H, d_k), dtype),
+            V: T.Tensor((B, H, d_v), dtype),
+            G: T.Tensor((B, H, d_k), accum_dtype),
+            Beta: T.Tensor((B, H), accum_dtype),
+            Slots: T.Tensor((B,), "int32"),
+            State_pool: T.Tensor((P, H, d_k, d_v), accum_dtype),
+            Flags: T.Tensor((FLAG_COUNT,), "int32"),
+            O: T.Tensor((B, H, d_v), dtype),
+        ):
+            decode_step(Q, K, V, G, Beta, Slots, State_pool, Flags, O)
+    else:
+        @T.prim_func
+        def kda_decode(
+            Q: T.Tensor((B, H, d_k), dtype),
+            K: T.Tensor((B, H, d_k), dtype),
+            V: T.Tensor((B, H, d_v), dtype),
+            G: T.Tensor((B, H, d_k), accum_dtype),
+            Beta: T.Tensor((B, H), accum_dtype),
+            Slots: T.Tensor((B,), "int32"),
+            State_pool: T.Tensor((P, H, d_k, d_v), accum_dtype),
+            O: T.Tensor((B, H, d_v), dtype),
+        ):
+            decode_step(Q, K, V, G, Beta, Slots, State_pool, None, O)
+
     return kda_decode
 # --8<-- [end:program]
 
 
 @functools.cache
-def compiled_decode(B, P, H, d_k, d_v, block_dv, dtype, threads):
-    """The decode kernel compiled for the GPU with an fp32 pool: made once per shape, block, dtype and threads."""
+def compiled_decode(B, P, H, d_k, d_v, block_dv, dtype, threads, value_flags):
+    """The decode kernel compiled for the GPU with an fp32 pool: made once per shape, block, dtype,
+    threads and value_flags (False: the one without Flags, checks="off")."""
     import tilelang
 
-    program = build_decode_program(B, P, H, d_k, d_v, block_dv, dtype, "float32", threads)
-    return tilelang.compile(program, out_idx=[8], target="cuda")
+    program = build_decode_program(B, P, H, d_k, d_v, block_dv, dtype, "float32", threads, value_flags)
+    return tilelang.compile(program, out_idx=[8 if value_flags else 7], target="cuda")
 
 
 # --8<-- [start:decode]
@@ -167,14 +192,15 @@ def decode(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Te
     writes through a slot outside the pool; the call has no host sync, so a server can capture it in
     a CUDA graph. checks="host" also reads them to the host first and raises before the kernel runs
     (two device syncs; it also catches two equal slots, which make two programs write one state):
-    the mode to debug a caller with.
+    the mode to debug a caller with. checks="off": the caller vouches for them, and the kernel runs
+    without the flags (a slot outside the pool still writes nothing).
     """
-    if checks not in ("device", "host"):
-        raise ValueError(f'checks must be "device" or "host", got {checks!r}')
-    B, H, d_k, d_v = check_decode_inputs(q, k, v, g, beta, state_pool, slots, block_dv, check_values=checks == "host")
+    B, H, d_k, d_v = check_decode_inputs(q, k, v, g, beta, state_pool, slots, block_dv, checks)
     block_dv = decode_block_dv(d_v) if block_dv is None else block_dv
-    kernel = compiled_decode(B, state_pool.shape[0], H, d_k, d_v, block_dv, dtype_name(q), threads)
-    return kernel(q, k, v, g, beta, slots, state_pool, flags_for(q.device))
+    value_flags = checks == "device"
+    kernel = compiled_decode(B, state_pool.shape[0], H, d_k, d_v, block_dv, dtype_name(q), threads, value_flags)
+    flags = (flags_for(q.device),) if value_flags else ()
+    return kernel(q, k, v, g, beta, slots, state_pool, *flags)
 
 
 def decode_block_dv(d_v: int) -> int:
@@ -184,13 +210,15 @@ def decode_block_dv(d_v: int) -> int:
 
 def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
                         beta: "torch.Tensor", state_pool: "torch.Tensor", slots: "torch.Tensor",
-                        block_dv: int | None = None, check_values: bool = True) -> tuple[int, int, int, int]:
+                        block_dv: int | None = None, checks: str = "device") -> tuple[int, int, int, int]:
     """Every check of `decode`'s arguments (see its docstring); returns (B, H, d_k, d_v).
 
-    In stage 5's order (check_forward_inputs): what the tensors' types, shapes and dtypes tell, and
-    block_dv; then, with check_values, what only their values tell (check_decode_values); the device
-    last, so that every other mistake shows, and is tested, on a machine without a GPU.
+    In stage 5's order (check_forward_inputs): the checks mode, what the tensors' types, shapes and
+    dtypes tell, and block_dv; then, with checks="host", what only their values tell
+    (check_decode_values); the device last, so that every other mistake shows, and is tested, on a
+    machine without a GPU.
     """
+    check_mode(checks)
     check_kernel_tensor("q", q, rank=3)
     check_kernel_tensor("k", k, rank=3)
     check_kernel_tensor("v", v, rank=3)
@@ -209,7 +237,7 @@ def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
                          f"got {tuple(state_pool.shape)}")
     check_slots(slots, B)
     check_block(d_v, decode_block_dv(d_v) if block_dv is None else block_dv)
-    if check_values:
+    if checks == "host":
         check_decode_values(g, beta, slots, state_pool.shape[0])
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_pool": state_pool, "slots": slots})
     return B, H, d_k, d_v
@@ -226,7 +254,7 @@ def check_decode_values(g: "torch.Tensor", beta: "torch.Tensor", slots: "torch.T
 
 # --8<-- [start:varlen_prepare_program]
 def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE,
-                                 dtype="float16", threads=None, channel_passes=CHANNEL_PASSES):
+                                 dtype="float16", threads=None, channel_passes=CHANNEL_PASSES, value_flags=False):
     """Stage 5's prepare on a packed batch: q, k, g (1, T_tokens, H, d_k), v (1, T_tokens, H, d_v), beta
     (1, T_tokens, H), packed by Cu_seqlens (N_seq + 1,) int32, and the chunk table Chunks (n_chunks, 2)
     int32 (stages.s07_serving.reference.chunk_table) -> W, U, Q e^gamma, K e^{gamma_C - gamma}, A_qk
@@ -238,7 +266,10 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     recurrence reads. Between its loads and its stores it runs stage 5's prepare: the same buffers and
     the same macros (cumulative_gates, anchored_scores, block_inverse, wy_outputs). T_tokens, T_padded,
     n_chunks and N_seq may be TileLang symbols (T.dynamic). Parameters in order: Q, K, V, G, Beta,
-    Chunks, Cu_seqlens, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay.
+    Chunks, Cu_seqlens, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay; value_flags=True adds
+    Flags (FLAG_COUNT,) int32 before W and checks each sequence's g and beta as they are loaded (stage
+    5's flag_bad_values_macro; the zeros loaded past a sequence's end never set a flag): prefill's
+    default kernel.
     """
     import tilelang.language as T
 
@@ -247,27 +278,15 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     accum_dtype = "float32"
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
+    flag_bad_values = flag_bad_values_macro(C, d_k)
     cumulative_gates = cumulative_gates_macro(C, d_k)
     anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype)
     block_inverse = block_inverse_macro(C)
     wy_outputs = wy_outputs_macro(C)
 
-    @T.prim_func
-    def kda_prepare_varlen(
-        Q: T.Tensor((1, T_tokens, H, d_k), dtype),
-        K: T.Tensor((1, T_tokens, H, d_k), dtype),
-        V: T.Tensor((1, T_tokens, H, d_v), dtype),
-        G: T.Tensor((1, T_tokens, H, d_k), accum_dtype),
-        Beta: T.Tensor((1, T_tokens, H), accum_dtype),
-        Chunks: T.Tensor((n_chunks, 2), "int32"),
-        Cu_seqlens: T.Tensor((N_seq + 1,), "int32"),
-        W: T.Tensor((1, T_padded, H, d_k), dtype),
-        U: T.Tensor((1, T_padded, H, d_v), dtype),
-        Q_decayed: T.Tensor((1, T_padded, H, d_k), dtype),
-        K_to_chunk_end: T.Tensor((1, T_padded, H, d_k), dtype),
-        A_qk: T.Tensor((1, T_padded, H, C), dtype),
-        Chunk_decay: T.Tensor((1, n_chunks, H, d_k), accum_dtype),
-    ):
+    # one body, two signatures (a TileLang program's parameters are fixed where it is written)
+    @T.macro
+    def prepare_varlen(Q, K, V, G, Beta, Chunks, Cu_seqlens, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay):
         with T.Kernel(n_chunks, H, threads=threads) as (i_c, h):
             sequence = Chunks[i_c, 0]
             start = Cu_seqlens[sequence] + Chunks[i_c, 1] * C  # the chunk's first token in the packed batch
@@ -315,6 +334,8 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
                 gamma_s[r, d] = T.if_then_else(r < rows, G[0, start + r, h, d], 0)
             for r in T.Parallel(C):
                 beta_s[r] = T.if_then_else(r < rows, Beta[0, start + r, h], 0)
+            if Flags is not None:  # value_flags: the sequence's gates and betas checked as they arrive
+                flag_bad_values(gamma_s, beta_s, Flags)
             cumulative_gates(gamma_s)
 
             # stage 5's prepare, storing at the chunk-aligned rows; V masked as the others
@@ -335,6 +356,45 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
             wy_outputs(T_s, beta_s, A_hat_s, Kg_s, V_s, w_f, u_f, W_s, U_s)
             T.copy(W_s, W[0, t0:t0 + C, h, :])
             T.copy(U_s, U[0, t0:t0 + C, h, :])
+
+
+    if value_flags:
+        @T.prim_func
+        def kda_prepare_varlen(
+            Q: T.Tensor((1, T_tokens, H, d_k), dtype),
+            K: T.Tensor((1, T_tokens, H, d_k), dtype),
+            V: T.Tensor((1, T_tokens, H, d_v), dtype),
+            G: T.Tensor((1, T_tokens, H, d_k), accum_dtype),
+            Beta: T.Tensor((1, T_tokens, H), accum_dtype),
+            Chunks: T.Tensor((n_chunks, 2), "int32"),
+            Cu_seqlens: T.Tensor((N_seq + 1,), "int32"),
+            Flags: T.Tensor((FLAG_COUNT,), "int32"),
+            W: T.Tensor((1, T_padded, H, d_k), dtype),
+            U: T.Tensor((1, T_padded, H, d_v), dtype),
+            Q_decayed: T.Tensor((1, T_padded, H, d_k), dtype),
+            K_to_chunk_end: T.Tensor((1, T_padded, H, d_k), dtype),
+            A_qk: T.Tensor((1, T_padded, H, C), dtype),
+            Chunk_decay: T.Tensor((1, n_chunks, H, d_k), accum_dtype),
+        ):
+            prepare_varlen(Q, K, V, G, Beta, Chunks, Cu_seqlens, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay)
+    else:
+        @T.prim_func
+        def kda_prepare_varlen(
+            Q: T.Tensor((1, T_tokens, H, d_k), dtype),
+            K: T.Tensor((1, T_tokens, H, d_k), dtype),
+            V: T.Tensor((1, T_tokens, H, d_v), dtype),
+            G: T.Tensor((1, T_tokens, H, d_k), accum_dtype),
+            Beta: T.Tensor((1, T_tokens, H), accum_dtype),
+            Chunks: T.Tensor((n_chunks, 2), "int32"),
+            Cu_seqlens: T.Tensor((N_seq + 1,), "int32"),
+            W: T.Tensor((1, T_padded, H, d_k), dtype),
+            U: T.Tensor((1, T_padded, H, d_v), dtype),
+            Q_decayed: T.Tensor((1, T_padded, H, d_k), dtype),
+            K_to_chunk_end: T.Tensor((1, T_padded, H, d_k), dtype),
+            A_qk: T.Tensor((1, T_padded, H, C), dtype),
+            Chunk_decay: T.Tensor((1, n_chunks, H, d_k), accum_dtype),
+        ):
+            prepare_varlen(Q, K, V, G, Beta, Chunks, Cu_seqlens, None, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay)
 
     return kda_prepare_varlen
 # --8<-- [end:varlen_prepare_program]
@@ -430,12 +490,12 @@ def run_time_sizes():
 
 
 @functools.cache
-def _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype):
+def _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype, value_flags):
     """The varlen prepare for a packed batch of any length. The outputs are the caller's (no out_idx):
     TileLang allocates an output only when each of its sizes is a symbol of its own."""
     import tilelang
 
-    program = build_varlen_prepare_program(*run_time_sizes(), H, d_k, d_v, chunk_size, dtype)
+    program = build_varlen_prepare_program(*run_time_sizes(), H, d_k, d_v, chunk_size, dtype, value_flags=value_flags)
     return tilelang.compile(program, target="cuda")
 
 
@@ -447,12 +507,14 @@ def _compiled_varlen_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype):
     return tilelang.compile(program, target="cuda")
 
 
-def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype):
+def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False):
     """(varlen prepare, varlen recurrence) compiled once per head shape, block and dtype, both at once
-    (each compile in its own thread: the first call waits for the slower one, not for their sum)."""
+    (each compile in its own thread: the first call waits for the slower one, not for their sum);
+    value_flags: the prepare that takes Flags and flags bad values (prefill's default)."""
     from stages.common.tilelang_tools import compile_in_threads
 
-    kernels = compile_in_threads({"prepare": lambda: _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype),
+    kernels = compile_in_threads({"prepare": lambda: _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype,
+                                                                              value_flags),
                                   "recurrence": lambda: _compiled_varlen_recurrence(H, d_k, d_v, chunk_size,
                                                                                     block_dv, dtype)})
     for kernel in kernels.values():
@@ -465,7 +527,7 @@ def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype):
 def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
             cu_seqlens: "torch.Tensor | None" = None, initial_state: "torch.Tensor | None" = None,
             output_final_state: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int | None = None,
-            check_values: bool = True) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+            checks: str = "device") -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
     """The forward pass of a batch of sequences, each from its own state, in FLA's conventions.
 
     q, k: (B, T, H, d_k), v: (B, T, H, d_v) in fp16 or bf16; g: (B, T, H, d_k) fp32 log gates (<= 0);
@@ -473,14 +535,19 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     packed, B = 1, and sequence i is tokens cu_seqlens[i] to cu_seqlens[i + 1] - 1; without it each
     of the B rows is a sequence. initial_state: S_0^T (N_seq, H, d_k, d_v) fp32 or None (zeros).
     Returns o (B, T, H, d_v) in the input dtype, and with output_final_state also the final states
-    S^T (N_seq, H, d_k, d_v) fp32. check_values=False skips the check of g's and beta's values;
-    block_dv=None takes stage 5's default_block_dv for N_seq sequences.
+    S^T (N_seq, H, d_k, d_v) fp32. block_dv=None takes stage 5's default_block_dv for N_seq sequences.
+    checks: as stage 5's forward, "device" (the default: the varlen prepare flags a bad g or beta as
+    it loads it, `raise_if_flagged(q.device)` reports it), "host" (read to the host and refused
+    before the kernels) or "off".
 
     With cu_seqlens: the varlen prepare reads each chunk of each sequence straight from the packed
     tensors (zeros past the sequence's end) and writes the chunk-aligned layout, the varlen recurrence
     walks each sequence's chunks from its own state and writes o to the packed rows. Two kernel
     launches per call, whatever the lengths, one compiled pair of kernels for every batch, and no
-    copy of the tokens: cu_seqlens is read to the host once (one sync) to build the chunk table.
+    copy of the tokens: cu_seqlens is read to the host once (one sync) to build the chunk table. That
+    sync is shape information, which sizes the launch (FLA reads it too); no value is read by default,
+    but a call with cu_seqlens cannot be captured in a CUDA graph (without, it is stage 5's forward,
+    which can).
     """
     import torch
 
@@ -488,8 +555,8 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
 
     if cu_seqlens is None:
         return forward(q, k, v, g, beta, chunk_size=chunk_size, block_dv=block_dv, initial_state=initial_state,
-                       output_final_state=output_final_state, check_values=check_values)
-    offsets = check_prefill_inputs(q, k, v, g, beta, cu_seqlens, initial_state, chunk_size, block_dv, check_values)
+                       output_final_state=output_final_state, checks=checks)
+    offsets = check_prefill_inputs(q, k, v, g, beta, cu_seqlens, initial_state, chunk_size, block_dv, checks)
     H, d_k, d_v, N_seq = q.shape[2], q.shape[3], v.shape[3], len(offsets) - 1
     index = varlen_index(offsets, chunk_size)
     n_chunks = int(index[2 * N_seq + 1])  # chunk_offsets[-1]
@@ -498,29 +565,32 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     if block_dv is None:
         block_dv = default_block_dv(N_seq, H, d_v, streaming_multiprocessors(q.device))
 
+    value_flags = checks == "device"
+    kernels = compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype_name(q), value_flags)
     o, final_state = varlen_forward(q, k, v, g, beta, torch.from_numpy(index).to(q.device, non_blocking=True),
-                                    n_chunks, initial_state, chunk_size,
-                                    compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype_name(q)))
+                                    n_chunks, initial_state, chunk_size, kernels,
+                                    flags_for(q.device) if value_flags else None)
     return (o, final_state) if output_final_state else o
 
 
 def check_prefill_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
                          beta: "torch.Tensor", cu_seqlens: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
                          chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int | None = None,
-                         check_values: bool = True) -> np.ndarray:
+                         checks: str = "device") -> np.ndarray:
     """Every check of `prefill`'s arguments with cu_seqlens (without, `forward` checks them), in the
-    order of stage 5's check_forward_inputs: the tensors' types, shapes and dtypes, cu_seqlens (read to
-    the host: one sync), the initial states, the tile sizes and the 32-bit indexing; then, with
-    check_values, g's and beta's values (check_gate_values); the device last.
+    order of stage 5's check_forward_inputs: the checks mode, the tensors' types, shapes and dtypes,
+    cu_seqlens (read to the host: one sync), the initial states, the tile sizes and the 32-bit
+    indexing; then, with checks="host", g's and beta's values (check_gate_values); the device last.
 
     Returns the sequences' token offsets, cu_seqlens on the host (N_seq + 1 integers)."""
+    check_mode(checks)
     B, T, H, d_k, d_v = check_token_inputs(q, k, v, g, beta, length="T")
     offsets = np.asarray(check_cu_seqlens(cu_seqlens, B, T))
     check_state("initial_state", initial_state, (len(offsets) - 1, H, d_k, d_v), "(N_seq, H, d_k, d_v)")
     check_kernel_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
     aligned_rows = sum(padded_length(int(end - start), chunk_size) for start, end in zip(offsets, offsets[1:]))
     check_int32_indexing(max(T, aligned_rows), H, max(d_k, d_v, chunk_size))
-    if check_values:
+    if checks == "host":
         check_gate_values(g, beta)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens,
                    "initial_state": initial_state})
@@ -538,9 +608,10 @@ def varlen_index(cu_seqlens: np.ndarray, chunk_size: int) -> np.ndarray:
     return np.concatenate([cu_seqlens, chunk_offsets, chunks.ravel()]).astype(np.int32)
 
 
-def varlen_forward(q, k, v, g, beta, index, n_chunks, initial_state, chunk_size, kernels):
+def varlen_forward(q, k, v, g, beta, index, n_chunks, initial_state, chunk_size, kernels, flags=None):
     """kernels = (varlen prepare, varlen recurrence) on the packed batch (1, T, ...) as the caller gave
-    it; index: `varlen_index` as an int32 tensor on the inputs' device, n_chunks its chunk count:
+    it; index: `varlen_index` as an int32 tensor on the inputs' device, n_chunks its chunk count;
+    flags: the Flags tensor a prepare built with value_flags takes, None for one built without:
     the kernels' outputs allocated, their two launches (no host sync). Returns (o (1, T, H, d_v),
     final states (N_seq, H, d_k, d_v) fp32)."""
     import torch
@@ -559,7 +630,8 @@ def varlen_forward(q, k, v, g, beta, index, n_chunks, initial_state, chunk_size,
     prepared = (empty(1, T_padded, H, d_k), empty(1, T_padded, H, d_v), empty(1, T_padded, H, d_k),
                 empty(1, T_padded, H, d_k), empty(1, T_padded, H, chunk_size),
                 empty(1, n_chunks, H, d_k, dtype=torch.float32))
-    prepare(q, k, v, g, beta, chunks.view(n_chunks, 2), cu_seqlens, *prepared)
+    value_flags = () if flags is None else (flags,)
+    prepare(q, k, v, g, beta, chunks.view(n_chunks, 2), cu_seqlens, *value_flags, *prepared)
     o, final_state = empty(1, T, H, d_v), torch.empty_like(initial_state)
     recurrence(*prepared, initial_state, chunk_offsets, cu_seqlens, o, final_state)
     return o, final_state
@@ -593,12 +665,14 @@ def compile_report(B=64, P=256, H=32, d_k=128, d_v=128, block_dv=DEFAULT_BLOCK_D
 
 @functools.cache
 def varlen_compile_report(kernel="recurrence", H=32, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=64,
-                          dtype="bfloat16"):
+                          dtype="bfloat16", value_flags=False):
     """Lower and compile one of prefill's kernels ("prepare" or "recurrence", both varlen) for sm_90a
-    as prefill compiles them: the token, row, chunk and sequence counts run-time sizes."""
+    as prefill compiles them: the token, row, chunk and sequence counts run-time sizes; value_flags:
+    the prepare that flags bad values (prefill's default)."""
     check_kernel_sizes(d_k, d_v, chunk_size, block_dv)
     if kernel == "prepare":
-        return _compile_report(build_varlen_prepare_program(*run_time_sizes(), H, d_k, d_v, chunk_size, dtype))
+        return _compile_report(build_varlen_prepare_program(*run_time_sizes(), H, d_k, d_v, chunk_size, dtype,
+                                                            value_flags=value_flags))
     if kernel == "recurrence":
         return _compile_report(build_varlen_recurrence_program(*run_time_sizes(), H, d_k, d_v, chunk_size, block_dv,
                                                                dtype))
