@@ -37,12 +37,25 @@ def busy_gpu(seconds):
         torch.cuda.synchronize()
 
 
+def write_prepare_source(path, B, N, H, D, dtype, checks):
+    """The CUDA source of the prepare kernel forward launched (compiled once per shape: from the cache)."""
+    from stages.s05_fast_kda import kernel
+
+    compiled = kernel.compiled_flagged_prepare if checks == "device" else kernel.compiled_prepare
+    source = compiled(B, N, H, D, D, kernel.DEFAULT_CHUNK_SIZE, dtype, None).get_kernel_source()
+    with open(path, "w") as f:
+        f.write(source)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--shape", default="2,1024,4,128", help="B,N,H,D")
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     parser.add_argument("--busy-gpu", type=float, default=0, help="seconds of GEMMs in another process (0: none)")
+    parser.add_argument("--checks", default="device", choices=["device", "off"], help="forward's checks")
+    parser.add_argument("--source", default=None,
+                        help="write the prepare kernel's CUDA source here (a sanitizer's line numbers point into it)")
     parser.add_argument("--busy-child", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.busy_child is not None:
@@ -60,8 +73,10 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     inputs = [torch.tensor(a, device="cuda", dtype=dtype if i < 3 else torch.float32)
               for i, a in enumerate((x.q, x.k, x.v, x.g, x.beta))]
-    first = forward(*inputs)
+    first = forward(*inputs, checks=args.checks)
     torch.cuda.synchronize()
+    if args.source:
+        write_prepare_source(args.source, B, N, H, D, args.dtype, args.checks)
     print(f"B={B} N={N} H={H} D={D} {args.dtype}: first call {error_report(first.double().cpu().numpy(), expected)}",
           flush=True)
     busy = None
@@ -71,7 +86,7 @@ def main(argv=None):
         time.sleep(3)  # its CUDA context and first GEMMs
     differing = 0
     for call in range(1, args.calls + 1):
-        o = forward(*inputs)
+        o = forward(*inputs, checks=args.checks)
         torch.cuda.synchronize()
         if not torch.equal(o, first):
             differing += 1
