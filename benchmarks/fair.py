@@ -14,8 +14,18 @@ it first compiles, autotunes, captures and checks (ours against FLA), then times
   kernel flags bad values, no host sync), and `call_unchecked` with checks="off" (the kernel
   without the flags); `value_check`: the check checks="host" adds, alone
   (stages.common.torch_checks.check_gate_values: one pass and a sync; no range check, any gate runs);
+- ours `prepare_flagged`: the prepare kernel forward's default launches (it flags bad values as it
+  loads g and beta), and `prepare_bounded_gate`: the prepare kernel without the any-gate branch
+  (any_gate=False, every diagonal sub-block through the anchored GEMMs: the kernel before it took any
+  gate, wrong past the operands' range), each alone as a CUDA graph: what the flags and the any-gate
+  branch cost the kernels;
 - FLA `call`: chunk_kda as a caller runs it, once per shape and round, and FLA `kernels`: the same
   call captured as a CUDA graph, if it captures.
+
+The inputs are the benchmark's (bench.make_inputs: gates a = e^g uniform in bench.GATE_RANGE), or with
+--gate-range LOW,HIGH gates a uniform in [LOW, HIGH]: 0.000001,0.0001 makes every diagonal sub-block's
+gates span more than the anchored operands hold (8 tokens at -9 to -14 each), the any-gate branch's
+worst case.
 
 Every time is the median of CUDA-event timings after warm-up (triton.testing.do_bench, which flushes
 the L2 cache before each repeat); each round runs the measurements in the reverse order of the one before, and
@@ -54,7 +64,8 @@ QUICK_ROUNDS = 2
 DTYPE = "bfloat16"
 # (impl, what) in the order of an odd round; even rounds run it backwards
 MEASUREMENTS = [("fla", "call"), ("ours", "call"), ("ours", "call_unchecked"), ("ours", "value_check"),
-                ("fla", "kernels"), ("ours", "kernels"), ("ours", "prepare"), ("ours", "recurrence")]
+                ("fla", "kernels"), ("ours", "kernels"), ("ours", "prepare"), ("ours", "recurrence"),
+                ("ours", "prepare_flagged"), ("ours", "prepare_bounded_gate")]
 KERNEL_PARTS = ("prepare", "recurrence")
 FIELDS = ["round", "B", "N", "H", "D", "dtype", "impl", "what", "method", "time_ms", "gemm_flops",
           "elementwise_flops", "bytes_read", "bytes_written", "error"]
@@ -74,6 +85,17 @@ def parse_shapes(text):
     return shapes
 
 
+def parse_gate_range(text):
+    """'0.000001,0.0001' -> (1e-06, 0.0001): 0 < LOW < HIGH <= 1."""
+    try:
+        low, high = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a gate range is LOW,HIGH; got {text!r}") from None
+    if not 0 < low < high <= 1:
+        raise argparse.ArgumentTypeError(f"a gate range needs 0 < LOW < HIGH <= 1; got {text!r}")
+    return low, high
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for fair.csv and fair_meta.json")
@@ -84,6 +106,8 @@ def parse_args(argv=None):
                         help="B,N,H,D;B,N,H,D;... instead of the benchmark shapes")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new shape or round is started (what was measured is kept)")
+    parser.add_argument("--gate-range", type=parse_gate_range, default=bench.GATE_RANGE,
+                        help=f"LOW,HIGH: gates a = e^g uniform in [LOW, HIGH] (default {bench.GATE_RANGE})")
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -157,8 +181,19 @@ def comparisons(rows):
             "call FLA / ours checked": paired(measured, ("fla", "call"), ("ours", "call"), ratio),
             "check cost (call - unchecked)": paired(measured, ("ours", "call"), ("ours", "call_unchecked"), difference),
             "check alone": Spread.of(measured.get(("ours", "value_check"), {}).values()),
+            "call, checks on / off": paired(measured, ("ours", "call"), ("ours", "call_unchecked"), ratio),
+            "flags in the prepare (% of the kernels)": share_of_kernels(measured, "prepare_flagged", "prepare"),
+            "any-gate branch (% of the kernels)": share_of_kernels(measured, "prepare", "prepare_bounded_gate"),
         }
     return result
+
+
+def share_of_kernels(measured, with_it, without_it):
+    """Spread over rounds of (with_it - without_it) / the kernels' time, in percent: what one prepare
+    kernel's addition costs the forward's kernels."""
+    kernels = measured.get(("ours", "kernels"), {})
+    top, bottom = measured.get(("ours", with_it), {}), measured.get(("ours", without_it), {})
+    return Spread.of([100 * (top[r] - bottom[r]) / kernels[r] for r in sorted(set(top) & set(bottom) & set(kernels))])
 
 
 def kernel_costs(rows):
@@ -212,6 +247,16 @@ def program_costs(B, N, H, D, num_sms):
                                                                        DTYPE, o["num_stages"], o["threads"]))}
 
 
+def bounded_gate_prepare(B, N, H, D, chunk_size, threads):
+    """Stage 5's prepare kernel without its any-gate branch (any_gate=False), compiled for the GPU."""
+    import tilelang
+
+    from stages.s05_fast_kda import kernel
+
+    program = kernel.build_prepare_program(B, N, H, D, D, chunk_size, DTYPE, threads, any_gate=False)
+    return tilelang.compile(program, out_idx=[5, 6, 7, 8, 9, 10], target="cuda")
+
+
 def capture(function):
     """A CUDA graph of one call of `function` (warmed up on a side stream first, as torch asks)."""
     import torch
@@ -232,16 +277,17 @@ def capture(function):
 class Shape:
     """One shape's inputs, callables and captured graphs, kept for all rounds."""
 
-    def __init__(self, B, N, H, D, log):
+    def __init__(self, B, N, H, D, log, gate_range=bench.GATE_RANGE):
         import torch
 
+        from stages.common.device_checks import flags_for
         from stages.common.torch_checks import check_gate_values
         from stages.s05_fast_kda import kernel
 
         self.B, self.N, self.H, self.D = B, N, H, D
         self.label = f"B={B} N={N} H={H} D={D}"
         self.errors, self.methods, self.functions = {}, {}, {}
-        q, k, v, g, beta = bench.make_inputs(bench.STAGES["s05"], B, N, H, D, torch.bfloat16)
+        q, k, v, g, beta = bench.make_inputs(bench.STAGES["s05"], B, N, H, D, torch.bfloat16, gate_range)
         o = forward_defaults()
         num_sms = kernel.streaming_multiprocessors(q.device)
         self.block_dv = forward_block_dv(B, H, D, num_sms)
@@ -251,9 +297,14 @@ class Shape:
         state = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device)
         prepared = prepare(q, k, v, g, beta)
         self.costs = program_costs(B, N, H, D, num_sms)
+        flagged = kernel.compiled_flagged_prepare(B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"])
+        flags = flags_for(q.device)
+        bounded_gate = bounded_gate_prepare(B, N, H, D, o["chunk_size"], o["prepare_threads"])
         launches = {"kernels": lambda: recurrence(*prepare(q, k, v, g, beta), state),
                     "prepare": lambda: prepare(q, k, v, g, beta),
-                    "recurrence": lambda: recurrence(*prepared, state)}
+                    "recurrence": lambda: recurrence(*prepared, state),
+                    "prepare_flagged": lambda: flagged(q, k, v, g, beta, flags),
+                    "prepare_bounded_gate": lambda: bounded_gate(q, k, v, g, beta)}
         for what, launch in launches.items():
             self._graph_or_events(("ours", what), launch, log)
         self.functions[("ours", "call")] = lambda: kernel.forward(q, k, v, g, beta)
@@ -368,7 +419,7 @@ def run(args, log, started):
             bench.check_deadline(deadline)
             log(f"B={B} N={N} H={H} D={D}: compile, autotune, capture, check")
             try:
-                shape = Shape(B, N, H, D, log)
+                shape = Shape(B, N, H, D, log, args.gate_range)
             except Exception as failure:
                 traceback.print_exc()
                 setup_notes[f"B={B} N={N} H={H} D={D}"] = {"error": failure_text(failure)}
@@ -437,6 +488,7 @@ def run_meta(args, argv, torch):
                 python=platform.python_version(),
                 command="python -m benchmarks.fair " + " ".join(sys.argv[1:] if argv is None else argv),
                 date=time.strftime("%Y-%m-%d"), rounds=args.rounds, quick=args.quick, dtype=DTYPE,
+                gate_range=list(args.gate_range),
                 forward_defaults=forward_defaults(), kernel=bench.STAGES["s05"].kernel_digest())
 
 

@@ -1,6 +1,7 @@
 """benchmarks/fair.py on a CPU: its arguments, the rows it writes, the statistics the page reads, and
 a clear refusal without CUDA."""
 
+import argparse
 import csv
 
 import pytest
@@ -204,12 +205,13 @@ def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, 
     from stages.common.interpreter import interpret
     from stages.s05_fast_kda import kernel
 
-    def on_cpu(stage, B, N, H, D, dtype):
+    def on_cpu(stage, B, N, H, D, dtype, gate_range):
+        assert gate_range == (0.5, 0.9)  # --gate-range reaches the inputs
         generator = torch.Generator().manual_seed(0)
         q, k = (torch.nn.functional.normalize(torch.randn(B, N, H, D, generator=generator), dim=-1).to(dtype)
                 for _ in range(2))
         v = torch.randn(B, N, H, D, generator=generator).to(dtype)
-        g = torch.log(0.9 + 0.099 * torch.rand(B, N, H, D, generator=generator))
+        g = torch.log(gate_range[0] + (gate_range[1] - gate_range[0]) * torch.rand(B, N, H, D, generator=generator))
         return [q, k, v, g, 0.1 + 0.8 * torch.rand(B, N, H, generator=generator)]
 
     def interpreted(build, out_idx, **options):
@@ -228,20 +230,26 @@ def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, 
     monkeypatch.setattr(kernel, "compiled_flagged_prepare",  # the default call's: Flags after beta
                         interpreted(kernel.build_prepare_program, [6, 7, 8, 9, 10, 11], value_flags=True))
     monkeypatch.setattr(kernel, "compiled_recurrence", interpreted(kernel.build_recurrence_program, [7, 8]))
+    bounded_gate = interpreted(kernel.build_prepare_program, [5, 6, 7, 8, 9, 10], any_gate=False)
+    monkeypatch.setattr(fair, "bounded_gate_prepare",
+                        lambda B, N, H, D, chunk_size, threads: bounded_gate(B, N, H, D, D, chunk_size, fair.DTYPE,
+                                                                             threads))
     monkeypatch.setattr(bench, "fla", lambda stage: (_ for _ in ()).throw(ImportError("no FLA here")))
     monkeypatch.setattr(fair, "make_timer", lambda quick: lambda function: [function(), 1.0][1])
     out = tmp_path / "run"
-    assert fair.main(["--out", str(out), "--shapes", "1,128,2,128", "--rounds", "2"]) == 0
+    assert fair.main(["--out", str(out), "--shapes", "1,128,2,128", "--rounds", "2", "--gate-range", "0.5,0.9"]) == 0
     rows = fair.read_rows(out / fair.CSV_NAME)
     measured = {(row["round"], row["impl"], row["what"]): row for row in rows}
     assert len(rows) == 2 * len(fair.MEASUREMENTS)
     assert all(measured[("2", "ours", what)]["time_ms"] == "1.0000" for what in
-               ("kernels", "prepare", "recurrence", "call", "call_unchecked", "value_check"))
+               ("kernels", "prepare", "recurrence", "call", "call_unchecked", "value_check", "prepare_flagged",
+                "prepare_bounded_gate"))
     assert measured[("1", "ours", "kernels")]["method"] == "events"  # no graph without CUDA
     assert measured[("1", "fla", "call")]["error"] == "ImportError: no FLA here"
     assert int(measured[("1", "ours", "prepare")]["gemm_flops"]) > 0
     meta = __import__("json").loads((out / fair.META_NAME).read_text())
     assert meta["complete"] and meta["device"] == "a CPU" and "error" in meta["roofs"]
+    assert meta["gate_range"] == [0.5, 0.9]
     assert "B=1 N=128 H=2 D=128" in meta["shapes"] and "did not capture" in capsys.readouterr().out
 
 
@@ -256,3 +264,20 @@ def test_a_runs_note_and_the_roofs_source_are_shown(tmp_path, monkeypatch):
     assert "on the committed kernel. Rebuilt from the log.\n" in (tmp_path / "t.md").read_text()
     roofline = (tmp_path / "r.md").read_text()
     assert "600 TFLOP/s bf16, measured on an H200 after the run" in roofline and "measured by the run" not in roofline
+
+
+def test_what_the_flags_and_the_any_gate_branch_cost_is_a_share_of_the_kernels():
+    """(prepare with it - prepare without it) / kernels, round by round, in percent."""
+    rows = [dict(round=str(r), B="1", N="4096", H="32", D="128", impl="ours", what=what, time_ms=str(ms))
+            for r, times in ((1, (2.0, 0.5, 0.52, 0.45)), (2, (2.0, 0.5, 0.51, 0.40)))
+            for what, ms in zip(("kernels", "prepare", "prepare_flagged", "prepare_bounded_gate"), times)]
+    named = fair.comparisons(rows)[(1, 4096, 32, 128)]
+    flags, any_gate = named["flags in the prepare (% of the kernels)"], named["any-gate branch (% of the kernels)"]
+    assert (flags.low, flags.high) == pytest.approx((0.5, 1.0))
+    assert (any_gate.low, any_gate.high) == pytest.approx((2.5, 5.0))
+
+
+@pytest.mark.parametrize("text", ["0,0.5", "0.5,0.4", "0.5", "a,b", "0.1,1.5"])
+def test_a_gate_range_outside_zero_to_one_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        fair.parse_gate_range(text)

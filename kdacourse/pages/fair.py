@@ -69,10 +69,14 @@ def write_timings(path):
 
     ratios = markdown_table(
         ["B, N, H, D", "kernels alone: FLA / ours", "whole call, checks off: FLA / ours",
-         "whole call, checks on: FLA / ours", "value check (ms): on - off", "value check alone (ms)"],
+         "default call: FLA / ours", "default call / checks off", "value check on the host alone (ms)"],
         [(_shape(shape), cell(n["kernels FLA / ours"], "{:.2f}"), cell(n["call FLA / ours unchecked"], "{:.2f}"),
-          cell(n["call FLA / ours checked"], "{:.2f}"), cell(n["check cost (call - unchecked)"], "{:.3f}"),
+          cell(n["call FLA / ours checked"], "{:.2f}"), cell(n["call, checks on / off"], "{:.3f}"),
           cell(n["check alone"], "{:.3f}")) for shape, n in sorted(named.items())])
+    costs = markdown_table(
+        ["B, N, H, D", "the flags in the prepare (% of the kernels)", "the any-gate branch (% of the kernels)"],
+        [(_shape(shape), cell(n["flags in the prepare (% of the kernels)"], "{:+.1f}"),
+          cell(n["any-gate branch (% of the kernels)"], "{:+.1f}")) for shape, n in sorted(named.items())])
     columns = [("ours", "kernels"), ("ours", "prepare"), ("ours", "recurrence"), ("ours", "call_unchecked"),
                ("ours", "call"), ("fla", "kernels"), ("fla", "call")]
     headers = {"kernels": "kernels alone", "prepare": "prepare", "recurrence": "recurrence",
@@ -84,7 +88,12 @@ def write_timings(path):
     failed = sorted({f"{row['impl']} {row['what']} at {row['B']}, {row['N']}, {row['H']}, {row['D']}: {row['error']}"
                      for row in rows if row.get("error")})
     notes = "".join(f"- {line}\n" for line in failed)
-    path.write_text(about_the_run(meta) + ratios + "\nThe times, medians over the rounds (min to max):\n\n" + times
+    gates = meta.get("gate_range")
+    gate_note = f"Gates a = e^g uniform in [{gates[0]:g}, {gates[1]:g}].\n\n" if gates else ""
+    path.write_text(about_the_run(meta) + gate_note + ratios
+                    + "\nWhat the prepare kernel's value flags and its any-gate branch cost, each timed alone as a "
+                    "CUDA graph beside the prepare without it (`prepare_flagged`, `prepare_bounded_gate`):\n\n"
+                    + costs + "\nThe times, medians over the rounds (min to max):\n\n" + times
                     + (f"\nNot measured:\n\n{notes}" if notes else ""))
 
 
