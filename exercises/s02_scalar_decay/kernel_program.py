@@ -1,4 +1,4 @@
-"""Exercise s02.kernel_program (fix): the decays of stage 2's TileLang kernel.
+"""Exercise s02.kernel_program (fix): the decays of a stage 2 TileLang program.
 
 One program per (block of d_v columns, batch x head) builds the head's decays once, before the chunk
 loop: the table Gamma (the causal mask folded in), the query decay of each row, the key decay of
@@ -6,10 +6,12 @@ each row and the state's decay across a chunk. In the chunk loop it applies them
 scores, to the inter-chunk term row by row, and to the state as it moves past the chunk. The region
 between the markers is that work.
 
-This program compiles and looks right, and carries one known bug, one that no compiler sees. Find
-it and fix it. Without a GPU the tests run the program through the course's tile interpreter
-(stages.common.interpreter) and compare it with reference C; with nvcc they also compile it for
-sm_90a, and on a GPU they run it.
+It is not the course's kernel: written product by product, each GEMM loads the keys it reads, so the
+keys cross from global memory twice per chunk (the page's "Tuning the kernel" counts what that costs;
+the build exercise asks for less). That is not the bug. The program compiles and looks right, and
+carries one known bug, one that no compiler sees. Find it and fix it. Without a GPU the tests run the
+program through the course's tile interpreter (stages.common.interpreter) and compare it with
+reference C; with nvcc they also compile it for sm_90a, and on a GPU they run it.
 Read: stage 2 page, "The kernel".  Check: course check s02
 """
 
@@ -43,7 +45,8 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             v0 = i_v * block_dv
 
             Q_s = T.alloc_shared((C, d_k), dtype)
-            K_s = T.alloc_shared((C, d_k), dtype)
+            K_scores_s = T.alloc_shared((C, d_k), dtype)  # the keys of Q K^T
+            K_s = T.alloc_shared((C, d_k), dtype)  # the keys of the state's update
             V_s = T.alloc_shared((C, block_dv), dtype)
             V_decayed_s = T.alloc_shared((C, block_dv), dtype)  # key_decay ⊙ V: V_s stays as loaded
             S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
@@ -72,11 +75,11 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
                 t0 = i_c * C
                 T.copy(Q[b, t0:t0 + C, h, :], Q_s)
-                T.copy(K[b, t0:t0 + C, h, :], K_s)
                 T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
 
                 # intra-chunk scores Q K^T times the decay table, which also applies the causal mask
-                T.gemm(Q_s, K_s, scores, transpose_B=True, clear_accum=True)
+                T.copy(K[b, t0:t0 + C, h, :], K_scores_s)
+                T.gemm(Q_s, K_scores_s, scores, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(C, C):
                     scores_s[r, j] = scores[r, j] * decay[r, j]
 
@@ -90,6 +93,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
 
                 # only now does the state move past this chunk: decay it first, then add
                 # K^T (key_decay ⊙ V) (a scalar per row, so it may go on V, the smaller operand)
+                T.copy(K[b, t0:t0 + C, h, :], K_s)
                 for r, c in T.Parallel(C, block_dv):
                     V_decayed_s[r, c] = V_s[r, c] * key_decay_s[r]
                 for d, c in T.Parallel(d_k, block_dv):

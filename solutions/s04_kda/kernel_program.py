@@ -1,12 +1,14 @@
-"""Exercise s04.kernel_program (fix): the TileLang program of the KDA kernel.
+"""Exercise s04.kernel_program (fix): a TileLang program of the KDA kernel.
 
 One program per (block of d_v columns, batch x head) keeps its slice of the state S^T (d_k x
 block_dv) in registers and walks the chunks: exponent split, two GEMMs and their masks, one forward
 substitution for [K ⊙ e^{gamma} | V], beta after it, the output, then the state. The comments name
 the seed's seven ordering constraints where they apply.
 
-This program compiles and looks right, and carries one known bug, one that no compiler sees. Find
-it and fix it. Without a GPU the tests run the program through the course's tile interpreter
+It is not the course's kernel: after the solve it reads beta where it uses it, from global memory, once
+per element of W (the course's kernel reads it once per row, into beta_s), so it moves more bytes than
+the build exercise allows. That is not the bug. The program compiles and looks right, and carries one
+known bug, one that no compiler sees. Find it and fix it. Without a GPU the tests run the program through the course's tile interpreter
 (stages.common.interpreter): in float64 it must equal reference C, in fp16 it must match the exact
 result within fp16's rounding; they also check the ordering constraints on its TIR. With nvcc they
 compile it for sm_90a, and on a GPU they run it against the delta-rule form of KDA.
@@ -120,7 +122,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                         X_s[r, col] -= correction
                 # constraint 6: beta only now, after the solve: diag(beta) T, not T diag(beta)
                 for r, d in T.Parallel(C, d_k):
-                    W[r, d] = X_s[r, d] * beta_s[r]
+                    W[r, d] = X_s[r, d] * Beta[b, t0 + r, h]
                 T.copy(S_f, S_s)
                 T.gemm(W, S_s, V_new_f, clear_accum=True)
                 for r, j in T.Parallel(C, block_dv):
