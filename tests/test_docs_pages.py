@@ -248,11 +248,9 @@ def runs_in(needle, haystack):
 
 @pytest.mark.parametrize("exercise", exercises(), ids=lambda exercise: exercise.id)
 def test_page_shows_no_solution_before_the_exercise(exercise):
-    """A fill exercise's answer lines, or a fix exercise's fixed lines, are not on the page above it,
-    in a collapsed block or not. A tune exercise has no such lines: its target is the counted cost of
-    the stage's kernel, which the page shows above it by design; the exercise is finding the waste."""
-    if exercise.kind == "tune":
-        return
+    """A fill exercise's answer lines, or a fix or tune exercise's fixed lines (for a tune exercise,
+    the economical code its wasteful program replaced), are not on the page above it, in a collapsed
+    block or not."""
     page, shown = above_exercise(exercise)
     if exercise.kind == "fill":
         answer = set(line for line in region_lines(exercise) if len(line) >= 16)
@@ -279,7 +277,7 @@ def test_no_prose_above_known_bugs_names_a_shipped_bug(page):
     assert not named, f"{page.name} names shipped bug(s) {named} above its Known bugs section"
 
 
-KERNEL_EXERCISE_FILES = ("kernel_program.py", "build_kernel.py")
+KERNEL_EXERCISE_FILES = ("kernel_program.py", "build_kernel.py", "tune_kernel.py")
 KERNEL_EXERCISES = [exercise for exercise in exercises() if exercise.file in KERNEL_EXERCISE_FILES]
 MOST_OF_A_KERNEL_ANSWER_ABOVE = 0.2  # share of its solution's lines a page may show above a kernel exercise
 TRIVIAL_LINE = re.compile(r"^([)\]}:,]+|return \w+|else:|pass|break|continue)$")
@@ -294,7 +292,8 @@ def answer_lines(exercise):
 def test_page_above_a_kernel_exercise_shows_little_of_its_solution(exercise):
     """At most a fifth of a kernel exercise's solution lines appear, verbatim, anywhere on the page above
     its subsection (in code, a table cell or prose; collapsed blocks count too): a table that maps
-    reference C to the kernel line by line belongs in the exercise's hints, after it."""
+    reference C to the kernel line by line belongs in the exercise's hints, after it. Tune exercises
+    too: their answer is the stage's kernel, so its listing comes after the last kernel exercise."""
     page, shown = above_exercise(exercise)
     text = "\n".join(shown)
     answer = answer_lines(exercise)

@@ -1,13 +1,16 @@
-"""Exercise s02.kernel_program (fix): the decays of stage 2's TileLang kernel.
+"""Exercise s02.kernel_program (fix): the decays of a stage 2 TileLang program.
 
-One program per (block of d_v columns, batch x head) builds the head's decays once, before the chunk
-loop: the table Gamma (the causal mask folded in), the query decay of each row, the key decay of
-each row and the state's decay across a chunk. In the chunk loop it applies them: to the intra-chunk
-scores, to the inter-chunk term row by row, and to the state as it moves past the chunk. The region
-between the markers is that work.
+One program per (block of d_v columns, batch x head) walks the chunks. In each chunk it builds the
+head's decays (the table Gamma, the causal mask folded in, the query decay of each row, the key decay
+of each row and the state's decay across a chunk) and applies them: to the intra-chunk scores, to the
+inter-chunk term row by row, and to the state as it moves past the chunk. The region between the
+markers is that work.
 
-This program compiles and looks right, and carries one known bug, one that no compiler sees. Find
-it and fix it. Without a GPU the tests run the program through the course's tile interpreter
+It is not the course's kernel: written product by product, it loads what each GEMM reads (the
+queries and the keys cross from global memory twice per chunk) and rebuilds the decays in every
+chunk; the build exercise asks for fewer bytes, and tune_kernel.py is about that waste. It is not the
+bug. The program compiles and looks right, and carries one known bug, one that no compiler sees.
+Find it and fix it. Without a GPU the tests run the program through the course's tile interpreter
 (stages.common.interpreter) and compare it with reference C; with nvcc they also compile it for
 sm_90a, and on a GPU they run it.
 Read: stage 2 page, "The kernel".  Check: course check s02
@@ -43,7 +46,9 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             v0 = i_v * block_dv
 
             Q_s = T.alloc_shared((C, d_k), dtype)
-            K_s = T.alloc_shared((C, d_k), dtype)
+            Q_inter_s = T.alloc_shared((C, d_k), dtype)  # the queries of the inter-chunk GEMM
+            K_scores_s = T.alloc_shared((C, d_k), dtype)  # the keys of Q K^T
+            K_s = T.alloc_shared((C, d_k), dtype)  # the keys of the state's update
             V_s = T.alloc_shared((C, block_dv), dtype)
             V_decayed_s = T.alloc_shared((C, block_dv), dtype)  # key_decay ⊙ V: V_s stays as loaded
             S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
@@ -53,43 +58,42 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across chunks
             scores = T.alloc_fragment((C, C), accum_dtype)
             acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
-            decay = T.alloc_fragment((C, C), accum_dtype)  # Gamma: lives across chunks
+            decay = T.alloc_fragment((C, C), accum_dtype)  # Gamma
             query_decay = T.alloc_fragment((C,), accum_dtype)
             state_decay = T.alloc_var(accum_dtype)
 
             # EXERCISE BEGIN
-            # the head's decays, once per program: a difference of positions times log2(alpha),
-            # never a power of alpha divided by another (that form overflows; see Numerics)
-            log2_alpha = G[h] * LOG2_E
-            for r, j in T.Parallel(C, C):
-                decay[r, j] = T.if_then_else(j < r, T.exp2((r - j) * log2_alpha), 0)
-            for r in T.Parallel(C):
-                query_decay[r] = T.exp2((r + 1) * log2_alpha)
-                key_decay_s[r] = T.exp2((C - 1 - r) * log2_alpha)
-            state_decay = T.exp2(C * log2_alpha)
-
             T.clear(S_f)  # once, outside the chunk loop: the state carries over
             for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
                 t0 = i_c * C
-                T.copy(Q[b, t0:t0 + C, h, :], Q_s)
-                T.copy(K[b, t0:t0 + C, h, :], K_s)
-                T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
+                # this chunk's decays
+                log2_alpha = G[h] * LOG2_E
+                for r, j in T.Parallel(C, C):
+                    decay[r, j] = T.if_then_else(j < r, T.exp2((r - j) * log2_alpha), 0)
+                for r in T.Parallel(C):
+                    query_decay[r] = T.exp2((r + 1) * log2_alpha)
+                    key_decay_s[r] = T.exp2((C - 1 - r) * log2_alpha)
+                state_decay = T.exp2(C * log2_alpha)
 
-                # intra-chunk scores Q K^T times the decay table, which also applies the causal mask
-                T.gemm(Q_s, K_s, scores, transpose_B=True, clear_accum=True)
+                # intra-chunk scores Q K^T times the decay table
+                T.copy(Q[b, t0:t0 + C, h, :], Q_s)
+                T.copy(K[b, t0:t0 + C, h, :], K_scores_s)
+                T.gemm(Q_s, K_scores_s, scores, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(C, C):
                     scores_s[r, j] = scores[r, j] * decay[r, j]
 
                 # inter-chunk term Q S^T, decayed per row, then the intra-chunk term on top
+                T.copy(Q[b, t0:t0 + C, h, :], Q_inter_s)
+                T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
                 T.copy(S_f, S_s)
-                T.gemm(Q_s, S_s, acc_o, clear_accum=True)
+                T.gemm(Q_inter_s, S_s, acc_o, clear_accum=True)
                 for r, c in T.Parallel(C, block_dv):
                     acc_o[r, c] *= query_decay[r]
                 T.gemm(scores_s, V_s, acc_o)
                 T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
 
-                # only now does the state move past this chunk: decay it first, then add
-                # K^T (key_decay ⊙ V) (a scalar per row, so it may go on V, the smaller operand)
+                # the state moves past this chunk: decay it, then add K^T (key_decay ⊙ V)
+                T.copy(K[b, t0:t0 + C, h, :], K_s)
                 for r, c in T.Parallel(C, block_dv):
                     V_decayed_s[r, c] = V_s[r, c] * key_decay_s[r]
                 for d, c in T.Parallel(d_k, block_dv):

@@ -1,4 +1,4 @@
-"""Exercise s03.kernel_program (fix): the UT transform of stage 3's TileLang kernel.
+"""Exercise s03.kernel_program (fix): the UT transform of a stage 3 TileLang program.
 
 One program per (block of d_v columns, batch x head) keeps its slice of the state S^T (d_k x
 block_dv) in an fp32 register fragment and walks the chunks. Per chunk it builds the decay table, L
@@ -6,10 +6,12 @@ and A_qk; the region between the markers then solves (I + L) X = [K ⊙ e^{gamma
 substitution on the tiles, turns X into W and U, and forms the pseudo-values V_new = U - W S^T that
 the output and the state update read.
 
-This program compiles and looks right, and carries one known bug, one that no compiler sees. Find
-it and fix it. Without a GPU the tests run the program through the course's tile interpreter
-(stages.common.interpreter) and compare it with reference C; with nvcc they also compile it for
-sm_90a, and on a GPU they run it.
+It is not the course's kernel: the inter-chunk term loads the queries from global memory a second
+time (into a tile of their own, decayed there), so they cross twice per chunk; the build exercise
+asks for fewer bytes. That is not the bug. The program compiles and looks right, and carries one
+known bug, one that no compiler sees. Find it and fix it. Without a GPU the tests run the program
+through the course's tile interpreter (stages.common.interpreter) and compare it with reference C;
+with nvcc they also compile it for sm_90a, and on a GPU they run it.
 Read: stage 3 page, "The kernel".  Check: course check s03
 """
 
@@ -45,6 +47,7 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             v0 = i_v * block_dv
 
             Q_s = T.alloc_shared((C, d_k), dtype)
+            Q_decayed_s = T.alloc_shared((C, d_k), dtype)  # Q ⊙ e^{gamma}, for the inter-chunk term
             K_s = T.alloc_shared((C, d_k), dtype)
             V_s = T.alloc_shared((C, block_dv), dtype)
             gamma_s = T.alloc_shared((C,), accum_dtype)
@@ -110,10 +113,11 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
                     V_new_s[r, j] = beta_s[r] * X_s[r, d_k + j] - W_S[r, j]  # U - W S^T
                 # EXERCISE END
 
-                # Q K^T is done, so Q_s may now take its decay: Q ⊙ e^{gamma}
+                # the inter-chunk term reads the queries decayed, Q ⊙ e^{gamma}, from a tile of their own
+                T.copy(Q[b, t0:t0 + C, h, :], Q_decayed_s)
                 for r, d in T.Parallel(C, d_k):
-                    Q_s[r, d] = Q_s[r, d] * T.exp2(gamma_s[r] * LOG2_E)
-                T.gemm(Q_s, S_s, acc_o, clear_accum=True)
+                    Q_decayed_s[r, d] = Q_decayed_s[r, d] * T.exp2(gamma_s[r] * LOG2_E)
+                T.gemm(Q_decayed_s, S_s, acc_o, clear_accum=True)
                 T.gemm(A_qk_s, V_new_s, acc_o)
                 T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
 

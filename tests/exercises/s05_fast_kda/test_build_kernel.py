@@ -18,8 +18,10 @@ import pytest
 
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
+from stages.common.program_cost import counted_cost
 from stages.s05_fast_kda.reference import prepare
-from tests.exercises.build_checks import (BUDGET_HEAD_DIM, assert_fits_shared_memory,
+from tests.exercises.build_checks import (BUDGET_HEAD_DIM, assert_cost_near_the_course_kernel,
+                                          assert_fits_shared_memory,
                                           assert_respects_ordering_constraints, assert_writes_only)
 from tests.exercises.kernel_checks import (UNIT_ROUNDOFF, assert_close_in_precision, build, compile_for_sm90a,
                                            run_on_cpu, run_on_gpu)
@@ -28,6 +30,7 @@ from tests.exercises.s05_fast_kda.oracle import kda_delta_rule
 
 STAGE = "s05_fast_kda"
 TILES = dict(chunk_size=16, block_dv=16)
+COST_SHAPE = (1, 1024, 4, 128, 128)  # B, N, H, d_k, d_v: the kernel's head dims, 16 chunks at C = 64
 OUTPUTS = [7, 8]  # O, Final_state
 STRONG_LOG_GATE = -50.0  # e^-50 per token: the channel forgets at once
 FLOAT64_BOUND = 64 * UNIT_ROUNDOFF["float64"]  # fp32 accumulators and decays: O(C + d_k) terms of 2^-24
@@ -116,6 +119,17 @@ def test_respects_ordering_constraints(build_recurrence_program):
 
 def test_fits_the_shared_memory_of_an_h200(build_recurrence_program):
     assert_fits_shared_memory(build(build_recurrence_program, 1, 256, 2, BUDGET_HEAD_DIM, BUDGET_HEAD_DIM))
+
+
+def library_cost(B, N, H, d_k, d_v):
+    """The counts of the course's kernel at its default tiles."""
+    from stages.s05_fast_kda.kernel import build_recurrence_program as library_program
+
+    return counted_cost(library_program(B, N, H, d_k, d_v))
+
+
+def test_cost_near_the_course_kernel(build_recurrence_program):
+    assert_cost_near_the_course_kernel(build(build_recurrence_program, *COST_SHAPE), from_library(library_cost, *COST_SHAPE))
 
 
 @pytest.mark.compile
