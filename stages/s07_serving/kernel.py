@@ -507,10 +507,12 @@ def _compiled_varlen_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype):
     return tilelang.compile(program, target="cuda")
 
 
+@functools.cache
 def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False):
     """(varlen prepare, varlen recurrence) compiled once per head shape, block and dtype, both at once
     (each compile in its own thread: the first call waits for the slower one, not for their sum);
-    value_flags: the prepare that takes Flags and flags bad values (prefill's default)."""
+    value_flags: the prepare that takes Flags and flags bad values (prefill's default). Cached as a
+    pair: starting the two threads again on every call cost 260 us of host time per prefill."""
     from stages.common.tilelang_tools import compile_in_threads
 
     kernels = compile_in_threads({"prepare": lambda: _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype,
