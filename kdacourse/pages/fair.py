@@ -22,9 +22,10 @@ NOT_MEASURED = ("Not measured yet: `python -m benchmarks.fair --out DIR` on a CU
 KERNEL_LABELS = {"prepare": "prepare", "recurrence": "recurrence"}
 
 
-def _run():
-    """(rows, meta) of the committed fair run, or (None, None)."""
-    csv_path, meta_path = RESULTS / fair.CSV_NAME, RESULTS / fair.META_NAME
+def _run(folder=None):
+    """(rows, meta) of the committed fair run in `folder` (benchmarks/results/ unless given), or (None, None)."""
+    folder = folder or RESULTS
+    csv_path, meta_path = folder / fair.CSV_NAME, folder / fair.META_NAME
     if not csv_path.exists() or not meta_path.exists():
         return None, None
     rows = fair.read_rows(csv_path)
@@ -55,9 +56,10 @@ def about_the_run(meta, current=None):
             f"{meta['rounds']} rounds, {meta.get('seconds', '?')} s), on {kernel}.{complete}{note}\n\n")
 
 
-def write_timings(path):
-    """FLA / ours, kernels alone and whole calls, and the value check's cost; then the times themselves."""
-    rows, meta = _run()
+def write_timings(path, folder=None):
+    """FLA / ours, kernels alone and whole calls, and the value check's cost; then the times themselves
+    (of the run in `folder`, benchmarks/results/ unless given)."""
+    rows, meta = _run(folder)
     if rows is None:
         path.write_text(NOT_MEASURED)
         return
@@ -180,6 +182,8 @@ def write_roofline_plot(path):
 def generated_files():
     return {
         "docs/generated/fair_timings.md": write_timings,
+        # the run after the value flags (issue 27): what they and the any-gate branch cost
+        "docs/generated/fair_checks.md": lambda path: write_timings(path, RESULTS / "fair_checks"),
         "docs/generated/fair_roofline.md": write_roofline_table,
         "docs/generated/fair_roofline.svg": write_roofline_plot,
     }
