@@ -53,7 +53,8 @@ def about_the_run(meta, current=None):
     complete = "" if meta.get("complete", True) else " The run was stopped before it finished."
     note = f" {meta['note']}" if meta.get("note") else ""
     return (f"Run of {meta['date']} on an {meta['device']} (`{shown_command(meta['command'])}`, "
-            f"{meta['rounds']} rounds, {meta.get('seconds', '?')} s), on {kernel}.{complete}{note}\n\n")
+            f"{meta['rounds']} round{'' if meta['rounds'] == 1 else 's'}, {meta.get('seconds', '?')} s), on {kernel}."
+            f"{complete}{note}\n\n")
 
 
 def write_timings(path, folder=None):
@@ -184,6 +185,8 @@ def generated_files():
         "docs/generated/fair_timings.md": write_timings,
         # the run after the value flags (issue 27): what they and the any-gate branch cost
         "docs/generated/fair_checks.md": lambda path: write_timings(path, RESULTS / "fair_checks"),
+        # the any-gate branch's worst case: every diagonal sub-block past the operands' range
+        "docs/generated/fair_any_gate_worst.md": lambda path: write_timings(path, RESULTS / "fair_any_gate_worst"),
         "docs/generated/fair_roofline.md": write_roofline_table,
         "docs/generated/fair_roofline.svg": write_roofline_plot,
     }
