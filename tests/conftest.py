@@ -56,10 +56,17 @@ def xdist_group(item):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    grouped = []
     for item in items:
         group = xdist_group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+            grouped.append(item)
+    # the groups first: each is one long computation (the kill matrix, a grading of the solutions), and
+    # the scheduler hands tests out in this order, so a group started last leaves the other worker idle
+    # at the end while the single tests, short and many, fill the gaps either way
+    first = set(map(id, grouped))
+    items[:] = grouped + [item for item in items if id(item) not in first]
     _skip_compile_tests_without_nvcc(items)
     for item in items:
         if "compile" in item.keywords:

@@ -60,3 +60,25 @@ def test_a_group_runs_on_one_worker(tmp_path):
     workers = run_suite(tmp_path, "loadgroup")
     assert len(workers["fixture.log"]) == 1, "a module-scoped fixture was made on both workers"
     assert len(workers["kill_matrix.log"]) == 1, "the kill matrix's readers ran on both workers"
+
+
+def test_the_groups_are_handed_out_first(tmp_path):
+    """The scheduler hands tests out in collection order: a long group collected last would run alone
+    at the end of the run, the other worker idle."""
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(SUITE["conftest.py"]))
+    (tmp_path / "test_a_alone.py").write_text("def test_alone():\n    pass\n")
+    (tmp_path / "test_b_shared.py").write_text(textwrap.dedent("""
+        import pytest
+
+        @pytest.fixture(scope="module")
+        def computed_once():
+            return 1
+
+        def test_reads_the_shared_computation(computed_once):
+            pass
+    """))
+    completed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                "--rootdir", str(tmp_path), str(tmp_path)],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    collected = [line for line in completed.stdout.splitlines() if "::" in line]
+    assert [line.split("::")[0] for line in collected] == ["test_b_shared.py", "test_a_alone.py"], completed.stdout
