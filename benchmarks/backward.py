@@ -15,7 +15,7 @@ dLoss/do) it times:
   default_block_dv (64 value columns where B * H * d_v / 64 programs fill the SMs, else 32), the
   backward's unless --block-dv sets it;
 - ours `fwd_bwd_call`: stage 5's `forward` then stage 6's `backward`, as a caller runs them, value
-  checks off (checks="off" and the backward's check_values=False: FLA checks no values either);
+  checks off (checks="off": FLA checks no values either);
 - FLA `fwd_bwd_call`: chunk_kda forward, then torch.autograd.grad of its output with dLoss/do, as a
   caller runs them; FLA `backward_call`: torch.autograd.grad alone, on a kept forward graph. FLA's
   forward + backward is not captured as a graph (FLA_GRAPH_NOT_TRIED says why).
@@ -213,7 +213,7 @@ class Shape:
 
         def ours_call():
             stage5.forward(q, k, v, g, beta, checks="off")
-            return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv, check_values=False)
+            return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv, checks="off")
 
         self.functions[("ours", "fwd_bwd_call")], self.methods[("ours", "fwd_bwd_call")] = ours_call, "events"
         self.ours_gradients = backward_kernels()[:5]

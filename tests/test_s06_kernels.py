@@ -272,8 +272,9 @@ def test_wrapper_rejects_bad_input():
         ((q, q, q, g[..., :32].contiguous(), beta, q), {}, ValueError, r"g must have shape \(B, N, H, d_k\)"),
         ((q, q, q, g, beta, q), {"chunk_size": 128}, ValueError, "chunk_size must be 32 or 64"),
         ((q, q, q, g, beta, q), {"block_dv": 24}, ValueError, "block_dv must be a multiple of 16"),
-        ((q, q, q, -g, beta, q), {}, ValueError, r"g must be finite and <= 0"),
-        ((q, q, q, g, beta + 1, q), {}, ValueError, r"beta must lie in \[0, 1\]"),
+        # the values on the host with checks="host" (the default leaves them to the prepare kernel's flags)
+        ((q, q, q, -g, beta, q), {"checks": "host"}, ValueError, r"g must be finite and <= 0"),
+        ((q, q, q, g, beta + 1, q), {"checks": "host"}, ValueError, r"beta must lie in \[0, 1\]"),
         # any gate: gates of -1e4 a token pass the value checks (the intra kernel takes the sub-blocks
         # past its operands' range by their definition), and CPU tensors stop at the device check
         ((q, q, q, 1e4 * g, beta, q), {}, ValueError, "q must be on a CUDA device"),
@@ -385,11 +386,12 @@ def test_every_gpu_case_finds_its_kernels_among_the_shared_compiles(monkeypatch)
 
     asked = []
 
-    def compiled_kernels(*arguments):
+    def compiled_kernels(*arguments, value_flags=False):
         asked.append(arguments)
+        assert value_flags, "the default backward recomputes the forward's prepare with its value flags"
         return {}
 
-    def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state):
+    def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, flags=()):
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
                 torch.zeros_like(beta), torch.zeros_like(initial_state))
 
@@ -535,3 +537,50 @@ def test_backward_on_gpu_takes_any_gate_as_accurately_as_fla(gpu_kernels, layout
 
     print(f"any gate ({layout}): backward {median_ms(arguments, initial_state=S_0_cuda, d_final_state=dS_N_cuda):.3f} "
           f"ms on these gates, {median_ms(gentle):.3f} ms on gentle ones")
+
+
+@pytest.mark.parametrize("checks", ["device", "host", "off"])
+def test_the_backward_checks_values_where_checks_says(monkeypatch, checks):
+    """checks as in stage 5's forward: "host" reads g and beta before anything runs; "device" (the
+    default) compiles the prepare that flags them and hands it the device's flags; "off" neither."""
+    torch = pytest.importorskip("torch")
+    from stages.common.device_checks import flags_for
+    from stages.s06_backward import kernel
+
+    B, N, H, D = 1, 64, 1, 64
+    q = torch.zeros(B, N, H, D, dtype=torch.float16)
+    bad_g, beta = torch.full((B, N, H, D), 0.5), torch.full((B, N, H), 0.5)  # g > 0
+    if checks == "host":
+        with pytest.raises(ValueError, match="g must"):
+            kernel.backward(q, q, q, bad_g, beta, q, checks=checks)
+        return
+    with pytest.raises(ValueError, match="cuda|CUDA"):  # no value read on the host: the device check is next
+        kernel.backward(q, q, q, bad_g, beta, q, checks=checks)
+    seen = {}
+
+    def compiled_kernels(*arguments, value_flags=False):
+        seen["value_flags"] = value_flags
+        return {}
+
+    def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, flags=()):
+        seen["flags"] = flags
+        return (q, k, v, g, beta, initial_state)
+
+    monkeypatch.setattr(kernel, "compiled_kernels", compiled_kernels)
+    monkeypatch.setattr(kernel, "run_kernels", run_kernels)
+    monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(kernel, "streaming_multiprocessors", lambda device: 132)
+    kernel.backward(q, q, q, bad_g, beta, q, checks=checks)
+    if checks == "device":
+        assert seen["value_flags"] and len(seen["flags"]) == 1 and seen["flags"][0] is flags_for(q.device)
+    else:
+        assert not seen["value_flags"] and seen["flags"] == ()
+
+
+def test_the_backward_refuses_an_unknown_checks_mode():
+    torch = pytest.importorskip("torch")
+    from stages.s06_backward import kernel
+
+    q = torch.zeros(1, 64, 1, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="checks must be one of"):
+        kernel.backward(q, q, q, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), q, checks=True)

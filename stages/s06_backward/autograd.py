@@ -191,7 +191,7 @@ def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_siz
     if d_final_state is not None:
         d_final_state = d_final_state.float().contiguous()
     gradients = backward(q, k, v, g, beta, do.contiguous(), initial_state=initial_state, d_final_state=d_final_state,
-                         chunk_size=chunk_size, check_values=False)
+                         chunk_size=chunk_size, checks="off")
     inputs = (q, k, v, g, beta, initial_state)
     return tuple(None if x is None else grad.to(x.dtype) for grad, x in zip(gradients, inputs))
 # --8<-- [end:cuda_path]

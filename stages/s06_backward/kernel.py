@@ -50,13 +50,15 @@ import math
 from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
+from stages.common.device_checks import check_mode, flags_for
 from stages.common.tilelang_tools import LOG2_E, compile_in_threads
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate_values, check_kernel_tensor, check_on_cuda, check_same, dtype_name,
                                         pad_tokens)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK,
                                         advance_state_macro, block_inverse_macro, build_prepare_program,
-                                        check_kernel_sizes, check_state, check_token_inputs, compiled_prepare,
+                                        check_kernel_sizes, check_state, check_token_inputs,
+                                        compiled_flagged_prepare, compiled_prepare,
                                         cumulative_gates_macro, default_block_dv, exact_diagonal_block_macro,
                                         flag_wide_spans_macro, streaming_multiprocessors, zero_state)
 from stages.s05_fast_kda.numerics import FAST_SPAN_LOG
@@ -658,22 +660,27 @@ def kernel_arguments(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
 
 @functools.cache
 def compiled_one_kernel(kernel, *arguments):
-    """One kernel of BUILDERS (or the forward's prepare) compiled for the GPU, with kernel_arguments'
-    arguments for it: made once per name and arguments."""
+    """One kernel of BUILDERS (or the forward's prepare; "prepare_flagged": the one that flags bad
+    values) compiled for the GPU, with kernel_arguments' arguments for it: made once per name and arguments."""
     import tilelang
 
-    if kernel == "prepare":  # the forward's own compiled kernel, shared with stage 5's forward
+    if kernel == "prepare":  # the forward's own compiled kernels, shared with stage 5's forward
         return compiled_prepare(*arguments, None)
+    if kernel == "prepare_flagged":
+        return compiled_flagged_prepare(*arguments, None)
     build, outputs = BUILDERS[kernel]
     return tilelang.compile(build(*arguments), out_idx=outputs, target="cuda")
 
 
 @functools.cache
-def compiled_kernels(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
-    """{kernel: compiled for the GPU} for one backward shape (kernel_arguments' arguments). The five
-    compile at once in threads on the first call: about the time of the slowest, not of all five."""
+def compiled_kernels(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False):
+    """{kernel: compiled for the GPU} for one backward shape (kernel_arguments' arguments); value_flags:
+    the prepare that takes Flags after beta. The five compile at once in threads on the first call:
+    about the time of the slowest, not of all five."""
     arguments = kernel_arguments(B, N, H, d_k, d_v, chunk_size, block_dv, dtype)
-    compiled = compile_in_threads({name: functools.partial(compiled_one_kernel, name, *arguments[name])
+    compiled_name = {"prepare": "prepare_flagged"} if value_flags else {}
+    compiled = compile_in_threads({name: functools.partial(compiled_one_kernel, compiled_name.get(name, name),
+                                                           *arguments[name])
                                    for name in arguments})
     for kernel in compiled.values():
         if isinstance(kernel, Exception):
@@ -682,14 +689,15 @@ def compiled_kernels(B, N, H, d_k, d_v, chunk_size, block_dv, dtype):
 
 
 # --8<-- [start:run_kernels]
-def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state):
-    """The five launches of the backward, in order, on inputs already padded to a multiple of chunk_size.
+def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, flags=()):
+    """The five launches of the backward, in order, on inputs already padded to a multiple of chunk_size;
+    flags: (Flags,) for a prepare that flags bad values, else ().
 
     kernels: {name: callable} for the names of BUILDERS, made for these inputs' shape (kernel_arguments):
     compiled for the GPU (`backward`), or run by the tile interpreter on a CPU (the tests), so the
     wiring below is the same in both. Returns (dq, dk, dv, dg, dbeta, dS_0^T).
     """
-    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = kernels["prepare"](q, k, v, g, beta)
+    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = kernels["prepare"](q, k, v, g, beta, *flags)
     states, v_new = kernels["states"](w, u, k_to_chunk_end, chunk_decay, initial_state)
     d_states, dv_new, d_initial_state = kernels["state_gradient"](
         q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do, d_final_state)
@@ -705,7 +713,7 @@ def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state):
 def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
              do: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
              d_final_state: "torch.Tensor | None" = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-             block_dv: int | None = None, check_values: bool = True) -> tuple["torch.Tensor", ...]:
+             block_dv: int | None = None, checks: str = "device") -> tuple["torch.Tensor", ...]:
     """The gradients of KDA's output (and final state) on CUDA tensors, as stage 5's `forward` takes them:
     q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16), g: (B, N, H, d_k) fp32 log gates (<= 0),
     beta: (B, N, H) fp32 in [0, 1], do = dLoss/do: (B, N, H, d_v) in q's dtype; initial_state S_0^T
@@ -716,11 +724,14 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     when initial_state is None: it is then the gradient of a zero initial state). N need not be a
     multiple of chunk_size: the sequence is zero-padded, which is exact. block_dv: the value columns
     a program of the two chunk loops (states, state_gradient) walks; None takes stage 5's
-    default_block_dv for this shape and GPU, as the forward's recurrence does. check_values=False
-    skips the check of g's and beta's values (a pass over both and a device sync), as in `forward`.
+    default_block_dv for this shape and GPU, as the forward's recurrence does. checks, as in stage 5's
+    `forward`: "device" (the default) recomputes the forward's prepare with the kernel that flags a bad
+    g or beta as it loads it (no host sync; `raise_if_flagged` reports it), "host" reads them to the
+    host first (a pass and a device sync), "off" checks nothing (`chunk_kda`'s backward: its forward
+    checked the same g and beta).
     """
     B, N, H, d_k, d_v = check_backward_inputs(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size, block_dv,
-                                              check_values)
+                                              checks)
     if block_dv is None:
         block_dv = default_block_dv(B, H, d_v, streaming_multiprocessors(q.device))
 
@@ -728,8 +739,11 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     q, k, v, g, beta, do = pad_tokens(N_padded, q, k, v, g, beta, do)
     initial_state = zero_state(B, H, d_k, d_v, q.device) if initial_state is None else initial_state
     d_final_state = zero_state(B, H, d_k, d_v, q.device) if d_final_state is None else d_final_state
-    kernels = compiled_kernels(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q))
-    dq, dk, dv, dg, dbeta, d_initial_state = run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state)
+    value_flags = checks == "device"  # the forward's prepare again: the one that flags bad values
+    kernels = compiled_kernels(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), value_flags=value_flags)
+    flags = (flags_for(q.device),) if value_flags else ()
+    dq, dk, dv, dg, dbeta, d_initial_state = run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state,
+                                                         flags)
     return dq[:, :N], dk[:, :N], dv[:, :N], dg[:, :N], dbeta[:, :N], d_initial_state
 # --8<-- [end:backward]
 
@@ -737,16 +751,17 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
 def check_backward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
                           beta: "torch.Tensor", do: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
                           d_final_state: "torch.Tensor | None" = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                          block_dv: int | None = None, check_values: bool = True) -> tuple[int, int, int, int, int]:
+                          block_dv: int | None = None, checks: str = "device") -> tuple[int, int, int, int, int]:
     """Every check of `backward`'s arguments, in the order of stage 5's check_forward_inputs, with do
-    and d_final_state beside the forward's inputs; returns (B, N, H, d_k, d_v). With check_values, the
+    and d_final_state beside the forward's inputs; returns (B, N, H, d_k, d_v). With checks="host", the
     values (check_gate_values): any gate <= 0 runs, as in stage 5's forward, so no range is checked."""
+    check_mode(checks)
     B, N, H, d_k, d_v = check_token_inputs(q, k, v, g, beta)
     check_output_gradient(do, q, v)
     check_state("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     check_state("d_final_state", d_final_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     check_kernel_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
-    if check_values:
+    if checks == "host":
         check_gate_values(g, beta)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
                    "d_final_state": d_final_state})
