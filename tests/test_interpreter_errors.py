@@ -200,3 +200,31 @@ def test_what_a_lane_writes_and_reads_itself_is_no_error():
 def test_every_kind_is_an_interpreter_error():
     for kind in (TileShapeMismatch, OutOfRange, CrossLaneRead, LaneRace):
         assert InterpreterError in kind.__bases__  # a direct subclass: the grader's sandbox relays these by name
+
+
+def test_an_output_element_never_stored_is_named_as_such():
+    """A T.copy out of range drops the store (as on the GPU): the output keeps the NaN the interpreter
+    allocates it with, and the comparison says "never written", not an overflow, where a NaN the
+    program computed is not taken for one."""
+    T = _tilelang()
+    from stages.common.compare import assert_close
+    from stages.common.interpreter import never_written
+
+    @T.prim_func
+    def half_stored(A: T.Tensor((8, 8), "float32"), O: T.Tensor((8, 8), "float32")):
+        with T.Kernel(1, threads=32) as _bx:
+            tile = T.alloc_fragment((4, 8), "float32")
+            for i, j in T.Parallel(4, 8):
+                tile[i, j] = A[i, j] * A[i, j]
+            T.copy(tile, O[0:4, :])
+
+    a = np.ones((8, 8), np.float32)
+    a[0, 0] = np.nan  # a NaN the program computes from its input: not "never written"
+    o = interpret(half_stored, out_idx=[1])(a)
+    assert never_written(o)[4:].all() and not never_written(o)[:4].any()
+    with pytest.raises(AssertionError, match="32 of them were never written by the program, the first at"):
+        assert_close(o, np.ones((8, 8)), rel_l2=1e-6, axes=("row", "column"))
+    o[4:] = 1.0
+    with pytest.raises(AssertionError) as computed:
+        assert_close(o, np.ones((8, 8)), rel_l2=1e-6, axes=("row", "column"))
+    assert "never written" not in str(computed.value)

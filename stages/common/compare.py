@@ -66,6 +66,7 @@ def assert_close(actual, expected, *, rel_l2=None, max_abs=None, rtol=None, atol
     if not finite.all():
         lines.append(f"{_count(int((~finite).sum()), 'entry is', 'entries are')} NaN or inf, the first at "
                      f"{_where(_first(~finite, axes), axes, chunk_size)}")
+        lines.extend(_never_written(actual, axes, chunk_size))
     else:
         largest = np.unravel_index(int(np.argmax(error)), error.shape)
         lines.append(f"largest error {float(error[largest]):.2e} at {_where(largest, axes, chunk_size)}")
@@ -83,6 +84,19 @@ def assert_rule(holds, rule, detail=""):
     __tracebackhide__ = True
     if not holds:
         raise AssertionError(f"rule broken: {rule}" + (f"\n{detail}" if detail else ""))
+
+
+def _never_written(actual, axes, chunk_size):
+    """A line on the entries of `actual` that a program run by the tile interpreter never stored (they
+    keep the NaN it allocates outputs with), or none: such a NaN is no overflow."""
+    from stages.common.interpreter import never_written
+
+    unwritten = never_written(actual)
+    if not unwritten.any():
+        return []
+    return [f"{_count(int(unwritten.sum()), 'of them was', 'of them were')} never written by the program, the "
+            f"first at {_where(_first(unwritten, axes), axes, chunk_size)}: a store it did not make, or made out "
+            "of range, where it is dropped (read the interpreter page, \"A store or load out of range\")"]
 
 
 def _float_array(x, name):

@@ -166,6 +166,16 @@ def _unwritten(values):
     return (values.view(_UNSIGNED[dtype]) | _TAINT_BIT[dtype]) == TAINTED_BITS[dtype]
 
 
+def never_written(values):
+    """A boolean mask of the elements of `values` (a float array: the interpreter's output, or a cast
+    of it to another float type) that still hold UNWRITTEN_BITS: an output's elements start so, and
+    an element the program never stored keeps them (a T.copy out of range drops the store)."""
+    values = np.asarray(values)
+    if values.dtype not in _UNSIGNED:
+        return np.zeros(values.shape, dtype=bool)
+    return values.view(_UNSIGNED[values.dtype]) == UNWRITTEN_BITS[values.dtype]
+
+
 def _taint(array, mask):
     """Mark the elements of `array` (a float array, changed in place) where `mask` holds as TAINTED_BITS."""
     array.view(_UNSIGNED[array.dtype])[mask] = TAINTED_BITS[array.dtype]
@@ -400,10 +410,13 @@ class _Program:
         return str(attrs["global_symbol"]) if attrs is not None and "global_symbol" in attrs else "the program"
 
     def _empty(self, buffer):
+        """An output the interpreter allocates: a float one starts as UNWRITTEN_BITS, so that an
+        element the program never stores can be told apart from a NaN it computed (never_written)."""
         shape = _static_shape(buffer)
-        dtype = str(buffer.dtype)
-        fill = np.nan if NUMPY_DTYPES.get(dtype, np.float32) in (np.float16, np.float32, np.float64) else 0
-        return np.full(shape, fill, dtype=NUMPY_DTYPES[dtype])
+        dtype = NUMPY_DTYPES[str(buffer.dtype)]
+        if np.dtype(dtype) in _UNSIGNED:
+            return _unwritten_array(shape, dtype)
+        return np.zeros(shape, dtype=dtype)
 
     def _as_param(self, index, array):
         buffer = self.params[index]
