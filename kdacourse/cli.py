@@ -1,6 +1,6 @@
 """The `course` command: the entry point for students and instructors.
 
-    course check [STAGE]            run your exercises, see what passes and what to read next
+    course check [STAGE|EXERCISE]   run your exercises (a stage's, or one), see what passes and what to read next
     course grade FOLDER --out DIR   grade a folder laid out like exercises/ (instructors)
     course grade-all DIR --out DIR  grade a class, one folder per student: a gradebook CSV and each one's reports
     course serve                    build the site and serve it on http://127.0.0.1:8000
@@ -20,7 +20,8 @@ def main(argv=None):
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     check = commands.add_parser("check", help="run your exercises and say what to read next")
-    check.add_argument("stage", nargs="?", help="s01, 1 or s01_linear_attention (default: every stage)")
+    check.add_argument("stage", nargs="?", help="s01, 1 or s01_linear_attention, or one exercise such as "
+                       "s02.build_kernel (default: every stage)")
     check.add_argument("--target", default="exercises", help="folder to check (default: exercises/)")
     check.add_argument("--compile", action="store_true",
                        help="also run the compile-only tests (lower the kernels for sm_90a with nvcc; slow)")

@@ -1,7 +1,7 @@
 """Grading a folder of exercises (instructors) and checking one's own (students).
 
     course grade FOLDER --out DIR    every exercise of the folder, a report in DIR
-    course check [STAGE]             your exercises, PASS or FAIL, and what to read next
+    course check [STAGE|EXERCISE]    your exercises, PASS or FAIL, and what to read next
 
 Both run each exercise's tests, tests/exercises/<stage>/test_<file>, with pytest (kdacourse.runner)
 against the folder, with a time limit per test and one per exercise: a syntax error, an exception at
@@ -295,7 +295,12 @@ def refuse(message):
 
 def _unknown_stage(name):
     known = ", ".join(f"{stage.split('_')[0]} ({stage})" for stage in stages())
-    return refuse(f"unknown stage {name!r}; the stages are: {known}")
+    return refuse(f"unknown stage {name!r}; the stages are: {known}; or name one exercise, as "
+                  f"{exercises()[0].id!r} (an exercise's id heads its section on its stage's page)")
+
+
+def _count_exercises(count):
+    return "1 exercise" if count == 1 else f"{count} exercises"
 
 
 # ---------------------------------------------------------------------------------------- grade
@@ -501,7 +506,8 @@ def _xml_text(text):
 
 
 def check(stage=None, target="exercises", compile=False):
-    """Run the student's exercises of one stage (or all) and say what to read next.
+    """Run the student's exercises of one stage (or all, or the one exercise whose id `stage` is, as
+    "s02.build_kernel") and say what to read next.
 
     For each failing exercise: the first failure's message in full (the tests' messages are a few
     lines: shapes, the error, where it first appears), the page section to read, and a pytest
@@ -511,18 +517,22 @@ def check(stage=None, target="exercises", compile=False):
     Returns the exit code: 0 when every exercise passes, 1 otherwise, 2 for an unknown stage or
     target.
     """
-    try:
-        checked_stages = [resolve_stage(stage)] if stage else stages()
-    except ValueError:
-        return _unknown_stage(stage)
+    by_id = {exercise.id: exercise for exercise in exercises()}
+    if stage in by_id:
+        selected = [by_id[stage]]
+    else:
+        try:
+            checked_stages = [resolve_stage(stage)] if stage else stages()
+        except ValueError:
+            return _unknown_stage(stage)
+        selected = [exercise for exercise in exercises() if exercise.stage in checked_stages]
     try:
         folder_path = target_folder(target)
     except TargetError as error:
         return refuse(str(error))
     # "exercises", "solutions" and "bug:<id>" mean what they mean to the tests; a folder goes absolute.
     run_target = target if target in ("exercises", "solutions") or target.startswith("bug:") else str(folder_path)
-    selected = [exercise for exercise in exercises() if exercise.stage in checked_stages]
-    print(f"checking {len(selected)} exercises in {folder_path}", flush=True)
+    print(f"checking {_count_exercises(len(selected))} in {folder_path}", flush=True)
 
     def show_result(position, result):
         show_check_result(result, run_target)

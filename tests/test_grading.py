@@ -342,6 +342,14 @@ def test_check_of_an_unknown_stage_lists_the_stages(capsys):
     assert all(stage in error for stage in stages())
 
 
+def test_check_of_one_exercise_runs_that_exercise_alone(capsys):
+    """`course check s01.recurrent`: one exercise's tests, not its stage's (the trial's first guess)."""
+    assert check("s01.recurrent", target="solutions") == 0
+    out = capsys.readouterr().out
+    assert "checking 1 exercise in" in out and "PASS  s01.recurrent" in out
+    assert "s01.chunkwise" not in out and "1 of 1 exercises pass" in out
+
+
 def test_grade_refuses_a_missing_or_empty_folder(tmp_path, capsys):
     assert grade(tmp_path / "nowhere", tmp_path / "out") == 2
     assert "no such folder" in capsys.readouterr().err
