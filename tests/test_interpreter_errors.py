@@ -228,3 +228,21 @@ def test_an_output_element_never_stored_is_named_as_such():
     with pytest.raises(AssertionError) as computed:
         assert_close(o, np.ones((8, 8)), rel_l2=1e-6, axes=("row", "column"))
     assert "never written" not in str(computed.value)
+
+
+def test_entries_never_written_give_no_hint_about_chunks():
+    """"chunk 0 is right, later chunks wrong" is a hint about arithmetic; entries the program never
+    stored hold the interpreter's unwritten NaN whatever the chunk (the trial's store at the wrong
+    columns read "one chunk only: the error is inside the chunk")."""
+    from stages.common.compare import assert_close
+    from stages.common.interpreter import UNWRITTEN_BITS
+
+    actual = np.ones((1, 8, 1, 2))
+    actual[0, :4, 0, 1] = np.array(UNWRITTEN_BITS[np.dtype(np.float64)]).view(np.float64)
+    with pytest.raises(AssertionError) as error:
+        assert_close(actual, np.ones((1, 8, 1, 2)), rel_l2=1e-6, chunk_size=4)
+    message = str(error.value)
+    assert "4 of them were never written by the program" in message and "chunk 0 is wrong" not in message
+    actual[0, :4, 0, 1] = 2.0  # wrong values in chunk 0 alone: the hint is back
+    with pytest.raises(AssertionError, match="chunk 0 is wrong"):
+        assert_close(actual, np.ones((1, 8, 1, 2)), rel_l2=1e-6, chunk_size=4)

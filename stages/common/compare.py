@@ -63,17 +63,19 @@ def assert_close(actual, expected, *, rel_l2=None, max_abs=None, rtol=None, atol
     if not failed and finite.all():
         return
     lines = [f"{name}, shape {_shape(actual.shape, axes)}: " + ("; ".join(failed) or "not finite")]
+    unwritten = [] if finite.all() else _never_written(actual, axes, chunk_size)
     if not finite.all():
         lines.append(f"{_count(int((~finite).sum()), 'entry is', 'entries are')} NaN or inf, the first at "
                      f"{_where(_first(~finite, axes), axes, chunk_size)}")
-        lines.extend(_never_written(actual, axes, chunk_size))
+        lines.extend(unwritten)
     else:
         largest = np.unravel_index(int(np.argmax(error)), error.shape)
         lines.append(f"largest error {float(error[largest]):.2e} at {_where(largest, axes, chunk_size)}")
     if wrong.any():
         lines.append(f"first wrong entry at {_where(_first(wrong, axes), axes, chunk_size)}")
         lines.append(f"{int(wrong.sum())} of {wrong.size} entries wrong, {_span(wrong, axes)}")
-        hint = _chunk_hint(wrong, axes, chunk_size)
+        # entries never written say nothing of which chunk's arithmetic to suspect
+        hint = "" if unwritten else _chunk_hint(wrong, axes, chunk_size)
         if hint:
             lines.append(hint)
     raise AssertionError("\n".join(lines))
