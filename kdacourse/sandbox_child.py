@@ -408,6 +408,9 @@ def main():
     os.dup2(null, 0)
     os.close(null)
     if mode == "selftest":
+        # the request is read before the reply: a child that replied and ended before the parent had
+        # written would leave the parent a broken pipe (seen once under load: "ended with exit code 0")
+        _read_exact(requests)
         replies.write(encode({"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups()}))
         return
     if "--preload-tilelang" in sys.argv:

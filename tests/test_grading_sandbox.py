@@ -582,3 +582,16 @@ def test_the_scratch_tmpfs_is_mounted_before_the_course_is_bound(monkeypatch):
     assert argv[tmpfs + 1] == "/tmp"
     binds = [i for i, arg in enumerate(argv) if arg == "--ro-bind"]
     assert binds and tmpfs < min(binds), "the tmpfs at /tmp must come before every --ro-bind"
+
+
+def test_the_self_test_answers_a_request_made_after_the_child_is_ready():
+    """The self-test's child reads the request before it replies: one that replied and ended first left
+    the parent writing into a broken pipe when the parent was slow to write (CI under load reported
+    "bwrap fails its self-test ... ended with exit code 0 before replying")."""
+    child = sandbox_module.SandboxedProcess("selftest", Limits(call_seconds=sandbox_module.SELF_TEST_SECONDS))
+    try:
+        time.sleep(3)  # a parent descheduled between the start and the request
+        facts = decode(child.request(encode({"op": "selftest"})))
+    finally:
+        child.kill()
+    assert {"uid", "gid", "groups"} <= set(facts)
