@@ -13,15 +13,20 @@ Measured, each the median of CUDA-event timings after warm-up (triton's do_bench
 L2 cache), in `--rounds` interleaved rounds (each round runs the measurements in the reverse order of
 the one before):
 - ours `call` and `call_unchecked`: stages.s07_serving.kernel.prefill with cu_seqlens, initial_state
-  and output_final_state, with checks="device" (the default: the varlen prepare flags bad values, no
-  sync) and checks="off" (it reads cu_seqlens to the host: one sync, which no CUDA graph can hold);
+  and output_final_state, with checks="device" (the default: the varlen prepare flags bad values,
+  the index's ops bad offsets) and checks="off"; neither syncs with the host;
+- ours `graph`: the default call replayed from a CUDA graph (it captures: nothing is read to the host);
 - ours `kernels`: prefill's two kernels alone (the varlen prepare, the varlen recurrence, through
-  varlen_forward) with the chunk table already on the device: `call_unchecked` less the host's work
-  (the checks, cu_seqlens read to the host, the chunk table built and copied);
+  varlen_forward) with the chunk table already on the device: `call_unchecked` less the host's
+  checks and the device ops that build the index;
 - ours `one_sequence`: stage 5's forward on the same T tokens as one sequence (no states, no
   sequence boundaries), for scale;
-- FLA `call`: fla.ops.chunk_kda with the same arguments (scale=1.0, cu_seqlens as int64), and FLA
-  `graph`: the same call replayed from a CUDA graph, if it captures.
+- FLA `call`: fla.ops.chunk_kda with the same arguments (scale=1.0, cu_seqlens as int64), the same
+  cu_seqlens tensor every call, so that FLA's cache of its chunk indices (fla.utils.tensor_cache,
+  keyed on the tensor) holds and FLA reads nothing to the host after the first call; FLA
+  `call_new_cu_seqlens`: a copy of cu_seqlens each call, as a server's next batch is a new tensor (its
+  chunk indices read to the host: a sync); FLA `graph`: `call` replayed from a CUDA graph, if it
+  captures.
 Before timing, ours is checked against FLA (rel L2 of o and of the final states).
 
 Writes DIR/varlen.csv (one row per mix, round and measurement) and DIR/varlen_meta.json (the lengths,
@@ -44,7 +49,7 @@ MIXES = {  # name: (sequences, shortest, longest), lengths log-uniform between t
     "chat": (64, 32, 2048),
 }
 MEASUREMENTS = [("fla", "call"), ("ours", "call"), ("ours", "call_unchecked"), ("ours", "kernels"),
-                ("ours", "one_sequence"), ("fla", "graph")]
+                ("ours", "one_sequence"), ("fla", "graph"), ("ours", "graph"), ("fla", "call_new_cu_seqlens")]
 FIELDS = ["mix", "round", "impl", "what", "method", "sequences", "tokens", "padded_tokens", "H", "D", "dtype",
           "time_ms", "time_ms_p20", "time_ms_p80", "error"]
 GATE_RANGE = (0.9, 0.999)
@@ -100,19 +105,16 @@ def make_inputs(lengths, H, d, dtype, seed):
 
 def prefill_kernels(inputs, cu_seqlens, initial_state, chunk_size=DEFAULT_CHUNK_SIZE):
     """A function that runs prefill's two kernels alone (stages.s07_serving.kernel.varlen_forward, with
-    prefill's block_dv) on the packed inputs, the index built and copied to the device once here."""
-    import torch
-
+    prefill's block_dv) on the packed inputs, the index built on the device once here."""
     from stages.s05_fast_kda.kernel import default_block_dv, streaming_multiprocessors
     from stages.s07_serving.kernel import compiled_prefill_kernels, varlen_forward, varlen_index
 
     q, v = inputs[0], inputs[2]
     N_seq = len(cu_seqlens) - 1
-    index = varlen_index(cu_seqlens.cpu().numpy(), chunk_size)
+    index = varlen_index(cu_seqlens, q.shape[1], chunk_size)
     block_dv = default_block_dv(N_seq, q.shape[2], v.shape[3], streaming_multiprocessors(q.device))
     kernels = compiled_prefill_kernels(q.shape[2], q.shape[3], v.shape[3], chunk_size, block_dv, str(q.dtype).split(".")[1])
-    on_device, n_chunks = torch.from_numpy(index).to(q.device), int(index[2 * N_seq + 1])
-    return lambda: varlen_forward(*inputs, on_device, n_chunks, initial_state, chunk_size, kernels)
+    return lambda: varlen_forward(*inputs, index, initial_state, chunk_size, kernels)
 
 
 def measurements(inputs, cu_seqlens, initial_state):
@@ -126,17 +128,19 @@ def measurements(inputs, cu_seqlens, initial_state):
         return prefill(*inputs, cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=True,
                        checks=checks)
 
-    def fla():
+    def fla(offsets=cu_seqlens):
         return chunk_kda(*inputs, scale=1.0, initial_state=initial_state, output_final_state=True,
-                         cu_seqlens=cu_seqlens)
+                         cu_seqlens=offsets)
 
     table = {("ours", "call"): (ours, "events"), ("ours", "call_unchecked"): (lambda: ours("off"), "events"),
              ("ours", "kernels"): (prefill_kernels(inputs, cu_seqlens, initial_state), "events"),
              ("ours", "one_sequence"): (lambda: forward(*inputs, checks="off"), "events"),
-             ("fla", "call"): (fla, "events")}
-    replay, method = graph_or_events(fla)
-    if method == "graph":
-        table[("fla", "graph")] = (replay, method)
+             ("fla", "call"): (fla, "events"),
+             ("fla", "call_new_cu_seqlens"): (lambda: fla(cu_seqlens.clone()), "events")}
+    for impl, function in (("fla", fla), ("ours", ours)):
+        replay, method = graph_or_events(function)
+        if method == "graph":
+            table[(impl, "graph")] = (replay, method)
     return table
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from stages.common.compare import assert_close
+from stages.common.device_checks import FLAG_COUNT
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.s04_kda.reference import recurrent
@@ -186,6 +187,36 @@ def test_varlen_references_refuse_bad_inputs(case):
 # ------------------------------------------------------------------------------------------ prefill, on the CPU
 
 
+@pytest.mark.parametrize("lengths, C", [((5, 0, 17, 16, 1, 33), 8), ((64, 128, 64), 64), ((1, 33, 65), 32),
+                                         ((0, 0, 7), 32), ((40,), 64)])
+def test_varlen_index_is_the_chunk_table_then_rows_that_start_past_their_sequence(lengths, C):
+    """prefill's index, built by device ops (here on the CPU): cu_seqlens, reference.chunk_table's
+    chunk_offsets and rows, then rows up to most_chunks whose chunk starts at or past its sequence's
+    end (the prepare skips them). most_chunks is the bound: reached where every length is 1 past a
+    multiple of C ((1, 33, 65) at C = 32), twice the chunks where every length is a whole number of
+    them; empty sequences and a single sequence included."""
+    import torch
+
+    from stages.s07_serving.kernel import most_chunks, varlen_index
+    from stages.s07_serving.reference import chunk_table
+
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+    T, N_seq = int(cu_seqlens[-1]), len(lengths)
+    chunks, chunk_offsets = chunk_table(cu_seqlens, C)
+    for dtype in (torch.int32, torch.int64):
+        index = varlen_index(torch.tensor(cu_seqlens, dtype=dtype), T, C)
+        assert index.dtype == torch.int32 and index.shape == (2 * (N_seq + 1) + 2 * most_chunks(T, N_seq, C),)
+        index = index.numpy()
+        assert index[:N_seq + 1].tolist() == cu_seqlens.tolist()
+        assert index[N_seq + 1:2 * N_seq + 2].tolist() == chunk_offsets.tolist()
+        rows = index[2 * N_seq + 2:].reshape(-1, 2)
+        assert rows[:len(chunks)].tolist() == chunks.tolist()
+        for sequence, chunk in rows[len(chunks):]:
+            assert 0 <= sequence < N_seq and cu_seqlens[sequence] + chunk * C >= cu_seqlens[sequence + 1]
+    if lengths == (1, 33, 65):
+        assert len(chunks) == most_chunks(T, N_seq, C)
+
+
 def test_chunk_aligned_rows_start_every_sequence_on_a_chunk():
     """Against the definition written out: sequence i's tokens, in order, from row C * chunk_offsets[i]
     on, where chunk_offsets counts whole chunks per sequence; no row taken twice; the layout as short
@@ -211,17 +242,18 @@ def test_chunk_aligned_rows_start_every_sequence_on_a_chunk():
 PREFILL_LENGTHS, PREFILL_C, PREFILL_H, PREFILL_D, PREFILL_BLOCK_DV = (32, 0, 1, 31, 70, 33), 32, 2, 32, 16
 
 
-def _interpreted_kernels(lengths, dtype):
+def _interpreted_kernels(lengths, dtype, value_flags=False, C=PREFILL_C, H=PREFILL_H, d=PREFILL_D,
+                         block_dv=PREFILL_BLOCK_DV):
     """(varlen prepare, varlen recurrence) through the tile interpreter, built for the packed batch of
-    `lengths`, as varlen_forward calls them (torch tensors, outputs written in place)."""
+    `lengths` as prefill sizes it (most_chunks rows in the chunk table), as varlen_forward calls them
+    (torch tensors, outputs written in place)."""
     from stages.common.interpreter import interpret
-    from stages.s07_serving.kernel import build_varlen_prepare_program, build_varlen_recurrence_program
-    from stages.s07_serving.reference import chunk_table
+    from stages.s07_serving.kernel import build_varlen_prepare_program, build_varlen_recurrence_program, most_chunks
 
-    n_chunks = int(chunk_table(np.concatenate([[0], np.cumsum(lengths)]), PREFILL_C)[1][-1])
-    sizes = (sum(lengths), n_chunks * PREFILL_C, n_chunks, len(lengths), PREFILL_H, PREFILL_D, PREFILL_D, PREFILL_C)
-    return (interpret(build_varlen_prepare_program(*sizes, dtype)),
-            interpret(build_varlen_recurrence_program(*sizes, PREFILL_BLOCK_DV, dtype)))
+    n_chunks = most_chunks(sum(lengths), len(lengths), C)
+    sizes = (sum(lengths), n_chunks * C, n_chunks, len(lengths), H, d, d, C)
+    return (interpret(build_varlen_prepare_program(*sizes, dtype, value_flags=value_flags)),
+            interpret(build_varlen_recurrence_program(*sizes, block_dv, dtype)))
 
 
 def _prefill_on_the_cpu(x, cu_seqlens, S0, dtype, kernels):
@@ -234,9 +266,8 @@ def _prefill_on_the_cpu(x, cu_seqlens, S0, dtype, kernels):
     operand = {"float64": torch.float64, "bfloat16": torch.bfloat16}[dtype]
     state = torch.float64 if dtype == "float64" else torch.float32
     args = [torch.tensor(a, dtype=operand) for a in (x.q, x.k, x.v)] + [torch.tensor(a, dtype=state) for a in (x.g, x.beta)]
-    index = varlen_index(cu_seqlens, PREFILL_C)
-    o, final_states = varlen_forward(*args, torch.from_numpy(index), int(index[2 * len(S0) + 1]),
-                                     torch.tensor(S0, dtype=state), PREFILL_C, kernels)
+    index = varlen_index(torch.tensor(cu_seqlens), x.q.shape[1], PREFILL_C)
+    o, final_states = varlen_forward(*args, index, torch.tensor(S0, dtype=state), PREFILL_C, kernels)
     return o.double().numpy(), final_states.double().numpy()
 
 
@@ -246,42 +277,52 @@ def _prefill_case(seed, lengths=PREFILL_LENGTHS, with_state=True):
     return x, cu_seqlens, (0.1 * S0.astype(np.float32).astype(np.float64) if with_state else np.zeros_like(S0))
 
 
-def _varlen_sizes(cu_seqlens):
-    """(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_v, C) of the CPU checks' packed batch."""
+def _varlen_sizes(cu_seqlens, n_chunks=None):
+    """(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_v, C) of the CPU checks' packed batch: n_chunks
+    the batch's own chunks unless given."""
     from stages.s07_serving.reference import chunk_table
 
-    n_chunks = int(chunk_table(cu_seqlens, PREFILL_C)[1][-1])
+    n_chunks = n_chunks or int(chunk_table(cu_seqlens, PREFILL_C)[1][-1])
     return (int(cu_seqlens[-1]), n_chunks * PREFILL_C, n_chunks, len(cu_seqlens) - 1, PREFILL_H, PREFILL_D, PREFILL_D,
             PREFILL_C)
 
 
 def test_varlen_prepare_program_matches_reference_c():
-    """The varlen prepare alone (float64 operands, fp32 on chip) against reference C's prepare_varlen:
-    each token's outputs at its chunk-aligned row within the TF32 rounding of stage 5's block-inverse
-    merges, the rows past each sequence's end exactly zero (the recurrence reads them as zero tokens),
-    the chunk decays by row of the chunk table; the packed inputs read in place, unchanged."""
+    """The varlen prepare alone (float64 operands, fp32 on chip), on the table prefill builds, against
+    reference C's prepare_varlen: each token's outputs at its chunk-aligned row within the TF32
+    rounding of stage 5's block-inverse merges, the rows past each sequence's end exactly zero (the
+    recurrence reads them as zero tokens), the chunk decays by row of the chunk table; the table's
+    rows past the batch's chunks never written (the interpreter's outputs start as NaN); the packed
+    inputs read in place, unchanged."""
+    import torch
+
     from stages.common.interpreter import interpret
-    from stages.s07_serving.kernel import build_varlen_prepare_program, varlen_index
-    from stages.s07_serving.reference import CHUNK_FIELDS, chunk_aligned_rows, prepare_varlen
+    from stages.s07_serving.kernel import build_varlen_prepare_program, most_chunks, varlen_index
+    from stages.s07_serving.reference import CHUNK_FIELDS, chunk_aligned_rows, chunk_table, prepare_varlen
 
     x, cu_seqlens, _ = _prefill_case(seed=50)
     inputs = (x.q, x.k, x.v, x.g, x.beta)
     kept = [a.copy() for a in inputs]
     expected = prepare_varlen(*inputs, cu_seqlens, PREFILL_C, sub_block=16)
-    sizes = _varlen_sizes(cu_seqlens)
-    index, N_seq = varlen_index(cu_seqlens, PREFILL_C), sizes[3]
+    T, N_seq = int(cu_seqlens[-1]), len(cu_seqlens) - 1
+    index = varlen_index(torch.tensor(cu_seqlens), T, PREFILL_C).numpy()
+    sizes = _varlen_sizes(cu_seqlens, most_chunks(T, N_seq, PREFILL_C))
     program = build_varlen_prepare_program(*sizes, "float64")
     outputs = interpret(program, out_idx=[7, 8, 9, 10, 11, 12])(
         *inputs, index[2 * N_seq + 2:].reshape(-1, 2), index[:N_seq + 1])
     prepared, chunk_decay = dict(zip(("w", "u", "q_decayed", "k_to_chunk_end", "a_qk"), outputs[:5])), outputs[5]
+    n_chunks = int(chunk_table(cu_seqlens, PREFILL_C)[1][-1])
+    assert sizes[2] > n_chunks, "the table has no row past the batch's chunks: the test does not test them"
     token_rows, _ = chunk_aligned_rows(cu_seqlens, PREFILL_C)
-    padding_rows = np.setdiff1d(np.arange(sizes[1]), token_rows)
-    assert len(padding_rows) == sizes[1] - sizes[0] > 0
+    padding_rows = np.setdiff1d(np.arange(n_chunks * PREFILL_C), token_rows)
+    assert len(padding_rows) == n_chunks * PREFILL_C - sizes[0] > 0
     for field in CHUNK_FIELDS:
         assert_close(prepared[field][:, token_rows], getattr(expected, field), rel_l2=TF32_FLOOR, name=field)
         assert np.array_equal(prepared[field][:, padding_rows], np.zeros_like(prepared[field][:, padding_rows])), \
             f"{field}: a row past a sequence's end is not zero"
-    assert_close(chunk_decay, expected.chunk_decay, rel_l2=FP32_FLOOR, name="the chunk decays")
+        assert np.isnan(prepared[field][:, n_chunks * PREFILL_C:]).all(), f"{field}: a row past the chunks was written"
+    assert_close(chunk_decay[:, :n_chunks], expected.chunk_decay, rel_l2=FP32_FLOOR, name="the chunk decays")
+    assert np.isnan(chunk_decay[:, n_chunks:]).all(), "a chunk decay past the batch's chunks was written"
     for given, before in zip(inputs, kept):
         assert np.array_equal(given, before), "the prepare changed an input"
 
@@ -367,8 +408,9 @@ def _bad_prefill_inputs():
 
     return [
         (dict(cu_seqlens=torch.tensor([0.0, 3.0, 10.0])), TypeError, "cu_seqlens must have dtype int32 or int64"),
-        (dict(cu_seqlens=torch.tensor([0, 3, 11], dtype=torch.int32)), ValueError, "end at T = 10"),
-        (dict(cu_seqlens=torch.tensor([0, 5, 3, 10])), ValueError, "never decrease"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 11], dtype=torch.int32), checks="host"), ValueError, "end at T = 10"),
+        (dict(cu_seqlens=torch.tensor([0, 5, 3, 10]), initial_state=torch.zeros(3, 2, 32, 32), checks="host"),
+         ValueError, "never decrease"),
         (dict(cu_seqlens=torch.tensor([0])), ValueError, r"shape \(N_seq \+ 1,\)"),
         (dict(initial_state=torch.zeros(3, 2, 32, 32)), ValueError, r"initial_state must have shape \(N_seq"),
         (dict(initial_state=torch.zeros(2, 2, 32, 32, dtype=torch.float64)), TypeError, "initial_state must have dtype"),
@@ -382,11 +424,12 @@ def _bad_prefill_inputs():
         (dict(), ValueError, "must be on a CUDA device"),  # every check passed: the device is last
         # the default, checks="device": a bad value is the kernel's to flag, none is read here
         (dict(g=torch.full((1, 10, 2, 32), 0.5)), ValueError, "must be on a CUDA device"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 11])), ValueError, "must be on a CUDA device"),
         (dict(checks="never"), ValueError, "checks must be one of 'device', 'host', 'off'"),
     ]
 
 
-@pytest.mark.parametrize("case", range(14))
+@pytest.mark.parametrize("case", range(15))
 def test_prefill_refuses_bad_inputs_on_any_machine(case):
     from stages.s07_serving.kernel import prefill
 
@@ -464,15 +507,10 @@ def cpu_prefill(monkeypatch):
     GPU). The CPU's flags are clear before and after."""
     torch = pytest.importorskip("torch")
     from stages.common.device_checks import flags_for
-    from stages.common.interpreter import interpret
     from stages.s07_serving import kernel
-    from stages.s07_serving.reference import chunk_table
 
     def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False):
-        n_chunks = int(chunk_table(np.concatenate([[0], np.cumsum(PREFILL_LENGTHS)]), chunk_size)[1][-1])
-        sizes = (sum(PREFILL_LENGTHS), n_chunks * chunk_size, n_chunks, len(PREFILL_LENGTHS), H, d_k, d_v, chunk_size)
-        return (interpret(kernel.build_varlen_prepare_program(*sizes, dtype, value_flags=value_flags)),
-                interpret(kernel.build_varlen_recurrence_program(*sizes, block_dv, dtype)))
+        return _interpreted_kernels(PREFILL_LENGTHS, dtype, value_flags, chunk_size, H, d_k, block_dv)
 
     monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
     monkeypatch.setattr(kernel, "compiled_prefill_kernels", compiled_prefill_kernels)
@@ -531,6 +569,32 @@ def test_good_values_flag_nothing_in_prefill_and_off_flags_nothing(cpu_prefill):
     assert not flags_for("cpu").any()
 
 
+# offsets out of order in PREFILL_LENGTHS' batch (167 tokens, 6 sequences): past the end, short of it,
+# from a token above 0, decreasing, negative
+BAD_CU_SEQLENS = [(0, 32, 32, 33, 64, 134, 200), (0, 32, 32, 33, 64, 134, 160), (5, 32, 32, 33, 64, 134, 167),
+                  (0, 32, 40, 33, 64, 134, 167), (0, -32, 32, 33, 64, 134, 167)]
+
+
+@pytest.mark.parametrize("cu_seqlens", BAD_CU_SEQLENS)
+def test_the_default_prefill_flags_cu_seqlens_out_of_order_and_reads_nothing_outside(cpu_prefill, cu_seqlens):
+    """Offsets out of order are the device's to flag (nothing read to the host): the call returns,
+    having read and written nothing outside the batch's tensors (the interpreter raises on an index
+    out of range), and raise_if_flagged raises the cu_seqlens message alone; with checks="off"
+    nothing is flagged, and with checks="host" the call refuses before a kernel."""
+    from stages.common.device_checks import BAD_CU_SEQLENS, MESSAGES, flags_for, raise_if_flagged
+
+    x, _ = _flagged_case()
+    cu_seqlens = np.array(cu_seqlens)
+    cpu_prefill(x, cu_seqlens)
+    with pytest.raises(ValueError) as raised:
+        raise_if_flagged("cpu")
+    assert str(raised.value) == MESSAGES[BAD_CU_SEQLENS]
+    cpu_prefill(x, cu_seqlens, checks="off")
+    assert not flags_for("cpu").any()
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0, never decrease and end at T = 167"):
+        cpu_prefill(x, cu_seqlens, checks="host")
+
+
 def test_prefill_on_the_host_refuses_before_the_kernels(cpu_prefill, monkeypatch):
     from stages.s07_serving import kernel
 
@@ -553,11 +617,11 @@ def test_rows_past_a_sequence_end_are_not_read_for_the_flags(token, flagged):
     T_tokens, C, H, d = int(cu_seqlens[-1]), PREFILL_C, PREFILL_H, PREFILL_D
     program = build_varlen_prepare_program(T_tokens, C, 1, len(PREFILL_LENGTHS), H, d, d, C, "float64",
                                            value_flags=True)
-    flags = np.zeros(3, dtype=np.int32)
+    flags = np.zeros(FLAG_COUNT, dtype=np.int32)
     outputs = [np.zeros((1, C, H, width)) for width in (d, d, d, d, C)] + [np.zeros((1, 1, H, d))]
     chunks = np.array([[3, 0]], dtype=np.int32)  # sequence 3's chunk 0
     interpret(program)(x.q, x.k, x.v, x.g, x.beta, chunks, cu_seqlens.astype(np.int32), flags, *outputs)
-    assert flags.tolist() == [int(flagged), 0, 0]
+    assert flags.tolist() == [int(flagged)] + [0] * (FLAG_COUNT - 1)
 
 
 # ------------------------------------------------------------------------------------------ compile, GPU
@@ -644,8 +708,7 @@ def test_prefill_matches_float64_and_fla_with_cu_seqlens(dtype_name):
 def test_the_default_prefill_flags_bad_values_on_the_gpu():
     """checks="device" on the GPU, cu_seqlens given: good values (g down to -1e4, beta 0 and 1) flag
     nothing; a bad g or beta in any sequence raises at raise_if_flagged (not at the call), with
-    checks="off" nothing. (A call with cu_seqlens reads them to the host, so it is not captured in a
-    CUDA graph; stage 5's forward, prefill without cu_seqlens, is: tests/test_s05_fast_kda.py.)"""
+    checks="off" nothing. (The call captured in a CUDA graph: the next test.)"""
     import torch
 
     from stages.common.device_checks import BAD_BETA, BAD_GATE, MESSAGES, raise_if_flagged
@@ -674,6 +737,60 @@ def test_the_default_prefill_flags_bad_values_on_the_gpu():
         with pytest.raises(ValueError) as raised:
             raise_if_flagged(device)
         assert str(raised.value) == MESSAGES[BAD_GATE if flag == "gate" else BAD_BETA]
+
+
+@pytest.mark.gpu
+def test_prefill_with_cu_seqlens_syncs_nothing_and_replays_as_a_cuda_graph():
+    """The default call with cu_seqlens runs under torch's sync debug mode "error" (a host sync would
+    raise), and captured in a CUDA graph it replays any batch of the same token and sequence counts:
+    new lengths and new values copied into the captured tensors give the eager call's outputs, bit
+    for bit; offsets out of order copied in are flagged at raise_if_flagged."""
+    import torch
+
+    from stages.common.device_checks import BAD_CU_SEQLENS, MESSAGES, raise_if_flagged
+    from stages.s07_serving.kernel import prefill
+
+    device = torch.device("cuda")
+    x, cu_seqlens, S0 = _gpu_packed(GPU_LENGTHS, 2, 128, seed=33)
+    tensors = [torch.tensor(a, dtype=torch.bfloat16, device=device) for a in (x.q, x.k, x.v)]
+    tensors += [torch.tensor(a, dtype=torch.float32, device=device) for a in (x.g, x.beta)]
+    cu, state = torch.tensor(cu_seqlens, device=device), torch.tensor(S0, dtype=torch.float32, device=device)
+
+    def call():
+        return prefill(*tensors, cu_seqlens=cu, initial_state=state, output_final_state=True)
+
+    call()  # compiles, makes the flags
+    raise_if_flagged(device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # warm-up on the capture's stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    other_lengths = (300, 0, 17, 1000, 1, 64, 65, 63)  # the same count and total, in another order
+    y, other_cu, other_S0 = _gpu_packed(other_lengths, 2, 128, seed=34)
+    for given, new in zip(tensors, (y.q, y.k, y.v, y.g, y.beta)):
+        given.copy_(torch.tensor(new, dtype=given.dtype, device=device))
+    cu.copy_(torch.tensor(other_cu, device=device))
+    state.copy_(torch.tensor(other_S0, dtype=torch.float32, device=device))
+    graph.replay()
+    expected = call()
+    for replayed, eager in zip(captured, expected):
+        assert torch.equal(replayed, eager), "the replayed graph differs from the eager call"
+    raise_if_flagged(device)
+    cu.copy_(torch.tensor(other_cu[::-1].copy(), device=device))  # decreasing
+    graph.replay()
+    with pytest.raises(ValueError) as raised:
+        raise_if_flagged(device)
+    assert str(raised.value) == MESSAGES[BAD_CU_SEQLENS]
 
 
 def test_the_compiled_pair_is_made_once_and_then_returned_without_threads(monkeypatch):

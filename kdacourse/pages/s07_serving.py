@@ -152,7 +152,9 @@ def write_padding_table(path):
 
 # the committed varlen run, (impl, what) -> its label in the parts' table
 PREFILL_PARTS = [(("ours", "call"), "whole call"), (("ours", "call_unchecked"), "whole call, value checks off"),
-                 (("ours", "kernels"), "the two kernels alone"), (("fla", "call"), "FLA's chunk_kda call")]
+                 (("ours", "kernels"), "the two kernels alone"), (("ours", "graph"), "whole call as a CUDA graph"),
+                 (("fla", "call"), "FLA's chunk_kda call"),
+                 (("fla", "call_new_cu_seqlens"), "FLA's call, a new cu_seqlens tensor")]
 
 
 def write_prefill_parts(path):

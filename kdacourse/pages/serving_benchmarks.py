@@ -101,7 +101,8 @@ def write_backward_timings(path):
 
 VARLEN_TIMES = [("ours", "call", "ours call"), ("ours", "call_unchecked", "ours call, checks off"),
                 ("ours", "kernels", "ours kernels alone"), ("ours", "one_sequence", "stage 5, one sequence"),
-                ("fla", "call", "FLA call"), ("fla", "graph", "FLA as a graph")]
+                ("ours", "graph", "ours as a graph"), ("fla", "call", "FLA call"),
+                ("fla", "call_new_cu_seqlens", "FLA call, a new cu_seqlens"), ("fla", "graph", "FLA as a graph")]
 
 
 def varlen_times(rows):

@@ -1,19 +1,21 @@
 """Value checks on the device: what only the data can tell, found without a host sync.
 
 A shape, a dtype or a device is known on the host and checked there. Whether a log gate is above 0,
-a beta outside [0, 1], a value NaN or a slot outside the pool only the data can tell, and reading the
-data to the host costs a device sync on every call: at decode, 213 us on a 77 us step, and a call
-that syncs cannot be captured in a CUDA graph, which is how servers run decode. So the kernels check
-the values they read anyway, as they read them, and set a flag in `Flags` (FLAG_COUNT int32, one
-per kind of bad value, only ever set to 1). The flags live in a small tensor per device that the
-caller passes to every call; nothing is read back per call.
+a beta outside [0, 1], a value NaN, a slot outside the pool or offsets `cu_seqlens` out of order only
+the data can tell, and reading the data to the host costs a device sync on every call: at decode,
+213 us on a 77 us step, and a call that syncs cannot be captured in a CUDA graph, which is how
+servers run decode. So the kernels check the values they read anyway, as they read them, and set a
+flag in `Flags` (FLAG_COUNT int32, one per kind of bad value, only ever set to 1; prefill's
+cu_seqlens are checked by the device ops that build its chunk table). The flags live in a small
+tensor per device that the caller passes to every call; nothing is read back per call.
 
 The flags are read where the caller synchronizes anyway: `raise_if_flagged(device)` waits for the
 device, and raises ValueError naming what was wrong (clearing the flags). A server calls it where
 it reads a step's output (it syncs there already: the sampled tokens go to the host), a training
 loop where it logs the loss, a test after the call. Until then a bad value costs nothing but its
 own wrong outputs: the kernels write nothing outside their tensors whatever the values (a slot
-outside the pool is read as slot 0 and written nowhere).
+outside the pool is read as slot 0 and written nowhere; offsets out of order are read as the nearest
+ordered ones inside the batch).
 
 The flags are sticky: a call never clears them, so a CUDA graph replayed a thousand times reports a
 bad value of any replay at the next raise_if_flagged.
@@ -25,14 +27,17 @@ to the host and refused before any kernel runs: a sync per call, the mode to deb
 as unchecked).
 """
 
-BAD_GATE, BAD_BETA, BAD_SLOT = range(3)
-FLAG_COUNT = 3
+BAD_GATE, BAD_BETA, BAD_SLOT, BAD_CU_SEQLENS = range(4)
+FLAG_COUNT = 4
 CHECKS = ("device", "host", "off")
 MESSAGES = {
     BAD_GATE: "g must be finite and <= 0 (g = log(a), 0 < a <= 1; for a = 0 use a large negative g such as "
               "-1e4): a call saw a g above 0, NaN or -inf",
     BAD_BETA: "beta must lie in [0, 1]: a call saw a beta outside it or NaN",
     BAD_SLOT: "slots must lie in [0, P): a call saw a slot outside the pool (its sequence was not advanced)",
+    BAD_CU_SEQLENS: "cu_seqlens must start at 0, never decrease and end at T, the packed tokens: a call saw one "
+                    "that does not (read as the nearest such offsets: no token outside the batch was touched, but "
+                    "its outputs are not the batch's)",
 }
 
 

@@ -164,20 +164,22 @@ def pad_tokens(N_padded, *tensors):
 CU_SEQLENS_DTYPES = ("int32", "int64")
 
 
-def check_cu_seqlens(cu_seqlens, B, T):
+def check_cu_seqlens(cu_seqlens, B):
     """cu_seqlens: a contiguous int32 or int64 tensor (N_seq + 1,) of offsets into a packed batch of
-    B = 1 row of T tokens, FLA's convention: from 0 to T, never decreasing (a sequence may be empty).
-
-    Returns the offsets as a list of Python ints: one read to the host, one device sync, which the
-    caller needs anyway to size its work by the sequences' lengths.
-    """
+    B = 1 row, FLA's convention. Its type and shape only: nothing is read from the device (the values
+    are check_cu_seqlens_values's, or the device's: stages.s07_serving.kernel.varlen_index)."""
     check_kernel_tensor("cu_seqlens", cu_seqlens, rank=1, dtypes=CU_SEQLENS_DTYPES)
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must have shape (N_seq + 1,) with N_seq >= 1, got {tuple(cu_seqlens.shape)}")
     if B != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed into one row: B must be 1, got B = {B}")
+
+
+def check_cu_seqlens_values(cu_seqlens, T):
+    """cu_seqlens's offsets run from 0 to T, the packed tokens, never decreasing (a sequence may be
+    empty). Reads them to the host: one device sync."""
     offsets = cu_seqlens.tolist()
     if offsets[0] != 0 or offsets[-1] != T or any(end < start for start, end in zip(offsets, offsets[1:])):
         shown = offsets if len(offsets) <= 8 else offsets[:8] + ["..."]
-        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T = {T}, the packed tokens; got {shown}")
-    return offsets
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T = {T}, the packed tokens; "
+                         f"got {shown}")

@@ -33,20 +33,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from stages.common.device_checks import (BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT, bad_beta, bad_gate, check_mode,
-                                         flags_for)
+from stages.common.device_checks import (BAD_BETA, BAD_CU_SEQLENS, BAD_GATE, BAD_SLOT, FLAG_COUNT, bad_beta,
+                                         bad_gate, check_mode, flags_for)
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
-from stages.common.checks import padded_length
-from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_gate, check_gate_values,
-                                        check_kernel_tensor, check_on_cuda, check_same, check_slot_values, check_slots,
-                                        dtype_name)
+from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_cu_seqlens_values, check_gate,
+                                        check_gate_values, check_kernel_tensor, check_on_cuda, check_same,
+                                        check_slot_values, check_slots, dtype_name)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, advance_state_macro,
                                         anchored_scores_macro, block_inverse_macro, check_kernel_sizes, check_state,
                                         check_token_inputs, chunk_output_macro, cumulative_gates_macro,
                                         default_prepare_threads, flag_bad_values_macro, wy_outputs_macro)
 from stages.s05_fast_kda.numerics import score_operand_dtypes
-from stages.s07_serving.reference import chunk_table
 
 if TYPE_CHECKING:
     import torch
@@ -253,6 +251,14 @@ def check_decode_values(g: "torch.Tensor", beta: "torch.Tensor", slots: "torch.T
 
 
 # --8<-- [start:varlen_prepare_program]
+# TileLang reuses a program's shared memory between buffers whose uses do not overlap, judging by the
+# statements of the program's body. The varlen prepare's body is one statement, `if rows > 0:` (a
+# row of the table past the batch's chunks does nothing), and the default planner, which does not
+# look inside it, gave every buffer its own bytes: 248,080 B, past an H200 SM's 227 KiB. Its
+# aggressive mode follows the uses inside the branch: 114,960 B, stage 5's prepare's.
+VARLEN_PREPARE_PASS_CONFIGS = {"tl.enable_aggressive_shared_memory_merge": True}
+
+
 def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE,
                                  dtype="float16", threads=None, channel_passes=CHANNEL_PASSES, value_flags=False):
     """Stage 5's prepare on a packed batch: q, k, g (1, T_tokens, H, d_k), v (1, T_tokens, H, d_v), beta
@@ -263,7 +269,8 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     One program per (row p of the chunk table, head): it reads chunk `chunk` of sequence `sequence`
     straight from the packed rows, zeros past the sequence's end (masked loads, as reference C's
     prepare_varlen), and writes rows p * C to p * C + C - 1 of the chunk-aligned layout the varlen
-    recurrence reads. Between its loads and its stores it runs stage 5's prepare: the same buffers and
+    recurrence reads. A row of the table whose chunk starts at or past its sequence's end (the rows
+    `varlen_index` adds past the batch's chunks) does nothing. Between its loads and its stores it runs stage 5's prepare: the same buffers and
     the same macros (cumulative_gates, anchored_scores, block_inverse, wy_outputs). T_tokens, T_padded,
     n_chunks and N_seq may be TileLang symbols (T.dynamic). Parameters in order: Q, K, V, G, Beta,
     Chunks, Cu_seqlens, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay; value_flags=True adds
@@ -324,38 +331,41 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
             u_f = T.alloc_fragment((C, d_v), accum_dtype)
             block_row_f = T.alloc_fragment((sub, C), accum_dtype)
 
-            # masked loads: a row past the sequence's end is a zero token (g = 0, beta = 0), which
-            # changes nothing of the rows before it; the next sequence's tokens are never read. The
-            # 2-byte and the 4-byte loads in loops of their own: each vectorizes to 16 bytes a lane
-            for r, d in T.Parallel(C, d_k):
-                Q_s[r, d] = T.if_then_else(r < rows, Q[0, start + r, h, d], 0)
-                K_s[r, d] = T.if_then_else(r < rows, K[0, start + r, h, d], 0)
-            for r, d in T.Parallel(C, d_k):
-                gamma_s[r, d] = T.if_then_else(r < rows, G[0, start + r, h, d], 0)
-            for r in T.Parallel(C):
-                beta_s[r] = T.if_then_else(r < rows, Beta[0, start + r, h], 0)
-            if Flags is not None:  # value_flags: the sequence's gates and betas checked as they arrive
-                flag_bad_values(gamma_s, beta_s, Flags)
-            cumulative_gates(gamma_s)
+            # a row of the table past the batch's chunks (the table is sized before the chunks are
+            # counted: varlen_index) starts at or past its sequence's end: nothing to do
+            if rows > 0:
+                # masked loads: a row past the sequence's end is a zero token (g = 0, beta = 0), which
+                # changes nothing of the rows before it; the next sequence's tokens are never read. The
+                # 2-byte and the 4-byte loads in loops of their own: each vectorizes to 16 bytes a lane
+                for r, d in T.Parallel(C, d_k):
+                    Q_s[r, d] = T.if_then_else(r < rows, Q[0, start + r, h, d], 0)
+                    K_s[r, d] = T.if_then_else(r < rows, K[0, start + r, h, d], 0)
+                for r, d in T.Parallel(C, d_k):
+                    gamma_s[r, d] = T.if_then_else(r < rows, G[0, start + r, h, d], 0)
+                for r in T.Parallel(C):
+                    beta_s[r] = T.if_then_else(r < rows, Beta[0, start + r, h], 0)
+                if Flags is not None:  # value_flags: the sequence's gates and betas checked as they arrive
+                    flag_bad_values(gamma_s, beta_s, Flags)
+                cumulative_gates(gamma_s)
 
-            # stage 5's prepare, storing at the chunk-aligned rows; V masked as the others
-            anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s,
-                            K_slab_col_s, kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s)
-            T.copy(A_qk_s, A_qk[0, t0:t0 + C, h, :])
-            for r, d in T.Parallel(C, d_k):
-                decay_from_start = T.exp2(gamma_s[r, d] * LOG2_E)
-                Q_decayed[0, t0 + r, h, d] = Q_s[r, d] * decay_from_start
-                K_to_chunk_end[0, t0 + r, h, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
-                Kg_s[r, d] = K_s[r, d] * decay_from_start
-            for d in T.Parallel(d_k):
-                Chunk_decay[0, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
-            for r, d in T.Parallel(C, d_v):
-                V_s[r, d] = T.if_then_else(r < rows, V[0, start + r, h, d], 0)
+                # stage 5's prepare, storing at the chunk-aligned rows; V masked as the others
+                anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s,
+                                K_slab_col_s, kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s)
+                T.copy(A_qk_s, A_qk[0, t0:t0 + C, h, :])
+                for r, d in T.Parallel(C, d_k):
+                    decay_from_start = T.exp2(gamma_s[r, d] * LOG2_E)
+                    Q_decayed[0, t0 + r, h, d] = Q_s[r, d] * decay_from_start
+                    K_to_chunk_end[0, t0 + r, h, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
+                    Kg_s[r, d] = K_s[r, d] * decay_from_start
+                for d in T.Parallel(d_k):
+                    Chunk_decay[0, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
+                for r, d in T.Parallel(C, d_v):
+                    V_s[r, d] = T.if_then_else(r < rows, V[0, start + r, h, d], 0)
 
-            block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f)
-            wy_outputs(T_s, beta_s, A_hat_s, Kg_s, V_s, w_f, u_f, W_s, U_s)
-            T.copy(W_s, W[0, t0:t0 + C, h, :])
-            T.copy(U_s, U[0, t0:t0 + C, h, :])
+                block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f)
+                wy_outputs(T_s, beta_s, A_hat_s, Kg_s, V_s, w_f, u_f, W_s, U_s)
+                T.copy(W_s, W[0, t0:t0 + C, h, :])
+                T.copy(U_s, U[0, t0:t0 + C, h, :])
 
 
     if value_flags:
@@ -496,7 +506,7 @@ def _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype, value_flags):
     import tilelang
 
     program = build_varlen_prepare_program(*run_time_sizes(), H, d_k, d_v, chunk_size, dtype, value_flags=value_flags)
-    return tilelang.compile(program, target="cuda")
+    return tilelang.compile(program, target="cuda", pass_configs=VARLEN_PREPARE_PASS_CONFIGS)
 
 
 @functools.cache
@@ -539,89 +549,110 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     Returns o (B, T, H, d_v) in the input dtype, and with output_final_state also the final states
     S^T (N_seq, H, d_k, d_v) fp32. block_dv=None takes stage 5's default_block_dv for N_seq sequences.
     checks: as stage 5's forward, "device" (the default: the varlen prepare flags a bad g or beta as
-    it loads it, `raise_if_flagged(q.device)` reports it), "host" (read to the host and refused
-    before the kernels) or "off".
+    it loads it, the index's ops offsets cu_seqlens out of order; `raise_if_flagged(q.device)`
+    reports them), "host" (g, beta and cu_seqlens read to the host and refused before the kernels)
+    or "off".
 
     With cu_seqlens: the varlen prepare reads each chunk of each sequence straight from the packed
     tensors (zeros past the sequence's end) and writes the chunk-aligned layout, the varlen recurrence
     walks each sequence's chunks from its own state and writes o to the packed rows. Two kernel
-    launches per call, whatever the lengths, one compiled pair of kernels for every batch, and no
-    copy of the tokens: cu_seqlens is read to the host once (one sync) to build the chunk table. That
-    sync is shape information, which sizes the launch (FLA reads it too); no value is read by default,
-    but a call with cu_seqlens cannot be captured in a CUDA graph (without, it is stage 5's forward,
-    which can).
+    launches per call, whatever the lengths, one compiled pair of kernels for every batch, no copy of
+    the tokens, and no host sync: the chunk table is built on the device (`varlen_index`), sized by
+    the most chunks T tokens in N_seq sequences can need, so that the call can be captured in a CUDA
+    graph like stage 5's forward (prefill without cu_seqlens).
     """
-    import torch
-
     from stages.s05_fast_kda.kernel import default_block_dv, forward, streaming_multiprocessors, zero_state
 
     if cu_seqlens is None:
         return forward(q, k, v, g, beta, chunk_size=chunk_size, block_dv=block_dv, initial_state=initial_state,
                        output_final_state=output_final_state, checks=checks)
-    offsets = check_prefill_inputs(q, k, v, g, beta, cu_seqlens, initial_state, chunk_size, block_dv, checks)
-    H, d_k, d_v, N_seq = q.shape[2], q.shape[3], v.shape[3], len(offsets) - 1
-    index = varlen_index(offsets, chunk_size)
-    n_chunks = int(index[2 * N_seq + 1])  # chunk_offsets[-1]
+    check_prefill_inputs(q, k, v, g, beta, cu_seqlens, initial_state, chunk_size, block_dv, checks)
+    T, H, d_k, d_v, N_seq = q.shape[1], q.shape[2], q.shape[3], v.shape[3], cu_seqlens.numel() - 1
     if initial_state is None:
         initial_state = zero_state(N_seq, H, d_k, d_v, q.device)
     if block_dv is None:
         block_dv = default_block_dv(N_seq, H, d_v, streaming_multiprocessors(q.device))
 
-    value_flags = checks == "device"
-    kernels = compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype_name(q), value_flags)
-    o, final_state = varlen_forward(q, k, v, g, beta, torch.from_numpy(index).to(q.device, non_blocking=True),
-                                    n_chunks, initial_state, chunk_size, kernels,
-                                    flags_for(q.device) if value_flags else None)
+    flags = flags_for(q.device) if checks == "device" else None
+    index = varlen_index(cu_seqlens, T, chunk_size, flags)
+    kernels = compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype_name(q), flags is not None)
+    o, final_state = varlen_forward(q, k, v, g, beta, index, initial_state, chunk_size, kernels, flags)
     return (o, final_state) if output_final_state else o
 
 
 def check_prefill_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
                          beta: "torch.Tensor", cu_seqlens: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
                          chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int | None = None,
-                         checks: str = "device") -> np.ndarray:
+                         checks: str = "device") -> None:
     """Every check of `prefill`'s arguments with cu_seqlens (without, `forward` checks them), in the
     order of stage 5's check_forward_inputs: the checks mode, the tensors' types, shapes and dtypes,
-    cu_seqlens (read to the host: one sync), the initial states, the tile sizes and the 32-bit
-    indexing; then, with checks="host", g's and beta's values (check_gate_values); the device last.
-
-    Returns the sequences' token offsets, cu_seqlens on the host (N_seq + 1 integers)."""
+    cu_seqlens's type and shape, the initial states, the tile sizes and the 32-bit indexing of the
+    largest chunk-aligned layout; then, with checks="host", cu_seqlens's, g's and beta's values (read
+    to the host); the device last."""
     check_mode(checks)
     B, T, H, d_k, d_v = check_token_inputs(q, k, v, g, beta, length="T")
-    offsets = np.asarray(check_cu_seqlens(cu_seqlens, B, T))
-    check_state("initial_state", initial_state, (len(offsets) - 1, H, d_k, d_v), "(N_seq, H, d_k, d_v)")
+    check_cu_seqlens(cu_seqlens, B)
+    N_seq = cu_seqlens.numel() - 1
+    check_state("initial_state", initial_state, (N_seq, H, d_k, d_v), "(N_seq, H, d_k, d_v)")
     check_kernel_sizes(d_k, d_v, chunk_size, block_dv or DEFAULT_BLOCK_DV)
-    aligned_rows = sum(padded_length(int(end - start), chunk_size) for start, end in zip(offsets, offsets[1:]))
-    check_int32_indexing(max(T, aligned_rows), H, max(d_k, d_v, chunk_size))
+    check_int32_indexing(max(T, most_chunks(T, N_seq, chunk_size) * chunk_size), H, max(d_k, d_v, chunk_size))
     if checks == "host":
+        check_cu_seqlens_values(cu_seqlens, T)
         check_gate_values(g, beta)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens,
                    "initial_state": initial_state})
-    return offsets
 # --8<-- [end:prefill]
 
 
 # --8<-- [start:varlen_forward]
-def varlen_index(cu_seqlens: np.ndarray, chunk_size: int) -> np.ndarray:
-    """The kernels' whole index of a packed batch, built on the host in one int32 array that crosses
-    to the device in one copy: cu_seqlens (N_seq + 1), chunk_offsets (N_seq + 1; its last entry,
-    index[2 * N_seq + 1], is n_chunks), then the chunk table's rows (sequence, chunk in the
-    sequence), 2 * n_chunks entries (reference.chunk_table)."""
-    chunks, chunk_offsets = chunk_table(cu_seqlens, chunk_size)
-    return np.concatenate([cu_seqlens, chunk_offsets, chunks.ravel()]).astype(np.int32)
+def most_chunks(T: int, N_seq: int, chunk_size: int) -> int:
+    """The most chunks T tokens cut into N_seq sequences can take: a sequence of n tokens takes
+    ceil(n / C) <= floor(n / C) + 1 chunks, and the floors sum to at most floor(T / C)."""
+    return T // chunk_size + N_seq
 
 
-def varlen_forward(q, k, v, g, beta, index, n_chunks, initial_state, chunk_size, kernels, flags=None):
+def varlen_index(cu_seqlens: "torch.Tensor", T: int, chunk_size: int,
+                 flags: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """The kernels' whole index of a packed batch of T tokens, one int32 tensor built by device ops
+    on cu_seqlens's device, with no host sync: cu_seqlens (N_seq + 1), chunk_offsets (N_seq + 1),
+    then the chunk table's rows (sequence, chunk in the sequence), 2 * most_chunks(T, N_seq, C)
+    entries, as reference.chunk_table's for the batch's own chunks; the rows past them carry the
+    last sequence and chunks past its end (the prepare skips them).
+
+    Offsets out of order are read as the nearest ordered ones inside [0, T] (clamped, then a running
+    maximum), so that no kernel reads outside the batch whatever cu_seqlens holds; with `flags`
+    (the device's value flags) such offsets, and a first offset above 0 or a last below T, set
+    Flags[BAD_CU_SEQLENS]."""
+    import torch
+
+    C, N_seq = chunk_size, cu_seqlens.numel() - 1
+    offsets = torch.cummax(cu_seqlens.long().clamp(0, T), dim=0).values
+    if flags is not None:
+        out_of_order = (offsets != cu_seqlens).any() | (offsets[0] != 0) | (offsets[-1] != T)
+        flag = flags[BAD_CU_SEQLENS:BAD_CU_SEQLENS + 1]
+        flag.copy_(torch.maximum(flag, out_of_order.to(torch.int32)))
+    chunk_counts = (offsets[1:] - offsets[:-1] + C - 1) // C  # ceil(n / C) chunks of a sequence of n tokens
+    chunk_offsets = torch.nn.functional.pad(torch.cumsum(chunk_counts, dim=0), (1, 0))
+    row = torch.arange(most_chunks(T, N_seq, C), device=cu_seqlens.device)
+    # row p's sequence: the last whose chunks start at or before p (past the batch's chunks: the last)
+    sequence = torch.searchsorted(chunk_offsets[1:], row, right=True).clamp(max=N_seq - 1)
+    chunks = torch.stack([sequence, row - chunk_offsets[sequence]], dim=1)
+    return torch.cat([offsets, chunk_offsets, chunks.ravel()]).to(torch.int32)
+
+
+def varlen_forward(q, k, v, g, beta, index, initial_state, chunk_size, kernels, flags=None):
     """kernels = (varlen prepare, varlen recurrence) on the packed batch (1, T, ...) as the caller gave
-    it; index: `varlen_index` as an int32 tensor on the inputs' device, n_chunks its chunk count;
-    flags: the Flags tensor a prepare built with value_flags takes, None for one built without:
-    the kernels' outputs allocated, their two launches (no host sync). Returns (o (1, T, H, d_v),
-    final states (N_seq, H, d_k, d_v) fp32)."""
+    it; index: `varlen_index` on the inputs' device; flags: the Flags tensor a prepare built with
+    value_flags takes, None for one built without: the kernels' outputs allocated (the chunk-aligned
+    ones for most_chunks), their two launches (no host sync). Returns (o (1, T, H, d_v), final states
+    (N_seq, H, d_k, d_v) fp32)."""
     import torch
 
     prepare, recurrence = kernels
     (_, T, H, d_k), d_v, N_seq = q.shape, v.shape[3], initial_state.shape[0]
-    if n_chunks == 0:  # every sequence empty: nothing to launch, the states stay
+    if T == 0:  # every sequence empty: nothing to launch, the states stay
         return torch.empty_like(v), initial_state.clone()
+    n_chunks = most_chunks(T, N_seq, chunk_size)
     cu_seqlens, chunk_offsets, chunks = index[:N_seq + 1], index[N_seq + 1:2 * N_seq + 2], index[2 * N_seq + 2:]
     T_padded = n_chunks * chunk_size
 
@@ -674,7 +705,7 @@ def varlen_compile_report(kernel="recurrence", H=32, d_k=128, d_v=128, chunk_siz
     check_kernel_sizes(d_k, d_v, chunk_size, block_dv)
     if kernel == "prepare":
         return _compile_report(build_varlen_prepare_program(*run_time_sizes(), H, d_k, d_v, chunk_size, dtype,
-                                                            value_flags=value_flags))
+                                                            value_flags=value_flags), VARLEN_PREPARE_PASS_CONFIGS)
     if kernel == "recurrence":
         return _compile_report(build_varlen_recurrence_program(*run_time_sizes(), H, d_k, d_v, chunk_size, block_dv,
                                                                dtype))
