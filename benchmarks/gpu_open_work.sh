@@ -18,6 +18,8 @@
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 6     # stages 5-7's GPU tests, two processes at once
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 9     # stage 5's kernels repeated bit for bit, alone and
 #                            # beside another process's GEMMs, and under compute-sanitizer
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 11    # prefill without a host sync: its GPU tests, under
+#                            # compute-sanitizer, then timed beside FLA
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -145,8 +147,22 @@ case $part in
     done
     tar -C "$out" -cf "$out/racecheck.tar" racecheck && rm -r "${out:?}/racecheck"
     ;;
+  11)
+    # prefill without a host sync (issue 27 item 6): its GPU tests (the graph replay, the sync debug
+    # mode, FLA beside it) and one call under memcheck and racecheck (the varlen prepare is compiled
+    # with TileLang's aggressive shared-memory merge), side by side; then the varlen timings alone
+    sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    step s07_prefill_gpu 250 python -m pytest tests/test_s07_prefill.py tests/test_s07_serving.py \
+      tests/test_device_checks.py -m gpu -v -s -p no:cacheprovider &
+    for tool in memcheck racecheck; do
+      step "prefill_$tool" 250 "$sanitizer" --tool "$tool" --kernel-name kns=kda_ python -m pytest \
+        tests/test_s07_prefill.py -m gpu -k syncs_nothing -p no:cacheprovider &
+    done
+    wait
+    step varlen 300 python -m benchmarks.varlen --out "$out/varlen" --rounds 3
+    ;;
   *)
-    echo "part must be 1 to 10, got $part" >&2
+    echo "part must be 1 to 11, got $part" >&2
     exit 2
     ;;
 esac
