@@ -192,7 +192,7 @@ def test_varlen_references_refuse_bad_inputs(case):
 def test_varlen_index_is_the_chunk_table_then_rows_that_start_past_their_sequence(lengths, C):
     """prefill's index, built by device ops (here on the CPU): cu_seqlens, reference.chunk_table's
     chunk_offsets and rows, then rows up to most_chunks whose chunk starts at or past its sequence's
-    end (the prepare skips them). most_chunks is the bound: reached where every length is 1 past a
+    end (the prepare runs them on zeros). most_chunks is the bound: reached where every length is 1 past a
     multiple of C ((1, 33, 65) at C = 32), twice the chunks where every length is a whole number of
     them; empty sequences and a single sequence included."""
     import torch
@@ -292,8 +292,8 @@ def test_varlen_prepare_program_matches_reference_c():
     reference C's prepare_varlen: each token's outputs at its chunk-aligned row within the TF32
     rounding of stage 5's block-inverse merges, the rows past each sequence's end exactly zero (the
     recurrence reads them as zero tokens), the chunk decays by row of the chunk table; the table's
-    rows past the batch's chunks never written (the interpreter's outputs start as NaN); the packed
-    inputs read in place, unchanged."""
+    rows past the batch's chunks a zero chunk's outputs, written (the interpreter's outputs start as
+    NaN) where no sequence's rows are; the packed inputs read in place, unchanged."""
     import torch
 
     from stages.common.interpreter import interpret
@@ -320,9 +320,11 @@ def test_varlen_prepare_program_matches_reference_c():
         assert_close(prepared[field][:, token_rows], getattr(expected, field), rel_l2=TF32_FLOOR, name=field)
         assert np.array_equal(prepared[field][:, padding_rows], np.zeros_like(prepared[field][:, padding_rows])), \
             f"{field}: a row past a sequence's end is not zero"
-        assert np.isnan(prepared[field][:, n_chunks * PREFILL_C:]).all(), f"{field}: a row past the chunks was written"
+        past = prepared[field][:, n_chunks * PREFILL_C:]
+        assert np.array_equal(past, np.zeros_like(past)), f"{field}: a row past the chunks is not a zero chunk's"
     assert_close(chunk_decay[:, :n_chunks], expected.chunk_decay, rel_l2=FP32_FLOOR, name="the chunk decays")
-    assert np.isnan(chunk_decay[:, n_chunks:]).all(), "a chunk decay past the batch's chunks was written"
+    assert np.array_equal(chunk_decay[:, n_chunks:], np.ones_like(chunk_decay[:, n_chunks:])), \
+        "a chunk decay past the batch's chunks is not a zero chunk's (e^0 = 1)"
     for given, before in zip(inputs, kept):
         assert np.array_equal(given, before), "the prepare changed an input"
 

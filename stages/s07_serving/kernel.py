@@ -251,14 +251,6 @@ def check_decode_values(g: "torch.Tensor", beta: "torch.Tensor", slots: "torch.T
 
 
 # --8<-- [start:varlen_prepare_program]
-# TileLang reuses a program's shared memory between buffers whose uses do not overlap, judging by the
-# statements of the program's body. The varlen prepare's body is one statement, `if rows > 0:` (a
-# row of the table past the batch's chunks does nothing), and the default planner, which does not
-# look inside it, gave every buffer its own bytes: 248,080 B, past an H200 SM's 227 KiB. Its
-# aggressive mode follows the uses inside the branch: 114,960 B, stage 5's prepare's.
-VARLEN_PREPARE_PASS_CONFIGS = {"tl.enable_aggressive_shared_memory_merge": True}
-
-
 def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE,
                                  dtype="float16", threads=None, channel_passes=CHANNEL_PASSES, value_flags=False):
     """Stage 5's prepare on a packed batch: q, k, g (1, T_tokens, H, d_k), v (1, T_tokens, H, d_v), beta
@@ -270,7 +262,12 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
     straight from the packed rows, zeros past the sequence's end (masked loads, as reference C's
     prepare_varlen), and writes rows p * C to p * C + C - 1 of the chunk-aligned layout the varlen
     recurrence reads. A row of the table whose chunk starts at or past its sequence's end (the rows
-    `varlen_index` adds past the batch's chunks) does nothing. Between its loads and its stores it runs stage 5's prepare: the same buffers and
+    `varlen_index` adds past the batch's chunks) loads nothing but zeros, and writes a zero chunk's
+    outputs to rows no sequence owns. (Skipping it with `if rows > 0:` around the body cost more: the
+    body one statement, TileLang's shared-memory planner gave every buffer its own bytes, 248,080 B,
+    past an SM's 227 KiB; its aggressive mode fitted them in 114,960 B but raced on the H200,
+    compute-sanitizer's racecheck reporting writes over a GEMM operand still being read.) Between its
+    loads and its stores it runs stage 5's prepare: the same buffers and
     the same macros (cumulative_gates, anchored_scores, block_inverse, wy_outputs). T_tokens, T_padded,
     n_chunks and N_seq may be TileLang symbols (T.dynamic). Parameters in order: Q, K, V, G, Beta,
     Chunks, Cu_seqlens, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay; value_flags=True adds
@@ -331,41 +328,38 @@ def build_varlen_prepare_program(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_
             u_f = T.alloc_fragment((C, d_v), accum_dtype)
             block_row_f = T.alloc_fragment((sub, C), accum_dtype)
 
-            # a row of the table past the batch's chunks (the table is sized before the chunks are
-            # counted: varlen_index) starts at or past its sequence's end: nothing to do
-            if rows > 0:
-                # masked loads: a row past the sequence's end is a zero token (g = 0, beta = 0), which
-                # changes nothing of the rows before it; the next sequence's tokens are never read. The
-                # 2-byte and the 4-byte loads in loops of their own: each vectorizes to 16 bytes a lane
-                for r, d in T.Parallel(C, d_k):
-                    Q_s[r, d] = T.if_then_else(r < rows, Q[0, start + r, h, d], 0)
-                    K_s[r, d] = T.if_then_else(r < rows, K[0, start + r, h, d], 0)
-                for r, d in T.Parallel(C, d_k):
-                    gamma_s[r, d] = T.if_then_else(r < rows, G[0, start + r, h, d], 0)
-                for r in T.Parallel(C):
-                    beta_s[r] = T.if_then_else(r < rows, Beta[0, start + r, h], 0)
-                if Flags is not None:  # value_flags: the sequence's gates and betas checked as they arrive
-                    flag_bad_values(gamma_s, beta_s, Flags)
-                cumulative_gates(gamma_s)
+            # masked loads: a row past the sequence's end is a zero token (g = 0, beta = 0), which
+            # changes nothing of the rows before it; the next sequence's tokens are never read. The
+            # 2-byte and the 4-byte loads in loops of their own: each vectorizes to 16 bytes a lane
+            for r, d in T.Parallel(C, d_k):
+                Q_s[r, d] = T.if_then_else(r < rows, Q[0, start + r, h, d], 0)
+                K_s[r, d] = T.if_then_else(r < rows, K[0, start + r, h, d], 0)
+            for r, d in T.Parallel(C, d_k):
+                gamma_s[r, d] = T.if_then_else(r < rows, G[0, start + r, h, d], 0)
+            for r in T.Parallel(C):
+                beta_s[r] = T.if_then_else(r < rows, Beta[0, start + r, h], 0)
+            if Flags is not None:  # value_flags: the sequence's gates and betas checked as they arrive
+                flag_bad_values(gamma_s, beta_s, Flags)
+            cumulative_gates(gamma_s)
 
-                # stage 5's prepare, storing at the chunk-aligned rows; V masked as the others
-                anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s,
-                                K_slab_col_s, kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s)
-                T.copy(A_qk_s, A_qk[0, t0:t0 + C, h, :])
-                for r, d in T.Parallel(C, d_k):
-                    decay_from_start = T.exp2(gamma_s[r, d] * LOG2_E)
-                    Q_decayed[0, t0 + r, h, d] = Q_s[r, d] * decay_from_start
-                    K_to_chunk_end[0, t0 + r, h, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
-                    Kg_s[r, d] = K_s[r, d] * decay_from_start
-                for d in T.Parallel(d_k):
-                    Chunk_decay[0, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
-                for r, d in T.Parallel(C, d_v):
-                    V_s[r, d] = T.if_then_else(r < rows, V[0, start + r, h, d], 0)
+            # stage 5's prepare, storing at the chunk-aligned rows; V masked as the others
+            anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s,
+                            K_slab_col_s, kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s)
+            T.copy(A_qk_s, A_qk[0, t0:t0 + C, h, :])
+            for r, d in T.Parallel(C, d_k):
+                decay_from_start = T.exp2(gamma_s[r, d] * LOG2_E)
+                Q_decayed[0, t0 + r, h, d] = Q_s[r, d] * decay_from_start
+                K_to_chunk_end[0, t0 + r, h, d] = K_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
+                Kg_s[r, d] = K_s[r, d] * decay_from_start
+            for d in T.Parallel(d_k):
+                Chunk_decay[0, i_c, h, d] = T.exp2(gamma_s[C - 1, d] * LOG2_E)
+            for r, d in T.Parallel(C, d_v):
+                V_s[r, d] = T.if_then_else(r < rows, V[0, start + r, h, d], 0)
 
-                block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f)
-                wy_outputs(T_s, beta_s, A_hat_s, Kg_s, V_s, w_f, u_f, W_s, U_s)
-                T.copy(W_s, W[0, t0:t0 + C, h, :])
-                T.copy(U_s, U[0, t0:t0 + C, h, :])
+            block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f)
+            wy_outputs(T_s, beta_s, A_hat_s, Kg_s, V_s, w_f, u_f, W_s, U_s)
+            T.copy(W_s, W[0, t0:t0 + C, h, :])
+            T.copy(U_s, U[0, t0:t0 + C, h, :])
 
 
     if value_flags:
@@ -506,7 +500,7 @@ def _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype, value_flags):
     import tilelang
 
     program = build_varlen_prepare_program(*run_time_sizes(), H, d_k, d_v, chunk_size, dtype, value_flags=value_flags)
-    return tilelang.compile(program, target="cuda", pass_configs=VARLEN_PREPARE_PASS_CONFIGS)
+    return tilelang.compile(program, target="cuda")
 
 
 @functools.cache
@@ -617,7 +611,8 @@ def varlen_index(cu_seqlens: "torch.Tensor", T: int, chunk_size: int,
     on cu_seqlens's device, with no host sync: cu_seqlens (N_seq + 1), chunk_offsets (N_seq + 1),
     then the chunk table's rows (sequence, chunk in the sequence), 2 * most_chunks(T, N_seq, C)
     entries, as reference.chunk_table's for the batch's own chunks; the rows past them carry the
-    last sequence and chunks past its end (the prepare skips them).
+    last sequence and chunks past its end (the prepare runs them on zeros: at most N_seq programs more
+    than the batch's chunks need).
 
     Offsets out of order are read as the nearest ordered ones inside [0, T] (clamped, then a running
     maximum), so that no kernel reads outside the batch whatever cu_seqlens holds; with `flags`
@@ -705,7 +700,7 @@ def varlen_compile_report(kernel="recurrence", H=32, d_k=128, d_v=128, chunk_siz
     check_kernel_sizes(d_k, d_v, chunk_size, block_dv)
     if kernel == "prepare":
         return _compile_report(build_varlen_prepare_program(*run_time_sizes(), H, d_k, d_v, chunk_size, dtype,
-                                                            value_flags=value_flags), VARLEN_PREPARE_PASS_CONFIGS)
+                                                            value_flags=value_flags))
     if kernel == "recurrence":
         return _compile_report(build_varlen_recurrence_program(*run_time_sizes(), H, d_k, d_v, chunk_size, block_dv,
                                                                dtype))
