@@ -15,10 +15,14 @@ dLoss/do) it times:
   default_block_dv (64 value columns where B * H * d_v / 64 programs fill the SMs, else 32), the
   backward's unless --block-dv sets it;
 - ours `fwd_bwd_call`: stage 5's `forward` then stage 6's `backward`, as a caller runs them, value
-  checks off (checks="off": FLA checks no values either);
+  checks off (checks="off": FLA checks no values either); `fwd_bwd_call_kept`: the same with the
+  forward's prepare outputs kept for the backward (chunk_kda's disable_recompute=True: forward with
+  return_prepared=True, backward with prepared=), one kernel fewer for six tensors of memory;
 - FLA `fwd_bwd_call`: chunk_kda forward, then torch.autograd.grad of its output with dLoss/do, as a
-  caller runs them; FLA `backward_call`: torch.autograd.grad alone, on a kept forward graph. FLA's
-  forward + backward is not captured as a graph (FLA_GRAPH_NOT_TRIED says why).
+  caller runs them; FLA `fwd_bwd_call_kept`: the same with FLA's disable_recompute=True (its forward
+  keeps its intermediate tensors for the backward); FLA `backward_call`: torch.autograd.grad alone, on
+  a kept forward graph. FLA's forward + backward is not captured as a graph (FLA_GRAPH_NOT_TRIED says
+  why).
 
 The order, each step logged with the seconds since the start: every kernel of every shape compiled
 at once in threads (TileLang lowers without the GIL, nvcc is a subprocess); then per shape, each of
@@ -52,7 +56,8 @@ ROUNDS, QUICK_ROUNDS = 3, 2
 DTYPE = "bfloat16"
 BACKWARD_KERNELS = ("prepare", "states", "state_gradient", "state_products", "intra")
 # (impl, what) in the order of an odd round; even rounds run it backwards
-MEASUREMENTS = [("fla", "fwd_bwd_call"), ("ours", "fwd_bwd_call"), ("fla", "fwd_bwd_kernels"),
+MEASUREMENTS = [("fla", "fwd_bwd_call"), ("ours", "fwd_bwd_call"), ("fla", "fwd_bwd_call_kept"),
+                ("ours", "fwd_bwd_call_kept"), ("fla", "fwd_bwd_kernels"),
                 ("ours", "fwd_bwd_kernels"), ("fla", "backward_call"), ("ours", "backward_kernels"),
                 *(("ours", kernel) for kernel in BACKWARD_KERNELS)]
 FIELDS = ["round", "B", "N", "H", "D", "dtype", "impl", "what", "method", "time_ms", "error"]
@@ -93,6 +98,8 @@ def comparisons(rows):
     calls, and ours' backward kernels against FLA's backward call."""
     pairs = {"fwd+bwd FLA call / ours kernels": (("fla", "fwd_bwd_call"), ("ours", "fwd_bwd_kernels")),
              "fwd+bwd call FLA / ours": (("fla", "fwd_bwd_call"), ("ours", "fwd_bwd_call")),
+             "fwd+bwd call FLA / ours, forward tensors kept": (("fla", "fwd_bwd_call"), ("ours", "fwd_bwd_call_kept")),
+             "fwd+bwd call, both keeping, FLA / ours": (("fla", "fwd_bwd_call_kept"), ("ours", "fwd_bwd_call_kept")),
              "backward FLA call / ours kernels": (("fla", "backward_call"), ("ours", "backward_kernels"))}
     return {shape: {name: fair.paired(measured, fla, ours, _ratio) for name, (fla, ours) in pairs.items()}
             for shape, measured in fair.times(rows).items()}
@@ -215,7 +222,12 @@ class Shape:
             stage5.forward(q, k, v, g, beta, checks="off")
             return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv, checks="off")
 
-        self.functions[("ours", "fwd_bwd_call")], self.methods[("ours", "fwd_bwd_call")] = ours_call, "events"
+        def ours_call_kept():
+            _, prepared = stage5.forward(q, k, v, g, beta, checks="off", return_prepared=True)
+            return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv, checks="off", prepared=prepared)
+
+        for what, call in (("fwd_bwd_call", ours_call), ("fwd_bwd_call_kept", ours_call_kept)):
+            self.functions[("ours", what)], self.methods[("ours", what)] = call, "events"
         self.ours_gradients = backward_kernels()[:5]
         self.rel_l2_vs_fla = None
         torch.cuda.synchronize()
@@ -227,18 +239,19 @@ class Shape:
 
         started = time.monotonic()
         try:
-            fla_forward_backward, fla_backward = _fla_calls(*self.inputs)
+            fla_forward_backward, fla_backward, fla_kept = _fla_calls(*self.inputs)
             fla_gradients = fla_forward_backward()
             torch.cuda.synchronize()
             log(f"{self.label}: FLA's first forward + backward (compile, autotune) in {time.monotonic() - started:.0f} s")
             self.rel_l2_vs_fla = {name: bench.relative_l2(a, b)
                                   for name, a, b in zip(GRADIENTS, self.ours_gradients, fla_gradients)}
             del fla_gradients
-            for what, function in (("fwd_bwd_call", fla_forward_backward), ("backward_call", fla_backward)):
+            for what, function in (("fwd_bwd_call", fla_forward_backward), ("backward_call", fla_backward),
+                                   ("fwd_bwd_call_kept", fla_kept)):
                 self.functions[("fla", what)], self.methods[("fla", what)] = function, "events"
             self.errors[("fla", "fwd_bwd_kernels")] = FLA_GRAPH_NOT_TRIED
         except Exception as failure:  # FLA missing or failing: ours is still measured
-            for what in ("fwd_bwd_call", "backward_call", "fwd_bwd_kernels"):
+            for what in ("fwd_bwd_call", "backward_call", "fwd_bwd_kernels", "fwd_bwd_call_kept"):
                 self.errors.setdefault(("fla", what), fair.failure_text(failure))
             log(f"{self.label}: FLA failed: {fair.failure_text(failure)}")
         torch.cuda.synchronize()
@@ -305,16 +318,17 @@ class Shape:
 
 
 def _fla_calls(q, k, v, g, beta, do):
-    """FLA's forward + backward and its backward alone, as a training step calls them (autograd), with
-    the course's conventions (no scale); each returns (dq, dk, dv, dg, dbeta)."""
+    """FLA's forward + backward, its backward alone, and its forward + backward with disable_recompute,
+    as a training step calls them (autograd), with the course's conventions (no scale); each returns
+    (dq, dk, dv, dg, dbeta)."""
     import torch
     from fla.ops import chunk_kda
 
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
 
-    def forward_backward():
+    def forward_backward(disable_recompute=False):
         with torch.enable_grad():
-            o = chunk_kda(*leaves, scale=1.0)[0]
+            o = chunk_kda(*leaves, scale=1.0, disable_recompute=disable_recompute)[0]
             return torch.autograd.grad(o, leaves, do)
 
     with torch.enable_grad():
@@ -323,7 +337,7 @@ def _fla_calls(q, k, v, g, beta, do):
     def backward_only():
         return torch.autograd.grad(kept, leaves, do, retain_graph=True)
 
-    return forward_backward, backward_only
+    return forward_backward, backward_only, lambda: forward_backward(disable_recompute=True)
 
 
 def make_timer(quick):

@@ -161,6 +161,21 @@ def test_fla_options_at_their_defaults_pass_and_others_are_refused():
         chunk_kda(*args, head_first=True)
 
 
+def test_disable_recompute_gives_the_same_gradients_on_the_cpu():
+    """FLA's disable_recompute is taken (on CUDA the forward keeps its prepare outputs); the CPU path
+    recomputes whatever it is: the same o and gradients, bit for bit."""
+    leaves = _leaves(1, 7, 2, 4, 3, seed=11)
+    results = []
+    for disable_recompute in (False, True):
+        inputs = [leaves[name].detach().clone().requires_grad_() for name in INPUTS]
+        o, final_state = chunk_kda(*inputs[:5], scale=1.0, initial_state=inputs[5], output_final_state=True,
+                                   disable_recompute=disable_recompute)
+        (o.sum() + final_state.square().sum()).backward()
+        results.append([o.detach(), *(x.grad for x in inputs)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_bad_inputs_are_refused_with_clear_errors():
     leaves = _leaves(1, 5, 2, 4, 3, seed=10)
     q, k, v, g, beta, initial_state = (leaves[name].detach() for name in INPUTS)
@@ -233,6 +248,10 @@ def test_cuda_forward_and_backward_match_fla_chunk_kda():
         our_error, fla_error = error_report(ours[name], truth[name]), error_report(fla[name], truth[name])
         print(f"{name}: ours {our_error}, FLA {fla_error}, ours vs FLA {error_report(ours[name], fla[name])}")
         assert our_error.rel_l2 <= max(2 * fla_error.rel_l2, 1e-2), name
+    kept = on_cuda(lambda q, k, v, g, beta, s0, **kw: chunk_kda(q, k, v, g, beta, initial_state=s0,
+                                                               disable_recompute=True, **kw))
+    for name in ("o", "final_state", *INPUTS):  # the forward's prepare outputs kept: the same kernels' numbers
+        assert torch.equal(kept[name], ours[name]), f"{name} differs with disable_recompute=True"
 
 
 @pytest.mark.gpu

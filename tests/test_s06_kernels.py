@@ -183,6 +183,35 @@ def test_inputs_unchanged_and_a_second_call_agrees():
         assert np.array_equal(a, b), "a second call gave another answer"
 
 
+def test_the_forwards_prepare_outputs_given_skip_the_prepare_and_give_the_same_gradients():
+    """run_kernels with `prepared` (what stage 5's forward returns with return_prepared=True, here the
+    interpreted prepare's outputs on the same padded inputs): the prepare is not launched again and
+    every gradient is the same, bit for bit; a prepared of another shape is refused by the wrapper."""
+    from stages.common.checks import padded_length
+    from stages.s06_backward.kernel import check_prepared, kernel_arguments, run_kernels
+
+    x, do, S_0, dS_N = _inputs(1, 40, 2, D, D, seed=12)
+    N_padded = padded_length(40, C)
+    padded = [np.pad(a, [(0, 0), (0, N_padded - 40)] + [(0, 0)] * (a.ndim - 2))
+              for a in (x.q, x.k, x.v, x.g, x.beta, do)]
+    arguments = kernel_arguments(1, N_padded, 2, D, D, C, BLOCK_DV, "bfloat16")
+    kernels = {name: _interpreted(name, *arguments[name]) for name in arguments}
+    recomputed = run_kernels(kernels, *padded, S_0, dS_N)
+    prepared = kernels["prepare"](*padded[:5])
+    check_prepared(prepared, (1, N_padded, 2, D))
+
+    def prepare_again(*arguments):
+        raise AssertionError("the prepare ran again")
+
+    kept = run_kernels({**kernels, "prepare": prepare_again}, *padded, S_0, dS_N, prepared=prepared)
+    for name, a, b in zip(GRADIENTS, recomputed, kept):
+        assert np.array_equal(a, b), f"{name} differs with the forward's prepare outputs kept"
+    with pytest.raises(ValueError, match="prepared must be the six tensors"):
+        check_prepared(prepared, (1, 40, 2, D))
+    with pytest.raises(ValueError, match="prepared must be the six tensors"):
+        check_prepared(prepared[:5], (1, N_padded, 2, D))
+
+
 # ------------------------------------------------------------------------------------------ any gate
 
 
@@ -391,7 +420,7 @@ def test_every_gpu_case_finds_its_kernels_among_the_shared_compiles(monkeypatch)
         assert value_flags, "the default backward recomputes the forward's prepare with its value flags"
         return {}
 
-    def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, flags=()):
+    def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, flags=(), prepared=None):
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
                 torch.zeros_like(beta), torch.zeros_like(initial_state))
 
@@ -562,7 +591,7 @@ def test_the_backward_checks_values_where_checks_says(monkeypatch, checks):
         seen["value_flags"] = value_flags
         return {}
 
-    def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, flags=()):
+    def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, flags=(), prepared=None):
         seen["flags"] = flags
         return (q, k, v, g, beta, initial_state)
 

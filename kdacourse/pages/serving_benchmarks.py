@@ -54,8 +54,10 @@ def _failures(rows, where):
 # ------------------------------------------------------------------ stage 6: forward and backward
 
 BACKWARD_TIMES = [("ours", "fwd_bwd_kernels", "ours fwd+bwd kernels"), ("ours", "fwd_bwd_call", "ours fwd+bwd call"),
+                  ("ours", "fwd_bwd_call_kept", "ours fwd+bwd call, forward tensors kept"),
                   ("ours", "backward_kernels", "ours backward kernels"),
                   ("fla", "fwd_bwd_call", "FLA fwd+bwd call"),
+                  ("fla", "fwd_bwd_call_kept", "FLA fwd+bwd call, disable_recompute"),
                   ("fla", "backward_call", "FLA backward call")]
 
 

@@ -580,8 +580,8 @@ def compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stag
 def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
             chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int | None = None, num_stages: int = 2,
             threads: int = 128, prepare_threads: int | None = None, initial_state: "torch.Tensor | None" = None,
-            output_final_state: bool = False,
-            checks: str = "device") -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+            output_final_state: bool = False, checks: str = "device",
+            return_prepared: bool = False) -> "torch.Tensor | tuple[torch.Tensor, ...]":
     """Run both kernels on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16),
     g: (B, N, H, d_k) fp32 log gates (<= 0), beta: (B, N, H) fp32 in [0, 1].
 
@@ -598,6 +598,10 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     graph. "host" reads them to the host first and raises before any kernel runs (a pass over both
     and a device sync: the mode to debug a caller with). "off": the caller vouches for them, and the
     kernel runs without the flags.
+
+    return_prepared: also return, last, the prepare kernel's six outputs (W, U, Q e^gamma,
+    K e^{gamma_C - gamma}, A_qk, e^{gamma_C}, on the tokens padded to a multiple of chunk_size), which
+    stage 6's backward would otherwise compute again (chunk_kda's disable_recompute).
     """
     B, N, H, d_k, d_v = check_forward_inputs(q, k, v, g, beta, initial_state, chunk_size, block_dv, checks)
     if block_dv is None:
@@ -613,9 +617,12 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     recurrence = compiled_recurrence(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages,
                                       threads)
     flags = (flags_for(q.device),) if value_flags else ()
-    o, final_state = recurrence(*prepare(q, k, v, g, beta, *flags), initial_state)
-    o = o[:, :N]
-    return (o, final_state) if output_final_state else o
+    prepared = prepare(q, k, v, g, beta, *flags)
+    o, final_state = recurrence(*prepared, initial_state)
+    outputs = (o[:, :N], final_state) if output_final_state else (o[:, :N],)
+    if return_prepared:
+        outputs += (prepared,)
+    return outputs if len(outputs) > 1 else outputs[0]
 # --8<-- [end:forward]
 
 

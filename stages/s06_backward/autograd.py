@@ -16,7 +16,10 @@ state. One `torch.autograd.Function`, `ChunkKDAFunction`, joins a forward and a 
 
 so that the same layer trains on a GPU, and on a CPU through the references, slowly but exactly.
 The forward keeps only its inputs; the backward recomputes what it needs inside each chunk (both
-backward paths do), the trade FLA makes by default: memory for one more forward pass.
+backward paths do), the trade FLA makes by default: memory for one more forward pass. FLA's
+`disable_recompute=True` makes the other trade, on CUDA: the forward keeps its prepare kernel's six
+outputs (W, U, Q e^gamma, K e^{gamma_C - gamma}, A_qk: four (B, T, H, d) and one (B, T, H, C) in
+q's dtype, about 0.6 GB at T = 16384, H = 32, d = 128 in bf16) and the backward skips that kernel.
 
 Two of FLA's conveniences are plain torch operations in front of the function, so autograd takes
 their gradients: `scale` multiplies q (FLA's default 1 / sqrt(K); the course's references have no
@@ -67,7 +70,6 @@ REFUSED = {
     "lower_bound": Refused(None, f"a bounded gate is the caller's choice of g; {_IN_FRONT}"),
     "A_log": Refused(None, f"the gate's parameters belong to the layer; {_IN_FRONT}"),
     "dt_bias": Refused(None, f"the gate's parameters belong to the layer; {_IN_FRONT}"),
-    "disable_recompute": Refused(False, "the backward always recomputes each chunk's forward tensors"),
     "return_intermediate_states": Refused(False, "inference-time intermediate states are not kept"),
     "state_v_first": Refused(False, "the state is S^T (B, H, K, V), the kernel layout, only"),
     "cp_context": Refused(None, "context parallelism across devices is not supported"),
@@ -80,7 +82,7 @@ REFUSED = {
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: float | None = None, initial_state: torch.Tensor | None = None,
               output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-              chunk_size: int | None = None, checks: str = "device",
+              chunk_size: int | None = None, checks: str = "device", disable_recompute: bool = False,
               **fla_options) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward with autograd, FLA's chunk_kda convention. Returns (o (B, T, H, V), final state
     S_T^T (B, H, K, V) or None).
@@ -93,8 +95,11 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     beta's values (finite gates <= 0, beta in [0, 1]; any such gate runs, forward and backward), as
     stages.s05_fast_kda.kernel.forward takes it: "device" (the default: flagged by the kernel, reported
     by stages.common.device_checks.raise_if_flagged where the caller syncs, the loss's logging say),
-    "host" (refused before the kernels, a sync per call) or "off" (the caller vouches for them). FLA's
-    other options (fla_options) are refused unless they hold FLA's default value (see REFUSED).
+    "host" (refused before the kernels, a sync per call) or "off" (the caller vouches for them).
+    disable_recompute (FLA's): on CUDA the forward keeps its prepare outputs for the backward, which
+    then skips that kernel (the same gradients; see the module's docstring for the memory); the CPU
+    path recomputes whatever it is. FLA's other options (fla_options) are refused unless they hold
+    FLA's default value (see REFUSED).
     """
     check_chunk_kda_inputs(q, k, v, g, beta, initial_state, scale, fla_options)
     if use_qk_l2norm_in_kernel:
@@ -109,41 +114,48 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         g, beta = g.float(), beta.float()
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     initial_state = None if initial_state is None else initial_state.contiguous()
-    o, final_state = ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, chunk_size, checks)
+    o, final_state = ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, chunk_size, checks, disable_recompute)
     return o, (final_state if output_final_state else None)
 # --8<-- [end:chunk_kda]
 
 
 # --8<-- [start:function]
 class ChunkKDAFunction(torch.autograd.Function):
-    """(q, k, v, g, beta, initial_state, chunk_size, checks) -> (o, final_state), and the way back.
+    """(q, k, v, g, beta, initial_state, chunk_size, checks, keep_prepared) -> (o, final_state), and the
+    way back.
 
     The final state is always an output, so that a loss on it sends its gradient dS_T^T into the
     backward; when nobody uses it, that gradient is None and the backward starts from zero.
+    keep_prepared (CUDA): the forward's prepare outputs are saved beside the inputs, for the backward.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, chunk_size, checks):
+    def forward(ctx, q, k, v, g, beta, initial_state, chunk_size, checks, keep_prepared):
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros
         ctx.chunk_size = chunk_size
-        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        prepared = ()
         if q.is_cuda:
-            return _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, checks)
-        return _cpu_forward(q, k, v, g, beta, initial_state, chunk_size)
+            o, final_state, *prepared = _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, checks,
+                                                      keep_prepared)
+        else:
+            o, final_state = _cpu_forward(q, k, v, g, beta, initial_state, chunk_size)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, *(prepared[0] if prepared else ()))
+        return o, final_state
 
     @staticmethod
     def backward(ctx, do, d_final_state):
-        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, *prepared = ctx.saved_tensors
         if do is None:  # only the final state reached the loss
             do = torch.zeros(*q.shape[:3], v.shape[3], dtype=v.dtype, device=v.device)
         if q.is_cuda:
-            gradients = _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, ctx.chunk_size)
+            gradients = _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, ctx.chunk_size,
+                                       prepared or None)
         else:
             gradients = _cpu_backward(q, k, v, g, beta, do, initial_state, d_final_state, ctx.chunk_size)
         dq, dk, dv, dg, dbeta, d_initial_state = gradients
         if initial_state is None:
             d_initial_state = None
-        return dq, dk, dv, dg, dbeta, d_initial_state, None, None
+        return dq, dk, dv, dg, dbeta, d_initial_state, None, None, None
 # --8<-- [end:function]
 
 
@@ -170,17 +182,18 @@ def _cpu_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size
 
 
 # --8<-- [start:cuda_path]
-def _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, checks):
-    """Stage 5's two kernels; the final state is fp32."""
+def _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, checks, keep_prepared=False):
+    """Stage 5's two kernels: (o, final state fp32), and with keep_prepared the prepare's outputs."""
     from stages.s05_fast_kda.kernel import forward
 
     return forward(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state, output_final_state=True,
-                   checks=checks)
+                   checks=checks, return_prepared=keep_prepared)
 
 
-def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size):
-    """Stage 6's backward kernels, each gradient cast to its input's dtype. g's and beta's values were
-    checked by the forward (checks), so the backward skips that pass and its device sync."""
+def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size, prepared=None):
+    """Stage 6's backward kernels, each gradient cast to its input's dtype; prepared: the forward's
+    prepare outputs, kept (disable_recompute), or None. g's and beta's values were checked by the
+    forward (checks), so the backward skips that pass and its device sync."""
     try:
         from stages.s06_backward.kernel import backward
     except ImportError as error:
@@ -191,7 +204,7 @@ def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_siz
     if d_final_state is not None:
         d_final_state = d_final_state.float().contiguous()
     gradients = backward(q, k, v, g, beta, do.contiguous(), initial_state=initial_state, d_final_state=d_final_state,
-                         chunk_size=chunk_size, checks="off")
+                         chunk_size=chunk_size, checks="off", prepared=prepared)
     inputs = (q, k, v, g, beta, initial_state)
     return tuple(None if x is None else grad.to(x.dtype) for grad, x in zip(gradients, inputs))
 # --8<-- [end:cuda_path]

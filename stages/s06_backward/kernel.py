@@ -689,15 +689,18 @@ def compiled_kernels(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, value_flags
 
 
 # --8<-- [start:run_kernels]
-def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, flags=()):
+def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, flags=(), prepared=None):
     """The five launches of the backward, in order, on inputs already padded to a multiple of chunk_size;
-    flags: (Flags,) for a prepare that flags bad values, else ().
+    flags: (Flags,) for a prepare that flags bad values, else (); prepared: the forward's prepare
+    outputs for these inputs (stage 5's forward, return_prepared=True), which skip the first launch.
 
     kernels: {name: callable} for the names of BUILDERS, made for these inputs' shape (kernel_arguments):
     compiled for the GPU (`backward`), or run by the tile interpreter on a CPU (the tests), so the
     wiring below is the same in both. Returns (dq, dk, dv, dg, dbeta, dS_0^T).
     """
-    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = kernels["prepare"](q, k, v, g, beta, *flags)
+    if prepared is None:
+        prepared = kernels["prepare"](q, k, v, g, beta, *flags)
+    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = prepared
     states, v_new = kernels["states"](w, u, k_to_chunk_end, chunk_decay, initial_state)
     d_states, dv_new, d_initial_state = kernels["state_gradient"](
         q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do, d_final_state)
@@ -713,7 +716,8 @@ def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, fla
 def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
              do: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
              d_final_state: "torch.Tensor | None" = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-             block_dv: int | None = None, checks: str = "device") -> tuple["torch.Tensor", ...]:
+             block_dv: int | None = None, checks: str = "device",
+             prepared: "tuple[torch.Tensor, ...] | None" = None) -> tuple["torch.Tensor", ...]:
     """The gradients of KDA's output (and final state) on CUDA tensors, as stage 5's `forward` takes them:
     q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16), g: (B, N, H, d_k) fp32 log gates (<= 0),
     beta: (B, N, H) fp32 in [0, 1], do = dLoss/do: (B, N, H, d_v) in q's dtype; initial_state S_0^T
@@ -728,7 +732,10 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     `forward`: "device" (the default) recomputes the forward's prepare with the kernel that flags a bad
     g or beta as it loads it (no host sync; `raise_if_flagged` reports it), "host" reads them to the
     host first (a pass and a device sync), "off" checks nothing (`chunk_kda`'s backward: its forward
-    checked the same g and beta).
+    checked the same g and beta). prepared: the forward's prepare outputs for these inputs (stage 5's
+    `forward` with return_prepared=True), kept by the caller so that the backward skips computing them
+    again: the same numbers (the same kernel on the same inputs), one launch fewer, and the memory of
+    six tensors held from the forward to the backward (chunk_kda's disable_recompute).
     """
     B, N, H, d_k, d_v = check_backward_inputs(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size, block_dv,
                                               checks)
@@ -736,6 +743,7 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
         block_dv = default_block_dv(B, H, d_v, streaming_multiprocessors(q.device))
 
     N_padded = padded_length(N, chunk_size)
+    check_prepared(prepared, (B, N_padded, H, d_k))
     q, k, v, g, beta, do = pad_tokens(N_padded, q, k, v, g, beta, do)
     initial_state = zero_state(B, H, d_k, d_v, q.device) if initial_state is None else initial_state
     d_final_state = zero_state(B, H, d_k, d_v, q.device) if d_final_state is None else d_final_state
@@ -743,7 +751,7 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     kernels = compiled_kernels(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), value_flags=value_flags)
     flags = (flags_for(q.device),) if value_flags else ()
     dq, dk, dv, dg, dbeta, d_initial_state = run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state,
-                                                         flags)
+                                                         flags, prepared)
     return dq[:, :N], dk[:, :N], dv[:, :N], dg[:, :N], dbeta[:, :N], d_initial_state
 # --8<-- [end:backward]
 
@@ -766,6 +774,14 @@ def check_backward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
                    "d_final_state": d_final_state})
     return B, N, H, d_k, d_v
+
+
+def check_prepared(prepared: "tuple[torch.Tensor, ...] | None", w_shape: tuple[int, ...]) -> None:
+    """prepared: None, or the six outputs of stage 5's prepare, W first, of shape w_shape (B, N padded
+    to a multiple of chunk_size, H, d_k)."""
+    if prepared is not None and (len(prepared) != 6 or tuple(prepared[0].shape) != w_shape):
+        raise ValueError(f"prepared must be the six tensors stage 5's forward(..., return_prepared=True) returns for "
+                         f"these inputs, W of shape {w_shape} first")
 
 
 def check_output_gradient(do: "torch.Tensor", q: "torch.Tensor", v: "torch.Tensor") -> None:
