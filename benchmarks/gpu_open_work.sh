@@ -20,6 +20,7 @@
 #                            # beside another process's GEMMs, and under compute-sanitizer
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 11    # prefill without a host sync: its GPU tests, under
 #                            # compute-sanitizer, then timed beside FLA
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 12    # forward + backward with the forward's tensors kept
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -152,8 +153,8 @@ case $part in
     # mode, FLA beside it) and one call under memcheck and racecheck (the varlen prepare is compiled
     # with TileLang's aggressive shared-memory merge), side by side; then the varlen timings alone
     sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-    step s07_prefill_gpu 250 python -m pytest tests/test_s07_prefill.py tests/test_s07_serving.py \
-      tests/test_device_checks.py -m gpu -v -s -p no:cacheprovider &
+    step s07_prefill_gpu 250 python -m pytest tests/test_s07_prefill.py tests/test_device_checks.py -m gpu -v -s \
+      -p no:cacheprovider &
     for tool in memcheck racecheck; do
       step "prefill_$tool" 250 "$sanitizer" --tool "$tool" --kernel-name kns=kda_ python -m pytest \
         tests/test_s07_prefill.py -m gpu -k syncs_nothing -p no:cacheprovider &
@@ -161,8 +162,15 @@ case $part in
     wait
     step varlen 300 python -m benchmarks.varlen --out "$out/varlen" --rounds 3
     ;;
+  12)
+    # chunk_kda's disable_recompute (issue 27 item 5): its GPU test beside FLA, then forward + backward
+    # timed at the benchmark shapes, ours and FLA's with and without their forward tensors kept
+    step s06_kept 200 python -m pytest tests/test_s06_autograd.py -m gpu -v -s -p no:cacheprovider \
+      -k match_fla_chunk_kda
+    step backward 380 python -m benchmarks.backward --out "$out/backward" --deadline 340
+    ;;
   *)
-    echo "part must be 1 to 11, got $part" >&2
+    echo "part must be 1 to 12, got $part" >&2
     exit 2
     ;;
 esac
