@@ -92,6 +92,44 @@ def test_gradients_equal_autograd_of_the_recurrence(B, T, H, d_k, d_v, chunk_siz
         assert report.rel_l2 <= 1e-12, f"d{name}: {report}"
 
 
+def test_the_cpu_path_takes_any_gate():
+    """Kimi Linear's unbounded gate on the CPU path: log gates of -50 a token over whole chunks (in
+    channels 0-1), -100 (channel 2: e^{800} past float64's range, were a factor taken across half a
+    chunk), -1e4 over 25 tokens (channels 3-4), beta 0 and 1: o, S_T^T and every gradient against
+    autograd of the float64 recurrence.
+
+    The bound is the chunked algebra's own rounding on these inputs, measured here: stage 5's
+    reference B (every decay a ratio e^{gamma_i - gamma_j}, no anchor, no range question) lies 2.9e-12
+    from reference A (the chunk's (I + L)^{-1} amplifies rounding where a stretch of dead channels
+    meets beta = 1; 3e-16 with gentle gates), and the CPU path may lie 4x as far; a wrong factor
+    anywhere lies orders of magnitude further."""
+    from stages.s04_kda.reference import recurrent
+    from stages.s05_fast_kda.reference import chunkwise
+
+    B, T, H, d_k, d_v = 1, 40, 2, 6, 4
+    leaves = _with_exact_betas(_leaves(B, T, H, d_k, d_v, seed=41, gate_range=(0.3, 0.999)), seed=41)
+    g = leaves["g"].detach().clone()
+    g[..., 0:2], g[..., 2] = -50.0, -100.0
+    g[:, 5:30, :, 3:5] = -1e4
+    leaves["g"] = g.requires_grad_()
+    arrays = [leaves[name].detach().numpy() for name in INPUTS[:5]]
+    bound = 4 * max(error_report(chunkwise(*arrays, CPU_CHUNK_SIZE), recurrent(*arrays)).rel_l2, 2.5e-13)
+    assert bound < 1e-10, f"the chunked algebra alone is off by {bound / 4:.1e}: the inputs are too ill-conditioned"
+    rng = np.random.default_rng(42)
+    do = torch.tensor(rng.standard_normal((B, T, H, d_v)))
+    d_final_state = torch.tensor(rng.standard_normal((B, H, d_k, d_v)))
+    o, final_state = chunk_kda(*[leaves[name] for name in INPUTS[:5]], scale=1.0, output_final_state=True,
+                               initial_state=leaves["initial_state"])
+    ours = _loss_and_gradients(o, final_state, leaves, do, d_final_state)
+    expected_o, expected_state = torch_recurrent(*[leaves[name] for name in INPUTS])
+    expected = _loss_and_gradients(expected_o, expected_state, leaves, do, d_final_state)
+    assert error_report(o, expected_o).rel_l2 <= bound
+    assert error_report(final_state, expected_state).rel_l2 <= bound
+    for name in INPUTS:
+        report = error_report(ours[name], expected[name])
+        assert report.rel_l2 <= bound, f"d{name}: {report}"
+
+
 def test_a_loss_on_the_final_state_alone():
     """o unused: its gradient arrives as None, and the backward starts from dS_T alone."""
     leaves = _leaves(1, 10, 2, 4, 3, seed=3)

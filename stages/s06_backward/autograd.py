@@ -161,9 +161,14 @@ class ChunkKDAFunction(torch.autograd.Function):
 
 # --8<-- [start:cpu_path]
 def _cpu_forward(q, k, v, g, beta, initial_state, chunk_size):
-    """Stage 5's forward in NumPy float64 (prepare, then recurrence: the kernels' control flow)."""
+    """Stage 5's forward in NumPy float64 (prepare, then recurrence: the kernels' control flow).
+
+    sub_block=1: each key is a slab of its own, anchored at the row below it, so every factor of
+    the scores is at most 1 and any gate <= 0 runs. A sub-block of the whole chunk, anchored at its
+    middle row, overflowed float64 (NaN) where half a chunk's gates summed below -709: Kimi Linear's
+    unbounded gate does that (-100 a token at C = 16)."""
     arrays = [_float64(x) for x in (q, k, v, g, beta)]
-    tensors = forward_reference.prepare(*arrays, chunk_size, sub_block=chunk_size)
+    tensors = forward_reference.prepare(*arrays, chunk_size, sub_block=1)
     o, final_state = forward_reference.recurrence(tensors, block_dv=v.shape[3],
                                                   initial_state=_float64_or_none(initial_state))
     o = o[:, :q.shape[1]]  # prepare pads T up to a multiple of chunk_size
