@@ -119,6 +119,7 @@ def test_backward_table_of_a_run_without_fla_has_times_and_no_ratios(tmp_path, m
         seconds=50, kernel="0", complete=False, shapes={"B=1 N=4096 H=32 D=128": dict(rel_l2_ours_vs_fla=None)})))
     text = _written(tmp_path, monkeypatch, page.write_backward_timings)
     assert "The run was stopped before it finished." in text
+    assert "50 s" not in text  # the seconds of the meta file's last write, not the run's length
     assert _table_row(text, "1, 4096, 32, 128")[1:] == ["–"] * 5
     assert _table_row(text.split("The times, medians")[1], "1, 4096, 32, 128")[1:] == [
         "1.500 (1.000 to 2.000)", "1.500 (1.500 to 1.500)", "–", "0.500 (0.500 to 0.500)", "–", "–", "–"]

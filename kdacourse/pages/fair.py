@@ -50,11 +50,14 @@ def about_the_run(meta, current=None):
     (`current`: the committed kernel's digest, stage 5's unless given)."""
     current = current or STAGES["s05"].kernel_digest()
     kernel = "the committed kernel" if meta.get("kernel") == current else "an earlier kernel (changed since)"
-    complete = "" if meta.get("complete", True) else " The run was stopped before it finished."
+    complete = meta.get("complete", True)
+    # a stopped run's seconds are those of its last write of the meta file, not its length
+    seconds = f", {meta.get('seconds', '?')} s" if complete else ""
+    stopped = "" if complete else " The run was stopped before it finished."
     note = f" {meta['note']}" if meta.get("note") else ""
     return (f"Run of {meta['date']} on an {meta['device']} (`{shown_command(meta['command'])}`, "
-            f"{meta['rounds']} round{'' if meta['rounds'] == 1 else 's'}, {meta.get('seconds', '?')} s), on {kernel}."
-            f"{complete}{note}\n\n")
+            f"{meta['rounds']} round{'' if meta['rounds'] == 1 else 's'}{seconds}), on {kernel}."
+            f"{stopped}{note}\n\n")
 
 
 def write_timings(path, folder=None):
