@@ -53,17 +53,21 @@ def write_identities_table(path):
 
 
 COMPILE_SHAPE = dict(B=2, N=1024, H=4, d_k=128, d_v=128)
-COMPILE_CONFIGS = [("prepare", 64, "-"), ("recurrence", 64, 32), ("recurrence", 64, 16)]  # kernel, C, block_dv
+# kernel, C, block_dv, value flags (the prepare as forward's default, checks="device", builds it)
+COMPILE_CONFIGS = [("prepare", 64, "-", False), ("prepare", 64, "-", True), ("recurrence", 64, 32, False),
+                   ("recurrence", 64, 16, False)]
 
 
 def write_compile_report(path):
     from stages.s05_fast_kda.kernel import compile_report
 
     reports = []
-    for kernel, C, block_dv in COMPILE_CONFIGS:
+    for kernel, C, block_dv, value_flags in COMPILE_CONFIGS:
         tiles = {} if block_dv == "-" else {"block_dv": block_dv}
-        reports.append(({"kernel": kernel, "chunk_size": C, "block_dv": block_dv},
-                        compile_report(kernel, **COMPILE_SHAPE, chunk_size=C, **tiles)))
+        flags = {"value_flags": True} if value_flags else {}
+        reports.append(({"kernel": kernel, "chunk_size": C, "block_dv": block_dv,
+                         "value flags": "yes" if value_flags else "no"},
+                        compile_report(kernel, **COMPILE_SHAPE, chunk_size=C, **tiles, **flags)))
     path.write_text(compile_report_table(reports, SOURCE))
 
 
