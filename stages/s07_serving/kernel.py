@@ -647,7 +647,7 @@ def varlen_forward(q, k, v, g, beta, index, initial_state, chunk_size, kernels, 
     (_, T, H, d_k), d_v, N_seq = q.shape, v.shape[3], initial_state.shape[0]
     if T == 0:  # every sequence empty: nothing to launch, the states stay
         return torch.empty_like(v), initial_state.clone()
-    n_chunks = most_chunks(T, N_seq, chunk_size)
+    n_chunks = most_chunks(T, N_seq, chunk_size)  # the table's rows: the batch's chunks, then zero chunks
     cu_seqlens, chunk_offsets, chunks = index[:N_seq + 1], index[N_seq + 1:2 * N_seq + 2], index[2 * N_seq + 2:]
     T_padded = n_chunks * chunk_size
 
