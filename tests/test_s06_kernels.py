@@ -606,6 +606,31 @@ def test_the_backward_checks_values_where_checks_says(monkeypatch, checks):
         assert not seen["value_flags"] and seen["flags"] == ()
 
 
+def test_the_backward_hands_the_kept_prepare_outputs_to_its_kernels(monkeypatch):
+    """backward(..., prepared=...) checks their shape against the padded inputs and passes them on to
+    run_kernels (which then skips the prepare: the interpreter test above)."""
+    torch = pytest.importorskip("torch")
+    from stages.s06_backward import kernel
+
+    B, N, H, D = 1, 40, 1, 32  # padded to 64 tokens
+    q, g, beta = torch.zeros(B, N, H, D, dtype=torch.float16), -torch.rand(B, N, H, D), torch.rand(B, N, H)
+    seen = {}
+
+    def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, flags=(), prepared=None):
+        seen["prepared"] = prepared
+        return (q, k, v, g, beta, initial_state)
+
+    monkeypatch.setattr(kernel, "compiled_kernels", lambda *arguments, value_flags=False: {})
+    monkeypatch.setattr(kernel, "run_kernels", run_kernels)
+    monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(kernel, "streaming_multiprocessors", lambda device: 132)
+    kept = tuple(torch.zeros(B, 64, H, D) for _ in range(6))
+    kernel.backward(q, q, q, g, beta, q, checks="off", prepared=kept)
+    assert seen["prepared"] is kept
+    with pytest.raises(ValueError, match="prepared must be the six tensors"):
+        kernel.backward(q, q, q, g, beta, q, checks="off", prepared=tuple(torch.zeros(B, N, H, D) for _ in range(6)))
+
+
 def test_the_backward_refuses_an_unknown_checks_mode():
     torch = pytest.importorskip("torch")
     from stages.s06_backward import kernel
