@@ -160,6 +160,40 @@ def test_scale_and_l2_norm_are_fla_s():
     assert error_report(o, expected).rel_l2 <= 1e-12
 
 
+class _Captured(Exception):
+    """Raised by a stand-in for ChunkKDAFunction.apply once it has the tensors the kernels would take."""
+
+
+@pytest.mark.parametrize("with_l2norm", [False, True])
+def test_the_kernels_take_q_scaled_and_normalized_with_one_rounding(monkeypatch, with_l2norm):
+    """bf16 q: the q handed to the kernels is the exact scale * q (divided by FLA's norm with
+    use_qk_l2norm_in_kernel) rounded to bf16 once, within half a unit in bf16's last place everywhere.
+    The scale taken in bf16 after the norm's own rounding put about a quarter of the entries past it, up
+    to 2.4 half units (and one more rounding on dq on the way back: 1.19 times FLA's error in dq on the
+    H200)."""
+    from stages.s06_backward import autograd
+
+    captured = {}
+
+    def capture(q, *rest):
+        captured["q"] = q
+        raise _Captured
+
+    monkeypatch.setattr(autograd.ChunkKDAFunction, "apply", staticmethod(capture))
+    leaves = _leaves(2, 64, 2, 128, 8, seed=21)
+    q_raw = (3 * leaves["q"].detach()).to(torch.bfloat16)  # not unit norm
+    with pytest.raises(_Captured):
+        chunk_kda(q_raw, *(leaves[name].detach().to(torch.bfloat16) for name in ("k", "v")),
+                  leaves["g"].detach(), leaves["beta"].detach(), use_qk_l2norm_in_kernel=with_l2norm)
+    exact = q_raw.double() / math.sqrt(128)
+    if with_l2norm:
+        exact = exact / torch.sqrt((q_raw.double() ** 2).sum(-1, keepdim=True) + 1e-6)
+    half_unit = 2.0 ** (torch.floor(torch.log2(exact.abs())) - 8)  # bf16 keeps 8 significant bits
+    assert captured["q"].dtype == torch.bfloat16
+    worst = ((captured["q"].double() - exact).abs() / half_unit).max().item()
+    assert worst <= 1.001, f"q is {worst:.2f} half units from the exact value: rounded more than once"
+
+
 def test_float32_in_float32_out_and_inputs_unchanged():
     """A float32 model trains on the CPU: outputs and gradients in the inputs' dtypes; the inputs are
     not modified, and a second call gives bitwise the same answer."""

@@ -48,12 +48,12 @@ def _served_by_stage_7(q, k, v, g, beta, initial_state=None, output_final_state=
     packed batch in one pass, one state per sequence."""
     import numpy as np
 
-    from stages.s06_backward.autograd import l2_normalize
+    from stages.s06_backward.autograd import l2_normalize, scaled_queries
     from stages.s07_serving.reference import kernel_mirror
 
     if use_qk_l2norm_in_kernel:
-        q, k = l2_normalize(q), l2_normalize(k)
-    q = q * q.shape[-1] ** -0.5
+        k = l2_normalize(k)
+    q = scaled_queries(q, q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel)
     o, states = kernel_mirror(*(t.numpy() for t in (q, k, v, g, beta)), C, 4, np.asarray(cu_seqlens),
                               None if initial_state is None else initial_state.numpy(), output_final_state=True,
                               sub_block=4)

@@ -155,12 +155,12 @@ class _ServedKernel:
                  use_qk_l2norm_in_kernel=False, scale=None):
         import torch
 
-        from stages.s06_backward.autograd import l2_normalize
+        from stages.s06_backward.autograd import l2_normalize, scaled_queries
 
         B, T, H, d_k = q.shape
         if use_qk_l2norm_in_kernel:
-            q, k = l2_normalize(q), l2_normalize(k)
-        q = q * (d_k**-0.5 if scale is None else scale)
+            k = l2_normalize(k)
+        q = scaled_queries(q, d_k**-0.5 if scale is None else scale, use_qk_l2norm_in_kernel)
         states = (torch.zeros(B, H, d_k, v.shape[3], dtype=self.pool.dtype, device=q.device) if initial_state is None
                   else initial_state.to(self.pool.dtype))
         if T == 1:
