@@ -72,15 +72,15 @@ def replay_on_cpu(saved, chunk_size=DEFAULT_CHUNK_SIZE):
     """The seven kernels through the tile interpreter, on the inputs chunk_kda gives its kernels."""
     from stages.common.interpreter import interpret
     from stages.s05_fast_kda.kernel import build_prepare_program, build_recurrence_program, default_block_dv
-    from stages.s06_backward.autograd import l2_normalize
+    from stages.s06_backward.autograd import l2_normalize, scaled_queries
     from stages.s06_backward.kernel import BUILDERS, kernel_arguments, run_kernels
 
     q, k, v, g, beta = (x.float() for x in saved["inputs"])
     options = saved["options"]
-    if options.get("use_qk_l2norm_in_kernel"):
-        q, k = l2_normalize(q), l2_normalize(k)
-    scale = options.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-    q = q * scale
+    l2norm = bool(options.get("use_qk_l2norm_in_kernel"))
+    if l2norm:
+        k = l2_normalize(k)
+    q = scaled_queries(q, options.get("scale") or 1.0 / math.sqrt(q.shape[-1]), l2norm)
     B, N, H, d_k = q.shape
     d_v = v.shape[3]
     N_padded = padded_length(N, chunk_size)

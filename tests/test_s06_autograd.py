@@ -166,32 +166,59 @@ class _Captured(Exception):
 
 @pytest.mark.parametrize("with_l2norm", [False, True])
 def test_the_kernels_take_q_scaled_and_normalized_with_one_rounding(monkeypatch, with_l2norm):
-    """bf16 q: the q handed to the kernels is the exact scale * q (divided by FLA's norm with
-    use_qk_l2norm_in_kernel) rounded to bf16 once, within half a unit in bf16's last place everywhere.
-    The scale taken in bf16 after the norm's own rounding put about a quarter of the entries past it, up
-    to 2.4 half units (and one more rounding on dq on the way back: 1.19 times FLA's error in dq on the
-    H200)."""
+    """bf16 q: the q the kernels take (here the CPU path's forward) is the exact scale * q (divided by
+    FLA's norm with use_qk_l2norm_in_kernel) rounded to bf16 once, within half a unit in bf16's last
+    place everywhere, and k likewise with the norm. The scale taken in bf16 after the norm's own
+    rounding put about a quarter of q's entries past it, up to 2.4 half units (and more roundings on dq
+    on the way back: 1.19 times FLA's error in dq on the H200)."""
     from stages.s06_backward import autograd
 
     captured = {}
 
-    def capture(q, *rest):
-        captured["q"] = q
+    def capture(q, k, *rest):
+        captured.update(q=q, k=k)
         raise _Captured
 
-    monkeypatch.setattr(autograd.ChunkKDAFunction, "apply", staticmethod(capture))
+    monkeypatch.setattr(autograd, "_cpu_forward", capture)
     leaves = _leaves(2, 64, 2, 128, 8, seed=21)
-    q_raw = (3 * leaves["q"].detach()).to(torch.bfloat16)  # not unit norm
+    q_raw, k_raw = ((3 * leaves[name].detach()).to(torch.bfloat16) for name in ("q", "k"))  # not unit norm
     with pytest.raises(_Captured):
-        chunk_kda(q_raw, *(leaves[name].detach().to(torch.bfloat16) for name in ("k", "v")),
-                  leaves["g"].detach(), leaves["beta"].detach(), use_qk_l2norm_in_kernel=with_l2norm)
-    exact = q_raw.double() / math.sqrt(128)
-    if with_l2norm:
-        exact = exact / torch.sqrt((q_raw.double() ** 2).sum(-1, keepdim=True) + 1e-6)
-    half_unit = 2.0 ** (torch.floor(torch.log2(exact.abs())) - 8)  # bf16 keeps 8 significant bits
-    assert captured["q"].dtype == torch.bfloat16
-    worst = ((captured["q"].double() - exact).abs() / half_unit).max().item()
-    assert worst <= 1.001, f"q is {worst:.2f} half units from the exact value: rounded more than once"
+        chunk_kda(q_raw, k_raw, leaves["v"].detach().to(torch.bfloat16), leaves["g"].detach(),
+                  leaves["beta"].detach(), use_qk_l2norm_in_kernel=with_l2norm)
+
+    def fla_l2norm(x):
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) if with_l2norm else x
+
+    expected = {"q": fla_l2norm(q_raw.double()) / math.sqrt(128), "k": fla_l2norm(k_raw.double())}
+    for name, exact in expected.items():
+        half_unit = 2.0 ** (torch.floor(torch.log2(exact.abs())) - 8)  # bf16 keeps 8 significant bits
+        assert captured[name].dtype == torch.bfloat16, name
+        worst = ((captured[name].double() - exact).abs() / half_unit).max().item()
+        assert worst <= 1.001, f"{name} is {worst:.2f} half units from the exact value: rounded more than once"
+
+
+def test_gradients_of_q_and_k_reach_the_caller_in_float32_through_the_norm(monkeypatch):
+    """With the norm and the scale in front, the function's q and k are float32 (not yet rounded) and the
+    gradients it returns for them are float32 too: the norm's backward then runs on unrounded dq and
+    dk, and the caller's bf16 q and k receive one rounding."""
+    from stages.s06_backward import autograd
+
+    seen = {}
+    original_backward = autograd.ChunkKDAFunction.backward
+
+    def recording_backward(ctx, do, d_final_state):
+        gradients = original_backward(ctx, do, d_final_state)
+        seen["dtypes"] = [None if grad is None else grad.dtype for grad in gradients[:6]]
+        return gradients
+
+    monkeypatch.setattr(autograd.ChunkKDAFunction, "backward", staticmethod(recording_backward))
+    leaves = _leaves(1, 8, 1, 4, 3, seed=22)
+    q, k, v = (leaves[name].detach().to(torch.bfloat16).requires_grad_() for name in ("q", "k", "v"))
+    o, _ = chunk_kda(q, k, v, leaves["g"].detach(), leaves["beta"].detach(), use_qk_l2norm_in_kernel=True,
+                     chunk_size=4)
+    o.float().sum().backward()
+    assert seen["dtypes"][:3] == [torch.float32, torch.float32, torch.bfloat16]
+    assert q.grad.dtype == k.grad.dtype == torch.bfloat16
 
 
 def test_float32_in_float32_out_and_inputs_unchanged():

@@ -159,8 +159,8 @@ class _ServedKernel:
 
         B, T, H, d_k = q.shape
         if use_qk_l2norm_in_kernel:
-            k = l2_normalize(k)
-        q = scaled_queries(q, d_k**-0.5 if scale is None else scale, use_qk_l2norm_in_kernel)
+            k = l2_normalize(k).to(v.dtype)
+        q = scaled_queries(q, d_k**-0.5 if scale is None else scale, use_qk_l2norm_in_kernel).to(v.dtype)
         states = (torch.zeros(B, H, d_k, v.shape[3], dtype=self.pool.dtype, device=q.device) if initial_state is None
                   else initial_state.to(self.pool.dtype))
         if T == 1:

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from stages.common.torch_checks import check_kernel_tensor
+from stages.common.torch_checks import check_kernel_tensor, dtype_name
 from stages.s05_fast_kda import reference as forward_reference
 from stages.s05_fast_kda.kernel import DEFAULT_CHUNK_SIZE as CUDA_CHUNK_SIZE  # stage 5's kernels: 32 or 64
 from stages.s06_backward import reference as backward_reference
@@ -105,8 +105,8 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if use_qk_l2norm_in_kernel:
-        k = l2_normalize(k)
-    q = scaled_queries(q, scale, use_qk_l2norm_in_kernel)  # o = S (scale q): autograd takes dq through it
+        k = l2_normalize(k)  # in float32, rounded to v's dtype by the function: autograd takes dk through it
+    q = scaled_queries(q, scale, use_qk_l2norm_in_kernel)  # o = S (scale q), likewise
     if chunk_size is None:
         chunk_size = CUDA_CHUNK_SIZE if q.is_cuda else CPU_CHUNK_SIZE
     if q.is_cuda:  # stage 5's kernels read the gates in float32
@@ -126,12 +126,18 @@ class ChunkKDAFunction(torch.autograd.Function):
     The final state is always an output, so that a loss on it sends its gradient dS_T^T into the
     backward; when nobody uses it, that gradient is None and the backward starts from zero.
     keep_prepared (CUDA): the forward's prepare outputs are saved beside the inputs, for the backward.
+    q and k may come wider than v (chunk_kda's scale and norm, in float32): they are rounded to v's
+    dtype here, once, and their gradients go back in their own dtype, unrounded (the backward kernels
+    give dq and dk in fp32), so that the norm's backward in front runs on them in float32 and the
+    caller's q and k receive one rounding, as in FLA's chunk_kda.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, chunk_size, checks, keep_prepared):
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros
         ctx.chunk_size = chunk_size
+        ctx.input_dtypes = [None if x is None else x.dtype for x in (q, k, v, g, beta, initial_state)]
+        q, k = q.to(v.dtype), k.to(v.dtype)
         prepared = ()
         if q.is_cuda:
             o, final_state, *prepared = _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, checks,
@@ -151,10 +157,8 @@ class ChunkKDAFunction(torch.autograd.Function):
                                        prepared or None)
         else:
             gradients = _cpu_backward(q, k, v, g, beta, do, initial_state, d_final_state, ctx.chunk_size)
-        dq, dk, dv, dg, dbeta, d_initial_state = gradients
-        if initial_state is None:
-            d_initial_state = None
-        return dq, dk, dv, dg, dbeta, d_initial_state, None, None, None
+        gradients = [None if dtype is None else grad.to(dtype) for grad, dtype in zip(gradients, ctx.input_dtypes)]
+        return *gradients, None, None, None
 # --8<-- [end:function]
 
 
@@ -175,13 +179,15 @@ def _cpu_forward(q, k, v, g, beta, initial_state, chunk_size):
 
 
 def _cpu_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size):
-    """Stage 6's reference B in NumPy float64: the chunks in reverse, each recomputed from its start state."""
+    """Stage 6's reference B in NumPy float64: the chunks in reverse, each recomputed from its start state.
+    The six gradients in float64 on q's device (dS_0^T's None without an initial state)."""
     result = backward_reference.chunkwise_backward(
         *[_float64(x) for x in (q, k, v, g, beta, do)], chunk_size,
         initial_state=_float64_or_none(initial_state), d_final_state=_float64_or_none(d_final_state))
-    d_initial_state = None if initial_state is None else _like(result.d_initial_state, initial_state)
-    return (_like(result.dq, q), _like(result.dk, k), _like(result.dv, v), _like(result.dg, g),
-            _like(result.dbeta, beta), d_initial_state)
+    gradients = (result.dq, result.dk, result.dv, result.dg, result.dbeta,
+                 None if initial_state is None else result.d_initial_state)
+    return tuple(None if grad is None else torch.from_numpy(np.ascontiguousarray(grad)).to(q.device)
+                 for grad in gradients)
 # --8<-- [end:cpu_path]
 
 
@@ -195,9 +201,10 @@ def _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, checks, keep_prep
 
 
 def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size, prepared=None):
-    """Stage 6's backward kernels, each gradient cast to its input's dtype; prepared: the forward's
-    prepare outputs, kept (disable_recompute), or None. g's and beta's values were checked by the
-    forward (checks), so the backward skips that pass and its device sync."""
+    """Stage 6's backward kernels: dq, dk (fp32), dv (q's dtype), dg, dbeta, dS_0^T (fp32; None without
+    an initial state); prepared: the forward's prepare outputs, kept (disable_recompute), or None. g's
+    and beta's values were checked by the forward (checks), so the backward skips that pass and its
+    device sync."""
     try:
         from stages.s06_backward.kernel import backward
     except ImportError as error:
@@ -207,10 +214,10 @@ def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_siz
         ) from error
     if d_final_state is not None:
         d_final_state = d_final_state.float().contiguous()
-    gradients = backward(q, k, v, g, beta, do.contiguous(), initial_state=initial_state, d_final_state=d_final_state,
-                         chunk_size=chunk_size, checks="off", prepared=prepared)
-    inputs = (q, k, v, g, beta, initial_state)
-    return tuple(None if x is None else grad.to(x.dtype) for grad, x in zip(gradients, inputs))
+    *gradients, d_initial_state = backward(q, k, v, g, beta, do.contiguous(), initial_state=initial_state,
+                                           d_final_state=d_final_state, chunk_size=chunk_size, checks="off",
+                                           prepared=prepared)
+    return *gradients, None if initial_state is None else d_initial_state
 # --8<-- [end:cuda_path]
 
 
@@ -240,6 +247,8 @@ def check_chunk_kda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             continue
         check_kernel_tensor(name, x.contiguous() if isinstance(x, torch.Tensor) else x, rank=3 if name == "beta" else 4,
                             dtypes=STATE_DTYPES if name == "initial_state" else INPUT_DTYPES)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {dtype_name(q)}, {dtype_name(k)} and {dtype_name(v)}")
     devices = {name: x.device for name, x in tensors.items() if x is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"all inputs must be on one device, got {devices}")
@@ -251,23 +260,25 @@ def check_chunk_kda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 
 def l2_normalize(x, scale=1.0):
-    """scale * x / sqrt(||x||^2 + eps) along the last axis, in float32 at least; returned in x's dtype."""
+    """scale * x / sqrt(||x||^2 + eps) along the last axis, in float32 at least, not rounded back to x's
+    dtype (ChunkKDAFunction rounds it, once)."""
     wide = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (wide * (scale * torch.rsqrt((wide * wide).sum(-1, keepdim=True) + L2_NORM_EPS))).to(x.dtype)
+    return wide * (scale * torch.rsqrt((wide * wide).sum(-1, keepdim=True) + L2_NORM_EPS))
 
 
 def scaled_queries(q, scale, l2norm):
-    """scale * q, L2-normalized first with l2norm: (B, T, H, K) in q's dtype, rounded to it once.
+    """scale * q, L2-normalized first with l2norm: (B, T, H, K) in float32 at least (q itself where
+    there is nothing to do), for ChunkKDAFunction to round to v's dtype once.
 
     FLA applies the scale inside its kernels, in fp32. The kernels here take q as it is, so the product
     is formed in float32 and rounded once; formed in bf16 after the norm's own rounding, it added a
-    rounding to q (o and the final state carried it) and one more to dq on the way back (1.19 times
+    rounding to q (o and the final state carried it) and two more to dq on the way back (1.19 times
     FLA's error in dq, measured on the H200: docs, stage 6)."""
     if l2norm:
         return l2_normalize(q, scale)
     if scale == 1.0:
         return q
-    return (q.to(torch.promote_types(q.dtype, torch.float32)) * scale).to(q.dtype)
+    return q.to(torch.promote_types(q.dtype, torch.float32)) * scale
 
 
 def _state_reference(q, initial_state):

@@ -278,8 +278,9 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                         channel_passes=CHANNEL_PASSES):
     """The chunk's own gradients: q, k (B, N, H, d_k), v, dO, V_new, dV_new (B, N, H, d_v) in `dtype`;
     g (B, N, H, d_k), beta (B, N, H), d(Q e^gamma), d(K e^{gamma_C - gamma}), dW (B, N, H, d_k) and
-    d gamma_C (B, N / C, H, d_k) in fp32 -> dq, dk (B, N, H, d_k), dv (B, N, H, d_v) in `dtype`,
-    dg (B, N, H, d_k) and dbeta (B, N, H) in fp32.
+    d gamma_C (B, N / C, H, d_k) in fp32 -> dv (B, N, H, d_v) in `dtype`, dq, dk, dg (B, N, H, d_k)
+    and dbeta (B, N, H) in fp32 (dq and dk unrounded for what the caller does in front of the kernels:
+    the L2 norm's backward, FLA's scale).
 
     The score GEMMs (A_kk, and the gradients through A_kk and A_qk) work on d_k / channel_passes
     channels at a time, as stage 5's prepare kernel does. threads=None takes
@@ -318,8 +319,8 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
         dK_to_chunk_end: T.Tensor((B, N, H, d_k), accum_dtype),
         dW: T.Tensor((B, N, H, d_k), accum_dtype),
         D_gamma_last: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
-        dQ: T.Tensor((B, N, H, d_k), dtype),
-        dK: T.Tensor((B, N, H, d_k), dtype),
+        dQ: T.Tensor((B, N, H, d_k), accum_dtype),
+        dK: T.Tensor((B, N, H, d_k), accum_dtype),
         dV: T.Tensor((B, N, H, d_v), dtype),
         dG: T.Tensor((B, N, H, d_k), accum_dtype),
         dBeta: T.Tensor((B, N, H), accum_dtype),
@@ -723,9 +724,11 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     beta: (B, N, H) fp32 in [0, 1], do = dLoss/do: (B, N, H, d_v) in q's dtype; initial_state S_0^T
     and d_final_state = dLoss/dS_N^T: (B, H, d_k, d_v) fp32 or None (zeros).
 
-    Returns (dq, dk, dv, dg, dbeta, d_initial_state): dq, dk (B, N, H, d_k) and dv (B, N, H, d_v) in
-    q's dtype, dg (B, N, H, d_k), dbeta (B, N, H) and dS_0^T (B, H, d_k, d_v) in fp32 (computed even
-    when initial_state is None: it is then the gradient of a zero initial state). N need not be a
+    Returns (dq, dk, dv, dg, dbeta, d_initial_state): dv (B, N, H, d_v) in q's dtype; dq, dk, dg
+    (B, N, H, d_k), dbeta (B, N, H) and dS_0^T (B, H, d_k, d_v) in fp32 (dS_0^T computed even when
+    initial_state is None: it is then the gradient of a zero initial state). dq and dk stay in fp32, as
+    FLA's chunk_kda_bwd hands them back, so that the caller rounds them once, after its own backward
+    in front of the kernels (`chunk_kda`: the L2 norm's and the scale's). N need not be a
     multiple of chunk_size: the sequence is zero-padded, which is exact. block_dv: the value columns
     a program of the two chunk loops (states, state_gradient) walks; None takes stage 5's
     default_block_dv for this shape and GPU, as the forward's recurrence does. checks, as in stage 5's
