@@ -23,7 +23,8 @@
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 12    # forward + backward with the forward's tensors kept
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 13    # gradients against float64 beside FLA's, over
 #                            # seeds, and stage 6's chunk_kda GPU tests
-#     bash benchmarks/gpu_open_work.sh OUT_DIR 14    # forward + backward at B = 8, N = 4096, H = 16
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 14    # forward + backward at B = 8, N = 4096, H = 16 and
+#                            # at N = 16384, H = 32
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -182,8 +183,10 @@ case $part in
     wait
     ;;
   14)
-    # forward + backward timed at the shape part 12's run did not reach (B = 8, N = 4096, H = 16)
-    step backward_b8 540 python -m benchmarks.backward --out "$out/backward_b8" --shapes 8,4096,16,128 --deadline 500
+    # forward + backward timed at the shape part 12's run did not reach (B = 8, N = 4096, H = 16), and
+    # at N = 16384 again with dq and dk written in fp32
+    step backward_b8 440 python -m benchmarks.backward --out "$out/backward_b8" --rounds 2 \
+      --shapes "1,16384,32,128;8,4096,16,128" --deadline 400
     ;;
   *)
     echo "part must be 1 to 14, got $part" >&2

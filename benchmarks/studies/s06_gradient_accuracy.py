@@ -105,17 +105,23 @@ def rel_l2(actual, expected):
     return ((actual - expected).norm() / expected.norm()).item()
 
 
-def summary(rows):
-    """Markdown table: per mode, layout and tensor, ours / FLA as the geometric mean and worst over seeds."""
+def ratios_by_group(rows):
+    """{(shape, mode, layout, tensor): (geometric mean of ours / FLA over the seeds, worst seed's, seeds)},
+    from the CSV's rows, in their order."""
     groups = {}
     for row in rows:
         groups.setdefault((row["shape"], row["mode"], row["layout"], row["tensor"]), []).append(float(row["ratio"]))
+    return {key: (math.exp(sum(math.log(r) for r in ratios) / len(ratios)), max(ratios), len(ratios))
+            for key, ratios in groups.items()}
+
+
+def summary(rows):
+    """Markdown table: per mode, layout and tensor, ours / FLA as the geometric mean and worst over seeds."""
     lines = ["| shape | mode | layout | tensor | seeds | ours / FLA (geometric mean) | worst seed |",
              "|---|---|---|---|---|---|---|"]
-    for (shape, mode, layout, name), ratios in groups.items():
-        mean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    for (shape, mode, layout, name), (mean, worst, seeds) in ratios_by_group(rows).items():
         flag = "" if mean <= GOAL else " **over 1.1**"
-        lines.append(f"| {shape} | {mode} | {layout} | {name} | {len(ratios)} | {mean:.3f}{flag} | {max(ratios):.3f} |")
+        lines.append(f"| {shape} | {mode} | {layout} | {name} | {seeds} | {mean:.3f}{flag} | {worst:.3f} |")
     return "\n".join(lines)
 
 

@@ -244,10 +244,46 @@ def write_any_gate_table(path):
     path.write_text(banner(SOURCE) + markdown_table(headers, rows))
 
 
+GRADIENT_ACCURACY_RUNS = {  # `python -m benchmarks.studies.s06_gradient_accuracy --out ...` on the H200
+    "before": "benchmarks/results/gradient_accuracy_before",  # dq, dk rounded to bf16 in the kernel
+    "after": "benchmarks/results/gradient_accuracy",  # dq, dk in fp32 to the norm's backward, rounded once
+}
+GRADIENT_ACCURACY_SHAPE = "2,300,2,128"  # the shape both runs measured at every seed
+
+
+def write_gradient_accuracy_table(path):
+    """Ours / FLA's rel L2 from float64 per tensor, the geometric mean over seeds (the worst seed after
+    it), before and after q's and k's gradients were kept in fp32 to the norm's backward."""
+    import csv
+
+    from benchmarks.studies.s06_gradient_accuracy import GOAL, NAMES, ratios_by_group
+
+    runs = {}
+    for label, folder in GRADIENT_ACCURACY_RUNS.items():
+        with open(f"{folder}/gradient_accuracy.csv") as f:
+            runs[label] = ratios_by_group(row for row in csv.DictReader(f) if row["shape"] == GRADIENT_ACCURACY_SHAPE)
+
+    def cell(label, mode, layout, name):
+        mean, worst, seeds = runs[label][(GRADIENT_ACCURACY_SHAPE, mode, layout, name)]
+        return f"{mean:.2f} ({worst:.2f})" + ("" if mean <= GOAL else " **over**")
+
+    groups = [key[1:3] for key in runs["after"] if key[3] == NAMES[0]]
+    header = ["tensor"] + [f"{mode}, {layout}, {label}" for mode, layout in groups for label in runs]
+    rows = [[name] + [cell(label, mode, layout, name) for mode, layout in groups for label in runs]
+            for name in NAMES]
+    seeds = runs["after"][(GRADIENT_ACCURACY_SHAPE, *groups[0], NAMES[0])][2]
+    path.write_text(
+        banner(f"{SOURCE}, from {', '.join(f'{folder}/gradient_accuracy.csv' for folder in runs.values())}")
+        + markdown_table(header, rows)
+        + f"\nB, N, H, d = {GRADIENT_ACCURACY_SHAPE}, bf16, {seeds} seeds: ours / FLA's rel L2 from float64, the "
+        f"geometric mean over the seeds (the worst seed's in brackets); **over** marks a mean past {GOAL}.\n")
+
+
 def generated_files():
     return {
         "docs/generated/s06_any_gate.md": write_any_gate_table,
         "docs/generated/s06_errors.md": write_error_table,
+        "docs/generated/s06_gradient_accuracy.md": write_gradient_accuracy_table,
         "docs/generated/s06_identities.md": write_identities_table,
         "docs/generated/s06_chunk_states.md": write_storage_table,
         "docs/generated/s06_training.md": write_training_table,
