@@ -61,10 +61,11 @@ BACKWARD_TIMES = [("ours", "fwd_bwd_kernels", "ours fwd+bwd kernels"), ("ours", 
                   ("fla", "backward_call", "FLA backward call")]
 
 
-def write_backward_timings(path):
+def write_backward_timings(path, run=""):
     """FLA / ours for forward + backward (kernels, calls) and the backward alone; the times; each backward
-    kernel alone; our gradients against FLA's and the block_dv of both passes."""
-    rows, meta = committed_run(backward.CSV_NAME, backward.META_NAME)
+    kernel alone; our gradients against FLA's and the block_dv of both passes. run: the run's folder
+    under benchmarks/results ("" for the main run, "backward_b8/" for the later one of two shapes)."""
+    rows, meta = committed_run(run + backward.CSV_NAME, run + backward.META_NAME)
     if rows is None:
         path.write_text(NOT_COMMITTED.format(what="backward", module="backward",
                                              files="DIR/backward.csv and DIR/backward_meta.json"))
@@ -235,6 +236,7 @@ def write_decode_batches(path):
 def generated_files():
     return {
         "docs/generated/backward_timings.md": write_backward_timings,
+        "docs/generated/backward_timings_b8.md": lambda path: write_backward_timings(path, "backward_b8/"),
         "docs/generated/varlen_timings.md": write_varlen_timings,
         "docs/generated/decode_timings.md": write_decode_timings,
         "docs/generated/decode_batches.md": write_decode_batches,
