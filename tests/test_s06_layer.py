@@ -162,7 +162,8 @@ def test_forget_gate_stays_a_decay_for_any_input(lower_bound):
 
 
 def test_beta_is_a_sigmoid_and_the_kernel_is_called_as_fla_s():
-    """The layer hands the kernel FLA's arguments: beta in (0, 1), g <= 0, the L2 norm asked of it."""
+    """The layer hands the kernel FLA's arguments: beta in (0, 1), g <= 0, the L2 norm asked of it, and
+    its own checks and disable_recompute when given."""
     calls = []
 
     def recording_kernel(q, k, v, g, beta, **options):
@@ -179,6 +180,10 @@ def test_beta_is_a_sigmoid_and_the_kernel_is_called_as_fla_s():
         _layer(kernel=recording_kernel, checks=checks)(_x(1, 4, seed=7))
         assert calls == [{"initial_state": None, "output_final_state": False, "use_qk_l2norm_in_kernel": True,
                           "checks": checks}]
+    calls.clear()  # FLA's option, asked of the kernel only when set (the CPU path recomputes whatever it is)
+    _layer(kernel=recording_kernel, disable_recompute=True)(_x(1, 4, seed=7))
+    assert calls == [{"initial_state": None, "output_final_state": False, "use_qk_l2norm_in_kernel": True,
+                      "disable_recompute": True}]
 
 
 @pytest.mark.gpu

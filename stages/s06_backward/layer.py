@@ -183,15 +183,18 @@ class KDALayer(nn.Module):
     chunk_kda's calling convention (ours by default; FLA's `fla.ops.chunk_kda` to compare). checks:
     handed to the kernel as chunk_kda's value-check mode ("device", "host" or "off"; see chunk_kda),
     or None (the default) to call it without one: our chunk_kda then checks on the device, and FLA's,
-    which takes no such option, can be the kernel.
+    which takes no such option, can be the kernel. disable_recompute: handed to the kernel (ours and
+    FLA's take it) when True: the forward keeps what the backward would recompute, for memory.
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, conv_size: int = 4, gate_rank: int | None = None,
                  lower_bound: float | None = None, norm_eps: float = 1e-5, kernel: Callable = chunk_kda,
-                 checks: str | None = None):
+                 checks: str | None = None, disable_recompute: bool = False):
         super().__init__()
         self.n_heads, self.head_dim, self.kernel = n_heads, head_dim, kernel
         self.kernel_options = {} if checks is None else {"checks": checks}
+        if disable_recompute:
+            self.kernel_options["disable_recompute"] = True
         width, rank = n_heads * head_dim, gate_rank or head_dim
         self.q_proj = nn.Linear(d_model, width, bias=False)
         self.k_proj = nn.Linear(d_model, width, bias=False)
