@@ -24,7 +24,9 @@ q's dtype, about 0.6 GB at T = 16384, H = 32, d = 128 in bf16) and the backward 
 Two of FLA's conveniences are plain torch operations in front of the function, so autograd takes
 their gradients: `scale` multiplies q (FLA's default 1 / sqrt(K); the course's references have no
 scale, so pass scale=1.0 to compare with them), and `use_qk_l2norm_in_kernel` divides q and k by
-sqrt(||x||^2 + 1e-6), FLA's L2 norm. The gate and beta enter the kernels in float32, so on CUDA they
+sqrt(||x||^2 + 1e-6), FLA's L2 norm. Both run in float32 and the function rounds their result to the
+kernels' dtype once; the gradients of q and k come back from the kernels in fp32 and are rounded once,
+after the norm's backward, as FLA's are (each extra bf16 rounding costs about a tenth of the error). The gate and beta enter the kernels in float32, so on CUDA they
 are cast to it here; the CPU path computes in float64 whatever the dtype.
 
 What the course does not support is refused with an error that says why: variable-length batches
