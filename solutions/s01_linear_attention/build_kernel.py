@@ -1,8 +1,8 @@
 """Exercise s01.build_kernel (build): stage 1's TileLang kernel, written whole from an empty body.
 
 Write build_program so that it returns a `@T.prim_func` computing o = chunked linear attention of
-q, k, v, as reference C does (stages/s01_linear_attention/reference.py, kernel_mirror). Any correct
-program passes: choose your own grid, tiles and order, within what the tests below ask.
+q, k, v, as reference C does (exercise s01.kernel_mirror: your kernel_mirror.py beside this file). Any
+correct program passes: choose your own grid, tiles and order, within what the tests below ask.
 
 What is given, and what the tests need:
 - the signature below, and the parameters of the prim_func in this order: Q, K, V (inputs), O (the

@@ -1,9 +1,9 @@
 """Exercise s02.build_kernel (build): stage 2's TileLang kernel, written whole from an empty body.
 
 Write build_program so that it returns a `@T.prim_func` computing o = chunked linear attention with
-a constant decay alpha = e^g per head, as reference C does (stages/s02_scalar_decay/reference.py,
-kernel_mirror). Any correct program passes: choose your own grid, tiles and order, within what the
-tests below ask.
+a constant decay alpha = e^g per head, as reference C does (exercise s02.kernel_mirror: your
+kernel_mirror.py beside this file). Any correct program passes: choose your own grid, tiles and order,
+within what the tests below ask.
 
 What is given, and what the tests need:
 - the signature below, and the parameters of the prim_func in this order: Q, K, V, G (inputs; G is

@@ -1,7 +1,7 @@
 """Exercise s03.build_kernel (build): stage 3's TileLang kernel, written whole from an empty body.
 
 Write build_program so that it returns a `@T.prim_func` computing the chunked Gated DeltaNet forward,
-as reference C does (stages/s03_gated_deltanet/reference.py, kernel_mirror): per chunk, the UT
+as reference C does (exercise s03.kernel_mirror: your kernel_mirror.py beside this file): per chunk, the UT
 transform of its keys and values by a forward substitution, the pseudo-values V_new = U - W S^T, the
 output, and the state's move past the chunk. Any correct program passes: choose your own grid,
 tiles, pairing of beta and order, within what the tests below ask.

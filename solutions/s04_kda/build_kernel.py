@@ -1,10 +1,10 @@
 """Exercise s04.build_kernel (build): the KDA kernel, written whole from an empty body.
 
 Write build_program so that it returns a `@T.prim_func` computing the chunked KDA forward, as
-reference C does (stages/s04_kda/reference.py, kernel_mirror): stage 3's kernel with a gate per key
-channel, so the decay between two rows is e^{gamma_c - gamma_i} channel by channel, and enters the
-products through the split e^{gamma_c} e^{-gamma_i}. Any correct program passes: choose your own
-grid, tiles, pairing of beta and order, within what the tests below ask.
+reference C does (exercise s04.kernel_mirror: your kernel_mirror.py beside this file): stage 3's
+kernel with a gate per key channel, so the decay between two rows is e^{gamma_c - gamma_i} channel by
+channel, and enters the products through the split e^{gamma_c} e^{-gamma_i}. Any correct program
+passes: choose your own grid, tiles, pairing of beta and order, within what the tests below ask.
 
 What is given, and what the tests need:
 - the signature below, and the parameters of the prim_func in this order: Q, K, V, G, Beta (inputs;
