@@ -5,7 +5,7 @@ chunks before it:
     O = Q S^T + (Q K^T ⊙ M) V,   M[r, j] = 1 for j <= r        then   S^T <- S^T + K^T V
 
 Fill the region: plain loops where the math has sums. The last chunk may be shorter.
-Read: docs, stage 1, "Reference B: chunk by chunk".  Check: course check s01
+Read: stage 1 page, "Reference B: chunk by chunk".  Check: course check s01
 """
 
 import numpy as np

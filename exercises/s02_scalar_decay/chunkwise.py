@@ -6,7 +6,7 @@ layout) left by the chunks before it:
     S^T <- alpha^C S^T + sum_j alpha^(C - j) K[j]^T V[j]
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 2, "Reference B: chunk by chunk".  Check: course check s02
+Read: stage 2 page, "Reference B: chunk by chunk".  Check: course check s02
 """
 
 import numpy as np

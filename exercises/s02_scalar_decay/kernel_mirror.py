@@ -5,7 +5,7 @@ the pipelined loop over chunks, with the state S^T (d_k x block_dv) kept for the
 The decays depend on the head only and are built once per program, before the chunk loop.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 2, "Reference C: the kernel's control flow".  Check: course check s02
+Read: stage 2 page, "Reference C: the kernel's control flow".  Check: course check s02
 """
 
 import numpy as np

@@ -6,7 +6,7 @@ The keys are L2-normalized first, as the model does before the kernel: that keep
 conditioned (see the Numerics section of the page).
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 3, "Numerics".  Check: course check s03
+Read: stage 3 page, "Numerics".  Check: course check s03
 """
 
 import numpy as np

@@ -6,7 +6,7 @@
 g = log(alpha) and beta have shape (B, N, H): one gate and one write strength per token and head.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 3, "Reference A: token by token".  Check: course check s03
+Read: stage 3 page, "Reference A: token by token".  Check: course check s03
 """
 
 import numpy as np

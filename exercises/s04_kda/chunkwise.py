@@ -12,7 +12,7 @@ before it:
     S^T       <- Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new
 
 Fill the region. The last chunk may be shorter.
-Read: docs, stage 4, "Reference B: chunk by chunk".  Check: course check s04
+Read: stage 4 page, "Reference B: chunk by chunk".  Check: course check s04
 """
 
 import numpy as np

@@ -7,7 +7,7 @@ Per chunk: the exponent split makes M and A_qk two GEMMs, one forward substituti
 state decays row by row.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 4, "Reference C: the kernel's control flow".  Check: course check s04
+Read: stage 4 page, "Reference C: the kernel's control flow".  Check: course check s04
 """
 
 import numpy as np

@@ -13,7 +13,7 @@ right, and carries one known bug, one that no compiler sees. Find it and fix it.
 tests run the program through the course's tile interpreter (stages.common.interpreter): in float64 it must equal reference C, in fp16 it must match the exact
 result within fp16's rounding; they also check the ordering constraints on its TIR. With nvcc they
 compile it for sm_90a, and on a GPU they run it against the delta-rule form of KDA.
-Read: docs, stage 4, "The kernel".  Check: course check s04
+Read: stage 4 page, "The kernel".  Check: course check s04
 """
 
 from stages.common.tilelang_tools import LOG2_E

@@ -5,7 +5,7 @@ merge block row P from the finished rows above it:
     T[P, :P] = -T[P, P] (L[P, :P] T[:P, :P])          from block row P of (I + L) T = I.
 
 Fill the region; np.linalg.inv is not the answer (the kernel has no such call).
-Read: docs, stage 5, "The inverse by blocks".  Check: course check s05
+Read: stage 5 page, "The inverse by blocks".  Check: course check s05
 """
 
 import numpy as np

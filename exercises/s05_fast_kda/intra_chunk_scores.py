@@ -5,7 +5,7 @@ in each GEMM operand and casts the operands to fp16 or bf16. The anchor a decide
 can get, and an fp16 operand holds at most 65504.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 5, "Anchored exponents".  Check: course check s05
+Read: stage 5 page, "Anchored exponents".  Check: course check s05
 """
 
 import numpy as np

@@ -5,7 +5,7 @@ pipelined loop over chunks with the state S^T (d_k x block_dv) kept for the whol
 that does not read the state (W, U, the decayed queries and keys, A_qk, e^{gamma_C}) comes prepared.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 5, "Reference C: the two kernels' control flow".  Check: course check s05
+Read: stage 5 page, "Reference C: the two kernels' control flow".  Check: course check s05
 """
 
 from typing import TYPE_CHECKING

@@ -7,7 +7,7 @@ L = M diag(beta), as the prepare kernel does, and takes the UT transform back:
 then the scores, through `score_gradients`, and last the cumulative gate gamma.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 6, "The UT transform backwards".  Check: course check s06
+Read: stage 6 page, "The UT transform backwards".  Check: course check s06
 """
 
 import numpy as np

@@ -4,7 +4,7 @@ The loops are the kernel's: grid.x over blocks of value columns, grid.y over (ba
 the pipelined loop over chunks; the state S^T (d_k x block_dv) lives on chip.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 1, "Reference C: the kernel's control flow".  Check: course check s01
+Read: stage 1 page, "Reference C: the kernel's control flow".  Check: course check s01
 """
 
 import numpy as np

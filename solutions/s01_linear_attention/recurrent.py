@@ -3,7 +3,7 @@
     S_t = S_{t-1} + v_t k_t^T        o_t = S_t q_t        (paper layout: S is d_v x d_k)
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 1, "Reference A: token by token".  Check: course check s01
+Read: stage 1 page, "Reference A: token by token".  Check: course check s01
 """
 
 import numpy as np

@@ -6,7 +6,7 @@ The course builds it in float64 for the references; the kernel would like it in 
 dtype, every entry must come out finite and right.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 2, "Numerics".  Check: course check s02
+Read: stage 2 page, "Numerics".  Check: course check s02
 """
 
 import numpy as np

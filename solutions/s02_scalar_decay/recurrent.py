@@ -3,7 +3,7 @@
     S_t = alpha S_{t-1} + v_t k_t^T        o_t = S_t q_t        (paper layout: S is d_v x d_k)
 
 with alpha = e^{g[h]}, one constant per head. Fill the region.
-Read: docs, stage 2, "Reference A: token by token".  Check: course check s02
+Read: stage 2 page, "Reference A: token by token".  Check: course check s02
 """
 
 import numpy as np

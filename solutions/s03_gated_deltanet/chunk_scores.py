@@ -9,7 +9,7 @@ above the diagonal"; the diagonal itself is each matrix's own question: does a t
 on itself, and does a token's output see its own write?
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 3, "One chunk as a triangular system".  Check: course check s03
+Read: stage 3 page, "One chunk as a triangular system".  Check: course check s03
 """
 
 import numpy as np

@@ -12,7 +12,7 @@ from the chunk start) and the state S^T (d_k x d_v, the kernel layout) left by t
 
 Fill the region: plain loops where the math has sums; np.linalg.inv is fine for T. The last chunk
 may be shorter.
-Read: docs, stage 3, "Reference B: chunk by chunk".  Check: course check s03
+Read: stage 3 page, "Reference B: chunk by chunk".  Check: course check s03
 """
 
 import numpy as np

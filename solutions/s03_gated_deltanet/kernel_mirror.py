@@ -6,7 +6,7 @@ chunk: the decay table Gamma, L and A_qk from two GEMMs, one forward substitutio
 [K ⊙ e^{gamma} | V], the pseudo-values V_new = U - W S^T, the output, then the state.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 3, "Reference C: the kernel's control flow".  Check: course check s03
+Read: stage 3 page, "Reference C: the kernel's control flow".  Check: course check s03
 """
 
 import numpy as np

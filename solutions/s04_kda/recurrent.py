@@ -6,7 +6,7 @@
 g = log(a) has shape (B, N, H, d_k): one gate per token, head and key channel; beta is (B, N, H).
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 4, "Reference A: token by token".  Check: course check s04
+Read: stage 4 page, "Reference A: token by token".  Check: course check s04
 """
 
 import numpy as np

@@ -8,7 +8,7 @@ The forward of chunk [t] (stage 4's reference B; S^T the state at the chunk star
 The backward takes these lines back from the last to the first, given dO and dS'^T.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 6, "Reference B: chunk by chunk".  Check: course check s06
+Read: stage 6 page, "Reference B: chunk by chunk".  Check: course check s06
 """
 
 import numpy as np

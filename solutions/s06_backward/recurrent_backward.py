@@ -8,7 +8,7 @@ carrying dS_t = dLoss/dS_t, and takes each part of the step back in turn: the ou
 the write beta_t v_t k_t^T, the Householder factor, the decay Diag(a_t).
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 6, "Reference A: token by token".  Check: course check s06
+Read: stage 6 page, "Reference A: token by token".  Check: course check s06
 """
 
 import numpy as np

@@ -5,7 +5,7 @@ decode batch of B sequences names its states by `slots` (B,): sequence b reads i
 pool, advances it by one token and writes it back, and no other state of the pool may change.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 7, "The state pool".  Check: course check s07
+Read: stage 7 page, "The state pool".  Check: course check s07
 """
 
 import numpy as np

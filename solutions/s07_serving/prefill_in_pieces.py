@@ -6,7 +6,7 @@ is one call of `forward`, a forward pass with an initial state in and a final st
 pass over the whole prompt gives: every output, and the state after the last token.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
-Read: docs, stage 7, "Chunked prefill".  Check: course check s07
+Read: stage 7 page, "Chunked prefill".  Check: course check s07
 """
 
 from collections.abc import Callable
