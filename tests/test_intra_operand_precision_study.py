@@ -20,7 +20,8 @@ def test_a_variant_widens_its_group_and_nothing_else(group):
     from stages.s06_backward.kernel import build_intra_program
 
     shape = (1, 64, 1, 32, 32, 32, "bfloat16")
-    kernel, variant = _shared_dtypes(build_intra_program(*shape)), _shared_dtypes(build_fp32_operand_intra(group)(*shape))
+    kernel = _shared_dtypes(build_intra_program(*shape))
+    variant = _shared_dtypes(build_fp32_operand_intra(group)(*shape))
     assert set(kernel) == set(variant)
     widened = {name for name in kernel if kernel[name] != variant[name]}
     assert widened == set(OPERAND_GROUPS[group])

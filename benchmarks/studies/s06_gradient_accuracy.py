@@ -96,7 +96,8 @@ def run_kda(kda, inputs, weights, mode):
     options = ({"use_qk_l2norm_in_kernel": True} if mode == "fla_call" else {"scale": 1.0})
     o, final_state = kda(leaf["q"], leaf["k"], leaf["v"], leaf["g"], leaf["beta"], initial_state=leaf["initial_state"],
                          output_final_state=True, **options)
-    loss = (o.float() * weights["do"].cuda().float()).sum() + (final_state * weights["d_final_state"].cuda().float()).sum()
+    do, d_final_state = (weights[name].cuda().float() for name in ("do", "d_final_state"))
+    loss = (o.float() * do).sum() + (final_state * d_final_state).sum()
     gradients = torch.autograd.grad(loss, list(leaf.values()))
     return {name: t.double() for name, t in dict(zip(leaf, gradients), o=o, final_state=final_state).items()}
 

@@ -273,7 +273,8 @@ def write_gradient_accuracy_table(path):
             for name in NAMES]
     seeds = runs["after"][(GRADIENT_ACCURACY_SHAPE, *groups[0], NAMES[0])][2]
     path.write_text(
-        banner(f"{SOURCE}, from {' and '.join(f'{folder}/gradient_accuracy.csv' for folder in GRADIENT_ACCURACY_RUNS.values())}")
+        banner(f"{SOURCE}, from "
+               + " and ".join(f"{folder}/gradient_accuracy.csv" for folder in GRADIENT_ACCURACY_RUNS.values()))
         + markdown_table(header, rows)
         + f"\nB, N, H, d = {GRADIENT_ACCURACY_SHAPE}, bf16, {seeds} seeds: ours / FLA's rel L2 from float64, the "
         f"geometric mean over the seeds (the worst seed's in brackets); **over** marks a mean past {GOAL}.\n")

@@ -26,8 +26,9 @@ their gradients: `scale` multiplies q (FLA's default 1 / sqrt(K); the course's r
 scale, so pass scale=1.0 to compare with them), and `use_qk_l2norm_in_kernel` divides q and k by
 sqrt(||x||^2 + 1e-6), FLA's L2 norm. Both run in float32 and the function rounds their result to the
 kernels' dtype once; the gradients of q and k come back from the kernels in fp32 and are rounded once,
-after the norm's backward, as FLA's are (each extra bf16 rounding costs about a tenth of the error). The gate and beta enter the kernels in float32, so on CUDA they
-are cast to it here; the CPU path computes in float64 whatever the dtype.
+after the norm's backward, as FLA's are (each extra bf16 rounding costs about a tenth of the error).
+The gate and beta enter the kernels in float32, so on CUDA they are cast to it here; the CPU path
+computes in float64 whatever the dtype.
 
 What the course does not support is refused with an error that says why: variable-length batches
 (`cu_seqlens`, stage 7), the gate or beta computed inside the kernel (`use_gate_in_kernel`,
