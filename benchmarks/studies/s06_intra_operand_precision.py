@@ -38,6 +38,9 @@ OPERAND_GROUPS = {
     # dA_qk^T and their diagonal blocks
     "scores": ("K_row_s", "Q_row_s", "K_col_s", "K_slab_col_s", "dM_T_s", "dA_qk_T_s", "dM_T_diagonal_s",
                "dA_qk_T_diagonal_s"),
+    # each side of those GEMMs alone (the interpreter multiplies operands of two dtypes; TileLang would not)
+    "score gradients dA": ("dM_T_s", "dA_qk_T_s", "dM_T_diagonal_s", "dA_qk_T_diagonal_s"),
+    "decayed keys and queries": ("K_row_s", "Q_row_s", "K_col_s", "K_slab_col_s"),
     # back through W and U and the solve: A_hat = diag(beta) T (and the remainder of its rounding, zero
     # in fp32), T, dA_hat, dA_hat^T A_hat, and the chunk's K e^gamma, V, dW, dV_new
     "wy": ("A_hat_s", "A_hat_low_s", "T_op_s", "dA_hat_s", "product_s", "K_decayed_s", "V_s", "dW_s", "dV_new_s"),
