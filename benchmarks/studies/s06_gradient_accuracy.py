@@ -18,8 +18,9 @@ scale 1 / sqrt(K)), q and k drawn unnormalized; `kernels` is scale=1.0 without t
 k, so that only the kernels' roundings differ. The truth is torch.autograd of the token-by-token
 float64 recurrence on the same rounded inputs (any gate; the norm and the scale in float64 in front).
 
-Writes DIR/gradient_accuracy.csv (one row per shape, layout, mode, seed and tensor) and prints the
-summary table (geometric mean and worst of ours / FLA per tensor). Needs CUDA, TileLang and FLA.
+Writes DIR/gradient_accuracy.csv (one row per shape, layout, mode, seed and tensor) and
+DIR/gradient_accuracy.md, the summary table it also prints (geometric mean and worst of ours / FLA per
+tensor); the stage 6 page's table is made from committed CSVs (kdacourse/pages/s06_backward.py). Needs CUDA, TileLang and FLA.
 """
 
 import argparse

@@ -184,7 +184,8 @@ class KDALayer(nn.Module):
     handed to the kernel as chunk_kda's value-check mode ("device", "host" or "off"; see chunk_kda),
     or None (the default) to call it without one: our chunk_kda then checks on the device, and FLA's,
     which takes no such option, can be the kernel. disable_recompute: handed to the kernel (ours and
-    FLA's take it) when True: the forward keeps what the backward would recompute, for memory.
+    FLA's take it) when True: the forward keeps what the backward would recompute, which costs memory
+    (about 0.6 GB a layer at T = 16384, H = 32, d = 128 in bf16) and saves a kernel in the backward.
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, conv_size: int = 4, gate_rank: int | None = None,
