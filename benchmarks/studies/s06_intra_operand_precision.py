@@ -35,12 +35,15 @@ GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
 # the intra kernel's GEMM operands, in `dtype` in the kernel, by group (a GEMM's two operands share a dtype):
 OPERAND_GROUPS = {
     # the score gradients: the decayed queries and keys of a channel pass, the slabs' column keys, dM^T,
-    # dA_qk^T and their diagonal blocks
-    "scores": ("K_row_s", "Q_row_s", "K_col_s", "K_slab_col_s", "dM_T_s", "dA_qk_T_s", "dM_T_diagonal_s",
-               "dA_qk_T_diagonal_s"),
+    # dA_qk^T and their diagonal blocks, and the remainders of the diagonal blocks' operands (zero in fp32)
+    "scores": ("K_row_s", "Q_row_s", "K_col_s", "K_row_low_s", "Q_row_low_s", "K_col_low_s", "K_slab_col_s",
+               "dM_T_s", "dA_qk_T_s", "dM_T_diagonal_s", "dA_qk_T_diagonal_s", "dM_T_diagonal_low_s",
+               "dA_qk_T_diagonal_low_s"),
     # each side of those GEMMs alone (the interpreter multiplies operands of two dtypes; TileLang would not)
-    "score gradients dA": ("dM_T_s", "dA_qk_T_s", "dM_T_diagonal_s", "dA_qk_T_diagonal_s"),
-    "decayed keys and queries": ("K_row_s", "Q_row_s", "K_col_s", "K_slab_col_s"),
+    "score gradients dA": ("dM_T_s", "dA_qk_T_s", "dM_T_diagonal_s", "dA_qk_T_diagonal_s", "dM_T_diagonal_low_s",
+                           "dA_qk_T_diagonal_low_s"),
+    "decayed keys and queries": ("K_row_s", "Q_row_s", "K_col_s", "K_row_low_s", "Q_row_low_s", "K_col_low_s",
+                                 "K_slab_col_s"),
     # back through W and U and the solve: A_hat = diag(beta) T (and the remainder of its rounding, zero
     # in fp32), T, dA_hat, dA_hat^T A_hat, and the chunk's K e^gamma, V, dW, dV_new
     "wy": ("A_hat_s", "A_hat_low_s", "T_op_s", "dA_hat_s", "product_s", "K_decayed_s", "V_s", "dW_s", "dV_new_s"),

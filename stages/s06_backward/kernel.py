@@ -336,6 +336,10 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             K_row_s = T.alloc_shared((C, channels), dtype)  # GEMM operands: decay from the anchor to the row
             Q_row_s = T.alloc_shared((C, channels), dtype)
             K_col_s = T.alloc_shared((C, channels), dtype)  # ... and from the column to the anchor
+            # what rounding the diagonal sub-blocks' three operands to `dtype` dropped
+            K_row_low_s = T.alloc_shared((C, channels), dtype)
+            Q_row_low_s = T.alloc_shared((C, channels), dtype)
+            K_col_low_s = T.alloc_shared((C, channels), dtype)
             # the slabs' column operand in the score gradients' GEMMs, a buffer of its own: as the slice
             # K_col_s[0:sub, :] it is a B operand whose channels run along the rows, and TileLang 0.1.15
             # gives the second warp group of a 256-thread program an offset into it computed from the
@@ -357,18 +361,19 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             dO_s = T.alloc_shared((C, d_v), dtype)
             dA_hat_s = T.alloc_shared((C, C), dtype)
             product_s = T.alloc_shared((C, C), dtype)  # dA_hat^T A_hat
-            dK_decayed_s = T.alloc_shared((C, d_k), accum_dtype)  # d(K e^gamma) = A_hat^T dW
             # dM^T and dA_qk^T: transposed, so a column slab of dM is a slab of rows of dM^T; and their
             # diagonal sub-blocks alone, for the anchored diagonal GEMMs
             dM_T_s = T.alloc_shared((C, C), dtype)
             dA_qk_T_s = T.alloc_shared((C, C), dtype)
             dM_T_diagonal_s = T.alloc_shared((C, C), dtype)
             dA_qk_T_diagonal_s = T.alloc_shared((C, C), dtype)
+            # ... and what rounding those two to `dtype` dropped
+            dM_T_diagonal_low_s = T.alloc_shared((C, C), dtype)
+            dA_qk_T_diagonal_low_s = T.alloc_shared((C, C), dtype)
             dbeta_s = T.alloc_shared((C,), accum_dtype)
-            # the score gradients of one channel pass, and dgamma (fp32)
+            # the score gradients of one channel pass (dk's: by rows and by columns, summed), and dgamma (fp32)
             dQ_scores_s = T.alloc_shared((C, channels), accum_dtype)
-            dK_rows_s = T.alloc_shared((C, channels), accum_dtype)
-            dK_columns_s = T.alloc_shared((C, channels), accum_dtype)
+            dK_scores_s = T.alloc_shared((C, channels), accum_dtype)
             dgamma_s = T.alloc_shared((C, channels), accum_dtype)
             exact_s = T.alloc_shared((blocks,), "int32")  # 1: the sub-block is taken by its definition
 
@@ -452,8 +457,10 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             T.gemm(A_hat_s, dV_new_s, dv_f, transpose_A=True, clear_accum=True)
             T.gemm(A_hat_low_s, dV_new_s, dv_f, transpose_A=True)
             T.copy(dv_f, dV[b, t0:t0 + C, h, :])
+            # d(K e^gamma) = A_hat^T dW, parked in dK until the channel passes add the rest: shared memory
+            # has no room for it beside the score gradients' operands
             T.gemm(A_hat_s, dW_s, dk_decayed_f, transpose_A=True, clear_accum=True)
-            T.copy(dk_decayed_f, dK_decayed_s)
+            T.copy(dk_decayed_f, dK[b, t0:t0 + C, h, :])
 
             # beta by rows, after the solve: rowsum(dA_hat ⊙ T)
             for r, c in T.Parallel(C, C):
@@ -470,7 +477,9 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             for i, c in T.Parallel(C, C):
                 dL_T = T.if_then_else(c > i, -square_f[i, c], 0)
                 dM_T_s[i, c] = dL_T * beta_s[i]
-                dM_T_diagonal_s[i, c] = T.if_then_else(i // sub == c // sub, dL_T * beta_s[i], 0)
+                dM_T_diagonal = T.if_then_else(i // sub == c // sub, dL_T * beta_s[i], 0)
+                dM_T_diagonal_s[i, c] = dM_T_diagonal
+                dM_T_diagonal_low_s[i, c] = dM_T_diagonal - dM_T_diagonal_s[i, c]
                 square_f[i, c] = dL_T * A_kk_s[c, i]
             T.reduce_sum(square_f, row_sum_f, dim=1)
             for r in T.Parallel(C):
@@ -483,7 +492,9 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             for i, c in T.Parallel(C, C):
                 dA_qk_T = T.if_then_else(c >= i, square_f[i, c], 0)
                 dA_qk_T_s[i, c] = dA_qk_T
-                dA_qk_T_diagonal_s[i, c] = T.if_then_else(i // sub == c // sub, dA_qk_T, 0)
+                dA_qk_T_diagonal = T.if_then_else(i // sub == c // sub, dA_qk_T, 0)
+                dA_qk_T_diagonal_s[i, c] = dA_qk_T_diagonal
+                dA_qk_T_diagonal_low_s[i, c] = dA_qk_T_diagonal - dA_qk_T_diagonal_s[i, c]
             # --8<-- [end:intra_wy]
 
             # --8<-- [start:intra_scores]
@@ -497,28 +508,48 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                     from_anchor = T.max(T.min(gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d],
                                               largest_span), -largest_span) * LOG2_E
                     to_row = T.exp2(from_anchor)
-                    Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
-                    K_row_s[r, d] = K_s[r, d0 + d] * to_row
-                    K_col_s[r, d] = K_s[r, d0 + d] * T.exp2(-from_anchor)
+                    query_to_row = T.cast(Q_s[r, d0 + d], accum_dtype) * to_row
+                    key_to_row = T.cast(K_s[r, d0 + d], accum_dtype) * to_row
+                    key_from_column = T.cast(K_s[r, d0 + d], accum_dtype) * T.exp2(-from_anchor)
+                    Q_row_s[r, d] = query_to_row
+                    K_row_s[r, d] = key_to_row
+                    K_col_s[r, d] = key_from_column
+                    Q_row_low_s[r, d] = query_to_row - Q_row_s[r, d]
+                    K_row_low_s[r, d] = key_to_row - K_row_s[r, d]
+                    K_col_low_s[r, d] = key_from_column - K_col_s[r, d]
+                # both sides of each product in two parts, their rounding and the remainder, and three GEMMs
+                # for it (all but remainder x remainder): these GEMMs carry most of the chunk's score
+                # gradients, and with both sides in `dtype` they were an eighth of dq's error in bf16
+                # (benchmarks.studies.s06_intra_operand_precision)
                 T.gemm(dA_qk_T_diagonal_s, K_col_s, rows_f, transpose_A=True, clear_accum=True)
+                T.gemm(dA_qk_T_diagonal_low_s, K_col_s, rows_f, transpose_A=True)
+                T.gemm(dA_qk_T_diagonal_s, K_col_low_s, rows_f, transpose_A=True)
                 T.gemm(dM_T_diagonal_s, K_col_s, rows_k_f, transpose_A=True, clear_accum=True)
+                T.gemm(dM_T_diagonal_low_s, K_col_s, rows_k_f, transpose_A=True)
+                T.gemm(dM_T_diagonal_s, K_col_low_s, rows_k_f, transpose_A=True)
                 T.gemm(dM_T_diagonal_s, K_row_s, columns_f, clear_accum=True)
+                T.gemm(dM_T_diagonal_low_s, K_row_s, columns_f)
+                T.gemm(dM_T_diagonal_s, K_row_low_s, columns_f)
                 T.gemm(dA_qk_T_diagonal_s, Q_row_s, columns_f)
-                # dgamma's terms multiply each GEMM by its other operand, as rounded: the pair (c, i) then
-                # adds one product to dgamma_c and subtracts the same product from dgamma_i, and the two
-                # cancel in every dg[s] with s <= i, as they do in exact arithmetic
+                T.gemm(dA_qk_T_diagonal_low_s, Q_row_s, columns_f)
+                T.gemm(dA_qk_T_diagonal_s, Q_row_low_s, columns_f)
+                # dgamma's terms multiply each GEMM by its other operand as the GEMMs took it (both parts):
+                # the pair (c, i) then adds one product to dgamma_c and subtracts the same product from
+                # dgamma_i, and the two cancel in every dg[s] with s <= i, as they do in exact arithmetic
                 for r, d in T.Parallel(C, channels):
                     from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
+                    query_to_row = T.cast(Q_row_s[r, d], accum_dtype) + T.cast(Q_row_low_s[r, d], accum_dtype)
+                    key_to_row = T.cast(K_row_s[r, d], accum_dtype) + T.cast(K_row_low_s[r, d], accum_dtype)
+                    key_from_column = T.cast(K_col_s[r, d], accum_dtype) + T.cast(K_col_low_s[r, d], accum_dtype)
                     dQ_scores_s[r, d] = rows_f[r, d] * T.exp2(from_anchor)
-                    dK_rows_s[r, d] = rows_k_f[r, d] * T.exp2(from_anchor)
-                    dK_columns_s[r, d] = columns_f[r, d] * T.exp2(-from_anchor)
-                    dgamma_s[r, d] = (Q_row_s[r, d] * rows_f[r, d] + K_row_s[r, d] * rows_k_f[r, d]
-                                      - K_col_s[r, d] * columns_f[r, d])
+                    dK_scores_s[r, d] = rows_k_f[r, d] * T.exp2(from_anchor) + columns_f[r, d] * T.exp2(-from_anchor)
+                    dgamma_s[r, d] = (query_to_row * rows_f[r, d] + key_to_row * rows_k_f[r, d]
+                                      - key_from_column * columns_f[r, d])
                 # the flagged sub-blocks' rows, written over: a uniform branch, as in the recompute
                 for blk in T.serial(blocks):
                     if exact_s[blk] == 1:
-                        exact_diagonal_gradients(Q_s, K_s, gamma_s, dA_qk_T_s, dM_T_s, d0, dQ_scores_s, dK_rows_s,
-                                                 dK_columns_s, dgamma_s, blk * sub)
+                        exact_diagonal_gradients(Q_s, K_s, gamma_s, dA_qk_T_s, dM_T_s, d0, dQ_scores_s, dK_scores_s,
+                                                 dgamma_s, blk * sub)
 
                 # a slab of sub key columns at a time, anchored at the first row below it: rows from s0
                 # on take their decay from the anchor (<= 1); rows above are zero, since the column
@@ -543,10 +574,10 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                     for r, d in T.Parallel(C, channels):
                         to_row = T.if_then_else(r >= s0, T.exp2((gamma_s[r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E), 0)
                         dQ_scores_s[r, d] += rows_f[r, d] * to_row
-                        dK_rows_s[r, d] += rows_k_f[r, d] * to_row
+                        dK_scores_s[r, d] += rows_k_f[r, d] * to_row
                         dgamma_s[r, d] += Q_row_s[r, d] * rows_f[r, d] + K_row_s[r, d] * rows_k_f[r, d]
                     for r, d in T.Parallel(sub, channels):
-                        dK_columns_s[slab + r, d] += slab_columns_f[r, d] * T.exp2(
+                        dK_scores_s[slab + r, d] += slab_columns_f[r, d] * T.exp2(
                             (gamma_s[s0, d0 + d] - gamma_s[slab + r, d0 + d]) * LOG2_E)
                         dgamma_s[slab + r, d] -= K_slab_col_s[r, d] * slab_columns_f[r, d]
                 # --8<-- [end:intra_scores]
@@ -558,10 +589,10 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                     decay_from_start = T.exp2(gamma_s[r, d0 + d] * LOG2_E)
                     decay_to_end = T.exp2((gamma_s[C - 1, d0 + d] - gamma_s[r, d0 + d]) * LOG2_E)
                     dq_decayed = dQ_decayed[b, t0 + r, h, d0 + d] * decay_from_start
-                    dk_decayed = dK_decayed_s[r, d0 + d] * decay_from_start
+                    dk_decayed = dK[b, t0 + r, h, d0 + d] * decay_from_start
                     dk_to_end = dK_to_chunk_end[b, t0 + r, h, d0 + d] * decay_to_end
                     dQ[b, t0 + r, h, d0 + d] = dq_decayed + dQ_scores_s[r, d]
-                    dK[b, t0 + r, h, d0 + d] = dk_decayed + dK_rows_s[r, d] + dK_columns_s[r, d] + dk_to_end
+                    dK[b, t0 + r, h, d0 + d] = dk_decayed + dK_scores_s[r, d] + dk_to_end
                     query, key = T.cast(Q_s[r, d0 + d], accum_dtype), T.cast(K_s[r, d0 + d], accum_dtype)
                     dgamma_s[r, d] += query * dq_decayed + key * (dk_decayed - dk_to_end)
                 # gamma_C lies in the last row, which every dg[s] sums: its terms (the state's decay,
@@ -583,24 +614,24 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
 
 # --8<-- [start:intra_exact_block]
 def exact_diagonal_gradients_macro(channels):
-    """The macro exact_diagonal_gradients(Q_s, K_s, gamma_s, dA_qk_T_s, dM_T_s, d0, dQ_scores_s, dK_rows_s,
-    dK_columns_s, dgamma_s, first): the score gradients of the diagonal sub-block of rows and columns
+    """The macro exact_diagonal_gradients(Q_s, K_s, gamma_s, dA_qk_T_s, dM_T_s, d0, dQ_scores_s, dK_scores_s,
+    dgamma_s, first): the score gradients of the diagonal sub-block of rows and columns
     first .. first + SUB_BLOCK - 1, for the channel pass d0 .. d0 + channels - 1, as reference C's
     score_gradients defines them, each decay e^{gamma_c - gamma_i} (i <= c) taken whole, so <= 1 at
     any gate, and summed in fp32 on the CUDA cores:
         dQ_scores[c]  = sum_i dA_qk[c, i] k_i e^{gamma_c - gamma_i},   dK_rows[c] = sum_i dM[c, i] (the same)
         dK_columns[i] = sum_c (dM[c, i] k_c + dA_qk[c, i] q_c) e^{gamma_c - gamma_i}
-        dgamma        = q ⊙ dQ_scores + k ⊙ (dK_rows - dK_columns)
+        dK_scores     = dK_rows + dK_columns,   dgamma = q ⊙ dQ_scores + k ⊙ (dK_rows - dK_columns)
     Q_s, K_s, gamma_s: (C, d_k); dA_qk_T_s, dM_T_s (C, C): the transposes, read whole (their zeros
-    below the diagonal keep each sum to i <= c); the four (C, channels) outputs' rows of the
+    below the diagonal keep each sum to i <= c); the three (C, channels) outputs' rows of the
     sub-block are written over, and the slabs add to them after."""
     import tilelang.language as T
 
     sub = SUB_BLOCK
 
     @T.macro
-    def exact_diagonal_gradients(Q_s, K_s, gamma_s, dA_qk_T_s, dM_T_s, d0, dQ_scores_s, dK_rows_s, dK_columns_s,
-                                 dgamma_s, first):
+    def exact_diagonal_gradients(Q_s, K_s, gamma_s, dA_qk_T_s, dM_T_s, d0, dQ_scores_s, dK_scores_s, dgamma_s,
+                                 first):
         for r, d in T.Parallel(sub, channels):
             row = first + r
             query_row = T.alloc_var("float32")  # dQ_scores[row]
@@ -622,8 +653,7 @@ def exact_diagonal_gradients_macro(channels):
                 key_column += dM_T_s[row, other] * key + dA_qk_T_s[row, other] * T.cast(Q_s[other, d0 + d],
                                                                                         "float32") * decay
             dQ_scores_s[row, d] = query_row
-            dK_rows_s[row, d] = key_row
-            dK_columns_s[row, d] = key_column
+            dK_scores_s[row, d] = key_row + key_column
             dgamma_s[row, d] = (T.cast(Q_s[row, d0 + d], "float32") * query_row
                                 + T.cast(K_s[row, d0 + d], "float32") * (key_row - key_column))
 
