@@ -25,6 +25,7 @@
 #                            # seeds, and stage 6's chunk_kda GPU tests
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 14    # forward + backward at B = 8, N = 4096, H = 16 and
 #                            # at N = 16384, H = 32
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 15    # part 13's checks, then ours alone at part 14's shapes
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -188,8 +189,19 @@ case $part in
     step backward_b8 440 python -m benchmarks.backward --out "$out/backward_b8" --rounds 2 \
       --shapes "1,16384,32,128;8,4096,16,128" --deadline 400
     ;;
+  15)
+    # the intra kernel's score split: part 13's accuracy checks, then ours timed alone at part 14's
+    # shapes (FLA's figures there are part 14's, from the same day's H200: its autotuning takes 170 s a shape)
+    step s06_gpu 540 python -m pytest tests/test_s06_autograd.py -m gpu -v -s -p no:cacheprovider \
+      -k "match_fla_chunk_kda or strong_gates" &
+    step gradient_accuracy 540 python -m benchmarks.studies.s06_gradient_accuracy --out "$out/gradient_accuracy" \
+      --shapes 2,300,2,128 &
+    wait
+    step backward_ours 150 python -m benchmarks.backward --out "$out/backward_ours" --rounds 3 --no-fla \
+      --shapes "1,16384,32,128;8,4096,16,128" --deadline 120
+    ;;
   *)
-    echo "part must be 1 to 14, got $part" >&2
+    echo "part must be 1 to 15, got $part" >&2
     exit 2
     ;;
 esac
