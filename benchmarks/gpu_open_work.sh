@@ -26,6 +26,7 @@
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 14    # forward + backward at B = 8, N = 4096, H = 16 and
 #                            # at N = 16384, H = 32
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 15    # part 13's checks, then ours alone at part 14's shapes
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 16    # the intra kernel's sections timed, ours alone, reference A
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -200,8 +201,17 @@ case $part in
     step backward_ours 150 python -m benchmarks.backward --out "$out/backward_ours" --rounds 3 --no-fla \
       --shapes "1,16384,32,128;8,4096,16,128" --deadline 120
     ;;
+  16)
+    # the intra kernel's GEMMs issued together and waited for once: each section's time and the waits'
+    # saving (with the bit-for-bit check against every GEMM waited for, part 15's kernel), ours alone at
+    # part 14's shapes, then stage 6's backward against reference A on the GPU
+    step intra_sections 300 python -m benchmarks.studies.s06_intra_sections --rounds 3
+    step backward_ours 150 python -m benchmarks.backward --out "$out/backward_ours" --rounds 3 --no-fla \
+      --shapes "1,16384,32,128;8,4096,16,128" --deadline 120
+    step s06_reference_a 200 python -m pytest tests/test_s06_kernels.py -m gpu -v -p no:cacheprovider -k reference_a
+    ;;
   *)
-    echo "part must be 1 to 15, got $part" >&2
+    echo "part must be 1 to 16, got $part" >&2
     exit 2
     ;;
 esac

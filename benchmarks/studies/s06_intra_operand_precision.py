@@ -50,24 +50,34 @@ OPERAND_GROUPS = {
 }
 
 
-def build_fp32_operand_intra(group):
-    """stage 6's build_intra_program with OPERAND_GROUPS[group] allocated in fp32 (accum_dtype), every
-    other line the kernel's own. TileLang reads a program's source from its file, so the variant is
-    written to one and imported."""
-    source = textwrap.dedent(inspect.getsource(kernel.build_intra_program))
-    for name in OPERAND_GROUPS[group]:
-        source, count = re.subn(rf"(\b{name} = T\.alloc_shared\([^\n]*?\), )dtype\)", r"\1accum_dtype)", source)
-        if count != 1:
-            raise RuntimeError(f"stage 6's intra kernel no longer allocates {name} as this study expects")
-    path = Path(tempfile.mkdtemp()) / f"intra_fp32_{group}.py"
+def intra_source():
+    """The source of stage 6's build_intra_program, dedented, for a study to edit."""
+    return textwrap.dedent(inspect.getsource(kernel.build_intra_program))
+
+
+def load_intra_variant(source, name):
+    """build_intra_program from an edited `source` (intra_source's), in the namespace of stage 6's kernel
+    module. TileLang reads a program's source from its file, so the variant is written to one and imported."""
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_text("from stages.s06_backward.kernel import *  # noqa: F403\n"
                     "from stages.s06_backward.kernel import exact_diagonal_gradients_macro, default_intra_threads\n"
                     + source)
-    spec = importlib.util.spec_from_file_location(f"intra_fp32_{group}", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     module.__dict__.update({name: value for name, value in vars(kernel).items() if not name.startswith("__")})
     spec.loader.exec_module(module)
     return module.build_intra_program
+
+
+def build_fp32_operand_intra(group):
+    """stage 6's build_intra_program with OPERAND_GROUPS[group] allocated in fp32 (accum_dtype), every
+    other line the kernel's own."""
+    source = intra_source()
+    for name in OPERAND_GROUPS[group]:
+        source, count = re.subn(rf"(\b{name} = T\.alloc_shared\([^\n]*?\), )dtype\)", r"\1accum_dtype)", source)
+        if count != 1:
+            raise RuntimeError(f"stage 6's intra kernel no longer allocates {name} as this study expects")
+    return load_intra_variant(source, f"intra_fp32_{group.replace(' ', '_')}")
 
 
 def interpreted_backward(intra_builder, x, do, initial_state, d_final_state, chunk_size, dtype):

@@ -303,6 +303,11 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
     flag_wide_spans = flag_wide_spans_macro(C, d_k, largest_span)
     exact_key_scores = exact_diagonal_block_macro(d_k, queries=False)
     exact_diagonal_gradients = exact_diagonal_gradients_macro(channels)
+    # GEMMs issued together and waited for once where they are Hopper's wgmma, whose tiles take rows in
+    # 64s: a 32-token chunk's GEMMs take T.gemm, which waits for each
+    issued_together = C >= 64
+    issue_gemm = T.wgmma_gemm if issued_together else T.gemm
+    wait_for_tensor_cores = wait_for_tensor_cores_macro(threads, issued_together)
     block_inverse = block_inverse_macro(C)
 
     @T.prim_func
@@ -449,17 +454,20 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                 dW_s[r, d] = dW[b, t0 + r, h, d]
             T.copy(V[b, t0:t0 + C, h, :], V_s)
             T.copy(dV_new[b, t0:t0 + C, h, :], dV_new_s)
-            T.gemm(dW_s, K_decayed_s, dA_hat_f, transpose_B=True, clear_accum=True)
-            T.gemm(dV_new_s, V_s, dA_hat_f, transpose_B=True)
+            # five GEMMs into three accumulators, issued together and waited for once: at one block per
+            # SM, a wait after each left the tensor cores idle between them
+            issue_gemm(dW_s, K_decayed_s, dA_hat_f, transpose_B=True, clear_accum=True)
+            issue_gemm(dV_new_s, V_s, dA_hat_f, transpose_B=True)
             # dv = A_hat^T dV_new with A_hat in two parts, its rounding and the remainder: dV_new is
             # exact in `dtype`, so rounding A_hat was most of dv's error beyond the inputs' (5% in bf16:
             # benchmarks.studies.s06_intra_operand_precision)
-            T.gemm(A_hat_s, dV_new_s, dv_f, transpose_A=True, clear_accum=True)
-            T.gemm(A_hat_low_s, dV_new_s, dv_f, transpose_A=True)
-            T.copy(dv_f, dV[b, t0:t0 + C, h, :])
+            issue_gemm(A_hat_s, dV_new_s, dv_f, transpose_A=True, clear_accum=True)
+            issue_gemm(A_hat_low_s, dV_new_s, dv_f, transpose_A=True)
             # d(K e^gamma) = A_hat^T dW, parked in dK until the channel passes add the rest: shared memory
             # has no room for it beside the score gradients' operands
-            T.gemm(A_hat_s, dW_s, dk_decayed_f, transpose_A=True, clear_accum=True)
+            issue_gemm(A_hat_s, dW_s, dk_decayed_f, transpose_A=True, clear_accum=True)
+            wait_for_tensor_cores(dA_hat_f, dv_f, dk_decayed_f)
+            T.copy(dv_f, dV[b, t0:t0 + C, h, :])
             T.copy(dk_decayed_f, dK[b, t0:t0 + C, h, :])
 
             # beta by rows, after the solve: rowsum(dA_hat ⊙ T)
@@ -521,18 +529,19 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                 # for it (all but remainder x remainder): these GEMMs carry most of the chunk's score
                 # gradients, and with both sides in `dtype` they were an eighth of dq's error in bf16
                 # (benchmarks.studies.s06_intra_operand_precision)
-                T.gemm(dA_qk_T_diagonal_s, K_col_s, rows_f, transpose_A=True, clear_accum=True)
-                T.gemm(dA_qk_T_diagonal_low_s, K_col_s, rows_f, transpose_A=True)
-                T.gemm(dA_qk_T_diagonal_s, K_col_low_s, rows_f, transpose_A=True)
-                T.gemm(dM_T_diagonal_s, K_col_s, rows_k_f, transpose_A=True, clear_accum=True)
-                T.gemm(dM_T_diagonal_low_s, K_col_s, rows_k_f, transpose_A=True)
-                T.gemm(dM_T_diagonal_s, K_col_low_s, rows_k_f, transpose_A=True)
-                T.gemm(dM_T_diagonal_s, K_row_s, columns_f, clear_accum=True)
-                T.gemm(dM_T_diagonal_low_s, K_row_s, columns_f)
-                T.gemm(dM_T_diagonal_s, K_row_low_s, columns_f)
-                T.gemm(dA_qk_T_diagonal_s, Q_row_s, columns_f)
-                T.gemm(dA_qk_T_diagonal_low_s, Q_row_s, columns_f)
-                T.gemm(dA_qk_T_diagonal_s, Q_row_low_s, columns_f)
+                issue_gemm(dA_qk_T_diagonal_s, K_col_s, rows_f, transpose_A=True, clear_accum=True)
+                issue_gemm(dA_qk_T_diagonal_low_s, K_col_s, rows_f, transpose_A=True)
+                issue_gemm(dA_qk_T_diagonal_s, K_col_low_s, rows_f, transpose_A=True)
+                issue_gemm(dM_T_diagonal_s, K_col_s, rows_k_f, transpose_A=True, clear_accum=True)
+                issue_gemm(dM_T_diagonal_low_s, K_col_s, rows_k_f, transpose_A=True)
+                issue_gemm(dM_T_diagonal_s, K_col_low_s, rows_k_f, transpose_A=True)
+                issue_gemm(dM_T_diagonal_s, K_row_s, columns_f, clear_accum=True)
+                issue_gemm(dM_T_diagonal_low_s, K_row_s, columns_f)
+                issue_gemm(dM_T_diagonal_s, K_row_low_s, columns_f)
+                issue_gemm(dA_qk_T_diagonal_s, Q_row_s, columns_f)
+                issue_gemm(dA_qk_T_diagonal_low_s, Q_row_s, columns_f)
+                issue_gemm(dA_qk_T_diagonal_s, Q_row_low_s, columns_f)
+                wait_for_tensor_cores(rows_f, rows_k_f, columns_f)
                 # dgamma's terms multiply each GEMM by its other operand as the GEMMs took it (both parts):
                 # the pair (c, i) then adds one product to dgamma_c and subtracts the same product from
                 # dgamma_i, and the two cancel in every dg[s] with s <= i, as they do in exact arithmetic
@@ -564,10 +573,13 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                         if r < sub:
                             K_slab_col_s[r, d] = K_s[slab + r, d0 + d] * T.exp2(
                                 (gamma_s[s0, d0 + d] - gamma_s[slab + r, d0 + d]) * LOG2_E)
-                    T.gemm(dA_qk_T_s[slab:s0, :], K_slab_col_s, rows_f, transpose_A=True, clear_accum=True)
-                    T.gemm(dM_T_s[slab:s0, :], K_slab_col_s, rows_k_f, transpose_A=True, clear_accum=True)
+                    # the two wgmma GEMMs run while the slab's 16 rows (too few for wgmma) take the
+                    # synchronous path
+                    issue_gemm(dA_qk_T_s[slab:s0, :], K_slab_col_s, rows_f, transpose_A=True, clear_accum=True)
+                    issue_gemm(dM_T_s[slab:s0, :], K_slab_col_s, rows_k_f, transpose_A=True, clear_accum=True)
                     T.gemm(dM_T_s[slab:s0, :], K_row_s, slab_columns_f, clear_accum=True)
                     T.gemm(dA_qk_T_s[slab:s0, :], Q_row_s, slab_columns_f)
+                    wait_for_tensor_cores(rows_f, rows_k_f)
                     # every row takes part, rows above s0 adding zeros (their to_row is 0, and so are their
                     # rows of Q_row_s and K_row_s): at 256 threads, `if r >= s0` here lowered to a branch
                     # that whole warps skip around a __syncthreads(), and the d = 128 runs stalled
@@ -610,6 +622,26 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
 
     return kda_intra
 # --8<-- [end:intra_gates]
+
+
+def wait_for_tensor_cores_macro(threads, issued_together):
+    """The macro wait_for_tensor_cores(*accumulators): wait for every GEMM issued with T.wgmma_gemm
+    (no wait of its own), then fence their accumulator fragments, so that no read of them is
+    scheduled before the wait. The fence names each thread's registers of a fragment: its elements
+    over the program's `threads` (left to itself, TileLang 0.1.15 fences as many as the whole tile).
+    issued_together=False (the GEMMs were T.gemm, each waited for): nothing."""
+    import tilelang.language as T
+
+    @T.macro
+    def wait_for_tensor_cores(*accumulators):
+        if issued_together:
+            T.wait_wgmma(0)
+            # by position: a loop over the buffers themselves would rename each to the loop's variable
+            for position in tuple(range(len(accumulators))):
+                T.warpgroup_fence_operand(accumulators[position],
+                                          num_regs=math.prod(accumulators[position].shape) // threads)
+
+    return wait_for_tensor_cores
 
 
 # --8<-- [start:intra_exact_block]
