@@ -244,16 +244,18 @@ def write_any_gate_table(path):
     path.write_text(banner(SOURCE) + markdown_table(headers, rows))
 
 
-GRADIENT_ACCURACY_RUNS = {  # `python -m benchmarks.studies.s06_gradient_accuracy --out ...` on the H200
-    "before": "benchmarks/results/gradient_accuracy_before",  # dq, dk rounded to bf16 in the kernel
-    "after": "benchmarks/results/gradient_accuracy",  # dq, dk in fp32 to the norm's backward, rounded once
+GRADIENT_ACCURACY_RUNS = {  # `python -m benchmarks.studies.s06_gradient_accuracy --out ...` on the H200, oldest first
+    "dq in bf16": "benchmarks/results/gradient_accuracy_before",  # the intra kernel rounded dq, dk to bf16
+    "dq in fp32": "benchmarks/results/gradient_accuracy_fp32_dq",  # dq, dk in fp32 to the norm's backward
+    "A_hat split": "benchmarks/results/gradient_accuracy_dv_split",  # dv's GEMM: A_hat's rounding + remainder
+    "scores split": "benchmarks/results/gradient_accuracy",  # the diagonal score-gradient GEMMs, both sides
 }
-GRADIENT_ACCURACY_SHAPE = "2,300,2,128"  # the shape both runs measured at every seed
+GRADIENT_ACCURACY_SHAPE = "2,300,2,128"  # the shape every run measured at every seed
 
 
 def write_gradient_accuracy_table(path):
     """Ours / FLA's rel L2 from float64 per tensor, the geometric mean over seeds (the worst seed after
-    it), before and after q's and k's gradients were kept in fp32 to the norm's backward."""
+    it): the newest run at every layout and mode, then every run at gentle gates, oldest first."""
     import csv
 
     from benchmarks.studies.s06_gradient_accuracy import GOAL, NAMES, ratios_by_group
@@ -262,20 +264,25 @@ def write_gradient_accuracy_table(path):
     for label, folder in GRADIENT_ACCURACY_RUNS.items():
         with open(f"{folder}/gradient_accuracy.csv") as f:
             runs[label] = ratios_by_group(row for row in csv.DictReader(f) if row["shape"] == GRADIENT_ACCURACY_SHAPE)
+    newest = list(runs)[-1]
 
     def cell(label, mode, layout, name):
         mean, worst, seeds = runs[label][(GRADIENT_ACCURACY_SHAPE, mode, layout, name)]
         return f"{mean:.2f} ({worst:.2f})" + ("" if mean <= GOAL else " **over**")
 
-    groups = [key[1:3] for key in runs["after"] if key[3] == NAMES[0]]
-    header = ["tensor"] + [f"{mode}, {layout}, {label}" for mode, layout in groups for label in runs]
-    rows = [[name] + [cell(label, mode, layout, name) for mode, layout in groups for label in runs]
-            for name in NAMES]
-    seeds = runs["after"][(GRADIENT_ACCURACY_SHAPE, *groups[0], NAMES[0])][2]
+    groups = [key[1:3] for key in runs[newest] if key[3] == NAMES[0]]
+    now = markdown_table(["tensor"] + [f"{mode}, {layout}" for mode, layout in groups],
+                         [[name] + [cell(newest, mode, layout, name) for mode, layout in groups] for name in NAMES])
+    gentle = [(mode, layout) for mode, layout in groups if layout == "gentle"]
+    history = markdown_table(["tensor"] + [f"{mode}: {label}" for mode, layout in gentle for label in runs],
+                             [[name] + [cell(label, mode, layout, name) for mode, layout in gentle for label in runs]
+                              for name in NAMES])
+    seeds = runs[newest][(GRADIENT_ACCURACY_SHAPE, *groups[0], NAMES[0])][2]
     path.write_text(
         banner(f"{SOURCE}, from "
-               + " and ".join(f"{folder}/gradient_accuracy.csv" for folder in GRADIENT_ACCURACY_RUNS.values()))
-        + markdown_table(header, rows)
+               + ", ".join(f"{folder}/gradient_accuracy.csv" for folder in GRADIENT_ACCURACY_RUNS.values()))
+        + f"The kernels now ({newest}):\n\n" + now
+        + f"\nAt gentle gates, run by run ({', '.join(runs)}):\n\n" + history
         + f"\nB, N, H, d = {GRADIENT_ACCURACY_SHAPE}, bf16, {seeds} seeds: ours / FLA's rel L2 from float64, the "
         f"geometric mean over the seeds (the worst seed's in brackets); **over** marks a mean past {GOAL}.\n")
 

@@ -64,7 +64,8 @@ BACKWARD_TIMES = [("ours", "fwd_bwd_kernels", "ours fwd+bwd kernels"), ("ours", 
 def write_backward_timings(path, run=""):
     """FLA / ours for forward + backward (kernels, calls) and the backward alone; the times; each backward
     kernel alone; our gradients against FLA's and the block_dv of both passes. run: the run's folder
-    under benchmarks/results ("" for the main run, "backward_b8/" for the later one of two shapes)."""
+    under benchmarks/results ("" for the main run, "backward_b8/" for the later one of two shapes,
+    "backward_ours/" for ours alone on the kernel with the score split)."""
     rows, meta = committed_run(run + backward.CSV_NAME, run + backward.META_NAME)
     if rows is None:
         path.write_text(NOT_COMMITTED.format(what="backward", module="backward",
@@ -237,6 +238,7 @@ def generated_files():
     return {
         "docs/generated/backward_timings.md": write_backward_timings,
         "docs/generated/backward_timings_b8.md": lambda path: write_backward_timings(path, "backward_b8/"),
+        "docs/generated/backward_timings_ours.md": lambda path: write_backward_timings(path, "backward_ours/"),
         "docs/generated/varlen_timings.md": write_varlen_timings,
         "docs/generated/decode_timings.md": write_decode_timings,
         "docs/generated/decode_batches.md": write_decode_batches,
