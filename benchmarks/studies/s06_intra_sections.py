@@ -91,7 +91,7 @@ def compile_reports(shape):
     arguments = kernel.kernel_arguments(*shape, kernel.DEFAULT_CHUNK_SIZE, kernel.DEFAULT_BLOCK_DV, "bfloat16")["intra"]
     reports = compile_in_threads({label: (lambda build=build: compile_report(build(*arguments)))
                                   for label, build in variants().items()}, log=print)
-    for label, report in reports.items():
+    for report in reports.values():
         if isinstance(report, Exception):
             raise report
     return reports
