@@ -28,7 +28,7 @@ def test_the_goal_is_read_on_the_geometric_mean_with_the_worst_seed_beside_it():
     assert "| k | 2 | 1.000 | 1.000 |" in table
 
 
-def test_the_page_table_puts_each_run_beside_the_other_and_marks_a_mean_past_the_goal(tmp_path, monkeypatch):
+def test_the_page_shows_the_newest_run_then_each_run_beside_the_other_and_marks_a_mean_past_the_goal(tmp_path, monkeypatch):
     runs = {}
     for label, ratio in (("before", 1.3), ("after", 1.05)):
         folder = tmp_path / label
@@ -42,6 +42,8 @@ def test_the_page_table_puts_each_run_beside_the_other_and_marks_a_mean_past_the
     monkeypatch.setattr(page, "GRADIENT_ACCURACY_RUNS", runs)
     page.write_gradient_accuracy_table(tmp_path / "table.md")
     text = (tmp_path / "table.md").read_text()
-    assert "| tensor | kernels, gentle, before | kernels, gentle, after |" in text
-    assert "| q | 1.30 (1.30) **over** | 1.05 (1.05) |" in text
+    newest, history = text.split("run by run")
+    assert "| tensor | kernels, gentle |" in newest and "| q | 1.05 (1.05) |" in newest  # the last run alone
+    assert "| tensor | kernels: before | kernels: after |" in history
+    assert "| q | 1.30 (1.30) **over** | 1.05 (1.05) |" in history
     assert "9.00" not in text
