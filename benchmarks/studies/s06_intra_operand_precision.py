@@ -3,15 +3,18 @@ their operands in bf16 (as the kernel is) and in fp32 (as FLA keeps them), throu
 
     python -m benchmarks.studies.s06_intra_operand_precision [--seeds 3] [--shape 1,128,2,64]
 
-On the H200 our dq, dk and dg are 1.12 to 1.16 times FLA's error from float64 at gentle gates
+On the H200 our dq, dk and dg were 1.12 to 1.16 times FLA's error from float64 at gentle gates
 (benchmarks.studies.s06_gradient_accuracy). FLA's intra backward multiplies the fp32 score gradients
-dA_qk, dA_kk with the decayed keys and queries in TF32 GEMMs; ours rounds both operands to bf16. This
-builds variants of stage 6's intra kernel with a group of its GEMM operands in fp32 (OPERAND_GROUPS:
-the score gradients' eight shared buffers, then the WY backward's eight), runs the five backward
-kernels through the interpreter on the same bf16 inputs (gates in [0.5, 0.999]) with the kernel and
-each variant, and prints each gradient's rel L2 from reference A and the kernel's over the variant's. The
-interpreter's fp32 GEMM is exact fp32, a little better than TF32. The variant is for this study only:
-at d = 128 its buffers do not fit the H200's shared memory (the stage 6 page says why). No GPU needed.
+dA_qk, dA_kk with the decayed keys and queries in TF32 GEMMs; ours rounded both operands to bf16.
+This study found where it mattered (the diagonal sub-blocks' GEMMs, and A_hat in dv's), and the
+kernel now takes those operands as their bf16 rounding plus the remainder; it still shows what is
+left. It builds variants of stage 6's intra kernel with a group of its GEMM operands in fp32
+(OPERAND_GROUPS: the score gradients' shared buffers with the remainders, each side of them, then the
+WY backward's), runs the five backward kernels through the interpreter on the same bf16 inputs
+(gates in [0.5, 0.999]) with the kernel and each variant, and prints each gradient's rel L2 from
+reference A and the kernel's over the variant's. The interpreter's fp32 GEMM is exact fp32, a little
+better than TF32. The variants are for this study only: at d = 128 their buffers do not fit the
+H200's shared memory. No GPU needed.
 """
 
 import argparse

@@ -3,8 +3,8 @@ and with every GEMM waited for.
 
     python -m benchmarks.studies.s06_intra_sections [--shape 1,16384,32,128] [--rounds 3] [--compile-only]
 
-The intra kernel is most of the backward (4.0 of 6.2 ms at B = 1, N = 16384, H = 32, d = 128 on the
-H200: docs/generated/backward_timings_b8.md). This builds, from the kernel's own source, one variant
+The intra kernel is most of the backward (5.0 of 7.1 ms at B = 1, N = 16384, H = 32, d = 128 on the
+H200: docs/generated/backward_timings_ours.md). This builds, from the kernel's own source, one variant
 per section of SECTIONS in which that section runs twice (wrapped in a loop of two), and times the
 kernel and each variant as CUDA graphs in interleaved rounds: a section's time is its variant's time
 less the kernel's. Doubling a section, rather than cutting the others, keeps every buffer the kernel
@@ -35,7 +35,8 @@ SECTIONS = {
     "WY backwards (dA_hat, dv, d(K e^gamma))": ("# --8<-- [start:intra_wy]", "# beta by rows, after the solve"),
     "the solve backwards, dbeta": ("# beta by rows, after the solve", "# dA_qk^T = V_new dO^T"),
     "dA_qk": ("# dA_qk^T = V_new dO^T", "# --8<-- [end:intra_wy]"),
-    "score gradients (both channel passes)": ("# diagonal sub-blocks, anchored at their middle row", "# --8<-- [end:intra_scores]"),
+    "score gradients (both channel passes)": ("# diagonal sub-blocks, anchored at their middle row",
+                                              "# --8<-- [end:intra_scores]"),
     "dq, dk, dg written (both channel passes)": ("# --8<-- [start:intra_gates]", "return kda_intra"),
 }
 
