@@ -3,6 +3,8 @@ consistency table), the three degenerate checks, the small-beta limit, what the 
 the identities, the kernel's register and shared-memory budget by layout, and the numerics of
 e^{+-gamma} (tables beside the seed's numbers, and two plots)."""
 
+import functools
+
 import numpy as np
 
 from kdacourse.pages.stage_tables import identities_table, nvcc_version
@@ -210,8 +212,8 @@ def write_register_budget(path):
         return (("e_plus_gamma", e_plus), ("e_minus_gamma", e_minus), ("w", w))
 
     # the five compiles at once (nvcc runs as a subprocess): about the slowest's time, not their sum
-    reports = compile_in_threads({row: (lambda C=row[0], layout=layout_of(*row[1:4]):
-                                        compile_report(chunk_size=C, layout=layout)) for row in LAYOUT_ROWS})
+    reports = compile_in_threads({row: functools.partial(compile_report, chunk_size=row[0],
+                                                         layout=layout_of(*row[1:4])) for row in LAYOUT_ROWS})
     rows = []
     for C, e_plus, e_minus, w, seed in LAYOUT_ROWS:
         layout = layout_of(e_plus, e_minus, w)
