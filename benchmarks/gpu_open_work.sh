@@ -44,8 +44,8 @@
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
-out=${1:?usage: gpu_open_work.sh OUT_DIR 1|2|3|4}
-part=${2:?usage: gpu_open_work.sh OUT_DIR 1|2|3|4}
+out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 16)}
+part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 16)}
 mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.log"; }
 step() {
@@ -57,6 +57,20 @@ step() {
   if [ -d "$out/$name" ]; then
     tar -C "$out" -cf "$out/$name.tar" "$name" && rm -r "${out:?}/$name"
   fi
+}
+gradient_accuracy_checks() {
+  # stage 6's GPU tests through chunk_kda (FLA's comparisons, disable_recompute's equality, strong gates)
+  # and the accuracy study over seeds, side by side (nothing timed)
+  step s06_gpu 540 python -m pytest tests/test_s06_autograd.py -m gpu -v -s -p no:cacheprovider \
+    -k "match_fla_chunk_kda or strong_gates" &
+  step gradient_accuracy 540 python -m benchmarks.studies.s06_gradient_accuracy --out "$out/gradient_accuracy" \
+    --shapes 2,300,2,128 &
+  wait
+}
+backward_ours_alone() {
+  # ours alone (no FLA: its autotuning takes 170 s a shape) at part 14's shapes
+  step backward_ours 150 python -m benchmarks.backward --out "$out/backward_ours" --rounds 3 --no-fla \
+    --shapes "1,16384,32,128;8,4096,16,128" --deadline 120
 }
 train_unbounded() {
   # unbounded gates with the trap (and train_kda's flags given); a saved call is then run again kernel
@@ -176,13 +190,8 @@ case $part in
     step backward 380 python -m benchmarks.backward --out "$out/backward" --deadline 340
     ;;
   13)
-    # gradients against float64 beside FLA's (issue 27 item 5): stage 6's GPU tests (FLA's comparisons,
-    # disable_recompute's equality) and the accuracy study over seeds, side by side (nothing timed)
-    step s06_gpu 540 python -m pytest tests/test_s06_autograd.py -m gpu -v -s -p no:cacheprovider \
-      -k "match_fla_chunk_kda or strong_gates" &
-    step gradient_accuracy 540 python -m benchmarks.studies.s06_gradient_accuracy --out "$out/gradient_accuracy" \
-      --shapes 2,300,2,128 &
-    wait
+    # gradients against float64 beside FLA's (issue 27 item 5)
+    gradient_accuracy_checks
     ;;
   14)
     # forward + backward timed at the shape part 12's run did not reach (B = 8, N = 4096, H = 16), and
@@ -191,23 +200,17 @@ case $part in
       --shapes "1,16384,32,128;8,4096,16,128" --deadline 400
     ;;
   15)
-    # the intra kernel's score split: part 13's accuracy checks, then ours timed alone at part 14's
-    # shapes (FLA's figures there are part 14's, from the same day's H200: its autotuning takes 170 s a shape)
-    step s06_gpu 540 python -m pytest tests/test_s06_autograd.py -m gpu -v -s -p no:cacheprovider \
-      -k "match_fla_chunk_kda or strong_gates" &
-    step gradient_accuracy 540 python -m benchmarks.studies.s06_gradient_accuracy --out "$out/gradient_accuracy" \
-      --shapes 2,300,2,128 &
-    wait
-    step backward_ours 150 python -m benchmarks.backward --out "$out/backward_ours" --rounds 3 --no-fla \
-      --shapes "1,16384,32,128;8,4096,16,128" --deadline 120
+    # the intra kernel's score split: part 13's accuracy checks, then ours timed alone (FLA's figures
+    # at those shapes are part 14's, from the same day's H200)
+    gradient_accuracy_checks
+    backward_ours_alone
     ;;
   16)
     # the intra kernel's GEMMs issued together and waited for once: each section's time and the waits'
     # saving (with the bit-for-bit check against every GEMM waited for, part 15's kernel), ours alone at
     # part 14's shapes, then stage 6's backward against reference A on the GPU
     step intra_sections 300 python -m benchmarks.studies.s06_intra_sections --rounds 3
-    step backward_ours 150 python -m benchmarks.backward --out "$out/backward_ours" --rounds 3 --no-fla \
-      --shapes "1,16384,32,128;8,4096,16,128" --deadline 120
+    backward_ours_alone
     step s06_reference_a 200 python -m pytest tests/test_s06_kernels.py -m gpu -v -p no:cacheprovider -k reference_a
     ;;
   *)
