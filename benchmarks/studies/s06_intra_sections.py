@@ -21,6 +21,8 @@ their registers, spills and shared memory: a variant is a fair stand-in only whe
 """
 
 import argparse
+import re
+import statistics
 import sys
 
 from benchmarks import fair
@@ -148,6 +150,40 @@ def time_sections(shape, rounds):
     return times, failures
 
 
+# the labels of the first run's log (2026-12-02), whose table multiplied the two sections inside the
+# channel-pass loop by the two passes, though the doubled section already runs twice in each
+FIRST_RUN_LABELS = {"score gradients (a channel pass)": "score gradients (both channel passes)",
+                    "dq, dk, dg written (a channel pass)": "dq, dk, dg written (both channel passes)"}
+
+
+def times_from_log(text):
+    """{label: [ms per round]} from the `round N: label ms, ...` lines this study prints."""
+    times = {}
+    for line in re.findall(r"^round \d+: (.*)$", text, re.M):
+        for label, ms in re.findall(r"(.+?) (\d+\.\d+) ms(?:, |$)", line):
+            times.setdefault(FIRST_RUN_LABELS.get(label, label), []).append(float(ms))
+    return times
+
+
+def sections_table(times, failures=None):
+    """The markdown table of the medians of `times` ({label: [ms per round]}): the kernel, the kernel
+    with every GEMM waited for, then each section's time (its variant's less the kernel's)."""
+    failures = failures or {}
+    whole = statistics.median(times["the kernel"])
+    waited = statistics.median(times[EVERY_GEMM_WAITED])
+    lines = ["| section | kernel with it twice (ms) | the section (ms) | share of the kernel |", "|---|---|---|---|",
+             f"| (the kernel) | {whole:.4f} | | |",
+             f"| (the kernel, {EVERY_GEMM_WAITED}) | {waited:.4f} | {waited - whole:+.4f} (the shared waits' saving) | |"]
+    for label in SECTIONS:
+        if label not in times:
+            lines.append(f"| {label} | not measured: {failures.get(label, 'no time')[:120]} | | |")
+            continue
+        doubled = statistics.median(times[label])
+        section = doubled - whole  # a section inside the channel-pass loop runs twice in every pass
+        lines.append(f"| {label} | {doubled:.4f} | {section:.4f} | {section / whole:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", type=fair.parse_shapes, default=[(1, 16384, 32, 128)], help="B,N,H,D")
@@ -159,27 +195,14 @@ def main(argv=None):
         for label, report in compile_reports((B, N, H, D, D)).items():
             print(f"{label}: {report.summary()}")
         return 0
-    import numpy as np
     import torch
 
     if not torch.cuda.is_available():
         parser.error("timing needs a CUDA device (torch sees none); --compile-only runs here")
     times, failures = time_sections((B, N, H, D), args.rounds)
-    whole = float(np.median(times["the kernel"]))
     print(f"\n{torch.cuda.get_device_name()}, B, N, H, D = {B}, {N}, {H}, {D}, bf16, {args.rounds} rounds, medians "
           "(CUDA graphs): the time of the kernel with the section run twice, less the kernel's")
-    print("| section | kernel with it twice (ms) | the section (ms) | share of the kernel |")
-    print("|---|---|---|---|")
-    print(f"| (the kernel) | {whole:.4f} | | |")
-    waited = float(np.median(times[EVERY_GEMM_WAITED]))
-    print(f"| (the kernel, {EVERY_GEMM_WAITED}) | {waited:.4f} | {waited - whole:+.4f} (the shared waits' saving) | |")
-    for label in SECTIONS:
-        if label in failures:
-            print(f"| {label} | not measured: {failures[label][:120]} | | |")
-            continue
-        doubled = float(np.median(times[label]))
-        section = doubled - whole  # a section inside the channel-pass loop runs twice in every pass
-        print(f"| {label} | {doubled:.4f} | {section:.4f} | {section / whole:.0%} |")
+    print(sections_table(times, failures))
     return 0
 
 

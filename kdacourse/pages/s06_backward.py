@@ -287,11 +287,29 @@ def write_gradient_accuracy_table(path):
         f"geometric mean over the seeds (the worst seed's in brackets); **over** marks a mean past {GOAL}.\n")
 
 
+INTRA_SECTIONS_LOG = "benchmarks/results/s06_intra_sections.log"  # `gpu_open_work.sh OUT 16` on the H200
+
+
+def write_intra_sections_table(path):
+    """Where the intra kernel's time goes: benchmarks.studies.s06_intra_sections' table, from the log of
+    its H200 run (the GPU's round times, tabulated as the study tabulates them)."""
+    from benchmarks.studies.s06_intra_sections import sections_table, times_from_log
+
+    with open(INTRA_SECTIONS_LOG) as f:
+        times = times_from_log(f.read())
+    rounds = len(times["the kernel"])
+    path.write_text(
+        banner(f"{SOURCE}, from {INTRA_SECTIONS_LOG}")
+        + f"NVIDIA H200, 2026-12-02, B, N, H, D = 1, 16384, 32, 128, bf16, {rounds} rounds, medians (CUDA graphs): "
+        "the time of the kernel with the section run twice, less the kernel's.\n\n" + sections_table(times))
+
+
 def generated_files():
     return {
         "docs/generated/s06_any_gate.md": write_any_gate_table,
         "docs/generated/s06_errors.md": write_error_table,
         "docs/generated/s06_gradient_accuracy.md": write_gradient_accuracy_table,
+        "docs/generated/s06_intra_sections.md": write_intra_sections_table,
         "docs/generated/s06_identities.md": write_identities_table,
         "docs/generated/s06_chunk_states.md": write_storage_table,
         "docs/generated/s06_training.md": write_training_table,
