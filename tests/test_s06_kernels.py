@@ -368,7 +368,12 @@ def test_kernel_compiles_for_sm90a_without_spills(kernel, shape):
     the H200 at first came from the score slabs' GEMMs reading the row slice K_col_s[0:16, :]: TileLang
     moved the second warp group 16 rows into the buffer instead of one 64-row atom, onto the first
     group's channels (benchmarks/results/s06_intra_threads.log). With the slab operand in a buffer of
-    its own, every warp group's offset is a whole number of atoms (and the H200 then agreed)."""
+    its own, every warp group's offset is a whole number of atoms (and the H200 then agreed).
+
+    Every accumulator fence names at most the registers a thread has: T.warpgroup_fence_operand on a
+    whole fragment fences its whole tile (4096 registers of a 64 x 64 tile), past the thread's own."""
+    import re
+
     from stages.common.tilelang_tools import barriers_in_thread_branches
     from stages.s06_backward.kernel import compile_report
 
@@ -381,6 +386,8 @@ def test_kernel_compiles_for_sm90a_without_spills(kernel, shape):
     assert report.shared_memory <= 227 * 1024, report.summary()
     assert barriers_in_thread_branches(report.cuda_source) == []
     assert not report.misplaced_warp_group_operands, report.misplaced_warp_group_operands
+    fenced = [int(n) for n in re.findall(r"warpgroup_fence_operand\([^;]*?, (\d+)\);", report.cuda_source)]
+    assert all(n <= report.registers for n in fenced), sorted(set(fenced))
 
 
 @pytest.mark.compile

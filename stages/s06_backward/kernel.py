@@ -454,8 +454,8 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                 dW_s[r, d] = dW[b, t0 + r, h, d]
             T.copy(V[b, t0:t0 + C, h, :], V_s)
             T.copy(dV_new[b, t0:t0 + C, h, :], dV_new_s)
-            # five GEMMs into three accumulators, issued together and waited for once: at one block per
-            # SM, a wait after each left the tensor cores idle between them
+            # five GEMMs into three accumulators, issued together and waited for once (the kernel's shared
+            # waits save 0.06 of its 4.97 ms on the H200: benchmarks.studies.s06_intra_sections)
             issue_gemm(dW_s, K_decayed_s, dA_hat_f, transpose_B=True, clear_accum=True)
             issue_gemm(dV_new_s, V_s, dA_hat_f, transpose_B=True)
             # dv = A_hat^T dV_new with A_hat in two parts, its rounding and the remainder: dV_new is
@@ -464,7 +464,9 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             issue_gemm(A_hat_s, dV_new_s, dv_f, transpose_A=True, clear_accum=True)
             issue_gemm(A_hat_low_s, dV_new_s, dv_f, transpose_A=True)
             # d(K e^gamma) = A_hat^T dW, parked in dK until the channel passes add the rest: shared memory
-            # has no room for it beside the score gradients' operands
+            # has no room for it beside the score gradients' operands. Other threads read it back there,
+            # after the __syncthreads() that the shared-memory steps between place, which make a block's
+            # global writes visible to all its threads
             issue_gemm(A_hat_s, dW_s, dk_decayed_f, transpose_A=True, clear_accum=True)
             wait_for_tensor_cores(dA_hat_f, dv_f, dk_decayed_f)
             T.copy(dv_f, dV[b, t0:t0 + C, h, :])
