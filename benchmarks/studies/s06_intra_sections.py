@@ -88,12 +88,20 @@ def variants():
     return builds
 
 
+def built_programs(arguments):
+    """{label: program} of variants(), built one after another: TileLang parses a program's source with
+    Python's ast, which is not safe in threads on Python 3.11 (a SystemError, "AST constructor
+    recursion depth mismatch", seen in CI); only the compiles run side by side."""
+    return {label: build(*arguments) for label, build in variants().items()}
+
+
 def compile_reports(shape):
     from stages.common.tilelang_tools import compile_in_threads, compile_report
 
     arguments = kernel.kernel_arguments(*shape, kernel.DEFAULT_CHUNK_SIZE, kernel.DEFAULT_BLOCK_DV, "bfloat16")["intra"]
-    reports = compile_in_threads({label: (lambda build=build: compile_report(build(*arguments)))
-                                  for label, build in variants().items()}, log=print)
+    programs = built_programs(arguments)
+    reports = compile_in_threads({label: (lambda program=program: compile_report(program))
+                                  for label, program in programs.items()}, log=print)
     for report in reports.values():
         if isinstance(report, Exception):
             raise report
@@ -113,9 +121,10 @@ def time_sections(shape, rounds):
     C = kernel.DEFAULT_CHUNK_SIZE
     arguments = kernel.kernel_arguments(B, N, H, D, D, C, kernel.DEFAULT_BLOCK_DV, "bfloat16")["intra"]
     outputs = kernel.BUILDERS["intra"][1]
-    compiled = compile_in_threads({label: (lambda build=build: tilelang.compile(build(*arguments), out_idx=outputs,
-                                                                                target="cuda"))
-                                   for label, build in variants().items()}, log=print)
+    programs = built_programs(arguments)
+    compiled = compile_in_threads({label: (lambda program=program: tilelang.compile(program, out_idx=outputs,
+                                                                                    target="cuda"))
+                                   for label, program in programs.items()}, log=print)
     q, k, v, g, beta = bench.make_inputs(bench.STAGES["s05"], B, N, H, D, torch.bfloat16)
     do = torch.randn(q.shape, device=q.device, generator=torch.Generator(q.device).manual_seed(1)).to(q.dtype)
     state = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device)

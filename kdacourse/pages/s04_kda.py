@@ -3,8 +3,6 @@ consistency table), the three degenerate checks, the small-beta limit, what the 
 the identities, the kernel's register and shared-memory budget by layout, and the numerics of
 e^{+-gamma} (tables beside the seed's numbers, and two plots)."""
 
-import functools
-
 import numpy as np
 
 from kdacourse.pages.stage_tables import identities_table, nvcc_version
@@ -205,21 +203,12 @@ SHARED_MEMORY_LIMIT_KIB = 227  # per block on sm_90 (H100, H200)
 
 
 def write_register_budget(path):
-    from stages.common.tilelang_tools import compile_in_threads
     from stages.s04_kda.kernel import DEFAULT_LAYOUT, compile_report
 
-    def layout_of(e_plus, e_minus, w):
-        return (("e_plus_gamma", e_plus), ("e_minus_gamma", e_minus), ("w", w))
-
-    # the five compiles at once (nvcc runs as a subprocess): about the slowest's time, not their sum
-    reports = compile_in_threads({row: functools.partial(compile_report, chunk_size=row[0],
-                                                         layout=layout_of(*row[1:4])) for row in LAYOUT_ROWS})
     rows = []
     for C, e_plus, e_minus, w, seed in LAYOUT_ROWS:
-        layout = layout_of(e_plus, e_minus, w)
-        report = reports[(C, e_plus, e_minus, w, seed)]
-        if isinstance(report, Exception):
-            raise report
+        layout = (("e_plus_gamma", e_plus), ("e_minus_gamma", e_minus), ("w", w))
+        report = compile_report(chunk_size=C, layout=layout)
         fits = "yes" if report.shared_memory <= SHARED_MEMORY_LIMIT_KIB * 1024 else "**no**"
         name = " (shipped)" if layout == DEFAULT_LAYOUT and C == 64 else ""
         rows.append((f"{C}{name}", e_plus, e_minus, w, seed, report.registers,
