@@ -161,8 +161,8 @@ def compile_all(shapes, backward_block_dv, num_sms, log):
                  "recurrence": (stage5.compiled_recurrence, B, N, H, D, D, o["chunk_size"], forward_block_dv, DTYPE,
                                 o["num_stages"], o["threads"])}
         for name, arguments in kernel.kernel_arguments(B, N, H, D, D, o["chunk_size"], block_dv, DTYPE).items():
-            if name != "prepare":  # the backward's prepare is the forward's
-                calls[name] = (kernel.compiled_one_kernel, name, *arguments)
+            # the backward's prepare is the forward's with A_kk and T as outputs too: a program of its own
+            calls[f"backward {name}" if name == "prepare" else name] = (kernel.compiled_one_kernel, name, *arguments)
         for name, (function, *arguments) in calls.items():
             key = f"{name} at B={B} N={N} H={H} D={D}"
             jobs[key], shape_of[key] = functools.partial(function, *arguments), (B, N, H, D)
@@ -211,7 +211,7 @@ class Shape:
             return backward_kernels()
 
         launches = {"fwd_bwd_kernels": forward_and_backward_kernels, "backward_kernels": backward_kernels,
-                    **self._first_calls(kernels, recurrence, q, k, v, g, beta, do, state, log)}
+                    **self._first_calls(kernels, forward_prepare, recurrence, q, k, v, g, beta, do, state, log)}
         for what, launch in launches.items():
             started = time.monotonic()
             self._graph_or_events(("ours", what), launch, log)
@@ -261,7 +261,7 @@ class Shape:
         return {"rel_l2_ours_vs_fla": self.rel_l2_vs_fla, "forward_block_dv": self.forward_block_dv,
                 "backward_block_dv": self.block_dv, "methods": {f"{i} {w}": m for (i, w), m in self.methods.items()}}
 
-    def _first_calls(self, kernels, recurrence, q, k, v, g, beta, do, state, log):
+    def _first_calls(self, kernels, forward_prepare, recurrence, q, k, v, g, beta, do, state, log):
         """{kernel name: a launch of it alone}, each on the outputs of the kernels before it, which each
         kernel's first call computes here: one kernel at a time, waited for and logged with its seconds.
         A compiled kernel's first call still builds and loads its host library (TVM's Executable.jit),
@@ -275,22 +275,23 @@ class Shape:
             log(f"{self.label}: first call of {name} in {time.monotonic() - started:.1f} s")
             return outputs
 
-        prepared = first_call("prepare", lambda: kernels["prepare"](q, k, v, g, beta))
-        w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = prepared
-        first_call("recurrence", lambda: recurrence(*prepared, state))
+        forward_prepared = first_call("forward_prepare", lambda: forward_prepare(q, k, v, g, beta))
+        first_call("recurrence", lambda: recurrence(*forward_prepared, state))
+        prepared = first_call("prepare", lambda: kernels["prepare"](q, k, v, g, beta))  # with A_kk and T
+        w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay, a_kk, inverse = prepared
         states, v_new = first_call("states", lambda: kernels["states"](w, u, k_to_chunk_end, chunk_decay, state))
         d_states, dv_new, _ = first_call("state_gradient", lambda: kernels["state_gradient"](
             q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do, state))
         products = first_call("state_products", lambda: kernels["state_products"](
             states, d_states, v_new, dv_new, do, chunk_decay))
-        first_call("intra", lambda: kernels["intra"](q, k, v, g, beta, do, v_new, dv_new, *products))
+        first_call("intra", lambda: kernels["intra"](q, k, v, g, beta, a_kk, inverse, do, v_new, dv_new, *products))
         return {
             "prepare": lambda: kernels["prepare"](q, k, v, g, beta),
             "states": lambda: kernels["states"](w, u, k_to_chunk_end, chunk_decay, state),
             "state_gradient": lambda: kernels["state_gradient"](q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do,
                                                                 state),
             "state_products": lambda: kernels["state_products"](states, d_states, v_new, dv_new, do, chunk_decay),
-            "intra": lambda: kernels["intra"](q, k, v, g, beta, do, v_new, dv_new, *products),
+            "intra": lambda: kernels["intra"](q, k, v, g, beta, a_kk, inverse, do, v_new, dv_new, *products),
         }
 
     _graph = fair.Shape._graph

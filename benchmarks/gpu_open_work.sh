@@ -27,6 +27,10 @@
 #                            # at N = 16384, H = 32
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 15    # part 13's checks, then ours alone at part 14's shapes
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 16    # the intra kernel's sections timed, ours alone, reference A
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 17    # A_kk and T from the prepare: part 13's checks beside
+#                            # stage 6's kernel GPU tests
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 18    # A_kk and T from the prepare: the intra kernel's
+#                            # sections, forward + backward beside FLA at N = 16384, ours alone
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -44,8 +48,8 @@
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
-out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 16)}
-part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 16)}
+out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 18)}
+part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 18)}
 mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.log"; }
 step() {
@@ -213,8 +217,23 @@ case $part in
     backward_ours_alone
     step s06_reference_a 200 python -m pytest tests/test_s06_kernels.py -m gpu -v -p no:cacheprovider -k reference_a
     ;;
+  17)
+    # the intra kernel reads A_kk and T from the backward's prepare (solve_outputs): its GPU tests
+    # (reference A, FLA's error, strong gates) beside part 13's accuracy checks, nothing timed
+    step s06_kernels_gpu 540 python -m pytest tests/test_s06_kernels.py -m gpu -v -p no:cacheprovider &
+    gradient_accuracy_checks
+    wait
+    ;;
+  18)
+    # what reading A_kk and T saves: the sections, then forward + backward beside FLA at N = 16384
+    # (FLA autotunes about 170 s), then ours alone at both of part 14's shapes
+    step intra_sections 200 python -m benchmarks.studies.s06_intra_sections --rounds 3
+    step backward_fla 330 python -m benchmarks.backward --out "$out/backward_fla" --rounds 3 \
+      --shapes "1,16384,32,128" --deadline 300
+    backward_ours_alone
+    ;;
   *)
-    echo "part must be 1 to 16, got $part" >&2
+    echo "part must be 1 to 18, got $part" >&2
     exit 2
     ;;
 esac

@@ -59,7 +59,7 @@ def replay_on_cuda(saved):
 
     prepare, recurrence, backward_kernels = (stage5.compiled_prepare, stage5.compiled_recurrence,
                                              stage6.compiled_kernels)
-    stage5.compiled_prepare = lambda *a: Checked("prepare", prepare(*a))
+    stage5.compiled_prepare = lambda *a, **keywords: Checked("prepare", prepare(*a, **keywords))
     stage5.compiled_recurrence = lambda *a: Checked("recurrence", recurrence(*a))
     stage6.compiled_kernels = lambda *a: {name: Checked(name, kernel) for name, kernel in backward_kernels(*a).items()}
     leaves = [x.cuda().requires_grad_(x.is_floating_point()) for x in saved["inputs"]]

@@ -521,6 +521,56 @@ def test_checks_off_flags_nothing_and_host_refuses_before_the_kernels(cpu_forwar
         cpu_forward(_flag_inputs(("beta", (0, 44, 1), 1.5)), checks="host")
 
 
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_the_solve_outputs_are_the_forwards_a_kk_and_t(dtype):
+    """solve_outputs=True (what stage 6's backward runs): the six outputs the forward reads are the same,
+    bit for bit, as without it; A_kk and T are their definitions' within the TF32 floor
+    (float64, on the gates the fp32 cumulative sums hold) or four roundings of the operands (bf16),
+    on gates down to -1e4 (flagged sub-blocks, taken term by term), beta at 0 (where L's column is
+    zero and A_kk's is not: L written for A_kk fails) and 1, and a short last chunk. Inputs unchanged, a second call equal."""
+    from stages.common.interpreter import interpret
+    from stages.s05_fast_kda.kernel import build_prepare_program, prepare_outputs
+
+    x = _any_gate_inputs()
+    B, N, H, d_k, d_v = ANY_GATE_SHAPE
+    N_padded = -(-N // ANY_GATE_C) * ANY_GATE_C
+    padded = [np.pad(a, [(0, 0), (0, N_padded - N)] + [(0, 0)] * (a.ndim - 2)) for a in (x.q, x.k, x.v, x.g, x.beta)]
+    before = [a.copy() for a in padded]
+    shape = (B, N_padded, H, d_k, d_v, ANY_GATE_C)
+    forward = interpret(build_prepare_program(*shape, dtype=dtype), out_idx=prepare_outputs())(*padded)
+    solve = interpret(build_prepare_program(*shape, dtype=dtype, solve_outputs=True),
+                      out_idx=prepare_outputs(solve_outputs=True))
+    backward = solve(*padded)
+    for a, b in zip(forward, backward[:6]):
+        assert np.array_equal(a, b), "solve_outputs changed an output the forward reads"
+    gates = _fp32_cumulative_gates(padded[3], ANY_GATE_C) if dtype == "float64" else padded[3]
+    expected = _solve_by_definition(padded[1], gates, padded[4], ANY_GATE_C)
+    floor = TF32_FLOOR if dtype == "float64" else 4 * UNIT_ROUNDOFF[dtype]
+    for name, actual, wanted in zip(("A_kk", "T"), backward[6:], expected):
+        assert np.all(np.isfinite(actual)), name
+        assert error_report(actual, wanted).rel_l2 <= floor, name
+    for given, kept in zip(padded, before):
+        assert np.array_equal(given, kept), "the kernel changed an input"
+    for a, b in zip(backward, solve(*padded)):
+        assert np.array_equal(a, b), "a second call gave another answer"
+
+
+def _solve_by_definition(k, g, beta, C):
+    """Every chunk's A_kk (decayed_scores: each decay taken whole, so any gate) and T = (I + A_kk
+    diag(beta))^{-1} (numpy's inverse), row r of a chunk in token r's row: (B, N, H, C) each."""
+    B, N, H, _ = k.shape
+    a_kk, t = np.zeros((B, N, H, C)), np.zeros((B, N, H, C))
+    for start in range(0, N, C):
+        rows = slice(start, start + C)
+        for b in range(B):
+            for h in range(H):
+                K = k[b, rows, h]
+                A_kk, _ = decayed_scores(K, K, np.cumsum(g[b, rows, h], axis=0))
+                a_kk[b, rows, h] = A_kk
+                t[b, rows, h] = np.linalg.inv(np.eye(C) + A_kk * beta[b, rows, h][None, :])
+    return a_kk, t
+
+
 def test_only_the_flagged_prepare_takes_flags():
     """value_flags=False builds the program stage 5's exercise builds (no Flags); True adds Flags after
     Beta, and nothing else of the signature moves."""

@@ -106,8 +106,9 @@ def test_state_products_kernel_matches_reference_c(chunk_references):
 
 def test_intra_kernel_matches_reference_c(chunk_references):
     x, do, S_0, dS_N, tensors, states, state_grads, products, intra = chunk_references
+    a_kk, t = reference.solve_outputs(x.k, x.g, x.beta, C)
     actual = _interpreted("intra", B, N, H, D, D, C, "float64")(
-        x.q, x.k, x.v, x.g, x.beta, do, states.v_new, state_grads.dv_new, products.dq_decayed,
+        x.q, x.k, x.v, x.g, x.beta, a_kk, t, do, states.v_new, state_grads.dv_new, products.dq_decayed,
         products.dk_to_chunk_end, products.dw, products.d_gamma_last)
     for name, value, expected in zip(GRADIENTS, actual, intra):
         assert_close(value, expected, rel_l2=TF32_FLOOR, name=name, chunk_size=C, axes=_axes(name))
@@ -206,10 +207,10 @@ def test_the_forwards_prepare_outputs_given_skip_the_prepare_and_give_the_same_g
     kept = run_kernels({**kernels, "prepare": prepare_again}, *padded, S_0, dS_N, prepared=prepared)
     for name, a, b in zip(GRADIENTS, recomputed, kept):
         assert np.array_equal(a, b), f"{name} differs with the forward's prepare outputs kept"
-    with pytest.raises(ValueError, match="prepared must be the six tensors"):
+    with pytest.raises(ValueError, match="prepared must be the eight tensors"):
         check_prepared(prepared, (1, 40, 2, D))
-    with pytest.raises(ValueError, match="prepared must be the six tensors"):
-        check_prepared(prepared[:5], (1, N_padded, 2, D))
+    with pytest.raises(ValueError, match="prepared must be the eight tensors"):
+        check_prepared(prepared[:6], (1, N_padded, 2, D))  # stage 5's prepare without A_kk and T
 
 
 # ------------------------------------------------------------------------------------------ any gate
@@ -620,11 +621,11 @@ def test_the_backward_hands_the_kept_prepare_outputs_to_its_kernels(monkeypatch)
     monkeypatch.setattr(kernel, "run_kernels", run_kernels)
     monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
     monkeypatch.setattr(kernel, "streaming_multiprocessors", lambda device: 132)
-    kept = tuple(torch.zeros(B, 64, H, D) for _ in range(6))
+    kept = tuple(torch.zeros(B, 64, H, D) for _ in range(8))
     kernel.backward(q, q, q, g, beta, q, checks="off", prepared=kept)
     assert seen["prepared"] is kept
-    with pytest.raises(ValueError, match="prepared must be the six tensors"):
-        kernel.backward(q, q, q, g, beta, q, checks="off", prepared=tuple(torch.zeros(B, N, H, D) for _ in range(6)))
+    with pytest.raises(ValueError, match="prepared must be the eight tensors"):
+        kernel.backward(q, q, q, g, beta, q, checks="off", prepared=tuple(torch.zeros(B, N, H, D) for _ in range(8)))
 
 
 def test_the_backward_refuses_an_unknown_checks_mode():

@@ -4,7 +4,7 @@ and with every GEMM waited for.
     python -m benchmarks.studies.s06_intra_sections [--shape 1,16384,32,128] [--rounds 3] [--compile-only]
 
 The intra kernel is most of the backward (5.0 of 7.1 ms at B = 1, N = 16384, H = 32, d = 128 on the
-H200: docs/generated/backward_timings_ours.md). This builds, from the kernel's own source, one variant
+H200 before it took A_kk and T from the prepare kernel: docs/generated/backward_timings_ours.md). This builds, from the kernel's own source, one variant
 per section of SECTIONS in which that section runs twice (wrapped in a loop of two), and times the
 kernel and each variant as CUDA graphs in interleaved rounds: a section's time is its variant's time
 less the kernel's. Doubling a section, rather than cutting the others, keeps every buffer the kernel
@@ -32,8 +32,8 @@ from stages.s06_backward import kernel
 # section: (the line its code starts at, the line it ends before), each the first line of the intra
 # kernel's source that starts with that text (leading spaces ignored), the end looked for after the start
 SECTIONS = {
-    "loads and cumulative gates": ("T.copy(Q[b, t0:t0 + C, h, :], Q_s)", "# --8<-- [end:intra_setup]"),
-    "A_kk and T recomputed": ("# --8<-- [start:intra_recompute]", "# --8<-- [end:intra_recompute]"),
+    "loads (A_kk and T too) and cumulative gates": ("T.copy(Q[b, t0:t0 + C, h, :], Q_s)",
+                                                    "# --8<-- [end:intra_setup]"),
     "WY backwards (dA_hat, dv, d(K e^gamma))": ("# --8<-- [start:intra_wy]", "# beta by rows, after the solve"),
     "the solve backwards, dbeta": ("# beta by rows, after the solve", "# dA_qk^T = V_new dO^T"),
     "dA_qk": ("# dA_qk^T = V_new dO^T", "# --8<-- [end:intra_wy]"),
@@ -129,7 +129,7 @@ def time_sections(shape, rounds):
     do = torch.randn(q.shape, device=q.device, generator=torch.Generator(q.device).manual_seed(1)).to(q.dtype)
     state = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device)
     kernels = kernel.compiled_kernels(B, N, H, D, D, C, kernel.DEFAULT_BLOCK_DV, "bfloat16")
-    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = kernels["prepare"](q, k, v, g, beta)
+    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay, a_kk, inverse = kernels["prepare"](q, k, v, g, beta)
     states, v_new = kernels["states"](w, u, k_to_chunk_end, chunk_decay, state)
     d_states, dv_new, _ = kernels["state_gradient"](q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do, state)
     products = kernels["state_products"](states, d_states, v_new, dv_new, do, chunk_decay)
@@ -138,12 +138,13 @@ def time_sections(shape, rounds):
         try:
             if isinstance(intra, Exception):
                 raise intra
-            graphs[label] = fair.capture(lambda intra=intra: intra(q, k, v, g, beta, do, v_new, dv_new, *products))
+            graphs[label] = fair.capture(lambda intra=intra: intra(q, k, v, g, beta, a_kk, inverse, do, v_new, dv_new,
+                                                                       *products))
         except Exception as failure:  # a variant past the SM's shared memory: reported, the rest measured
             failures[label] = fair.failure_text(failure)
             print(f"{label}: not measured: {failures[label]}", flush=True)
             torch.cuda.synchronize()
-    kernel_outputs, waited_outputs = (compiled[label](q, k, v, g, beta, do, v_new, dv_new, *products)
+    kernel_outputs, waited_outputs = (compiled[label](q, k, v, g, beta, a_kk, inverse, do, v_new, dv_new, *products)
                                       for label in ("the kernel", EVERY_GEMM_WAITED))
     equal = [bool(torch.equal(a, b)) for a, b in zip(kernel_outputs, waited_outputs)]
     print(f"{EVERY_GEMM_WAITED}: outputs (dq, dk, dv, dg, dbeta) bit-equal to the kernel's: {equal}", flush=True)

@@ -53,8 +53,9 @@ def cases(dtype, intra_threads):
                             tensors.chunk_decay),
                            (products.dq_decayed, products.dk_to_chunk_end, products.dw, products.d_gamma_last)),
     }
-    intra_inputs = (x.q, x.k, x.v, x.g, x.beta, do, states.v_new, state_grads.dv_new, products.dq_decayed,
-                    products.dk_to_chunk_end, products.dw, products.d_gamma_last)
+    intra_inputs = (x.q, x.k, x.v, x.g, x.beta, *reference.solve_outputs(x.k, x.g, x.beta, C), do, states.v_new,
+                    state_grads.dv_new, products.dq_decayed, products.dk_to_chunk_end, products.dw,
+                    products.d_gamma_last)
     for threads in intra_threads:
         found[f"intra at {threads} threads"] = (build_intra_program(B, N, H, D, D, C, dtype, threads=threads),
                                                 BUILDERS["intra"][1], intra_inputs, intra)

@@ -1,8 +1,9 @@
 """Exercise s06.intra_gradients (fix): reference C's intra-chunk backward kernel, in NumPy.
 
 One program per (chunk, batch x head). The chunk loops before it have handed over dW = -dV_new S and
-dV_new (= dU); the program recomputes the chunk's scores A_kk (M) and T = (I + L)^{-1},
-L = M diag(beta), as the prepare kernel does, and takes the UT transform back:
+dV_new (= dU), and the prepare kernel the chunk's scores A_kk (M) and T = (I + L)^{-1},
+L = M diag(beta) (here formed again by `chunk_solve`: the same numbers in float64); the program
+takes the UT transform back:
     A_hat = diag(beta) T,  W = A_hat (K ⊙ e^{gamma}),  U = A_hat V,
 then the scores, through `score_gradients`, and last the cumulative gate gamma.
 
@@ -13,8 +14,8 @@ Read: stage 6 page, "The UT transform backwards".  Check: course check s06
 import numpy as np
 
 from stages.common.checks import Float64Array
-from stages.s05_fast_kda.reference import SUB_BLOCK, block_inverse, intra_chunk_scores
-from stages.s06_backward.reference import StateProducts, score_gradients
+from stages.s05_fast_kda.reference import SUB_BLOCK
+from stages.s06_backward.reference import StateProducts, chunk_solve, score_gradients
 
 
 def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
@@ -38,8 +39,7 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
             b, h = divmod(i_bh, H)
             Q, K, V, beta_c = q[b, rows, h], k[b, rows, h], v[b, rows, h], beta[b, rows, h]
             gamma = np.cumsum(g[b, rows, h], axis=0)
-            A_kk, _ = intra_chunk_scores(Q, K, gamma, sub_block)  # the kernel computes A_kk only
-            T = block_inverse(A_kk * beta_c[None, :], sub_block)
+            A_kk, T = chunk_solve(K, gamma, beta_c, sub_block)  # the prepare kernel's, in the kernel
             A_hat = beta_c[:, None] * T
             decay_from_start, decay_to_end = np.exp(gamma), np.exp(gamma[-1] - gamma)
             dW, dV_new = products.dw[b, rows, h], dv_new[b, rows, h]

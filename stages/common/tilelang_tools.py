@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 
 # TileLang 0.1.15 takes the target as a dict; the string form "cuda -arch=sm_90a" is rejected.
@@ -238,12 +239,25 @@ def _parse_ptxas(log, source, dynamic_shared, threads, grid):
     )
 
 
+# TileLang turns a kernel's Python source into TIR with Python's ast module, whose constructor is not
+# thread-safe in CPython 3.11 (CI once raised "AST constructor recursion depth mismatch" with threads
+# building at once): programs are built one at a time, and compiled (C++ lowering, nvcc) side by side
+_PROGRAM_BUILD_LOCK = threading.Lock()
+
+
+def build_in_turn(build, *arguments, **keywords):
+    """build(*arguments, **keywords): a TileLang program, built while no other thread builds one. The
+    compiled_* functions that compile_in_threads runs build through it."""
+    with _PROGRAM_BUILD_LOCK:
+        return build(*arguments, **keywords)
+
+
 def compile_in_threads(compilers, log=None):
     """{key: what compilers[key]() returns, or the exception it raised}, every call in its own thread.
 
-    compilers: {key: a function of no arguments that compiles one kernel}. TileLang's lowering runs in
-    C++ without the GIL and nvcc is a subprocess, so n compiles take about as long as the slowest, not
-    their sum. log(message), if given, hears each one finish with its seconds.
+    compilers: {key: a function of no arguments that compiles one kernel}, building its program with
+    build_in_turn. TileLang's lowering runs in C++ without the GIL and nvcc is a subprocess, so n
+    compiles take about as long as the slowest, not their sum. log(message), if given, hears each one finish with its seconds.
     """
     import concurrent.futures
     import time

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
 from stages.common.device_checks import BAD_BETA, BAD_GATE, FLAG_COUNT, bad_beta, bad_gate, check_mode, flags_for
-from stages.common.tilelang_tools import LOG2_E
+from stages.common.tilelang_tools import LOG2_E, build_in_turn
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
                                         dtype_name, pad_tokens)
@@ -42,7 +42,7 @@ CHANNEL_PASSES = 2  # the score GEMMs sum over d_k in this many passes (their op
 
 # --8<-- [start:prepare_setup]
 def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
-                          channel_passes=CHANNEL_PASSES, any_gate=True, value_flags=False):
+                          channel_passes=CHANNEL_PASSES, any_gate=True, value_flags=False, solve_outputs=False):
     """The prepare kernel: q, k (B, N, H, d_k), v (B, N, H, d_v) in `dtype`, g (B, N, H, d_k) and
     beta (B, N, H) in fp32 -> W, Q e^gamma, K e^{gamma_C - gamma} (B, N, H, d_k), U (B, N, H, d_v),
     A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) in fp32.
@@ -56,6 +56,9 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     value_flags=True adds a parameter Flags (FLAG_COUNT,) int32 after Beta (outputs from index 6 on)
     and checks every g and beta as it is loaded (flag_bad_values_macro): forward's default kernel.
     Without it the program has no Flags: stage 5's exercise builds that one, and checks="off" runs it.
+    solve_outputs=True adds two fp32 outputs after e^{gamma_C}: A_kk (B, N, H, C), strictly lower, and
+    T = (I + L)^{-1} (B, N, H, C), row r of a chunk in token r's row as A_qk: stage 6's intra kernel
+    reads them, so the backward differentiates the A_kk and T that the forward used, bit for bit.
 
     From the loads on, the body is the macros below (stage 7's varlen prepare runs the same ones).
     """
@@ -73,9 +76,8 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     block_inverse = block_inverse_macro(C)
     wy_outputs = wy_outputs_macro(C)
 
-    # one body, two signatures (a TileLang program's parameters are fixed where it is written)
     @T.macro
-    def prepare(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay):
+    def prepare(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk, Inverse):
         with T.Kernel(num_chunks, B * H, threads=threads) as (i_c, i_bh):
             b, h = i_bh // H, i_bh % H
             t0 = i_c * C
@@ -120,8 +122,18 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                 flag_bad_values(gamma_s, beta_s, Flags)
             cumulative_gates(gamma_s)
 
-            anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s,
-                            K_slab_col_s, kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s)
+            if A_kk is None:
+                anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s,
+                                K_slab_col_s, kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s)
+            else:  # solve_outputs: with unit betas the scores give A_kk itself; it goes out, then takes its betas
+                unit_betas_s = T.alloc_shared((C,), accum_dtype)
+                for r in T.Parallel(C):
+                    unit_betas_s[r] = 1
+                anchored_scores(Q_s, K_s, gamma_s, unit_betas_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s,
+                                K_slab_col_s, kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s)
+                T.copy(L_s, A_kk[b, t0:t0 + C, h, :])
+                for r, j in T.Parallel(C, C):
+                    L_s[r, j] = L_s[r, j] * beta_s[j]  # the product the scores form with beta: the same bits
             # one store of whole rows (TMA), where writing from the fragments scattered 2-byte stores
             T.copy(A_qk_s, A_qk[b, t0:t0 + C, h, :])
             # --8<-- [end:prepare_setup]
@@ -140,13 +152,54 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             T.copy(V[b, t0:t0 + C, h, :], V_s)
 
             block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f)
+            if Inverse is not None:
+                T.copy(T_s, Inverse[b, t0:t0 + C, h, :])
             wy_outputs(T_s, beta_s, A_hat_s, Kg_s, V_s, w_f, u_f, W_s, U_s)
             T.copy(W_s, W[b, t0:t0 + C, h, :])
             T.copy(U_s, U[b, t0:t0 + C, h, :])
             # --8<-- [end:prepare_decayed]
 
 
-    if value_flags:
+    # one body, four signatures (a TileLang program's parameters are fixed where it is written):
+    # with or without Flags after Beta, with or without A_kk and T after Chunk_decay
+    if value_flags and solve_outputs:  # stage 6's backward, checks="device"
+        @T.prim_func
+        def kda_prepare(
+            Q: T.Tensor((B, N, H, d_k), dtype),
+            K: T.Tensor((B, N, H, d_k), dtype),
+            V: T.Tensor((B, N, H, d_v), dtype),
+            G: T.Tensor((B, N, H, d_k), accum_dtype),
+            Beta: T.Tensor((B, N, H), accum_dtype),
+            Flags: T.Tensor((FLAG_COUNT,), "int32"),
+            W: T.Tensor((B, N, H, d_k), dtype),
+            U: T.Tensor((B, N, H, d_v), dtype),
+            Q_decayed: T.Tensor((B, N, H, d_k), dtype),
+            K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+            A_qk: T.Tensor((B, N, H, C), dtype),
+            Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+            A_kk: T.Tensor((B, N, H, C), accum_dtype),
+            Inverse: T.Tensor((B, N, H, C), accum_dtype),
+        ):
+            prepare(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk, Inverse)
+    elif solve_outputs:  # stage 6's backward, checks="off" or "host"
+        @T.prim_func
+        def kda_prepare(
+            Q: T.Tensor((B, N, H, d_k), dtype),
+            K: T.Tensor((B, N, H, d_k), dtype),
+            V: T.Tensor((B, N, H, d_v), dtype),
+            G: T.Tensor((B, N, H, d_k), accum_dtype),
+            Beta: T.Tensor((B, N, H), accum_dtype),
+            W: T.Tensor((B, N, H, d_k), dtype),
+            U: T.Tensor((B, N, H, d_v), dtype),
+            Q_decayed: T.Tensor((B, N, H, d_k), dtype),
+            K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+            A_qk: T.Tensor((B, N, H, C), dtype),
+            Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+            A_kk: T.Tensor((B, N, H, C), accum_dtype),
+            Inverse: T.Tensor((B, N, H, C), accum_dtype),
+        ):
+            prepare(Q, K, V, G, Beta, None, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk, Inverse)
+    elif value_flags:  # the forward's default
         @T.prim_func
         def kda_prepare(
             Q: T.Tensor((B, N, H, d_k), dtype),
@@ -162,8 +215,8 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             A_qk: T.Tensor((B, N, H, C), dtype),
             Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
         ):
-            prepare(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay)
-    else:  # the kernel as stage 5's exercise builds it: no Flags parameter
+            prepare(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, None, None)
+    else:  # the kernel as stage 5's exercise builds it
         @T.prim_func
         def kda_prepare(
             Q: T.Tensor((B, N, H, d_k), dtype),
@@ -178,7 +231,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             A_qk: T.Tensor((B, N, H, C), dtype),
             Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
         ):
-            prepare(Q, K, V, G, Beta, None, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay)
+            prepare(Q, K, V, G, Beta, None, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, None, None)
 
     return kda_prepare
 
@@ -338,27 +391,24 @@ def flag_wide_spans_macro(C, d_k, largest_span):
 
 
 # --8<-- [start:prepare_exact_block]
-def exact_diagonal_block_macro(d_k, queries=True):
-    """The macro exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_s, first): the diagonal
+def exact_diagonal_block_macro(d_k):
+    """The macro exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, first): the diagonal
     sub-block of rows and columns first .. first + SUB_BLOCK - 1 of L = A_kk diag(beta) into L_s and
-    of A_qk into A_s, as their definition, A[r, j] = sum_d x_r[d] k_j[d] e^{gamma_r[d] - gamma_j[d]}
+    of A_qk into A_qk_s, as their definition, A[r, j] = sum_d x_r[d] k_j[d] e^{gamma_r[d] - gamma_j[d]}
     (j <= r): each decay is taken whole, so it is <= 1 at any gate, and summed in fp32 on the CUDA
-    cores (d_k multiply-adds per entry and score, one exp2 shared by the two scores).
-    queries=False (stage 6's backward, whose dbeta reads A_kk itself): A_kk into A_s instead of A_qk,
-    and Q_s is not read."""
+    cores (d_k multiply-adds per entry and score, one exp2 shared by the two scores)."""
     import tilelang.language as T
 
     sub = SUB_BLOCK
 
     @T.macro
-    def exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_s, first):
+    def exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, first):
         for r, j in T.Parallel(sub, sub):
             row, col = first + r, first + j
             key_score = T.alloc_var("float32")
             key_score = 0
-            if queries:
-                query_score = T.alloc_var("float32")
-                query_score = 0
+            query_score = T.alloc_var("float32")
+            query_score = 0
             for step in T.serial(d_k):
                 # lane j starts at channel j: the 16 columns' rows of a warp then lie in different banks
                 d = (step + j) % d_k
@@ -367,13 +417,9 @@ def exact_diagonal_block_macro(d_k, queries=True):
                 decay = T.exp2(T.min(gamma_s[row, d] - gamma_s[col, d], 0) * LOG2_E)
                 decayed_key = T.cast(K_s[col, d], "float32") * decay
                 key_score += T.cast(K_s[row, d], "float32") * decayed_key
-                if queries:
-                    query_score += T.cast(Q_s[row, d], "float32") * decayed_key
+                query_score += T.cast(Q_s[row, d], "float32") * decayed_key
             L_s[row, col] = T.if_then_else(j < r, key_score * beta_s[col], 0)
-            if queries:
-                A_s[row, col] = T.if_then_else(j <= r, query_score, 0)
-            else:
-                A_s[row, col] = T.if_then_else(j < r, key_score, 0)
+            A_qk_s[row, col] = T.if_then_else(j <= r, query_score, 0)
 
     return exact_diagonal_block
 # --8<-- [end:prepare_exact_block]
@@ -547,24 +593,35 @@ def advance_state_macro(d_k, block_dv):
 
 
 @functools.cache
-def compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
+def compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads, solve_outputs=False):
     """The prepare kernel compiled for the GPU (its outputs allocated by the call): made once per shape.
-    Without the value flags: forward's checks="host" and "off", stage 6's backward, the benchmarks'
-    kernels alone."""
+    Without the value flags: forward's checks="host" and "off", the benchmarks' kernels alone;
+    solve_outputs=True (A_kk and T too): stage 6's backward."""
     import tilelang
 
-    program = build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, threads)
-    return tilelang.compile(program, out_idx=[5, 6, 7, 8, 9, 10], target="cuda")
+    program = build_in_turn(build_prepare_program, B, N, H, d_k, d_v, chunk_size, dtype, threads,
+                            solve_outputs=solve_outputs)
+    return tilelang.compile(program, out_idx=prepare_outputs(value_flags=False, solve_outputs=solve_outputs),
+                            target="cuda")
 
 
 @functools.cache
-def compiled_flagged_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads):
+def compiled_flagged_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads, solve_outputs=False):
     """The prepare kernel that also takes Flags after beta and flags bad values (value_flags=True):
-    forward's default, checks="device". Made once per shape."""
+    forward's default, checks="device" (and the backward's, with solve_outputs). Made once per shape."""
     import tilelang
 
-    program = build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags=True)
-    return tilelang.compile(program, out_idx=[6, 7, 8, 9, 10, 11], target="cuda")
+    program = build_in_turn(build_prepare_program, B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags=True,
+                            solve_outputs=solve_outputs)
+    return tilelang.compile(program, out_idx=prepare_outputs(value_flags=True, solve_outputs=solve_outputs),
+                            target="cuda")
+
+
+def prepare_outputs(value_flags=False, solve_outputs=False):
+    """The indices of build_prepare_program's outputs among its parameters (out_idx): six (eight with
+    solve_outputs) after the five inputs and, with value_flags, Flags."""
+    first = 6 if value_flags else 5
+    return list(range(first, first + (8 if solve_outputs else 6)))
 
 
 @functools.cache
@@ -572,7 +629,8 @@ def compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stag
     """The recurrence kernel compiled for the GPU (o and the final state allocated by the call): made once per shape."""
     import tilelang
 
-    program = build_recurrence_program(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads)
+    program = build_in_turn(build_recurrence_program, B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages,
+                            threads)
     return tilelang.compile(program, out_idx=[7, 8], target="cuda")
 
 
@@ -599,9 +657,10 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     and a device sync: the mode to debug a caller with). "off": the caller vouches for them, and the
     kernel runs without the flags.
 
-    return_prepared: also return, last, the prepare kernel's six outputs (W, U, Q e^gamma,
-    K e^{gamma_C - gamma}, A_qk, e^{gamma_C}, on the tokens padded to a multiple of chunk_size), which
-    stage 6's backward would otherwise compute again (chunk_kda's disable_recompute).
+    return_prepared: also return, last, the prepare kernel's eight outputs with solve_outputs (W, U,
+    Q e^gamma, K e^{gamma_C - gamma}, A_qk, e^{gamma_C}, A_kk, T, on the tokens padded to a multiple of
+    chunk_size), which stage 6's backward would otherwise compute again (chunk_kda's
+    disable_recompute); the recurrence reads the first six.
     """
     B, N, H, d_k, d_v = check_forward_inputs(q, k, v, g, beta, initial_state, chunk_size, block_dv, checks)
     if block_dv is None:
@@ -613,12 +672,14 @@ def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
         initial_state = zero_state(B, H, d_k, d_v, q.device)
     value_flags = checks == "device"
     compile_prepare = compiled_flagged_prepare if value_flags else compiled_prepare
-    prepare = compile_prepare(B, N_padded, H, d_k, d_v, chunk_size, dtype_name(q), prepare_threads)
+    shape = (B, N_padded, H, d_k, d_v, chunk_size, dtype_name(q), prepare_threads)
+    # solve_outputs only when asked: the other calls share the cache entry (and compile) of the benchmarks'
+    prepare = compile_prepare(*shape, solve_outputs=True) if return_prepared else compile_prepare(*shape)
     recurrence = compiled_recurrence(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype_name(q), num_stages,
                                       threads)
     flags = (flags_for(q.device),) if value_flags else ()
     prepared = prepare(q, k, v, g, beta, *flags)
-    o, final_state = recurrence(*prepared, initial_state)
+    o, final_state = recurrence(*prepared[:6], initial_state)
     outputs = (o[:, :N], final_state) if output_final_state else (o[:, :N],)
     if return_prepared:
         outputs += (prepared,)

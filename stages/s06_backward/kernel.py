@@ -15,7 +15,8 @@ training step keeps no more activations than q, k, v, g, beta and the initial st
 forward kernels stay exactly stage 5's. The kernels, in launch order (C = chunk_size, per chunk
 gamma = cumsum of the log gates from the chunk start):
 
-prepare (stage 5's, unchanged): W, U, Q e^gamma, K e^{gamma_C - gamma}, A_qk, e^{gamma_C}.
+prepare (stage 5's, with solve_outputs): W, U, Q e^gamma, K e^{gamma_C - gamma}, A_qk, e^{gamma_C},
+and the A_kk and T = (I + L)^{-1} it formed on the way (fp32, C values per token and head each).
 
 states: one program per (block of d_v columns, batch x head), stage 5's recurrence without the
 output: writes S^T at every chunk start and V_new = U - W S^T.
@@ -30,15 +31,15 @@ state_products: one program per (chunk, batch x head), every product that sums o
     d(Q e^gamma) = dO S,   d(K e^{gamma_C - gamma}) = V_new dS',   dW = -dV_new S,
     d gamma_C += e^{gamma_C} rowsum(S^T ⊙ dS'^T)          (fp32 outputs)
 
-intra: one program per (chunk, batch x head), the chunk's own gradients. A_kk (with stage 5's
-anchored GEMMs) and T = (I + L)^{-1} (by blocks) are recomputed; then
+intra: one program per (chunk, batch x head), the chunk's own gradients, from the prepare's A_kk
+and T:
     dA_hat = dW (K e^gamma)^T + dV_new V^T,   dV = A_hat^T dV_new,   d(K e^gamma) = A_hat^T dW,
     dbeta  = rowsum(dA_hat ⊙ T) + colsum(dL ⊙ A_kk),   dL^T = -T (dA_hat^T A_hat) (strict upper),
     dA_qk^T = V_new dO^T, and dM^T = diag(beta) dL^T through the scores with the forward's anchors,
     dg = reverse cumulative sum of dgamma.
 Any gate, as in stage 5: a diagonal sub-block whose anchored factors would leave the operands' range
-(FAST_SPAN_LOG) is flagged on the device, and its A_kk and score gradients are taken by their
-definition, every decay <= 1 (exact_diagonal_gradients_macro).
+(FAST_SPAN_LOG) is flagged on the device, and its score gradients are taken by their definition,
+every decay <= 1 (exact_diagonal_gradients_macro); the prepare took its A_kk so.
 
 Reference C (`stages.s06_backward.reference.kernel_mirror_backward`) runs the same steps in NumPy.
 Run `python -m stages.s06_backward.kernel` to compile the four kernels for sm_90a and print their
@@ -51,16 +52,16 @@ from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
 from stages.common.device_checks import check_mode, flags_for
-from stages.common.tilelang_tools import LOG2_E, compile_in_threads
+from stages.common.tilelang_tools import LOG2_E, build_in_turn, compile_in_threads
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate_values, check_kernel_tensor, check_on_cuda, check_same, dtype_name,
                                         pad_tokens)
 from stages.s05_fast_kda.kernel import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK,
-                                        advance_state_macro, block_inverse_macro, build_prepare_program,
-                                        check_kernel_sizes, check_state, check_token_inputs,
-                                        compiled_flagged_prepare, compiled_prepare,
-                                        cumulative_gates_macro, default_block_dv, exact_diagonal_block_macro,
-                                        flag_wide_spans_macro, streaming_multiprocessors, zero_state)
+                                        advance_state_macro, build_prepare_program, check_kernel_sizes,
+                                        check_state, check_token_inputs, compiled_flagged_prepare,
+                                        compiled_prepare, cumulative_gates_macro, default_block_dv,
+                                        flag_wide_spans_macro, prepare_outputs, streaming_multiprocessors,
+                                        zero_state)
 from stages.s05_fast_kda.numerics import FAST_SPAN_LOG
 
 if TYPE_CHECKING:
@@ -277,13 +278,14 @@ def build_state_products_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
 def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
                         channel_passes=CHANNEL_PASSES):
     """The chunk's own gradients: q, k (B, N, H, d_k), v, dO, V_new, dV_new (B, N, H, d_v) in `dtype`;
-    g (B, N, H, d_k), beta (B, N, H), d(Q e^gamma), d(K e^{gamma_C - gamma}), dW (B, N, H, d_k) and
+    g (B, N, H, d_k), beta (B, N, H), A_kk and T (B, N, H, C) as the prepare kernel wrote them
+    (solve_outputs), d(Q e^gamma), d(K e^{gamma_C - gamma}), dW (B, N, H, d_k) and
     d gamma_C (B, N / C, H, d_k) in fp32 -> dv (B, N, H, d_v) in `dtype`, dq, dk, dg (B, N, H, d_k)
     and dbeta (B, N, H) in fp32 (dq and dk unrounded for what the caller does in front of the kernels:
     the L2 norm's backward, FLA's scale).
 
-    The score GEMMs (A_kk, and the gradients through A_kk and A_qk) work on d_k / channel_passes
-    channels at a time, as stage 5's prepare kernel does. threads=None takes
+    The score gradients' GEMMs (through A_kk and A_qk) work on d_k / channel_passes channels at a
+    time, as stage 5's prepare kernel's score GEMMs do. threads=None takes
     default_intra_threads(chunk_size, d_k, channel_passes). Any gate <= 0: the diagonal sub-blocks
     whose gates span more than FAST_SPAN_LOG allows (the diagonal operands are in the input dtype,
     their factors computed in fp32) are taken by their definition instead of the anchored GEMMs.
@@ -301,14 +303,12 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
     largest_span = min(FAST_SPAN_LOG[dtype], FAST_SPAN_LOG[accum_dtype])
     cumulative_gates = cumulative_gates_macro(C, d_k)
     flag_wide_spans = flag_wide_spans_macro(C, d_k, largest_span)
-    exact_key_scores = exact_diagonal_block_macro(d_k, queries=False)
     exact_diagonal_gradients = exact_diagonal_gradients_macro(channels)
     # GEMMs issued together and waited for once where they are Hopper's wgmma, whose tiles take rows in
     # 64s: a 32-token chunk's GEMMs take T.gemm, which waits for each
     issued_together = C >= 64
     issue_gemm = T.wgmma_gemm if issued_together else T.gemm
     wait_for_tensor_cores = wait_for_tensor_cores_macro(threads, issued_together)
-    block_inverse = block_inverse_macro(C)
 
     @T.prim_func
     def kda_intra(
@@ -317,6 +317,8 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
         V: T.Tensor((B, N, H, d_v), dtype),
         G: T.Tensor((B, N, H, d_k), accum_dtype),
         Beta: T.Tensor((B, N, H), accum_dtype),
+        A_kk: T.Tensor((B, N, H, C), accum_dtype),
+        Inverse: T.Tensor((B, N, H, C), accum_dtype),
         dO: T.Tensor((B, N, H, d_v), dtype),
         V_new: T.Tensor((B, N, H, d_v), dtype),
         dV_new: T.Tensor((B, N, H, d_v), dtype),
@@ -351,10 +353,7 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             # slice's 16 rows instead of the buffer's C (wrong dq, dk, dg on the H200)
             K_slab_col_s = T.alloc_shared((sub, channels), dtype)
             A_kk_s = T.alloc_shared((C, C), accum_dtype)  # M, strictly lower
-            L_s = T.alloc_shared((C, C), accum_dtype)  # L = A_kk diag(beta)
-            T_s = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}
-            T_diag_s = T.alloc_shared((C, sub), accum_dtype)
-            merge_s = T.alloc_shared((sub, C), accum_dtype)
+            T_s = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}, L = A_kk diag(beta)
             T_op_s = T.alloc_shared((C, C), dtype)  # T and diag(beta) T as GEMM operands
             A_hat_s = T.alloc_shared((C, C), dtype)
             A_hat_low_s = T.alloc_shared((C, C), dtype)  # what rounding A_hat to `dtype` dropped
@@ -382,9 +381,6 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             dgamma_s = T.alloc_shared((C, channels), accum_dtype)
             exact_s = T.alloc_shared((blocks,), "int32")  # 1: the sub-block is taken by its definition
 
-            kk_f = T.alloc_fragment((C, C), accum_dtype)
-            kk_slab_f = T.alloc_fragment((C, sub), accum_dtype)
-            block_row_f = T.alloc_fragment((sub, C), accum_dtype)
             dA_hat_f = T.alloc_fragment((C, C), accum_dtype)
             dv_f = T.alloc_fragment((C, d_v), accum_dtype)
             dk_decayed_f = T.alloc_fragment((C, d_k), accum_dtype)
@@ -399,48 +395,14 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             T.copy(K[b, t0:t0 + C, h, :], K_s)
             T.copy(Beta[b, t0:t0 + C, h], beta_s)
             T.copy(G[b, t0:t0 + C, h, :], gamma_s)
+            # A_kk and T as the prepare kernel computed them for the forward (solve_outputs): the backward
+            # differentiates the very matrices the forward used, and does not compute them again
+            T.copy(A_kk[b, t0:t0 + C, h, :], A_kk_s)
+            T.copy(Inverse[b, t0:t0 + C, h, :], T_s)
             cumulative_gates(gamma_s)
             flag_wide_spans(gamma_s, exact_s)
             # --8<-- [end:intra_setup]
 
-            # --8<-- [start:intra_recompute]
-            # A_kk as the prepare kernel computes it: diagonal sub-blocks anchored at their middle row ...
-            for channel_pass in range(channel_passes):
-                d0 = channel_pass * channels
-                for r, d in T.Parallel(C, channels):
-                    from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
-                    K_row_s[r, d] = K_s[r, d0 + d] * T.exp2(from_anchor)
-                    K_col_s[r, d] = K_s[r, d0 + d] * T.exp2(-from_anchor)
-                T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=channel_pass == 0)
-            for r, j in T.Parallel(C, C):
-                in_block = r // sub == j // sub and j < r
-                A_kk_s[r, j] = T.if_then_else(in_block, kk_f[r, j], 0)
-                L_s[r, j] = T.if_then_else(in_block, kk_f[r, j] * beta_s[j], 0)
-            # the sub-blocks past the operands' range (their entries above may be inf or NaN, kept to their
-            # own block by the mask) again, by their definition, as the prepare kernel takes them
-            for blk in T.serial(blocks):
-                if exact_s[blk] == 1:
-                    exact_key_scores(Q_s, K_s, gamma_s, beta_s, L_s, A_kk_s, blk * sub)
-            # ... and the slabs of sub columns anchored at the first row below them
-            for s0 in tuple(range(sub, C, sub)):
-                for channel_pass in range(channel_passes):
-                    d0 = channel_pass * channels
-                    for r, d in T.Parallel(C - s0 + sub, channels):
-                        row = s0 - sub + r
-                        from_anchor = (gamma_s[row, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
-                        if r >= sub:
-                            K_row_s[row, d] = K_s[row, d0 + d] * T.exp2(from_anchor)
-                        else:
-                            K_col_s[r, d] = K_s[row, d0 + d] * T.exp2(-from_anchor)
-                    T.gemm(K_row_s, K_col_s[0:sub, :], kk_slab_f, transpose_B=True, clear_accum=channel_pass == 0)
-                for r, j in T.Parallel(C, sub):
-                    if r >= s0:
-                        A_kk_s[r, s0 - sub + j] = kk_slab_f[r, j]
-                        L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
-
-            # T = (I + L)^{-1} as the prepare kernel inverts it
-            block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f)
-            # --8<-- [end:intra_recompute]
 
             # --8<-- [start:intra_wy]
             # back through W = A_hat (K e^gamma) and U = A_hat V, A_hat = diag(beta) T
@@ -713,11 +675,11 @@ def default_intra_threads(chunk_size, d_k, channel_passes=CHANNEL_PASSES):
 # every kernel of the backward, in launch order: its builder and the indices of its outputs (as
 # tilelang.compile's and the interpreter's out_idx take them)
 BUILDERS = {
-    "prepare": (build_prepare_program, [5, 6, 7, 8, 9, 10]),
+    "prepare": (functools.partial(build_prepare_program, solve_outputs=True), prepare_outputs(solve_outputs=True)),
     "states": (build_states_program, [5, 6]),
     "state_gradient": (build_state_gradient_program, [7, 8, 9]),
     "state_products": (build_state_products_program, [6, 7, 8, 9]),
-    "intra": (build_intra_program, [12, 13, 14, 15, 16]),
+    "intra": (build_intra_program, [14, 15, 16, 17, 18]),
 }
 WITH_BLOCK_DV = ("states", "state_gradient")  # the two chunk loops split d_v; the per-chunk kernels do not
 
@@ -736,19 +698,19 @@ def compiled_one_kernel(kernel, *arguments):
     values) compiled for the GPU, with kernel_arguments' arguments for it: made once per name and arguments."""
     import tilelang
 
-    if kernel == "prepare":  # the forward's own compiled kernels, shared with stage 5's forward
-        return compiled_prepare(*arguments, None)
+    if kernel == "prepare":  # stage 5's compiled kernels, with A_kk and T as outputs too
+        return compiled_prepare(*arguments, None, solve_outputs=True)
     if kernel == "prepare_flagged":
-        return compiled_flagged_prepare(*arguments, None)
+        return compiled_flagged_prepare(*arguments, None, solve_outputs=True)
     build, outputs = BUILDERS[kernel]
-    return tilelang.compile(build(*arguments), out_idx=outputs, target="cuda")
+    return tilelang.compile(build_in_turn(build, *arguments), out_idx=outputs, target="cuda")
 
 
 @functools.cache
 def compiled_kernels(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False):
     """{kernel: compiled for the GPU} for one backward shape (kernel_arguments' arguments); value_flags:
     the prepare that takes Flags after beta. The five compile at once in threads on the first call:
-    about the time of the slowest, not of all five."""
+    about the time of the slowest, not of all five (their programs built one at a time: build_in_turn)."""
     arguments = kernel_arguments(B, N, H, d_k, d_v, chunk_size, block_dv, dtype)
     compiled_name = {"prepare": "prepare_flagged"} if value_flags else {}
     compiled = compile_in_threads({name: functools.partial(compiled_one_kernel, compiled_name.get(name, name),
@@ -764,7 +726,8 @@ def compiled_kernels(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, value_flags
 def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, flags=(), prepared=None):
     """The five launches of the backward, in order, on inputs already padded to a multiple of chunk_size;
     flags: (Flags,) for a prepare that flags bad values, else (); prepared: the forward's prepare
-    outputs for these inputs (stage 5's forward, return_prepared=True), which skip the first launch.
+    outputs for these inputs (stage 5's forward, return_prepared=True: the eight of solve_outputs),
+    which skip the first launch.
 
     kernels: {name: callable} for the names of BUILDERS, made for these inputs' shape (kernel_arguments):
     compiled for the GPU (`backward`), or run by the tile interpreter on a CPU (the tests), so the
@@ -772,14 +735,14 @@ def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, fla
     """
     if prepared is None:
         prepared = kernels["prepare"](q, k, v, g, beta, *flags)
-    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay = prepared
+    w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay, a_kk, inverse = prepared
     states, v_new = kernels["states"](w, u, k_to_chunk_end, chunk_decay, initial_state)
     d_states, dv_new, d_initial_state = kernels["state_gradient"](
         q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do, d_final_state)
     dq_decayed, dk_to_chunk_end, dw, d_gamma_last = kernels["state_products"](
         states, d_states, v_new, dv_new, do, chunk_decay)
     dq, dk, dv, dg, dbeta = kernels["intra"](
-        q, k, v, g, beta, do, v_new, dv_new, dq_decayed, dk_to_chunk_end, dw, d_gamma_last)
+        q, k, v, g, beta, a_kk, inverse, do, v_new, dv_new, dq_decayed, dk_to_chunk_end, dw, d_gamma_last)
     return dq, dk, dv, dg, dbeta, d_initial_state
 # --8<-- [end:run_kernels]
 
@@ -809,7 +772,7 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     checked the same g and beta). prepared: the forward's prepare outputs for these inputs (stage 5's
     `forward` with return_prepared=True), kept by the caller so that the backward skips computing them
     again: the same numbers (the same kernel on the same inputs), one launch fewer, and the memory of
-    six tensors held from the forward to the backward (chunk_kda's disable_recompute).
+    eight tensors held from the forward to the backward (chunk_kda's disable_recompute).
     """
     B, N, H, d_k, d_v = check_backward_inputs(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size, block_dv,
                                               checks)
@@ -851,10 +814,10 @@ def check_backward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor
 
 
 def check_prepared(prepared: "tuple[torch.Tensor, ...] | None", w_shape: tuple[int, ...]) -> None:
-    """prepared: None, or the six outputs of stage 5's prepare, W first, of shape w_shape (B, N padded
-    to a multiple of chunk_size, H, d_k)."""
-    if prepared is not None and (len(prepared) != 6 or tuple(prepared[0].shape) != w_shape):
-        raise ValueError(f"prepared must be the six tensors stage 5's forward(..., return_prepared=True) returns for "
+    """prepared: None, or the eight outputs of stage 5's prepare with solve_outputs, W first, of shape
+    w_shape (B, N padded to a multiple of chunk_size, H, d_k)."""
+    if prepared is not None and (len(prepared) != 8 or tuple(prepared[0].shape) != w_shape):
+        raise ValueError(f"prepared must be the eight tensors stage 5's forward(..., return_prepared=True) returns for "
                          f"these inputs, W of shape {w_shape} first")
 
 

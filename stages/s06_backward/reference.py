@@ -427,8 +427,9 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
     padded to N_padded tokens; returns dq, dk (B, N_padded, H, d_k), dv (B, N_padded, H, d_v),
     dg (B, N_padded, H, d_k) and dbeta (B, N_padded, H).
 
-    The chunk's A_kk (M) and T = (I + L)^{-1} are recomputed as the prepare kernel computes them.
-    Then, with dW and dU = dV_new from the chunk loops:
+    The kernel reads the chunk's A_kk (M) and T = (I + L)^{-1} as the prepare kernel wrote them
+    (its solve_outputs); here, in float64, they are formed again from the same steps, which gives the
+    same numbers and keeps this function's arguments those of the exercise. Then, with dW and dU = dV_new from the chunk loops:
         dA_hat = dW (K e^gamma)^T + dV_new V^T,  dV = A_hat^T dV_new,  d(K e^gamma) = A_hat^T dW
         dbeta  = rowsum(dA_hat ⊙ T) + colsum(dL ⊙ M),   dT = diag(beta) dA_hat,
         dL^T   = -T dT^T T = -T (dA_hat^T A_hat) (strict upper),  dM^T = diag(beta) dL^T,
@@ -448,8 +449,7 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
             b, h = divmod(i_bh, H)
             Q, K, V, beta_c = q[b, rows, h], k[b, rows, h], v[b, rows, h], beta[b, rows, h]
             gamma = np.cumsum(g[b, rows, h], axis=0)
-            A_kk, _ = intra_chunk_scores(Q, K, gamma, sub_block)  # the kernel computes A_kk only
-            T = block_inverse(A_kk * beta_c[None, :], sub_block)
+            A_kk, T = chunk_solve(K, gamma, beta_c, sub_block)
             A_hat = beta_c[:, None] * T
             decay_from_start, decay_to_end = np.exp(gamma), np.exp(gamma[-1] - gamma)
             dW, dV_new = products.dw[b, rows, h], dv_new[b, rows, h]
@@ -476,6 +476,30 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
             dg[b, rows, h] = np.cumsum(dgamma[::-1], axis=0)[::-1] + d_gamma_last
     return dq, dk, dv, dg, dbeta
 # --8<-- [end:intra_gradients]
+
+
+def chunk_solve(K: Float64Array, gamma: Float64Array, beta_c: Float64Array,
+                sub_block: int = SUB_BLOCK) -> tuple[Float64Array, Float64Array]:
+    """A chunk's A_kk (C, C), strictly lower, and T = (I + A_kk diag(beta))^{-1}, as stage 5's prepare
+    kernel forms them, from its keys K (C, d_k), cumulative gates gamma (C, d_k) and betas (C,)."""
+    A_kk, _ = intra_chunk_scores(K, K, gamma, sub_block)  # the queries' scores are not needed here
+    return A_kk, block_inverse(A_kk * beta_c[None, :], sub_block)
+
+
+def solve_outputs(k: Float64Array, g: Float64Array, beta: Float64Array, chunk_size: int,
+                  sub_block: int = SUB_BLOCK) -> tuple[Float64Array, Float64Array]:
+    """What stage 5's prepare kernel writes with solve_outputs for the intra kernel: every chunk's
+    A_kk and T (chunk_solve), row r of a chunk in token r's row, (B, N, H, C) each; N a multiple of
+    chunk_size."""
+    B, N, H, _ = k.shape
+    a_kk, t = np.zeros((B, N, H, chunk_size)), np.zeros((B, N, H, chunk_size))
+    for start in range(0, N, chunk_size):
+        rows = slice(start, start + chunk_size)
+        for b in range(B):
+            for h in range(H):
+                gamma = np.cumsum(g[b, rows, h], axis=0)
+                a_kk[b, rows, h], t[b, rows, h] = chunk_solve(k[b, rows, h], gamma, beta[b, rows, h], sub_block)
+    return a_kk, t
 
 
 # --8<-- [start:score_gradients]

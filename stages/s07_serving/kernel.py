@@ -35,7 +35,7 @@ import numpy as np
 
 from stages.common.device_checks import (BAD_BETA, BAD_CU_SEQLENS, BAD_GATE, BAD_SLOT, FLAG_COUNT, bad_beta,
                                          bad_gate, check_mode, flags_for)
-from stages.common.tilelang_tools import LOG2_E
+from stages.common.tilelang_tools import LOG2_E, build_in_turn
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (KERNEL_DTYPES, check_cu_seqlens, check_cu_seqlens_values, check_gate,
                                         check_gate_values, check_kernel_tensor, check_on_cuda, check_same,
@@ -499,7 +499,8 @@ def _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype, value_flags):
     TileLang allocates an output only when each of its sizes is a symbol of its own."""
     import tilelang
 
-    program = build_varlen_prepare_program(*run_time_sizes(), H, d_k, d_v, chunk_size, dtype, value_flags=value_flags)
+    program = build_in_turn(build_varlen_prepare_program, *run_time_sizes(), H, d_k, d_v, chunk_size, dtype,
+                            value_flags=value_flags)
     return tilelang.compile(program, target="cuda")
 
 
@@ -507,7 +508,8 @@ def _compiled_varlen_prepare(H, d_k, d_v, chunk_size, dtype, value_flags):
 def _compiled_varlen_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype):
     import tilelang
 
-    program = build_varlen_recurrence_program(*run_time_sizes(), H, d_k, d_v, chunk_size, block_dv, dtype)
+    program = build_in_turn(build_varlen_recurrence_program, *run_time_sizes(), H, d_k, d_v, chunk_size, block_dv,
+                            dtype)
     return tilelang.compile(program, target="cuda")
 
 
