@@ -249,6 +249,7 @@ GRADIENT_ACCURACY_RUNS = {  # `python -m benchmarks.studies.s06_gradient_accurac
     "dq in fp32": "benchmarks/results/gradient_accuracy_fp32_dq",  # dq, dk in fp32 to the norm's backward
     "A_hat split": "benchmarks/results/gradient_accuracy_dv_split",  # dv's GEMM: A_hat's rounding + remainder
     "scores split": "benchmarks/results/gradient_accuracy",  # the diagonal score-gradient GEMMs, both sides
+    "A_kk, T from the prepare": "benchmarks/results/gradient_accuracy_solve",  # gpu_open_work.sh OUT 17
 }
 GRADIENT_ACCURACY_SHAPE = "2,300,2,128"  # the shape every run measured at every seed
 
@@ -287,7 +288,7 @@ def write_gradient_accuracy_table(path):
         f"geometric mean over the seeds (the worst seed's in brackets); **over** marks a mean past {GOAL}.\n")
 
 
-INTRA_SECTIONS_LOG = "benchmarks/results/s06_intra_sections.log"  # `gpu_open_work.sh OUT 16` on the H200
+INTRA_SECTIONS_LOG = "benchmarks/results/s06_intra_sections.log"  # `gpu_open_work.sh OUT 18` on the H200
 
 
 def write_intra_sections_table(path):
