@@ -31,6 +31,7 @@
 #                            # stage 6's kernel GPU tests
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 18    # A_kk and T from the prepare: the intra kernel's
 #                            # sections, forward + backward beside FLA at N = 16384, ours alone
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 19    # the intra kernel's finer sections and ncu profile
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -48,8 +49,8 @@
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
-out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 18)}
-part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 18)}
+out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 19)}
+part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 19)}
 mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.log"; }
 step() {
@@ -232,8 +233,14 @@ case $part in
       --shapes "1,16384,32,128" --deadline 300
     backward_ours_alone
     ;;
+  19)
+    # where the intra kernel's time goes, finer: its sections (the score gradients' diagonal sub-blocks
+    # and slabs apart), then its Nsight Compute profile
+    step intra_sections 200 python -m benchmarks.studies.s06_intra_sections --rounds 3
+    step s06_intra_ncu 240 bash -c "$(python -c 'from benchmarks.profile_s06_intra import NCU_COMMAND; print(NCU_COMMAND)')"
+    ;;
   *)
-    echo "part must be 1 to 18, got $part" >&2
+    echo "part must be 1 to 19, got $part" >&2
     exit 2
     ;;
 esac

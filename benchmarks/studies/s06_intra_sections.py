@@ -39,6 +39,9 @@ SECTIONS = {
     "dA_qk": ("# dA_qk^T = V_new dO^T", "# --8<-- [end:intra_wy]"),
     "score gradients (both channel passes)": ("# diagonal sub-blocks, anchored at their middle row",
                                               "# --8<-- [end:intra_scores]"),
+    "... of the diagonal sub-blocks (both channel passes)": ("# diagonal sub-blocks, anchored at their middle row",
+                                                             "# a slab of sub key columns at a time"),
+    "... of the slabs (both channel passes)": ("# a slab of sub key columns at a time", "# --8<-- [end:intra_scores]"),
     "dq, dk, dg written (both channel passes)": ("# --8<-- [start:intra_gates]", "return kda_intra"),
 }
 
