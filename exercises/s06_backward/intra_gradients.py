@@ -2,7 +2,7 @@
 
 One program per (chunk, batch x head). The chunk loops before it have handed over dW = -dV_new S and
 dV_new (= dU), and the prepare kernel the chunk's scores A_kk (M) and T = (I + L)^{-1},
-L = M diag(beta) (here formed again by `chunk_solve`: the same numbers in float64); the program
+L = M diag(beta) (here formed again from stage 5's functions: the same numbers in float64); the program
 takes the UT transform back:
     A_hat = diag(beta) T,  W = A_hat (K ⊙ e^{gamma}),  U = A_hat V,
 then the scores, through `score_gradients`, and last the cumulative gate gamma.
@@ -14,8 +14,8 @@ Read: stage 6 page, "The UT transform backwards".  Check: course check s06
 import numpy as np
 
 from stages.common.checks import Float64Array
-from stages.s05_fast_kda.reference import SUB_BLOCK
-from stages.s06_backward.reference import StateProducts, chunk_solve, score_gradients
+from stages.s05_fast_kda.reference import SUB_BLOCK, block_inverse, intra_chunk_scores
+from stages.s06_backward.reference import StateProducts, score_gradients
 
 
 def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
@@ -39,7 +39,8 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
             b, h = divmod(i_bh, H)
             Q, K, V, beta_c = q[b, rows, h], k[b, rows, h], v[b, rows, h], beta[b, rows, h]
             gamma = np.cumsum(g[b, rows, h], axis=0)
-            A_kk, T = chunk_solve(K, gamma, beta_c, sub_block)  # the prepare kernel's, in the kernel
+            A_kk, _ = intra_chunk_scores(Q, K, gamma, sub_block)  # the kernel reads the prepare kernel's
+            T = block_inverse(A_kk * beta_c[None, :], sub_block)
             A_hat = beta_c[:, None] * T
             decay_from_start, decay_to_end = np.exp(gamma), np.exp(gamma[-1] - gamma)
             dW, dV_new = products.dw[b, rows, h], dv_new[b, rows, h]
