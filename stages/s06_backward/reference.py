@@ -428,8 +428,9 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
     dg (B, N_padded, H, d_k) and dbeta (B, N_padded, H).
 
     The kernel reads the chunk's A_kk (M) and T = (I + L)^{-1} as the prepare kernel wrote them
-    (its solve_outputs); here, in float64, they are formed again from the same steps, which gives the
-    same numbers and keeps this function's arguments those of the exercise. Then, with dW and dU = dV_new from the chunk loops:
+    (its solve_outputs, `solve_outputs` below); here, in float64, they are formed again from the same
+    steps, which gives the same numbers and keeps this function's arguments those of the exercise.
+    Then, with dW and dU = dV_new from the chunk loops:
         dA_hat = dW (K e^gamma)^T + dV_new V^T,  dV = A_hat^T dV_new,  d(K e^gamma) = A_hat^T dW
         dbeta  = rowsum(dA_hat ⊙ T) + colsum(dL ⊙ M),   dT = diag(beta) dA_hat,
         dL^T   = -T dT^T T = -T (dA_hat^T A_hat) (strict upper),  dM^T = diag(beta) dL^T,
@@ -449,7 +450,8 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
             b, h = divmod(i_bh, H)
             Q, K, V, beta_c = q[b, rows, h], k[b, rows, h], v[b, rows, h], beta[b, rows, h]
             gamma = np.cumsum(g[b, rows, h], axis=0)
-            A_kk, T = chunk_solve(K, gamma, beta_c, sub_block)
+            A_kk, _ = intra_chunk_scores(Q, K, gamma, sub_block)  # the kernel reads the prepare kernel's
+            T = block_inverse(A_kk * beta_c[None, :], sub_block)
             A_hat = beta_c[:, None] * T
             decay_from_start, decay_to_end = np.exp(gamma), np.exp(gamma[-1] - gamma)
             dW, dV_new = products.dw[b, rows, h], dv_new[b, rows, h]
