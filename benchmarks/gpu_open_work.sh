@@ -32,6 +32,7 @@
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 18    # A_kk and T from the prepare: the intra kernel's
 #                            # sections, forward + backward beside FLA at N = 16384, ours alone
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 19    # the intra kernel's finer sections and ncu profile
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 20    # padded fp32 rows in the intra kernel: ours alone, reference A
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -49,8 +50,8 @@
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
-out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 19)}
-part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 19)}
+out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 20)}
+part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 20)}
 mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.log"; }
 step() {
@@ -239,8 +240,14 @@ case $part in
     step intra_sections 200 python -m benchmarks.studies.s06_intra_sections --rounds 3
     step s06_intra_ncu 240 bash -c "$(python -c 'from benchmarks.profile_s06_intra import NCU_COMMAND; print(NCU_COMMAND)')"
     ;;
+  20)
+    # the intra kernel's fp32 buffers with padded rows (against part 19's bank conflicts): ours alone
+    # at part 14's shapes, then stage 6's backward against reference A on the GPU
+    backward_ours_alone
+    step s06_reference_a 200 python -m pytest tests/test_s06_kernels.py -m gpu -v -p no:cacheprovider -k reference_a
+    ;;
   *)
-    echo "part must be 1 to 19, got $part" >&2
+    echo "part must be 1 to 20, got $part" >&2
     exit 2
     ;;
 esac

@@ -308,6 +308,10 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
     # 64s: a 32-token chunk's GEMMs take T.gemm, which waits for each
     issued_together = C >= 64
     issue_gemm = T.wgmma_gemm if issued_together else T.gemm
+    # the fp32 buffers that elementwise passes read in a GEMM accumulator's order (a warp: 8 rows, 8
+    # columns) take 8 more words a row: rows of 64 or 128 words all start in bank 0, so those 8 rows
+    # met in the same 8 banks (the H200 profile: 44% of shared-memory wavefronts were bank conflicts)
+    row_pad = 8
     wait_for_tensor_cores = wait_for_tensor_cores_macro(threads, issued_together)
 
     @T.prim_func
@@ -338,7 +342,7 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
 
             Q_s = T.alloc_shared((C, d_k), dtype)
             K_s = T.alloc_shared((C, d_k), dtype)
-            gamma_s = T.alloc_shared((C, d_k), accum_dtype)
+            gamma_s = T.alloc_shared((C, d_k + row_pad), accum_dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
             K_row_s = T.alloc_shared((C, channels), dtype)  # GEMM operands: decay from the anchor to the row
             Q_row_s = T.alloc_shared((C, channels), dtype)
@@ -352,8 +356,8 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             # gives the second warp group of a 256-thread program an offset into it computed from the
             # slice's 16 rows instead of the buffer's C (wrong dq, dk, dg on the H200)
             K_slab_col_s = T.alloc_shared((sub, channels), dtype)
-            A_kk_s = T.alloc_shared((C, C), accum_dtype)  # M, strictly lower
-            T_s = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}, L = A_kk diag(beta)
+            A_kk_s = T.alloc_shared((C, C + row_pad), accum_dtype)  # M, strictly lower
+            T_s = T.alloc_shared((C, C + row_pad), accum_dtype)  # (I + L)^{-1}, L = A_kk diag(beta)
             T_op_s = T.alloc_shared((C, C), dtype)  # T and diag(beta) T as GEMM operands
             A_hat_s = T.alloc_shared((C, C), dtype)
             A_hat_low_s = T.alloc_shared((C, C), dtype)  # what rounding A_hat to `dtype` dropped
@@ -376,9 +380,9 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             dA_qk_T_diagonal_low_s = T.alloc_shared((C, C), dtype)
             dbeta_s = T.alloc_shared((C,), accum_dtype)
             # the score gradients of one channel pass (dk's: by rows and by columns, summed), and dgamma (fp32)
-            dQ_scores_s = T.alloc_shared((C, channels), accum_dtype)
-            dK_scores_s = T.alloc_shared((C, channels), accum_dtype)
-            dgamma_s = T.alloc_shared((C, channels), accum_dtype)
+            dQ_scores_s = T.alloc_shared((C, channels + row_pad), accum_dtype)
+            dK_scores_s = T.alloc_shared((C, channels + row_pad), accum_dtype)
+            dgamma_s = T.alloc_shared((C, channels + row_pad), accum_dtype)
             exact_s = T.alloc_shared((blocks,), "int32")  # 1: the sub-block is taken by its definition
 
             dA_hat_f = T.alloc_fragment((C, C), accum_dtype)
@@ -394,11 +398,11 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             T.copy(Q[b, t0:t0 + C, h, :], Q_s)
             T.copy(K[b, t0:t0 + C, h, :], K_s)
             T.copy(Beta[b, t0:t0 + C, h], beta_s)
-            T.copy(G[b, t0:t0 + C, h, :], gamma_s)
+            T.copy(G[b, t0:t0 + C, h, :], gamma_s[:, 0:d_k])
             # A_kk and T as the prepare kernel computed them for the forward (solve_outputs): the backward
             # differentiates the very matrices the forward used, and does not compute them again
-            T.copy(A_kk[b, t0:t0 + C, h, :], A_kk_s)
-            T.copy(Inverse[b, t0:t0 + C, h, :], T_s)
+            T.copy(A_kk[b, t0:t0 + C, h, :], A_kk_s[:, 0:C])
+            T.copy(Inverse[b, t0:t0 + C, h, :], T_s[:, 0:C])
             cumulative_gates(gamma_s)
             flag_wide_spans(gamma_s, exact_s)
             # --8<-- [end:intra_setup]
