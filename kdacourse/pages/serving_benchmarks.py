@@ -66,7 +66,8 @@ def write_backward_timings(path, run=""):
     kernel alone; our gradients against FLA's and the block_dv of both passes. run: the run's folder
     under benchmarks/results ("" for the main run, "backward_b8/" for the later one of two shapes,
     "backward_ours/" for ours alone, "backward_solve/" for the three shapes beside FLA once the intra
-    kernel read A_kk and T from the prepare)."""
+    kernel read A_kk and T from the prepare, "backward_ours_padded/" for ours alone with its fp32 rows
+    padded)."""
     rows, meta = committed_run(run + backward.CSV_NAME, run + backward.META_NAME)
     if rows is None:
         path.write_text(NOT_COMMITTED.format(what="backward", module="backward",
@@ -241,6 +242,8 @@ def generated_files():
         "docs/generated/backward_timings_b8.md": lambda path: write_backward_timings(path, "backward_b8/"),
         "docs/generated/backward_timings_ours.md": lambda path: write_backward_timings(path, "backward_ours/"),
         "docs/generated/backward_timings_solve.md": lambda path: write_backward_timings(path, "backward_solve/"),
+        "docs/generated/backward_timings_ours_padded.md": lambda path: write_backward_timings(
+            path, "backward_ours_padded/"),
         "docs/generated/varlen_timings.md": write_varlen_timings,
         "docs/generated/decode_timings.md": write_decode_timings,
         "docs/generated/decode_batches.md": write_decode_batches,
