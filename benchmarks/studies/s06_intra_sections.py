@@ -3,9 +3,9 @@ and with every GEMM waited for.
 
     python -m benchmarks.studies.s06_intra_sections [--shape 1,16384,32,128] [--rounds 3] [--compile-only]
 
-The intra kernel is most of the backward (5.0 of 7.1 ms at B = 1, N = 16384, H = 32, d = 128 on the
-H200 before it took A_kk and T from the prepare kernel: docs/generated/backward_timings_ours.md). This builds, from the kernel's own source, one variant
-per section of SECTIONS in which that section runs twice (wrapped in a loop of two), and times the
+The intra kernel is most of the backward (2.8 of 5.0 ms at B = 1, N = 16384, H = 32, d = 128 on the
+H200: docs/generated/backward_timings_ours_padded.md). This builds, from the kernel's own source, one
+variant per section of SECTIONS in which that section runs twice (wrapped in a loop of two), and times the
 kernel and each variant as CUDA graphs in interleaved rounds: a section's time is its variant's time
 less the kernel's. Doubling a section, rather than cutting the others, keeps every buffer the kernel
 allocates and so its shared memory (one block per SM): a kernel cut short would fit two. Each section

@@ -257,7 +257,8 @@ def compile_in_threads(compilers, log=None):
 
     compilers: {key: a function of no arguments that compiles one kernel}, building its program with
     build_in_turn. TileLang's lowering runs in C++ without the GIL and nvcc is a subprocess, so n
-    compiles take about as long as the slowest, not their sum. log(message), if given, hears each one finish with its seconds.
+    compiles take about as long as the slowest, not their sum. log(message), if given, hears each one
+    finish with its seconds.
     """
     import concurrent.futures
     import time

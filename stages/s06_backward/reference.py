@@ -480,27 +480,21 @@ def intra_gradients(q: Float64Array, k: Float64Array, v: Float64Array, g: Float6
 # --8<-- [end:intra_gradients]
 
 
-def chunk_solve(K: Float64Array, gamma: Float64Array, beta_c: Float64Array,
-                sub_block: int = SUB_BLOCK) -> tuple[Float64Array, Float64Array]:
-    """A chunk's A_kk (C, C), strictly lower, and T = (I + A_kk diag(beta))^{-1}, as stage 5's prepare
-    kernel forms them, from its keys K (C, d_k), cumulative gates gamma (C, d_k) and betas (C,)."""
-    A_kk, _ = intra_chunk_scores(K, K, gamma, sub_block)  # the queries' scores are not needed here
-    return A_kk, block_inverse(A_kk * beta_c[None, :], sub_block)
-
-
 def solve_outputs(k: Float64Array, g: Float64Array, beta: Float64Array, chunk_size: int,
                   sub_block: int = SUB_BLOCK) -> tuple[Float64Array, Float64Array]:
     """What stage 5's prepare kernel writes with solve_outputs for the intra kernel: every chunk's
-    A_kk and T (chunk_solve), row r of a chunk in token r's row, (B, N, H, C) each; N a multiple of
-    chunk_size."""
+    A_kk (C, C), strictly lower, and T = (I + A_kk diag(beta))^{-1}, formed as the prepare kernel forms
+    them, row r of a chunk in token r's row, (B, N, H, C) each; N a multiple of chunk_size."""
     B, N, H, _ = k.shape
     a_kk, t = np.zeros((B, N, H, chunk_size)), np.zeros((B, N, H, chunk_size))
     for start in range(0, N, chunk_size):
         rows = slice(start, start + chunk_size)
         for b in range(B):
             for h in range(H):
-                gamma = np.cumsum(g[b, rows, h], axis=0)
-                a_kk[b, rows, h], t[b, rows, h] = chunk_solve(k[b, rows, h], gamma, beta[b, rows, h], sub_block)
+                K = k[b, rows, h]
+                A_kk, _ = intra_chunk_scores(K, K, np.cumsum(g[b, rows, h], axis=0), sub_block)  # no queries here
+                a_kk[b, rows, h] = A_kk
+                t[b, rows, h] = block_inverse(A_kk * beta[b, rows, h][None, :], sub_block)
     return a_kk, t
 
 
