@@ -33,6 +33,11 @@
 #                            # sections, forward + backward beside FLA at N = 16384, ours alone
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 19    # the intra kernel's finer sections and ncu profile
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 20    # padded fp32 rows in the intra kernel: ours alone, reference A
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 21    # the intra kernel's decays kept in registers: ours alone,
+#                            # reference A, the ncu profile
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 22    # forward + backward beside FLA at N = 16384
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 23    # forward + backward beside FLA at N = 4096 (B = 1, H = 32
+#                            # and B = 8, H = 16)
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -50,8 +55,8 @@
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
-out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 20)}
-part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 20)}
+out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 23)}
+part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 23)}
 mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.log"; }
 step() {
@@ -246,8 +251,26 @@ case $part in
     backward_ours_alone
     step s06_reference_a 200 python -m pytest tests/test_s06_kernels.py -m gpu -v -p no:cacheprovider -k reference_a
     ;;
+  21)
+    # the intra kernel keeps each decay it scales the GEMMs' operands by in registers for the pass that
+    # scales their outputs, and pads q and k's rows: ours alone at part 14's shapes, stage 6's backward
+    # against reference A on the GPU, then the intra kernel's Nsight Compute profile
+    backward_ours_alone
+    step s06_reference_a 200 python -m pytest tests/test_s06_kernels.py -m gpu -v -p no:cacheprovider -k reference_a
+    step s06_intra_ncu 240 bash -c "$(python -c 'from benchmarks.profile_s06_intra import NCU_COMMAND; print(NCU_COMMAND)')"
+    ;;
+  22)
+    # forward + backward beside FLA, three interleaved rounds, at N = 16384 (FLA autotunes about 170 s)
+    step backward_fla 560 python -m benchmarks.backward --out "$out/backward_fla" --rounds 3 \
+      --shapes "1,16384,32,128" --deadline 520
+    ;;
+  23)
+    # ... and at the two shapes of N = 4096
+    step backward_fla_4096 560 python -m benchmarks.backward --out "$out/backward_fla_4096" --rounds 3 \
+      --shapes "1,4096,32,128;8,4096,16,128" --deadline 520
+    ;;
   *)
-    echo "part must be 1 to 20, got $part" >&2
+    echo "part must be 1 to 23, got $part" >&2
     exit 2
     ;;
 esac

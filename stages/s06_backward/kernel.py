@@ -340,8 +340,10 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             b, h = i_bh // H, i_bh % H
             t0 = i_c * C
 
-            Q_s = T.alloc_shared((C, d_k), dtype)
-            K_s = T.alloc_shared((C, d_k), dtype)
+            # q and k padded too: the slabs' first pass reads them in the accumulator's order, where 8
+            # rows of 128 half-precision words met in the same 4 banks
+            Q_s = T.alloc_shared((C, d_k + row_pad), dtype)
+            K_s = T.alloc_shared((C, d_k + row_pad), dtype)
             gamma_s = T.alloc_shared((C, d_k + row_pad), accum_dtype)
             beta_s = T.alloc_shared((C,), accum_dtype)
             K_row_s = T.alloc_shared((C, channels), dtype)  # GEMM operands: decay from the anchor to the row
@@ -394,9 +396,15 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             rows_k_f = T.alloc_fragment((C, channels), accum_dtype)
             columns_f = T.alloc_fragment((C, channels), accum_dtype)
             slab_columns_f = T.alloc_fragment((sub, channels), accum_dtype)
+            # the decays from an anchor to each row (the diagonal sub-blocks' and each slab's) and from
+            # each column to the diagonal's anchor, kept from the pass that scales the GEMMs' operands to
+            # the pass that scales their outputs (registers are free: shared memory allows one block an
+            # SM, so each thread may hold 255)
+            to_row_f = T.alloc_fragment((C, channels), accum_dtype)
+            from_column_f = T.alloc_fragment((C, channels), accum_dtype)
 
-            T.copy(Q[b, t0:t0 + C, h, :], Q_s)
-            T.copy(K[b, t0:t0 + C, h, :], K_s)
+            T.copy(Q[b, t0:t0 + C, h, :], Q_s[:, 0:d_k])
+            T.copy(K[b, t0:t0 + C, h, :], K_s[:, 0:d_k])
             T.copy(Beta[b, t0:t0 + C, h], beta_s)
             T.copy(G[b, t0:t0 + C, h, :], gamma_s[:, 0:d_k])
             # A_kk and T as the prepare kernel computed them for the forward (solve_outputs): the backward
@@ -483,10 +491,11 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                 for r, d in T.Parallel(C, channels):
                     from_anchor = T.max(T.min(gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d],
                                               largest_span), -largest_span) * LOG2_E
-                    to_row = T.exp2(from_anchor)
-                    query_to_row = T.cast(Q_s[r, d0 + d], accum_dtype) * to_row
-                    key_to_row = T.cast(K_s[r, d0 + d], accum_dtype) * to_row
-                    key_from_column = T.cast(K_s[r, d0 + d], accum_dtype) * T.exp2(-from_anchor)
+                    to_row_f[r, d] = T.exp2(from_anchor)
+                    from_column_f[r, d] = T.exp2(-from_anchor)
+                    query_to_row = T.cast(Q_s[r, d0 + d], accum_dtype) * to_row_f[r, d]
+                    key_to_row = T.cast(K_s[r, d0 + d], accum_dtype) * to_row_f[r, d]
+                    key_from_column = T.cast(K_s[r, d0 + d], accum_dtype) * from_column_f[r, d]
                     Q_row_s[r, d] = query_to_row
                     K_row_s[r, d] = key_to_row
                     K_col_s[r, d] = key_from_column
@@ -514,12 +523,11 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                 # the pair (c, i) then adds one product to dgamma_c and subtracts the same product from
                 # dgamma_i, and the two cancel in every dg[s] with s <= i, as they do in exact arithmetic
                 for r, d in T.Parallel(C, channels):
-                    from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
                     query_to_row = T.cast(Q_row_s[r, d], accum_dtype) + T.cast(Q_row_low_s[r, d], accum_dtype)
                     key_to_row = T.cast(K_row_s[r, d], accum_dtype) + T.cast(K_row_low_s[r, d], accum_dtype)
                     key_from_column = T.cast(K_col_s[r, d], accum_dtype) + T.cast(K_col_low_s[r, d], accum_dtype)
-                    dQ_scores_s[r, d] = rows_f[r, d] * T.exp2(from_anchor)
-                    dK_scores_s[r, d] = rows_k_f[r, d] * T.exp2(from_anchor) + columns_f[r, d] * T.exp2(-from_anchor)
+                    dQ_scores_s[r, d] = rows_f[r, d] * to_row_f[r, d]
+                    dK_scores_s[r, d] = rows_k_f[r, d] * to_row_f[r, d] + columns_f[r, d] * from_column_f[r, d]
                     dgamma_s[r, d] = (query_to_row * rows_f[r, d] + key_to_row * rows_k_f[r, d]
                                       - key_from_column * columns_f[r, d])
                 # the flagged sub-blocks' rows, written over: a uniform branch, as in the recompute
@@ -534,13 +542,13 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                 for s0 in tuple(range(sub, C, sub)):
                     slab = s0 - sub
                     for r, d in T.Parallel(C, channels):
-                        from_anchor = (gamma_s[r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
-                        to_row = T.if_then_else(r >= s0, T.exp2(from_anchor), 0)
-                        Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
-                        K_row_s[r, d] = K_s[r, d0 + d] * to_row
-                        if r < sub:
-                            K_slab_col_s[r, d] = K_s[slab + r, d0 + d] * T.exp2(
-                                (gamma_s[s0, d0 + d] - gamma_s[slab + r, d0 + d]) * LOG2_E)
+                        to_row_f[r, d] = T.if_then_else(
+                            r >= s0, T.exp2((gamma_s[r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E), 0)
+                        Q_row_s[r, d] = Q_s[r, d0 + d] * to_row_f[r, d]
+                        K_row_s[r, d] = K_s[r, d0 + d] * to_row_f[r, d]
+                    for r, d in T.Parallel(sub, channels):
+                        K_slab_col_s[r, d] = K_s[slab + r, d0 + d] * T.exp2(
+                            (gamma_s[s0, d0 + d] - gamma_s[slab + r, d0 + d]) * LOG2_E)
                     # the two wgmma GEMMs run while the slab's 16 rows (too few for wgmma) take the
                     # synchronous path
                     issue_gemm(dA_qk_T_s[slab:s0, :], K_slab_col_s, rows_f, transpose_A=True, clear_accum=True)
@@ -552,9 +560,8 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                     # rows of Q_row_s and K_row_s): at 256 threads, `if r >= s0` here lowered to a branch
                     # that whole warps skip around a __syncthreads(), and the d = 128 runs stalled
                     for r, d in T.Parallel(C, channels):
-                        to_row = T.if_then_else(r >= s0, T.exp2((gamma_s[r, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E), 0)
-                        dQ_scores_s[r, d] += rows_f[r, d] * to_row
-                        dK_scores_s[r, d] += rows_k_f[r, d] * to_row
+                        dQ_scores_s[r, d] += rows_f[r, d] * to_row_f[r, d]
+                        dK_scores_s[r, d] += rows_k_f[r, d] * to_row_f[r, d]
                         dgamma_s[r, d] += Q_row_s[r, d] * rows_f[r, d] + K_row_s[r, d] * rows_k_f[r, d]
                     for r, d in T.Parallel(sub, channels):
                         dK_scores_s[slab + r, d] += slab_columns_f[r, d] * T.exp2(
