@@ -15,8 +15,10 @@ dLoss/do) it times:
   default_block_dv (64 value columns where B * H * d_v / 64 programs fill the SMs, else 32), the
   backward's unless --block-dv sets it;
 - ours `fwd_bwd_call`: stage 5's `forward` then stage 6's `backward`, as a caller runs them, value
-  checks off (checks="off": FLA checks no values either); `fwd_bwd_call_kept`: the same with the
-  forward's prepare outputs kept for the backward (chunk_kda's disable_recompute=True: forward with
+  checks off (checks="off": FLA checks no values either); `fwd_bwd_call_default`: the same calls with
+  their default checks (checks="device": each kernel flags a bad gate or beta on the device, no host
+  sync), what a caller pays who passes nothing; `fwd_bwd_call_kept`: checks off, the forward's prepare
+  outputs kept for the backward (chunk_kda's disable_recompute=True: forward with
   return_prepared=True, backward with prepared=), one kernel fewer for six tensors of memory;
 - FLA `fwd_bwd_call`: chunk_kda forward, then torch.autograd.grad of its output with dLoss/do, as a
   caller runs them; FLA `fwd_bwd_call_kept`: the same with FLA's disable_recompute=True (its forward
@@ -56,7 +58,8 @@ ROUNDS, QUICK_ROUNDS = 3, 2
 DTYPE = "bfloat16"
 BACKWARD_KERNELS = ("prepare", "states", "state_gradient", "state_products", "intra")
 # (impl, what) in the order of an odd round; even rounds run it backwards
-MEASUREMENTS = [("fla", "fwd_bwd_call"), ("ours", "fwd_bwd_call"), ("fla", "fwd_bwd_call_kept"),
+MEASUREMENTS = [("fla", "fwd_bwd_call"), ("ours", "fwd_bwd_call"), ("ours", "fwd_bwd_call_default"),
+                ("fla", "fwd_bwd_call_kept"),
                 ("ours", "fwd_bwd_call_kept"), ("fla", "fwd_bwd_kernels"),
                 ("ours", "fwd_bwd_kernels"), ("fla", "backward_call"), ("ours", "backward_kernels"),
                 *(("ours", kernel) for kernel in BACKWARD_KERNELS)]
@@ -95,11 +98,15 @@ def parse_args(argv=None):
 
 def comparisons(rows):
     """{shape: {name: Spread}}: FLA / ours, round by round, for forward + backward as kernels and as
-    calls, and ours' backward kernels against FLA's backward call."""
+    calls, and ours' backward kernels against FLA's backward call; what our default checks cost (our
+    call with them against our call without)."""
     pairs = {"fwd+bwd FLA call / ours kernels": (("fla", "fwd_bwd_call"), ("ours", "fwd_bwd_kernels")),
              "fwd+bwd call FLA / ours": (("fla", "fwd_bwd_call"), ("ours", "fwd_bwd_call")),
              "fwd+bwd call FLA / ours, forward tensors kept": (("fla", "fwd_bwd_call"), ("ours", "fwd_bwd_call_kept")),
              "fwd+bwd call, both keeping, FLA / ours": (("fla", "fwd_bwd_call_kept"), ("ours", "fwd_bwd_call_kept")),
+             "fwd+bwd call FLA / ours, default checks": (("fla", "fwd_bwd_call"), ("ours", "fwd_bwd_call_default")),
+             "ours fwd+bwd call, default checks / checks off": (("ours", "fwd_bwd_call_default"),
+                                                                ("ours", "fwd_bwd_call")),
              "backward FLA call / ours kernels": (("fla", "backward_call"), ("ours", "backward_kernels"))}
     return {shape: {name: fair.paired(measured, fla, ours, _ratio) for name, (fla, ours) in pairs.items()}
             for shape, measured in fair.times(rows).items()}
@@ -160,9 +167,13 @@ def compile_all(shapes, backward_block_dv, num_sms, log):
         calls = {"prepare": (stage5.compiled_prepare, B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"]),
                  "recurrence": (stage5.compiled_recurrence, B, N, H, D, D, o["chunk_size"], forward_block_dv, DTYPE,
                                 o["num_stages"], o["threads"])}
-        for name, arguments in kernel.kernel_arguments(B, N, H, D, D, o["chunk_size"], block_dv, DTYPE).items():
+        # the prepare the forward's default call launches: the one that flags bad values
+        calls["flagged prepare"] = (stage5.compiled_flagged_prepare, *calls["prepare"][1:])
+        arguments = kernel.kernel_arguments(B, N, H, D, D, o["chunk_size"], block_dv, DTYPE)
+        for name in arguments:
             # the backward's prepare is the forward's with A_kk and T as outputs too: a program of its own
-            calls[f"backward {name}" if name == "prepare" else name] = (kernel.compiled_one_kernel, name, *arguments)
+            calls[f"backward {name}" if name == "prepare" else name] = (kernel.compiled_one_kernel, name, *arguments[name])
+        calls["backward flagged prepare"] = (kernel.compiled_one_kernel, "prepare_flagged", *arguments["prepare"])  # the backward's default call's
         for name, (function, *arguments) in calls.items():
             key = f"{name} at B={B} N={N} H={H} D={D}"
             jobs[key], shape_of[key] = functools.partial(function, *arguments), (B, N, H, D)
@@ -210,23 +221,30 @@ class Shape:
             recurrence(*forward_prepare(q, k, v, g, beta), state)
             return backward_kernels()
 
+        def ours_call():
+            stage5.forward(q, k, v, g, beta, checks="off")
+            return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv, checks="off")
+
+        def ours_call_default():
+            stage5.forward(q, k, v, g, beta)
+            return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv)
+
+        def ours_call_kept():
+            _, prepared = stage5.forward(q, k, v, g, beta, checks="off", return_prepared=True)
+            return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv, checks="off", prepared=prepared)
+
         launches = {"fwd_bwd_kernels": forward_and_backward_kernels, "backward_kernels": backward_kernels,
                     **self._first_calls(kernels, forward_prepare, recurrence, q, k, v, g, beta, do, state, log)}
+        # the default calls' prepares that flag bad values (the forward's, the backward's) load here too
+        self._first_call("default_calls", ours_call_default, log)
         for what, launch in launches.items():
             started = time.monotonic()
             self._graph_or_events(("ours", what), launch, log)
             log(f"{self.label}: ours {what} captured ({self.methods[('ours', what)]}) in "
                 f"{time.monotonic() - started:.1f} s")
 
-        def ours_call():
-            stage5.forward(q, k, v, g, beta, checks="off")
-            return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv, checks="off")
-
-        def ours_call_kept():
-            _, prepared = stage5.forward(q, k, v, g, beta, checks="off", return_prepared=True)
-            return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv, checks="off", prepared=prepared)
-
-        for what, call in (("fwd_bwd_call", ours_call), ("fwd_bwd_call_kept", ours_call_kept)):
+        for what, call in (("fwd_bwd_call", ours_call), ("fwd_bwd_call_default", ours_call_default),
+                           ("fwd_bwd_call_kept", ours_call_kept)):
             self.functions[("ours", what)], self.methods[("ours", what)] = call, "events"
         self.ours_gradients = backward_kernels()[:5]
         self.rel_l2_vs_fla = None
@@ -266,14 +284,8 @@ class Shape:
         kernel's first call computes here: one kernel at a time, waited for and logged with its seconds.
         A compiled kernel's first call still builds and loads its host library (TVM's Executable.jit),
         so no capture pays for that, and a kernel that never returns is named by the log."""
-        import torch
-
         def first_call(name, launch):
-            started = time.monotonic()
-            outputs = launch()
-            torch.cuda.synchronize()
-            log(f"{self.label}: first call of {name} in {time.monotonic() - started:.1f} s")
-            return outputs
+            return self._first_call(name, launch, log)
 
         forward_prepared = first_call("forward_prepare", lambda: forward_prepare(q, k, v, g, beta))
         first_call("recurrence", lambda: recurrence(*forward_prepared, state))
@@ -293,6 +305,16 @@ class Shape:
             "state_products": lambda: kernels["state_products"](states, d_states, v_new, dv_new, do, chunk_decay),
             "intra": lambda: kernels["intra"](q, k, v, g, beta, a_kk, inverse, do, v_new, dv_new, *products),
         }
+
+    def _first_call(self, name, launch, log):
+        """launch(), waited for and logged with its seconds; returns its outputs."""
+        import torch
+
+        started = time.monotonic()
+        outputs = launch()
+        torch.cuda.synchronize()
+        log(f"{self.label}: first call of {name} in {time.monotonic() - started:.1f} s")
+        return outputs
 
     _graph = fair.Shape._graph
     _graph_or_events = fair.Shape._graph_or_events

@@ -93,13 +93,15 @@ def test_both_passes_take_64_value_columns_where_that_still_fills_the_sms():
 
 def test_compile_all_builds_each_kernel_once_as_the_wrappers_launch_it(monkeypatch):
     """The forward's prepare and recurrence, and the backward's five (its prepare the one with A_kk and T
-    as outputs), with each pass's block_dv; a shape whose kernel fails is reported with the kernel's name, and the
-    other shapes compile."""
+    as outputs), with each pass's block_dv, and both prepares that flag bad values (the default calls');
+    a shape whose kernel fails is reported with the kernel's name, and the other shapes compile."""
     from stages.s05_fast_kda import kernel as stage5
     from stages.s06_backward import kernel
 
     calls = []
     monkeypatch.setattr(stage5, "compiled_prepare", lambda *arguments: calls.append(("prepare", *arguments)))
+    monkeypatch.setattr(stage5, "compiled_flagged_prepare",
+                        lambda *arguments: calls.append(("flagged prepare", *arguments)))
     monkeypatch.setattr(stage5, "compiled_recurrence", lambda *arguments: calls.append(("recurrence", *arguments)))
 
     def backward_kernel(name, *arguments):
@@ -117,12 +119,14 @@ def test_compile_all_builds_each_kernel_once_as_the_wrappers_launch_it(monkeypat
     for B, H, block_dv in ((1, 32, 32), (8, 16, 64)):
         shape = (B, 4096, H, 128, 128, 64)
         expected += [("prepare", *shape, "bfloat16", o["prepare_threads"]), ("prepare", *shape, "bfloat16"),
+                     ("flagged prepare", *shape, "bfloat16", o["prepare_threads"]),
+                     ("prepare_flagged", *shape, "bfloat16"),
                      ("recurrence", *shape, block_dv, "bfloat16", o["num_stages"], o["threads"]),
                      ("states", *shape, block_dv, "bfloat16"), ("state_gradient", *shape, block_dv, "bfloat16"),
                      ("state_products", *shape, "bfloat16")]
     expected.append(("intra", 1, 4096, 32, 128, 128, 64, "bfloat16"))
     assert sorted(calls, key=str) == sorted(expected, key=str)
-    assert len(heard) == 15 and heard[0] == "compiling 14 kernels in threads"
+    assert len(heard) == 19 and heard[0] == "compiling 18 kernels in threads"
 
 
 class _FakeShape:
@@ -232,8 +236,10 @@ def test_a_run_on_the_cpu_compiles_each_kernel_once_before_it_sets_up(tmp_path, 
     assert notes["B=1 N=64 H=2 D=64"]["forward_block_dv"] == notes["B=1 N=64 H=2 D=64"]["backward_block_dv"] == 64
     counted = collections.Counter(name for name, _ in compiles)  # one shape: a kernel's name is its compile
     assert [name for name, count in counted.items() if count > 1] == [], "compiled twice for one shape"
-    assert sorted(counted) == sorted(["kda_prepare/11", "kda_prepare/13", "kda_recurrence/9", "kda_states/7",
-                                      "kda_state_gradient/10", "kda_state_products/10", "kda_intra/19"])
+    # the prepares: the forward's and the backward's (A_kk and T too), each also with Flags (the default calls)
+    assert sorted(counted) == sorted(["kda_prepare/11", "kda_prepare/12", "kda_prepare/13", "kda_prepare/14",
+                                      "kda_recurrence/9", "kda_states/7", "kda_state_gradient/10",
+                                      "kda_state_products/10", "kda_intra/19"])
     set_up = heard.index("B=1 N=64 H=2 D=64: set up ours (capture graphs)")
     assert max(position for _, position in compiles) < set_up, "a kernel was compiled after the set-up began"
     first_capture = next(i for i, line in enumerate(heard) if " captured " in line)
@@ -241,7 +247,7 @@ def test_a_run_on_the_cpu_compiles_each_kernel_once_before_it_sets_up(tmp_path, 
     assert all(set_up < position < first_capture for position in first_calls.values()), "a first call in a capture"
     logged = [line.split("first call of ")[1].split()[0] for line in heard[set_up:first_capture]
               if "first call of" in line]
-    assert logged == ["forward_prepare", "recurrence", *backward.BACKWARD_KERNELS]
+    assert logged == ["forward_prepare", "recurrence", *backward.BACKWARD_KERNELS, "default_calls"]
     rows = fair.read_rows(tmp_path / backward.CSV_NAME)
     assert {row["what"] for row in rows if row["time_ms"] == "1.0000"} == {
         what for impl, what in backward.MEASUREMENTS if impl == "ours"}
