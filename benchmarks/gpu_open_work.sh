@@ -38,6 +38,7 @@
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 22    # forward + backward beside FLA at N = 16384
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 23    # forward + backward beside FLA at N = 4096 (B = 1, H = 32
 #                            # and B = 8, H = 16)
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 24    # decode at B = 64 with 256 and 64 threads a program
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -55,8 +56,8 @@
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
-out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 23)}
-part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 23)}
+out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 24)}
+part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 24)}
 mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.log"; }
 step() {
@@ -269,8 +270,14 @@ case $part in
     step backward_fla_4096 560 python -m benchmarks.backward --out "$out/backward_fla_4096" --rounds 3 \
       --shapes "1,4096,32,128;8,4096,16,128" --deadline 520
     ;;
+  24)
+    # decode's threads a program (128 so far; benchmarks/results/decode_b64_blocks.csv): B = 64, where the
+    # states dominate and the default call reaches 88% of the copy bandwidth
+    step decode_t256 200 python -m benchmarks.decode --out "$out/decode_t256" --B 64 --threads 256 --block-dv 32,64,128
+    step decode_t64 200 python -m benchmarks.decode --out "$out/decode_t64" --B 64 --threads 64 --block-dv 16,32,64
+    ;;
   *)
-    echo "part must be 1 to 23, got $part" >&2
+    echo "part must be 1 to 24, got $part" >&2
     exit 2
     ;;
 esac
