@@ -241,16 +241,19 @@ def _measure_ours(decode_kernel, block_dv, inputs, pool, expected_o, expected_st
     function, method = graph_or_events(lambda: compiled(q, k, v, g, beta, slots, work, flags))
     record("ours", "kernel", function, method, block_dv, errors)
     if block_dv == decode_kernel.decode_block_dv(d):  # the default call's block
-        record("ours", "call", lambda: decode_kernel.decode(q, k, v, g, beta, work, slots, block_dv=block_dv),
+        record("ours", "call", lambda: decode_kernel.decode(q, k, v, g, beta, work, slots, block_dv=block_dv,
+                                                            threads=args.threads),
                "events", block_dv)
         record("ours", "call_host_checks", lambda: decode_kernel.decode(q, k, v, g, beta, work, slots,
-                                                                        block_dv=block_dv, checks="host"),
+                                                                        block_dv=block_dv, threads=args.threads,
+                                                                        checks="host"),
                "events", block_dv)
         function, method = graph_or_events(lambda: decode_kernel.decode(q, k, v, g, beta, work, slots,
-                                                                         block_dv=block_dv))
+                                                                         block_dv=block_dv, threads=args.threads))
         record("ours", "call_graph", function, method, block_dv)
         function, method = graph_or_events(lambda: decode_kernel.decode(q, k, v, g, beta, work, slots,
-                                                                         block_dv=block_dv, checks="off"))
+                                                                         block_dv=block_dv, threads=args.threads,
+                                                                         checks="off"))
         record("ours", "call_unchecked_graph", function, method, block_dv)
 
 

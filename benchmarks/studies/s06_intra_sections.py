@@ -32,7 +32,7 @@ from stages.s06_backward import kernel
 # section: (the line its code starts at, the line it ends before), each the first line of the intra
 # kernel's source that starts with that text (leading spaces ignored), the end looked for after the start
 SECTIONS = {
-    "loads (A_kk and T too) and cumulative gates": ("T.copy(Q[b, t0:t0 + C, h, :], Q_s)",
+    "loads (A_kk and T too) and cumulative gates": ("T.copy(Q[b, t0:t0 + C, h, :], Q_s[:, 0:d_k])",
                                                     "# --8<-- [end:intra_setup]"),
     "WY backwards (dA_hat, dv, d(K e^gamma))": ("# --8<-- [start:intra_wy]", "# beta by rows, after the solve"),
     "the solve backwards, dbeta": ("# beta by rows, after the solve", "# dA_qk^T = V_new dO^T"),

@@ -68,7 +68,7 @@ def write_backward_timings(path, run=""):
     under benchmarks/results ("" for the main run, "backward_b8/" for the later one of two shapes,
     "backward_ours/" for ours alone, "backward_solve/" for the three shapes beside FLA once the intra
     kernel read A_kk and T from the prepare, "backward_ours_padded/" for ours alone with its fp32 rows
-    padded)."""
+    padded, "backward_registers/" for the three shapes beside FLA once it kept its decays in registers)."""
     rows, meta = committed_run(run + backward.CSV_NAME, run + backward.META_NAME)
     if rows is None:
         path.write_text(NOT_COMMITTED.format(what="backward", module="backward",
@@ -241,6 +241,32 @@ def write_decode_batches(path):
                          "FLA / ours"], table))
 
 
+DECODE_THREAD_RUNS = ("decode_b64_blocks.csv", "decode_b64_threads.csv")  # 128 threads; then 256 and 64
+
+
+def write_decode_threads(path):
+    """Decode's kernel at B = 64 for each threads a program and block_dv of DECODE_THREAD_RUNS, as CUDA
+    graphs: its time, the fraction of the copy bandwidth measured in its run, and FLA's graph of the
+    same run."""
+    rows = [row for rows in (committed_run(name)[0] for name in DECODE_THREAD_RUNS) if rows
+            for row in rows if row["what"] == "kernel" and row.get("time_ms")]
+    if not rows:
+        path.write_text(NOT_COMMITTED.format(what="decode", module="decode", files="DIR/decode.csv"))
+        return
+    fla = {row["threads"]: float(row["time_ms"]) for row in rows if row["impl"] == "fla"}  # one run per threads
+    table = [(row["threads"], row["block_dv"], f"{float(row['time_ms']) * 1e3:.1f}",
+              f"{float(row['fraction_of_copy']):.1%}", f"{fla[row['threads']] * 1e3:.1f}" if row["threads"] in fla
+              else "–") for row in sorted((r for r in rows if r["impl"] == "ours"),
+                                          key=lambda r: (int(r["threads"]), int(r["block_dv"])))]
+    commands = "; ".join(dict.fromkeys(
+        f"`{_decode_command([r for r in rows if r['threads'] == row['threads']])} --threads {row['threads']}`"
+        for row in rows))
+    path.write_text("Each CUDA graph replayed, B = 64, H = 32, d_k = d_v = 128, a pool of 256 fp32 states, bf16 q, "
+                    f"k, v; one run per threads a program ({commands}).\n\n" + markdown_table(
+                        ["threads", "block_dv", "time (µs)", "of the copy bandwidth", "FLA graph, same run (µs)"],
+                        table))
+
+
 def generated_files():
     return {
         "docs/generated/backward_timings.md": write_backward_timings,
@@ -249,7 +275,10 @@ def generated_files():
         "docs/generated/backward_timings_solve.md": lambda path: write_backward_timings(path, "backward_solve/"),
         "docs/generated/backward_timings_ours_padded.md": lambda path: write_backward_timings(
             path, "backward_ours_padded/"),
+        "docs/generated/backward_timings_registers.md": lambda path: write_backward_timings(
+            path, "backward_registers/"),
         "docs/generated/varlen_timings.md": write_varlen_timings,
         "docs/generated/decode_timings.md": write_decode_timings,
         "docs/generated/decode_batches.md": write_decode_batches,
+        "docs/generated/decode_threads.md": write_decode_threads,
     }
