@@ -39,6 +39,7 @@
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 23    # forward + backward beside FLA at N = 4096 (B = 1, H = 32
 #                            # and B = 8, H = 16)
 #     bash benchmarks/gpu_open_work.sh OUT_DIR 24    # decode at B = 64 with 256 and 64 threads a program
+#     bash benchmarks/gpu_open_work.sh OUT_DIR 25    # decode with several states a program, serial and pipelined
 # Parts 1 to 3 ran on 2026-12-01 (benchmarks/results: fair.*, backward.*, train_kda_cuda). In part 3
 # the kernels' range check refused the unbounded gate's call at step 161 (8 gates summing to -90),
 # and that call, replayed past the check, was finite in every kernel: part 4 trains past the check,
@@ -56,8 +57,8 @@
 # FLA's Triton autotuning runs once per process (a minute or two on a fresh machine): the steps that
 # use FLA are few and long rather than many and short.
 set -uo pipefail
-out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 24)}
-part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 24)}
+out=${1:?usage: gpu_open_work.sh OUT_DIR PART (1 to 25)}
+part=${2:?usage: gpu_open_work.sh OUT_DIR PART (1 to 25)}
 mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.log"; }
 step() {
@@ -276,8 +277,14 @@ case $part in
     step decode_t256 200 python -m benchmarks.decode --out "$out/decode_t256" --B 64 --threads 256 --block-dv 32,64,128
     step decode_t64 200 python -m benchmarks.decode --out "$out/decode_t64" --B 64 --threads 64 --block-dv 16,32,64
     ;;
+  25)
+    # decode with 2 or 4 states a program, one after another or the next one's copy pipelined, against the
+    # library kernel (outputs checked equal first) at B = 64 and 256
+    step decode_variants_b64 250 python -m benchmarks.studies.s07_decode_variants --B 64 --rounds 3
+    step decode_variants_b256 200 python -m benchmarks.studies.s07_decode_variants --B 256 --rounds 3
+    ;;
   *)
-    echo "part must be 1 to 24, got $part" >&2
+    echo "part must be 1 to 25, got $part" >&2
     exit 2
     ;;
 esac
