@@ -275,3 +275,19 @@ def test_kernel_digest_covers_the_macros_a_kernel_builds_with(monkeypatch, tmp_p
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: importlib.util.spec_from_file_location(
         name, tmp_path / "kernel.py") if name == "stages.s05_fast_kda.kernel" else find_spec(name, *args))
     assert bench.program_digest(stage7_source) != before
+
+
+def test_the_default_checks_cost_is_our_default_call_over_our_unchecked_call(tmp_path):
+    """Round by round: ours with checks="device" against ours with checks="off", and FLA's call against
+    our default call; none where a run did not time the default call."""
+    rows = []
+    for r, (unchecked, default, fla_call) in enumerate([(2.0, 2.2, 4.0), (2.0, 2.0, 5.0), (4.0, 5.0, 6.0)], 1):
+        rows += [_row(r, "ours", "fwd_bwd_call", unchecked), _row(r, "ours", "fwd_bwd_call_default", default),
+                 _row(r, "fla", "fwd_bwd_call", fla_call)]
+    named = backward.comparisons(rows)[(1, 4096, 32, 128)]
+    cost = named["ours fwd+bwd call, default checks / checks off"]  # 1.1, 1.0, 1.25
+    assert (cost.median, cost.low, cost.high) == pytest.approx((1.1, 1.0, 1.25))
+    against_fla = named["fwd+bwd call FLA / ours, default checks"]  # 4 / 2.2, 5 / 2, 6 / 5
+    assert (against_fla.low, against_fla.high) == pytest.approx((1.2, 2.5))
+    without = backward.comparisons([row for row in rows if row["what"] != "fwd_bwd_call_default"])
+    assert without[(1, 4096, 32, 128)]["ours fwd+bwd call, default checks / checks off"] is None

@@ -120,9 +120,12 @@ def test_backward_table_of_a_run_without_fla_has_times_and_no_ratios(tmp_path, m
     text = _written(tmp_path, monkeypatch, page.write_backward_timings)
     assert "The run was stopped before it finished." in text
     assert "50 s" not in text  # the seconds of the meta file's last write, not the run's length
-    assert _table_row(text, "1, 4096, 32, 128")[1:] == ["–"] * 5
-    assert _table_row(text.split("The times, medians")[1], "1, 4096, 32, 128")[1:] == [
-        "1.500 (1.000 to 2.000)", "1.500 (1.500 to 1.500)", "–", "0.500 (0.500 to 0.500)", "–", "–", "–"]
+    assert "No ratios: FLA was not run." in text.split("The times, medians")[0]
+    times = text.split("The times, medians")[1].split("The backward's five kernels")[0]
+    # the columns of the measurements the run made, and only those
+    assert "FLA" not in times and "default checks" not in times and "forward tensors kept" not in times
+    assert _table_row(times, "1, 4096, 32, 128")[1:] == [
+        "1.500 (1.000 to 2.000)", "1.500 (1.500 to 1.500)", "0.500 (0.500 to 0.500)"]
 
 
 def _varlen_row(round_number, impl, what, ms=None, mix="chat", error=""):
@@ -187,3 +190,17 @@ def test_decode_table_gives_bandwidth_and_fla_timed_alike(tmp_path, monkeypatch)
     assert table[2].endswith("| – | – |") and table[3].split(" | ")[1] == "call host checks"
     assert table[4].split(" | ")[1:4] == ["call", "–", "CUDA events"]
     assert "- ours kernel at block_dv 64: RuntimeError: no compile" in text
+
+
+def test_decode_variants_table_takes_the_medians_that_end_each_log(tmp_path, monkeypatch):
+    """The rows of each log's closing table (not the rounds before it), under their B; none committed: says so."""
+    assert "No decode variants study is committed yet" in _written(tmp_path, monkeypatch, page.write_decode_variants)
+    (tmp_path / "decode_variants_b64.log").write_text(
+        "round 1: library (one state a program): 70.0 us, 90.0% of the copy bandwidth\n"
+        "| not | the medians | yet |\n"
+        "\nmedians over rounds:\n| library (one state a program) | 71.0 us | 88.0% |\n| 2 states a program, serial | "
+        "75.0 us | 84.0% |\n")
+    text = _written(tmp_path, monkeypatch, page.write_decode_variants)
+    assert _table_row(text, "64") == ["64", "library (one state a program)", "71.0 us", "88.0%"]
+    assert "| 64 | 2 states a program, serial | 75.0 us | 84.0% |" in text
+    assert "not" not in text.split("|---|")[-1] and "| 256 |" not in text

@@ -267,6 +267,33 @@ def write_decode_threads(path):
                         table))
 
 
+DECODE_VARIANT_LOGS = {64: "decode_variants_b64.log", 256: "decode_variants_b256.log"}
+
+
+def write_decode_variants(path):
+    """The study benchmarks.studies.s07_decode_variants at each B of DECODE_VARIANT_LOGS: each kernel's
+    median over rounds and its fraction of the copy bandwidth, read from the table that ends its log."""
+    table = []
+    for B, name in DECODE_VARIANT_LOGS.items():
+        log = RESULTS / name
+        if not log.exists():
+            continue
+        medians = log.read_text().split("medians over rounds:")[-1]
+        for line in medians.splitlines():
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if len(cells) == 3:
+                table.append((str(B), *cells))
+    if not table:
+        path.write_text("No decode variants study is committed yet: `python -m benchmarks.studies.s07_decode_variants "
+                        "--B 64 > benchmarks/results/decode_variants_b64.log` on a CUDA machine (and `--B 256`).\n")
+        return
+    path.write_text("Each CUDA graph replayed, H = 32, d_k = d_v = 128, a pool of 256 fp32 states, bf16 q, k, v, "
+                    "`block_dv` 64, 128 threads, medians of three interleaved rounds (`python -m "
+                    "benchmarks.studies.s07_decode_variants --B 64` and `--B 256`; logs in "
+                    "`benchmarks/results/decode_variants_b*.log`):\n\n"
+                    + markdown_table(["B", "kernel", "time", "of the copy bandwidth"], table))
+
+
 def generated_files():
     return {
         "docs/generated/backward_timings.md": write_backward_timings,
@@ -281,4 +308,5 @@ def generated_files():
         "docs/generated/decode_timings.md": write_decode_timings,
         "docs/generated/decode_batches.md": write_decode_batches,
         "docs/generated/decode_threads.md": write_decode_threads,
+        "docs/generated/decode_variants.md": write_decode_variants,
     }
