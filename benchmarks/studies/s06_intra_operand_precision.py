@@ -18,17 +18,13 @@ H200's shared memory. No GPU needed.
 """
 
 import argparse
-import importlib.util
-import inspect
 import re
 import sys
-import tempfile
-import textwrap
-from pathlib import Path
 
 import numpy as np
 
 from benchmarks import fair
+from benchmarks.studies import function_source, load_edited
 from stages.common.errors import error_report
 from stages.common.inputs import make_backward_inputs
 from stages.common.interpreter import interpret
@@ -55,21 +51,13 @@ OPERAND_GROUPS = {
 
 def intra_source():
     """The source of stage 6's build_intra_program, dedented, for a study to edit."""
-    return textwrap.dedent(inspect.getsource(kernel.build_intra_program))
+    return function_source(kernel.build_intra_program)
 
 
 def load_intra_variant(source, name):
     """build_intra_program from an edited `source` (intra_source's), in the namespace of stage 6's kernel
-    module. TileLang reads a program's source from its file, so the variant is written to one and imported."""
-    path = Path(tempfile.mkdtemp()) / f"{name}.py"
-    path.write_text("from stages.s06_backward.kernel import *  # noqa: F403\n"
-                    "from stages.s06_backward.kernel import exact_diagonal_gradients_macro, default_intra_threads\n"
-                    + source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    module.__dict__.update({name: value for name, value in vars(kernel).items() if not name.startswith("__")})
-    spec.loader.exec_module(module)
-    return module.build_intra_program
+    module, loaded as the module `name`."""
+    return load_edited(source, kernel, name).build_intra_program
 
 
 def build_fp32_operand_intra(group):

@@ -6,7 +6,8 @@ bandwidth at B = 64, where one state a program reaches 88% (benchmarks/results/d
 A program of the library's kernel reads its slice of one state, reduces over d_k twice (barriers
 between), and writes it back: between its loads and its stores the memory system waits on other
 programs. The variants walk `heads` states in turn, one after another (`T.serial`) or with the next
-state's slice copied into shared memory while this one is updated (`T.Pipelined`, num_stages = 2).
+state's slice copied into shared memory while this one is updated (`T.Pipelined`, num_stages = 2),
+built from the kernel's own source (variant_source), every line of its step the kernel's.
 Each variant's outputs (o and the states) are checked against the library kernel's on the same
 inputs, then every kernel is timed as a CUDA graph replayed, in interleaved rounds, against the
 copy bandwidth measured in the same run. Prints one line per kernel and round, then the medians.
@@ -16,84 +17,60 @@ import argparse
 import statistics
 import sys
 
-from stages.common.device_checks import BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT, bad_beta, bad_gate
-from stages.common.tilelang_tools import LOG2_E
+from benchmarks.studies import function_source, load_edited
+from stages.s07_serving import kernel as serving_kernel
 
 VARIANTS = [(1, None), (2, None), (4, None), (2, 2), (4, 2)]  # (states a program, num_stages or None: serial)
+KERNEL_LINE = "with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):"
+PER_STATE_LINES = ("b, h = i_bh // H, i_bh % H", "slot_in_pool = ", "slot = ")  # what a state of the walk sets
+STATE_LOAD = "T.copy(State_pool[slot, h, :, v0:v0 + block_dv], S_f)"
 
 
-def build_variant(B, P, H, d_k, d_v, block_dv, dtype, heads, num_stages, threads=128, state_dtype="float32"):
-    """The library's decode program (stages.s07_serving.kernel.build_decode_program, value_flags=True: the
-    same parameters, the same flags) with `heads` states a program, B * H divisible by heads: one after
-    another (num_stages=None) or pipelined (num_stages: the slices' copies into shared memory ahead)."""
-    import tilelang.language as T
+def _index(lines, text, start=0):
+    for index in range(start, len(lines)):
+        if lines[index].strip().startswith(text):
+            return index
+    raise RuntimeError(f"stage 7's decode kernel has no line starting {text!r} any more: update this study")
 
+
+def variant_source(heads, num_stages):
+    """The source of stage 7's build_decode_program with `heads` states a program, every other line the
+    kernel's own: the grid takes B * H / heads programs; what the kernel does for its one state (from
+    b, h and the slot to the state written back) runs in a loop over the program's states, one after
+    another (num_stages None, T.serial) or with the next state's slice copied into shared memory ahead
+    (T.Pipelined, its copies cp.async), the buffers allocated once before the loop."""
+    lines = function_source(serving_kernel.build_decode_program).splitlines()
+    kernel_index = _index(lines, KERNEL_LINE)
+    indent = lines[kernel_index + 1][:len(lines[kernel_index + 1]) - len(lines[kernel_index + 1].lstrip())]
+    per_state = [lines[_index(lines, text, kernel_index)] for text in PER_STATE_LINES]
+    load = _index(lines, STATE_LOAD, kernel_index)
+    body_end = next(index for index in range(load, len(lines))  # the macro's end: back to its own indentation
+                    if lines[index].strip() and not lines[index].startswith(indent))
+    head = [line for line in lines[kernel_index + 1:load] if line not in per_state]
+    loop = "T.serial(heads)" if num_stages is None else f"T.Pipelined(heads, num_stages={num_stages})"
+    state_load = [STATE_LOAD] if num_stages is None else [
+        "T.copy(State_pool[slot, h, :, v0:v0 + block_dv], S_s)", "T.copy(S_s, S_f)"]
+    walk = (["i_bh = i_group * heads + i", *(line.strip() for line in per_state), *state_load]
+            + [line[len(indent):] for line in lines[load + 1:body_end]])
+    edited = (lines[:kernel_index]
+              + [lines[kernel_index].replace("B * H, threads", "B * H // heads, threads").replace("i_bh)", "i_group)")]
+              + head
+              + ([indent + "S_s = T.alloc_shared((d_k, block_dv), accum_dtype)"] if num_stages is not None else [])
+              + [indent + f"for i in {loop}:"]
+              + [(indent + "    " + line) if line.strip() else "" for line in walk]
+              + lines[body_end:])
+    return "\n".join(edited).replace("def build_decode_program(", "def build_decode_program(heads, ", 1) + "\n"
+
+
+def build_variant(B, P, H, d_k, d_v, block_dv, dtype, heads, num_stages, threads=serving_kernel.DEFAULT_THREADS,
+                  state_dtype="float32"):
+    """Stage 7's decode program (value_flags=True: the same parameters and flags) with `heads` states a
+    program (variant_source), heads dividing B * H."""
     if (B * H) % heads:
         raise ValueError(f"heads = {heads} must divide B * H = {B * H}")
-    accum_dtype = state_dtype
-
-    @T.prim_func
-    def kda_decode_variant(
-        Q: T.Tensor((B, H, d_k), dtype),
-        K: T.Tensor((B, H, d_k), dtype),
-        V: T.Tensor((B, H, d_v), dtype),
-        G: T.Tensor((B, H, d_k), accum_dtype),
-        Beta: T.Tensor((B, H), accum_dtype),
-        Slots: T.Tensor((B,), "int32"),
-        State_pool: T.Tensor((P, H, d_k, d_v), accum_dtype),
-        Flags: T.Tensor((FLAG_COUNT,), "int32"),
-        O: T.Tensor((B, H, d_v), dtype),
-    ):
-        with T.Kernel(d_v // block_dv, B * H // heads, threads=threads) as (i_v, i_group):
-            v0 = i_v * block_dv
-            q_s = T.alloc_shared((d_k,), accum_dtype)
-            k_s = T.alloc_shared((d_k,), accum_dtype)
-            decay_s = T.alloc_shared((d_k,), accum_dtype)
-            v_s = T.alloc_shared((block_dv,), accum_dtype)
-            S_s = T.alloc_shared((d_k, block_dv), accum_dtype)  # the pipelined variants' landing place
-            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)
-            product_f = T.alloc_fragment((d_k, block_dv), accum_dtype)
-            recalled_f = T.alloc_fragment((block_dv,), accum_dtype)
-            u_f = T.alloc_fragment((block_dv,), accum_dtype)
-            o_f = T.alloc_fragment((block_dv,), accum_dtype)
-
-            for i in T.serial(heads) if num_stages is None else T.Pipelined(heads, num_stages=num_stages):
-                i_bh = i_group * heads + i
-                b, h = i_bh // H, i_bh % H
-                slot_in_pool = T.And(Slots[b] >= 0, Slots[b] < P)
-                slot = T.if_then_else(slot_in_pool, Slots[b], 0)
-                if num_stages is None:
-                    T.copy(State_pool[slot, h, :, v0:v0 + block_dv], S_f)
-                else:
-                    T.copy(State_pool[slot, h, :, v0:v0 + block_dv], S_s)
-                    T.copy(S_s, S_f)
-                T.copy(Q[b, h, :], q_s)
-                T.copy(K[b, h, :], k_s)
-                T.copy(V[b, h, v0:v0 + block_dv], v_s)
-                for d in T.Parallel(d_k):
-                    decay_s[d] = T.exp2(G[b, h, d] * LOG2_E)
-                    if bad_gate(G[b, h, d], accum_dtype):
-                        Flags[BAD_GATE] = 1
-                if bad_beta(Beta[b, h]):
-                    Flags[BAD_BETA] = 1
-                if T.Not(slot_in_pool):
-                    Flags[BAD_SLOT] = 1
-                for d, j in T.Parallel(d_k, block_dv):
-                    S_f[d, j] *= decay_s[d]
-                    product_f[d, j] = k_s[d] * S_f[d, j]
-                T.reduce_sum(product_f, recalled_f, dim=0)
-                for j in T.Parallel(block_dv):
-                    u_f[j] = Beta[b, h] * (v_s[j] - recalled_f[j])
-                for d, j in T.Parallel(d_k, block_dv):
-                    S_f[d, j] += k_s[d] * u_f[j]
-                    product_f[d, j] = q_s[d] * S_f[d, j]
-                T.reduce_sum(product_f, o_f, dim=0)
-                T.copy(o_f, O[b, h, v0:v0 + block_dv])
-                for d, j in T.Parallel(d_k, block_dv):
-                    if slot_in_pool:
-                        State_pool[slot, h, d, v0 + j] = S_f[d, j]
-
-    return kda_decode_variant
+    name = f"decode_{heads}_states_" + ("serial" if num_stages is None else f"{num_stages}_stages")
+    build = load_edited(variant_source(heads, num_stages), serving_kernel, name).build_decode_program
+    return build(heads, B, P, H, d_k, d_v, block_dv, dtype, state_dtype, threads, True)
 
 
 def parse_args(argv=None):
