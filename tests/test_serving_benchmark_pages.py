@@ -204,3 +204,22 @@ def test_decode_variants_table_takes_the_medians_that_end_each_log(tmp_path, mon
     assert _table_row(text, "64") == ["64", "library (one state a program)", "71.0 us", "88.0%"]
     assert "| 64 | 2 states a program, serial | 75.0 us | 84.0% |" in text
     assert "not" not in text.split("|---|")[-1] and "| 256 |" not in text
+
+
+def test_decode_threads_table_has_each_kernel_with_its_own_runs_fla(tmp_path, monkeypatch):
+    """One row per threads and block_dv, in that order, the kernels only (not the calls), each beside
+    FLA's graph from the run of its threads, and each run's command with its --threads."""
+    def row(threads, impl, what, block_dv, ms, fraction):
+        return dict(impl=impl, what=what, block_dv=block_dv, threads=threads, method="graph", B=64, H=32, d_k=128,
+                    d_v=128, pool=256, dtype="bfloat16", time_ms=f"{ms:.5f}", fraction_of_copy=f"{fraction:.3f}")
+
+    _write_csv(tmp_path / "decode_b64_blocks.csv", decode.FIELDS, [
+        row(128, "ours", "kernel", 64, 0.0730, 0.875), row(128, "ours", "call", 64, 0.0100, 0.999),
+        row(128, "ours", "kernel", 32, 0.0770, 0.830), row(128, "fla", "kernel", "", 0.0750, 0.856)])
+    _write_csv(tmp_path / "decode_b64_threads.csv", decode.FIELDS, [
+        row(256, "ours", "kernel", 64, 0.0754, 0.853), row(256, "fla", "kernel", "", 0.0760, 0.850)])
+    text = _written(tmp_path, monkeypatch, page.write_decode_threads)
+    rows = [line for line in text.splitlines() if line.startswith("| 1") or line.startswith("| 2")]
+    assert rows == ["| 128 | 32 | 77.0 | 83.0% | 75.0 |", "| 128 | 64 | 73.0 | 87.5% | 75.0 |",
+                    "| 256 | 64 | 75.4 | 85.3% | 76.0 |"]
+    assert "--block-dv 64,32 --dtype bfloat16 --threads 128`" in text and "--threads 256`" in text
