@@ -173,7 +173,8 @@ def compile_all(shapes, backward_block_dv, num_sms, log):
         for name in arguments:
             # the backward's prepare is the forward's with A_kk and T as outputs too: a program of its own
             calls[f"backward {name}" if name == "prepare" else name] = (kernel.compiled_one_kernel, name, *arguments[name])
-        calls["backward flagged prepare"] = (kernel.compiled_one_kernel, "prepare_flagged", *arguments["prepare"])  # the backward's default call's
+        # and the backward's default call's prepare, which flags bad values too
+        calls["backward flagged prepare"] = (kernel.compiled_one_kernel, "prepare_flagged", *arguments["prepare"])
         for name, (function, *arguments) in calls.items():
             key = f"{name} at B={B} N={N} H={H} D={D}"
             jobs[key], shape_of[key] = functools.partial(function, *arguments), (B, N, H, D)
