@@ -1,0 +1,16 @@
+"""The fast path of KDA as one kernel library, split by role as FLA splits an op (fla/ops/kda):
+
+    config      the sizes a call runs with: constants, defaults, the resolved KernelConfig
+    tiles       the tile pieces the kernels share (every @T.macro), and the prepare's buffers
+    prepare     the prepare kernel: dense or packed batches, value flags, the solve's outputs
+    recurrence  the chunk recurrence: dense or packed batches
+    backward    the backward's kernels: states, state gradient, state products, intra
+    decode      the T = 1 step over a pool of states
+    compiled    the programs compiled for the GPU, once per shape; compile-only reports
+    checks      the calls' input checks
+    calls       the public calls: forward, backward, prefill, decode
+    autograd    chunk_kda, FLA's calling convention, as a torch.autograd.Function
+    layer       a KDA layer that trains
+
+Stages 5-7 teach it (their references mirror it, their pages carve its code).
+"""

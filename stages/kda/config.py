@@ -1,0 +1,108 @@
+"""The fast path's sizes: the constants its kernels are built around, and the configuration a call
+resolves from the shape and the GPU (`resolve`), one frozen object that the calls, the benchmarks and
+the tests read instead of working the defaults out again.
+
+    SUB_BLOCK       16: rows of a sub-block, the tensor cores' M and K granularity; the anchors and the
+                    block inverse work on these (reference C mirrors it)
+    CHANNEL_PASSES  2: the prepare's and the intra kernel's score GEMMs sum over d_k in this many
+                    passes (their operands hold d_k / 2 channels)
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+SUB_BLOCK = 16
+CHANNEL_PASSES = 2
+DEFAULT_CHUNK_SIZE = 64
+DEFAULT_BLOCK_DV = 32
+DEFAULT_THREADS = 128  # the recurrence's and decode's programs: one warp group
+DEFAULT_NUM_STAGES = 2  # the recurrence's chunk loop: loads of chunk i + 1 in flight during chunk i
+# decode's value columns per program where d_v allows: at B >= 8 on the H200, 64 moved the states 3-7%
+# faster than 32, and 128 was slower still (benchmarks/results/decode_b64_blocks.csv; decode*.csv)
+DECODE_BLOCK_DV = 64
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """What a call of the fast path runs with: the chunk size C, the recurrence's value columns a
+    program (block_dv), its threads and pipeline stages, the prepare's and the intra kernel's threads."""
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    block_dv: int = DEFAULT_BLOCK_DV
+    threads: int = DEFAULT_THREADS
+    num_stages: int = DEFAULT_NUM_STAGES
+    prepare_threads: int = 256
+    intra_threads: int = 256
+
+
+def resolve(B: int, H: int, d_k: int, d_v: int, num_sms: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
+            block_dv: int | None = None, threads: int = DEFAULT_THREADS, num_stages: int = DEFAULT_NUM_STAGES,
+            prepare_threads: int | None = None) -> KernelConfig:
+    """The configuration for B sequences (rows of a batch, or packed sequences) of H heads on a GPU of
+    num_sms SMs: every size not given takes its default (default_block_dv, default_prepare_threads,
+    default_intra_threads). Sizes are not checked here (stages.kda.checks does)."""
+    return KernelConfig(chunk_size=chunk_size,
+                        block_dv=default_block_dv(B, H, d_v, num_sms) if block_dv is None else block_dv,
+                        threads=threads, num_stages=num_stages,
+                        prepare_threads=prepare_threads or default_prepare_threads(chunk_size),
+                        intra_threads=default_intra_threads(chunk_size, d_k))
+
+
+def resolve_for(device: "torch.device", B: int, H: int, d_k: int, d_v: int, **sizes) -> KernelConfig:
+    """`resolve` on the GPU `device` (its SM count read once)."""
+    return resolve(B, H, d_k, d_v, streaming_multiprocessors(device), **sizes)
+
+
+# --8<-- [start:default_block_dv]
+def default_block_dv(B: int, H: int, d_v: int, num_sms: int) -> int:
+    """The recurrence's columns a program: 64 where B * H * d_v / 64 programs still give each of the
+    GPU's num_sms SMs one, else DEFAULT_BLOCK_DV (32).
+
+    Every program of one (batch, head) reads the same W, Q e^gamma, K e^{gamma_C - gamma} and A_qk, so
+    64 columns halve what the recurrence reads; but each program walks all N / C chunks in a row, so
+    fewer programs than SMs leave SMs idle for the whole kernel (the stage 5 page times both sides).
+    """
+    wide = 2 * DEFAULT_BLOCK_DV
+    return wide if d_v % wide == 0 and B * H * (d_v // wide) >= num_sms else DEFAULT_BLOCK_DV
+# --8<-- [end:default_block_dv]
+
+
+def default_prepare_threads(chunk_size: int) -> int:
+    """As many warps as the C x 16 slab GEMMs can share (one per 16 x 8 tile): 256 threads at C = 64.
+
+    The prepare kernel's elementwise passes and merges are most of its work; more warps split them.
+    """
+    return 32 * (chunk_size // 16) * (SUB_BLOCK // 8)
+
+
+def default_intra_threads(chunk_size: int, d_k: int, channel_passes: int = CHANNEL_PASSES) -> int:
+    """As many warps as the intra kernel's smallest GEMMs can share, at most 8 (two warp groups).
+
+    A warp of a tensor-core GEMM owns whole 16 x 8 tiles of the output. The smallest outputs are one
+    sub-block high (16 rows, one tile) and d_k / channel_passes channels (the score slabs) or C
+    columns (the block inverse's merges) wide: the warps must split both widths into whole tiles,
+    so their number divides gcd(C, d_k / channel_passes) / 8: 256 threads at C = 64, d_k = 128, and
+    128 at d_k = 64. More warps split the elementwise passes, which are most of the kernel's time (the
+    stage 6 page times 128 against 256 threads). With two warp groups, a GEMM operand must be a
+    buffer of its own rather than a row slice of a larger one (see K_slab_col_s), and the compile
+    tests check every warp group's operand offset (CompileReport.misplaced_warp_group_operands).
+    """
+    return 32 * min(8, math.gcd(chunk_size, d_k // channel_passes) // 8)
+
+
+def decode_block_dv(d_v: int) -> int:
+    """decode's default block_dv: DECODE_BLOCK_DV where it divides d_v, else DEFAULT_BLOCK_DV."""
+    return DECODE_BLOCK_DV if d_v % DECODE_BLOCK_DV == 0 else DEFAULT_BLOCK_DV
+
+
+@functools.cache
+def streaming_multiprocessors(device: "torch.device") -> int:
+    """The SM count of a CUDA device, read once."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count

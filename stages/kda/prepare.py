@@ -1,0 +1,226 @@
+"""The prepare kernel: one program per (chunk, batch x head), thousands of them, no state. Per chunk of C
+tokens (gamma = cumsum of the log gates from the chunk start):
+
+    A_kk, A_qk from GEMMs on 16-row sub-blocks with anchored exponents (every factor <= 1 off the
+    diagonal blocks), written as A_qk (input dtype) and L = diag(beta) A_kk (fp32, on chip);
+    Q e^gamma, K e^{gamma_C - gamma} (input dtype) and e^{gamma_C} (fp32) written;
+    T = (I + L)^{-1} by blocks in fp32 (merges as TF32 GEMMs), then the GEMMs W = diag(beta) T (K e^gamma),
+    U = diag(beta) T V.
+
+One builder for every form the fast path runs, each a Python switch over one signature (a parameter
+whose annotation is None is left out of the program, so each form has exactly its own buffers):
+dense batches (B, N, ...) or a packed one (`packed`, stage 7's cu_seqlens: masked loads, chunk-aligned
+outputs), with or without the device's value flags, with or without the solve's A_kk and T as outputs
+(stage 6's backward).
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from stages.common.device_checks import FLAG_COUNT
+from stages.common.tilelang_tools import LOG2_E
+from stages.kda.config import CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, default_prepare_threads
+from stages.kda.tiles import (anchored_scores_macro, block_inverse_macro, cumulative_gates_macro,
+                              flag_bad_values_macro, prepare_buffers_macro, wy_outputs_macro)
+from stages.s05_fast_kda.numerics import score_operand_dtypes
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """The sizes of a packed batch (stage 7's prefill): `tokens` packed rows of the inputs, `chunks` rows
+    of the chunk table (the chunk-aligned outputs hold chunks * C rows), `sequences` sequences. Each may
+    be a TileLang symbol (run_time_sizes), so that one compiled program serves every batch."""
+
+    tokens: object
+    chunks: object
+    sequences: object
+
+
+class ChunkAt(NamedTuple):
+    """Where a prepare program's chunk lies: batch row b and head h of the inputs, its index among the
+    chunks and its first row t0 in the outputs, and in a packed batch its first token `start` and its
+    `rows` tokens (a sequence's last chunk may be short). A macro takes it whole: a grid index passed
+    to a macro by itself would be renamed after the macro's parameter in the program's TIR."""
+
+    b: object
+    h: object
+    index: object
+    t0: object
+    start: object = None
+    rows: object = None
+
+
+def run_time_sizes() -> tuple:
+    """The token count, the chunk-aligned row count, the chunk count and the sequence count of a batch,
+    as TileLang symbols: the kernels compiled with them serve every batch."""
+    import tilelang.language as T
+
+    return T.dynamic("T_tokens"), T.dynamic("T_padded"), T.dynamic("n_chunks"), T.dynamic("N_seq")
+
+
+def prepare_outputs(value_flags=False, solve_outputs=False, packed=False):
+    """The indices of build_prepare_program's outputs among its parameters (tilelang.compile's out_idx):
+    six (eight with solve_outputs) after the five inputs, the packed index (two) and Flags."""
+    first = 5 + 2 * packed + value_flags
+    return list(range(first, first + (8 if solve_outputs else 6)))
+
+
+# --8<-- [start:prepare_setup]
+def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
+                          channel_passes=CHANNEL_PASSES, value_flags=False, solve_outputs=False,
+                          packed: PackedBatch | None = None):
+    """The prepare kernel: q, k (B, N, H, d_k), v (B, N, H, d_v) in `dtype`, g (B, N, H, d_k) and
+    beta (B, N, H) in fp32 -> W, Q e^gamma, K e^{gamma_C - gamma} (B, N, H, d_k), U (B, N, H, d_v),
+    A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) in fp32.
+
+    The score GEMMs sum over d_k in `channel_passes` passes, so their operands hold d_k /
+    channel_passes channels: at C = 64, d_k = 128, two passes bring shared memory to 105 KiB, two
+    blocks per SM. N must be a multiple of chunk_size (the wrapper pads), chunk_size of SUB_BLOCK,
+    d_k of 16 * channel_passes. threads=None takes default_prepare_threads(chunk_size).
+
+    value_flags=True adds a parameter Flags (FLAG_COUNT,) int32 before the outputs and checks every g
+    and beta as it is loaded (flag_bad_values): the checks="device" kernel. solve_outputs=True adds two
+    fp32 outputs after e^{gamma_C}: A_kk (B, N, H, C), strictly lower, and T = (I + L)^{-1} (B, N, H, C),
+    row r of a chunk in token r's row as A_qk: stage 6's intra kernel reads them, so the backward
+    differentiates the A_kk and T that the forward used, bit for bit.
+
+    packed (a PackedBatch): the inputs are one packed batch (1, packed.tokens, H, ...) of
+    packed.sequences sequences, with two more inputs after Beta, the chunk table Chunks
+    (packed.chunks, 2) int32 (stages.s07_serving.reference.chunk_table) and Cu_seqlens (sequences + 1,)
+    int32; B must be 1 and N = packed.chunks * C, the rows of the chunk-aligned outputs. One program per
+    (row p of the table, head) reads chunk `chunk` of sequence `sequence` straight from the packed rows,
+    zeros past the sequence's end (masked loads, as reference C's prepare_varlen), and writes rows
+    p * C to p * C + C - 1 of the outputs. A row of the table whose chunk starts at or past its
+    sequence's end loads nothing but zeros and writes a zero chunk's outputs to rows no sequence owns.
+    (Skipping it with `if rows > 0:` around the body cost more: TileLang's shared-memory planner then
+    gave every buffer its own bytes, 248,080 B, past an SM's 227 KiB.)
+    """
+    import tilelang.language as T
+
+    threads = threads or default_prepare_threads(chunk_size)
+    C = chunk_size
+    accum_dtype = "float32"
+    num_chunks = N // C if packed is None else packed.chunks
+    tokens = N if packed is None else packed.tokens  # the inputs' rows
+    channels_per_pass = d_k // channel_passes
+    diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
+    prepare_buffers = prepare_buffers_macro(C, d_k, d_v, channels_per_pass, dtype, diagonal_dtype, slab_dtype)
+    flag_bad_values = flag_bad_values_macro(C, d_k)
+    cumulative_gates = cumulative_gates_macro(C, d_k)
+    anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype)
+    block_inverse = block_inverse_macro(C)
+    wy_outputs = wy_outputs_macro(C)
+
+    @T.macro
+    def load_chunk(Q, K, G, Beta, s, at):
+        # Q_s, K_s, gamma_s (the log gates, before the sum) and beta_s from one chunk's rows
+        if packed is None:
+            T.copy(Q[at.b, at.t0:at.t0 + C, at.h, :], s.Q_s)
+            T.copy(K[at.b, at.t0:at.t0 + C, at.h, :], s.K_s)
+            T.copy(Beta[at.b, at.t0:at.t0 + C, at.h], s.beta_s)
+            T.copy(G[at.b, at.t0:at.t0 + C, at.h, :], s.gamma_s)  # all loads in flight at once, then the sum on chip
+        else:
+            # masked loads: a row past the sequence's end is a zero token (g = 0, beta = 0), which
+            # changes nothing of the rows before it; the next sequence's tokens are never read. The
+            # 2-byte and the 4-byte loads in loops of their own: each vectorizes to 16 bytes a lane
+            for r, d in T.Parallel(C, d_k):
+                s.Q_s[r, d] = T.if_then_else(r < at.rows, Q[0, at.start + r, at.h, d], 0)
+                s.K_s[r, d] = T.if_then_else(r < at.rows, K[0, at.start + r, at.h, d], 0)
+            for r, d in T.Parallel(C, d_k):
+                s.gamma_s[r, d] = T.if_then_else(r < at.rows, G[0, at.start + r, at.h, d], 0)
+            for r in T.Parallel(C):
+                s.beta_s[r] = T.if_then_else(r < at.rows, Beta[0, at.start + r, at.h], 0)
+
+    @T.macro
+    def prepare_chunk(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk, Inverse,
+                      at):
+        s = prepare_buffers()
+        load_chunk(Q, K, G, Beta, s, at)
+        if value_flags:  # the gates and betas checked as they arrive
+            flag_bad_values(s.gamma_s, s.beta_s, Flags)
+        cumulative_gates(s.gamma_s)
+
+        if solve_outputs:  # with unit betas the scores give A_kk itself; it goes out, then takes its betas
+            unit_betas_s = T.alloc_shared((C,), accum_dtype)
+            for r in T.Parallel(C):
+                unit_betas_s[r] = 1
+            anchored_scores(s.Q_s, s.K_s, s.gamma_s, unit_betas_s, s.Q_row_s, s.K_row_s, s.K_col_s, s.Q_slab_s,
+                            s.K_slab_row_s, s.K_slab_col_s, s.kk_f, s.qk_f, s.kk_slab_f, s.qk_slab_f, s.L_s, s.A_qk_s)
+            T.copy(s.L_s, A_kk[at.b, at.t0:at.t0 + C, at.h, :])
+            for r, j in T.Parallel(C, C):
+                s.L_s[r, j] = s.L_s[r, j] * s.beta_s[j]  # the product the scores form with beta: the same bits
+        else:
+            anchored_scores(s.Q_s, s.K_s, s.gamma_s, s.beta_s, s.Q_row_s, s.K_row_s, s.K_col_s, s.Q_slab_s,
+                            s.K_slab_row_s, s.K_slab_col_s, s.kk_f, s.qk_f, s.kk_slab_f, s.qk_slab_f, s.L_s, s.A_qk_s)
+        # one store of whole rows (TMA), where writing from the fragments scattered 2-byte stores
+        T.copy(s.A_qk_s, A_qk[at.b, at.t0:at.t0 + C, at.h, :])
+        # --8<-- [end:prepare_setup]
+
+        # --8<-- [start:prepare_decayed]
+        # the last reads of gamma and Q: the recurrence's decayed operands, and K e^gamma (in its
+        # own buffer: written in place, K_s cost a barrier per unrolled step)
+        for r, d in T.Parallel(C, d_k):
+            decay_from_start = T.exp2(s.gamma_s[r, d] * LOG2_E)
+            Q_decayed[at.b, at.t0 + r, at.h, d] = s.Q_s[r, d] * decay_from_start
+            K_to_chunk_end[at.b, at.t0 + r, at.h, d] = s.K_s[r, d] * T.exp2((s.gamma_s[C - 1, d] - s.gamma_s[r, d]) * LOG2_E)
+            s.Kg_s[r, d] = s.K_s[r, d] * decay_from_start
+        for d in T.Parallel(d_k):
+            Chunk_decay[at.b, at.index, at.h, d] = T.exp2(s.gamma_s[C - 1, d] * LOG2_E)
+        # loaded this late, V_s can take the bytes of Q_s (TileLang plans shared memory by lifetime)
+        if packed is None:
+            T.copy(V[at.b, at.t0:at.t0 + C, at.h, :], s.V_s)
+        else:
+            for r, d in T.Parallel(C, d_v):
+                s.V_s[r, d] = T.if_then_else(r < at.rows, V[0, at.start + r, at.h, d], 0)
+
+        block_inverse(s.L_s, s.T_s, s.T_diag_s, s.merge_s, s.block_row_f)
+        if solve_outputs:
+            T.copy(s.T_s, Inverse[at.b, at.t0:at.t0 + C, at.h, :])
+        wy_outputs(s.T_s, s.beta_s, s.A_hat_s, s.Kg_s, s.V_s, s.w_f, s.u_f, s.W_s, s.U_s)
+        T.copy(s.W_s, W[at.b, at.t0:at.t0 + C, at.h, :])
+        T.copy(s.U_s, U[at.b, at.t0:at.t0 + C, at.h, :])
+        # --8<-- [end:prepare_decayed]
+
+    @T.macro
+    def prepare(Q, K, V, G, Beta, Chunks, Cu_seqlens, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk,
+                Inverse):
+        if packed is None:
+            with T.Kernel(num_chunks, B * H, threads=threads) as (i_c, i_bh):
+                b, h = i_bh // H, i_bh % H
+                t0 = i_c * C
+                prepare_chunk(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk,
+                              Inverse, ChunkAt(b, h, i_c, t0))
+        else:
+            with T.Kernel(num_chunks, H, threads=threads) as (i_c, h):
+                sequence = Chunks[i_c, 0]
+                start = Cu_seqlens[sequence] + Chunks[i_c, 1] * C  # the chunk's first token in the packed batch
+                rows = T.min(C, Cu_seqlens[sequence + 1] - start)  # a sequence's last chunk may be short
+                t0 = i_c * C  # the chunk's first row in the chunk-aligned outputs
+                prepare_chunk(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk,
+                              Inverse, ChunkAt(0, h, i_c, t0, start, rows))
+
+
+
+    @T.prim_func
+    def kda_prepare(
+        Q: T.Tensor((B, tokens, H, d_k), dtype),
+        K: T.Tensor((B, tokens, H, d_k), dtype),
+        V: T.Tensor((B, tokens, H, d_v), dtype),
+        G: T.Tensor((B, tokens, H, d_k), accum_dtype),
+        Beta: T.Tensor((B, tokens, H), accum_dtype),
+        Chunks: T.Tensor((num_chunks, 2), "int32") if packed else None,
+        Cu_seqlens: T.Tensor((packed.sequences + 1,), "int32") if packed else None,
+        Flags: T.Tensor((FLAG_COUNT,), "int32") if value_flags else None,
+        W: T.Tensor((B, N, H, d_k), dtype),
+        U: T.Tensor((B, N, H, d_v), dtype),
+        Q_decayed: T.Tensor((B, N, H, d_k), dtype),
+        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
+        A_qk: T.Tensor((B, N, H, C), dtype),
+        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+        A_kk: T.Tensor((B, N, H, C), accum_dtype) if solve_outputs else None,
+        Inverse: T.Tensor((B, N, H, C), accum_dtype) if solve_outputs else None,
+    ):
+        prepare(Q, K, V, G, Beta, Chunks, Cu_seqlens, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk,
+                Inverse)
+
+    return kda_prepare
