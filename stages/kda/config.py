@@ -100,6 +100,12 @@ def decode_block_dv(d_v: int) -> int:
     return DECODE_BLOCK_DV if d_v % DECODE_BLOCK_DV == 0 else DEFAULT_BLOCK_DV
 
 
+def most_chunks(T: int, N_seq: int, chunk_size: int) -> int:
+    """The most chunks T tokens cut into N_seq sequences can take: a sequence of n tokens takes
+    ceil(n / C) <= floor(n / C) + 1 chunks, and the floors sum to at most floor(T / C)."""
+    return T // chunk_size + N_seq
+
+
 @functools.cache
 def streaming_multiprocessors(device: "torch.device") -> int:
     """The SM count of a CUDA device, read once."""

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.s06_backward.autograd import chunk_kda
+from stages.kda.autograd import chunk_kda
 
 A_RANGE = (1.0, 16.0)  # e^{A_log} at init: each head's rate
 DT_RANGE = (1e-3, 1e-1)  # softplus(dt_bias) at init: each channel's step, drawn log-uniformly

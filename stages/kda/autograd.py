@@ -9,8 +9,8 @@ v (B, T, H, V), g = log a (B, T, H, K), beta (B, T, H); the states S^T (B, H, K,
 layout. `loss.backward()` reaches q, k, v, g, beta and initial_state, through o and through the final
 state. One `torch.autograd.Function`, `ChunkKDAFunction`, joins a forward and a backward per device:
 
-    CUDA tensors   forward: stage 5's two TileLang kernels (stages.s05_fast_kda.kernel.forward)
-                   backward: stage 6's TileLang kernels (stages.s06_backward.kernel.backward)
+    CUDA tensors   forward: stage 5's two TileLang kernels (stages.kda.calls.forward)
+                   backward: stage 6's TileLang kernels (stages.kda.calls.backward)
     CPU tensors    forward: stage 5's reference in NumPy float64 (prepare, then recurrence)
                    backward: stage 6's reference B (stages.s06_backward.reference.chunkwise_backward)
 
@@ -33,7 +33,7 @@ computes in float64 whatever the dtype.
 What the course does not support is refused with an error that says why: variable-length batches
 (`cu_seqlens`, stage 7), the gate or beta computed inside the kernel (`use_gate_in_kernel`,
 `use_beta_sigmoid_in_kernel`, `allow_neg_eigval`, `safe_gate`, `lower_bound`: compute g and beta in
-front, as stages.s06_backward.layer does), and FLA's inference and parallelism options.
+front, as stages.kda.layer does), and FLA's inference and parallelism options.
 """
 
 import math
@@ -44,7 +44,9 @@ import torch
 
 from stages.common.torch_checks import check_kernel_tensor, dtype_name
 from stages.s05_fast_kda import reference as forward_reference
-from stages.s05_fast_kda.kernel import DEFAULT_CHUNK_SIZE as CUDA_CHUNK_SIZE  # stage 5's kernels: 32 or 64
+from stages.kda.calls import backward, forward_and_prepared
+from stages.kda.config import DEFAULT_CHUNK_SIZE as CUDA_CHUNK_SIZE  # the kernels': 32 or 64
+from stages.kda.config import resolve_for
 from stages.s06_backward import reference as backward_reference
 
 # The CPU path runs plain-loop references whose cost per chunk grows as C^2 (reference B's scores
@@ -62,7 +64,7 @@ class Refused(NamedTuple):
     why: str
 
 
-_IN_FRONT = "compute it in front of chunk_kda, as stages.s06_backward.layer does"
+_IN_FRONT = "compute it in front of chunk_kda, as stages.kda.layer does"
 REFUSED = {
     "cu_seqlens": Refused(None, "variable-length batches are stage 7's; here every sequence has the length T"),
     "cu_seqlens_cpu": Refused(None, "variable-length batches are stage 7's; here every sequence has the length T"),
@@ -96,7 +98,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     too on the CPU) or None for zeros. chunk_size: None for the device's default (64 on CUDA,
     CPU_CHUNK_SIZE on the CPU). checks (the course's, not FLA's): how the CUDA forward checks g's and
     beta's values (finite gates <= 0, beta in [0, 1]; any such gate runs, forward and backward), as
-    stages.s05_fast_kda.kernel.forward takes it: "device" (the default: flagged by the kernel, reported
+    stages.kda.calls.forward takes it: "device" (the default: flagged by the kernel, reported
     by stages.common.device_checks.raise_if_flagged where the caller syncs, the loss's logging say),
     "host" (refused before the kernels, a sync per call) or "off" (the caller vouches for them).
     disable_recompute (FLA's): on CUDA the forward keeps its prepare outputs for the backward, which
@@ -141,13 +143,13 @@ class ChunkKDAFunction(torch.autograd.Function):
         ctx.chunk_size = chunk_size
         ctx.input_dtypes = [None if x is None else x.dtype for x in (q, k, v, g, beta, initial_state)]
         q, k = q.to(v.dtype), k.to(v.dtype)
-        prepared = ()
+        prepared = None
         if q.is_cuda:
-            o, final_state, *prepared = _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, checks,
-                                                      keep_prepared)
+            o, final_state, prepared = _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, checks,
+                                                     keep_prepared)
         else:
             o, final_state = _cpu_forward(q, k, v, g, beta, initial_state, chunk_size)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, *(prepared[0] if prepared else ()))
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, *(prepared or ()))
         return o, final_state
 
     @staticmethod
@@ -196,11 +198,9 @@ def _cpu_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size
 
 # --8<-- [start:cuda_path]
 def _cuda_forward(q, k, v, g, beta, initial_state, chunk_size, checks, keep_prepared=False):
-    """Stage 5's two kernels: (o, final state fp32), and with keep_prepared the prepare's outputs."""
-    from stages.s05_fast_kda.kernel import forward
-
-    return forward(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state, output_final_state=True,
-                   checks=checks, return_prepared=keep_prepared)
+    """The forward's two kernels: (o, final state fp32, the prepare's outputs with keep_prepared, else None)."""
+    config = resolve_for(q.device, q.shape[0], q.shape[2], q.shape[3], v.shape[3], chunk_size=chunk_size)
+    return forward_and_prepared(q, k, v, g, beta, initial_state, checks, config, keep_prepared)
 
 
 def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_size, prepared=None):
@@ -208,17 +208,11 @@ def _cuda_backward(q, k, v, g, beta, do, initial_state, d_final_state, chunk_siz
     an initial state); prepared: the forward's prepare outputs, kept (disable_recompute), or None. g's
     and beta's values were checked by the forward (checks), so the backward skips that pass and its
     device sync."""
-    try:
-        from stages.s06_backward.kernel import backward
-    except ImportError as error:
-        raise NotImplementedError(
-            "the CUDA backward needs stages.s06_backward.kernel.backward (stage 6's TileLang kernels), which "
-            f"this copy of the course does not have ({error}); train on CPU tensors, through the references"
-        ) from error
+    config = resolve_for(q.device, q.shape[0], q.shape[2], q.shape[3], v.shape[3], chunk_size=chunk_size)
     if d_final_state is not None:
         d_final_state = d_final_state.float().contiguous()
     *gradients, d_initial_state = backward(q, k, v, g, beta, do.contiguous(), initial_state=initial_state,
-                                           d_final_state=d_final_state, chunk_size=chunk_size, checks="off",
+                                           d_final_state=d_final_state, checks="off", config=config,
                                            prepared=prepared)
     return *gradients, None if initial_state is None else d_initial_state
 # --8<-- [end:cuda_path]
