@@ -34,9 +34,10 @@ def _cases():
     from stages.s02_scalar_decay import kernel as s02
     from stages.s03_gated_deltanet import kernel as s03
     from stages.s04_kda import kernel as s04
-    from stages.s05_fast_kda import kernel as s05
-    from stages.s06_backward import kernel as s06
-    from stages.s07_serving import kernel as s07
+    from stages.kda import backward as s06
+    from stages.kda.decode import build_decode_program
+    from stages.kda.prepare import PackedBatch, build_prepare_program
+    from stages.kda.recurrence import build_recurrence_program
 
     cases = {}
 
@@ -49,40 +50,47 @@ def _cases():
             add(f"{stage}.program/{dtype}/exercise", module.build_program, *exercise_shape, chunk_size=64, dtype=dtype)
             add(f"{stage}.program/{dtype}/interpreter", module.build_program, 1, 64, 2, 32, 32, 16, 16, dtype=dtype)
             add(f"{stage}.program/{dtype}/report", module.build_program, 1, 4096, 8, 128, 128, dtype=dtype)
-        add(f"s05.prepare/{dtype}/exercise", s05.build_prepare_program, *exercise_shape, 64, dtype)
-        add(f"s05.prepare/{dtype}/c32", s05.build_prepare_program, 1, 96, 2, 32, 32, 32, dtype)
-        add(f"s05.prepare/{dtype}/report", s05.build_prepare_program, 1, 4096, 8, 128, 128, 64, dtype)
-        add(f"s05.prepare/{dtype}/report/value_flags", s05.build_prepare_program, 1, 4096, 8, 128, 128, 64, dtype,
+        add(f"s05.prepare/{dtype}/exercise", build_prepare_program, *exercise_shape, 64, dtype)
+        add(f"s05.prepare/{dtype}/c32", build_prepare_program, 1, 96, 2, 32, 32, 32, dtype)
+        add(f"s05.prepare/{dtype}/report", build_prepare_program, 1, 4096, 8, 128, 128, 64, dtype)
+        add(f"s05.prepare/{dtype}/report/value_flags", build_prepare_program, 1, 4096, 8, 128, 128, 64, dtype,
             value_flags=True)
-        add(f"s05.recurrence/{dtype}/exercise", s05.build_recurrence_program, *exercise_shape, 64, 32, dtype)
-        add(f"s05.recurrence/{dtype}/c32", s05.build_recurrence_program, 1, 96, 2, 32, 32, 32, 16, dtype)
-        add(f"s05.recurrence/{dtype}/report", s05.build_recurrence_program, 1, 4096, 8, 128, 128, 64, 64, dtype)
+        add(f"s05.recurrence/{dtype}/exercise", build_recurrence_program, *exercise_shape, 64, 32, dtype)
+        add(f"s05.recurrence/{dtype}/c32", build_recurrence_program, 1, 96, 2, 32, 32, 32, 16, dtype)
+        add(f"s05.recurrence/{dtype}/report", build_recurrence_program, 1, 4096, 8, 128, 128, 64, 64, dtype)
         for kernel, (build, _) in s06.BUILDERS.items():
             for shape_name, shape, block_dv in (("exercise", (*exercise_shape, 64), 32), ("c32", (1, 96, 2, 32, 32, 32), 16),
                                                 ("report", (1, 4096, 8, 128, 128, 64), 32)):
                 arguments = (*shape, *((block_dv,) if kernel in s06.WITH_BLOCK_DV else ()), dtype)
                 add(f"s06.{kernel}/{dtype}/{shape_name}", build, *arguments)
         add(f"s06.intra/{dtype}/256threads", s06.build_intra_program, 1, 4096, 8, 128, 128, 64, dtype, threads=256)
-        # stage 7: the varlen kernels at fixed sizes (the interpreter's) and at run-time sizes (the GPU's)
-        fixed = (262, 352, 11, 6, 2, 32, 32, 32)
-        add(f"s07.varlen_prepare/{dtype}/fixed", s07.build_varlen_prepare_program, *fixed, dtype)
-        add(f"s07.varlen_recurrence/{dtype}/fixed", s07.build_varlen_recurrence_program, *fixed, 16, dtype)
-        add(f"s07.varlen_prepare/{dtype}/dynamic",
-            lambda dtype=dtype: s07.build_varlen_prepare_program(*s07.run_time_sizes(), 32, 128, 128, 64, dtype))
-        add(f"s07.varlen_prepare/{dtype}/dynamic/value_flags",
-            lambda dtype=dtype: s07.build_varlen_prepare_program(*s07.run_time_sizes(), 32, 128, 128, 64, dtype,
-                                                                 value_flags=True))
-        add(f"s07.varlen_recurrence/{dtype}/dynamic",
-            lambda dtype=dtype: s07.build_varlen_recurrence_program(*s07.run_time_sizes(), 32, 128, 128, 64, 64, dtype))
-        add(f"s07.decode/{dtype}", s07.build_decode_program, 4, 8, 2, 32, 32, 16, dtype=dtype,
+        # stage 7: the packed kernels at fixed sizes (the interpreter's) and at run-time sizes (the GPU's)
+        fixed = PackedBatch(tokens=262, chunks=11, sequences=6)
+        add(f"s07.varlen_prepare/{dtype}/fixed", build_prepare_program, 1, 352, 2, 32, 32, 32, dtype, packed=fixed)
+        add(f"s07.varlen_recurrence/{dtype}/fixed", build_recurrence_program, 1, 352, 2, 32, 32, 32, 16, dtype,
+            packed=fixed)
+        for flags in (False, True):
+            add(f"s07.varlen_prepare/{dtype}/dynamic" + ("/value_flags" if flags else ""), packed_program,
+                build_prepare_program, 32, 128, 128, 64, dtype, value_flags=flags)
+        add(f"s07.varlen_recurrence/{dtype}/dynamic", packed_program, build_recurrence_program, 32, 128, 128, 64, 64,
+            dtype)
+        add(f"s07.decode/{dtype}", build_decode_program, 4, 8, 2, 32, 32, 16, dtype=dtype,
             state_dtype="float64" if dtype == "float64" else "float32")
-        add(f"s07.decode/{dtype}/report", s07.build_decode_program, 64, 256, 32, 128, 128, dtype=dtype)
-        add(f"s07.decode/{dtype}/report/no_value_flags", s07.build_decode_program, 64, 256, 32, 128, 128, dtype=dtype,
+        add(f"s07.decode/{dtype}/report", build_decode_program, 64, 256, 32, 128, 128, dtype=dtype)
+        add(f"s07.decode/{dtype}/report/no_value_flags", build_decode_program, 64, 256, 32, 128, 128, dtype=dtype,
             value_flags=False)
     for layout in _s04_layouts(s04):
         name = ",".join(place for _, place in layout)
         add(f"s04.program/float16/layout={name}", s04.build_program, 1, 4096, 8, 128, 128, layout=layout)
     return cases
+
+
+def packed_program(build, H, d_k, d_v, *sizes, **options):
+    """A packed-batch program (prepare or recurrence) at run-time sizes, as prefill compiles it."""
+    from stages.kda.compiled import packed_sizes
+
+    rows, packed = packed_sizes()
+    return build(1, rows, H, d_k, d_v, *sizes, packed=packed, **options)
 
 
 def _s04_layouts(s04):
