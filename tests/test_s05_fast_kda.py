@@ -144,7 +144,7 @@ def test_rounding_floor_is_the_dtypes_own(dtype_name, low, high):
 def test_kernels_compile_for_sm90a_without_spills(kernel, value_flags):
     """Both kernels, the prepare also as forward's default builds it (value_flags: Flags written by
     the lanes that find a bad value, none of them in a branch some warps skip at a barrier)."""
-    from stages.s05_fast_kda.kernel import compile_report
+    from stages.kda.compiled import compile_report
 
     report = compile_report(kernel, B=2, N=1024, H=4, d_k=128, d_v=128, value_flags=value_flags)
     assert report.spill_stores == 0 and report.spill_loads == 0, report.summary()
@@ -193,11 +193,11 @@ def _float64_on_gpu(args):
 def test_kernels_match_reference(dtype_name, B, N, H, D):
     import torch
 
-    from stages.s05_fast_kda.kernel import forward
+    from stages.kda.calls import forward
 
     x = _inputs(B, N, H, D, D, seed=B + N)
     expected = reference.recurrent(x.q, x.k, x.v, x.g, x.beta)
-    error = error_report(forward(*_cuda_inputs(x, getattr(torch, dtype_name))), expected)
+    error = error_report(forward(*_cuda_inputs(x, getattr(torch, dtype_name)))[0], expected)
     floor = _rounding_floor(x, dtype_name)
     print(f"s05 kernels {dtype_name} B={B} N={N} H={H} D={D}: {error} (rounding floor {floor:.2e})")
     assert error.rel_l2 <= 2 * floor
@@ -208,12 +208,12 @@ def test_kernels_match_reference(dtype_name, B, N, H, D):
 def test_kernels_match_float64_on_a_long_sequence(dtype_name):
     import torch
 
-    from stages.s05_fast_kda.kernel import forward
+    from stages.kda.calls import forward
 
     x = _inputs(1, 16384, 2, 128, 128, seed=11)
     args = _cuda_inputs(x, getattr(torch, dtype_name))
     exact = [torch.tensor(a, dtype=torch.float64, device="cuda") for a in (x.q, x.k, x.v, x.g, x.beta)]
-    error = error_report(forward(*args), _float64_on_gpu(exact))
+    error = error_report(forward(*args)[0], _float64_on_gpu(exact))
     floor = _rounding_floor(x, dtype_name)
     print(f"s05 kernels {dtype_name} B=1 N=16384 H=2 D=128: {error} (rounding floor {floor:.2e})")
     assert error.rel_l2 <= 2 * floor
@@ -223,7 +223,7 @@ def test_kernels_match_float64_on_a_long_sequence(dtype_name):
 def test_kernels_carry_the_state_across_calls():
     import torch
 
-    from stages.s05_fast_kda.kernel import forward
+    from stages.kda.calls import forward
 
     x = _inputs(2, 512, 2, 128, 64, seed=12)
     expected, expected_state = kda_delta_rule(x.q, x.k, x.v, x.g, x.beta)
@@ -243,12 +243,12 @@ def test_kernels_match_fla_chunk_kda():
     import torch
 
     fla_ops = pytest.importorskip("fla.ops")
-    from stages.s05_fast_kda.kernel import forward
+    from stages.kda.calls import forward
 
     x = _inputs(2, 1024, 4, 128, 128, seed=13)
     args = _cuda_inputs(x, torch.bfloat16)
     expected = reference.recurrent(x.q, x.k, x.v, x.g, x.beta)
-    ours, fla = forward(*args), fla_ops.chunk_kda(*args, scale=1.0)[0]
+    ours, fla = forward(*args)[0], fla_ops.chunk_kda(*args, scale=1.0)[0]
     ours_error, fla_error = error_report(ours, expected), error_report(fla, expected)
     print(f"bf16 vs float64: ours {ours_error}, FLA chunk_kda {fla_error}; ours vs FLA {error_report(ours, fla)}")
     assert ours_error.rel_l2 <= max(2 * fla_error.rel_l2, 1e-3)
@@ -256,7 +256,8 @@ def test_kernels_match_fla_chunk_kda():
 
 def test_kernel_wrapper_rejects_bad_input():
     torch = pytest.importorskip("torch")
-    from stages.s05_fast_kda.kernel import forward
+    from stages.kda.calls import forward
+    from stages.kda.config import KernelConfig
 
     q = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
     g = -torch.ones(1, 64, 2, 64)
@@ -274,8 +275,9 @@ def test_kernel_wrapper_rejects_bad_input():
         ((q, q, q, g, beta[:, :32]), {}, ValueError, r"beta must have shape \(B, N, H\) = \(1, 64, 2\)"),
         ((q, q, q, g, beta), {"initial_state": torch.zeros(1, 2, 64, 32)}, ValueError,
          r"initial_state must have shape \(B, H, d_k, d_v\) = \(1, 2, 64, 64\)"),
-        ((q, q, q, g, beta), {"chunk_size": 128}, ValueError, "chunk_size must be 32 or 64"),
-        ((q, q, q, g, beta), {"block_dv": 24}, ValueError, "block_dv must be a multiple of 16"),
+        ((q, q, q, g, beta), {"config": KernelConfig(chunk_size=128)}, ValueError, "chunk_size must be 32 or 64"),
+        ((q, q, q, g, beta), {"config": KernelConfig(block_dv=24)}, ValueError, "block_dv must be a multiple of 16"),
+        ((q, q, q, g, beta), {"config": {"chunk_size": 32}}, TypeError, "config must be a stages.kda.config.KernelConfig"),
         ((q[..., :48].contiguous(), q[..., :48].contiguous(), q, g[..., :48].contiguous(), beta), {}, ValueError,
          "d_k must be a multiple of 32"),
         ((q, q, q, -g, beta), {"checks": "host"}, ValueError, r"g must be finite and <= 0 .* largest entry is 1"),
@@ -326,7 +328,8 @@ def _interpreted_forward(x, dtype):
     """Stage 5's prepare and recurrence through the tile interpreter, on the inputs zero-padded to whole
     chunks as forward pads them; o cut back to N."""
     from stages.common.interpreter import interpret
-    from stages.s05_fast_kda.kernel import build_prepare_program, build_recurrence_program
+    from stages.kda.prepare import build_prepare_program
+    from stages.kda.recurrence import build_recurrence_program
 
     B, N, H, d_k, d_v = ANY_GATE_SHAPE
     N_padded = -(-N // ANY_GATE_C) * ANY_GATE_C
@@ -365,7 +368,7 @@ def test_fast_span_keeps_the_anchored_factors_in_range():
     """FAST_SPAN_LOG: a factor e^span times an entry <= 1 stays below the type's largest value, and
     e^-span above its smallest normal number, for each diagonal operand type (bf16: stage 6's)."""
     torch = pytest.importorskip("torch")
-    from stages.s05_fast_kda.kernel import FAST_SPAN_LOG
+    from stages.s05_fast_kda.numerics import FAST_SPAN_LOG
 
     for dtype, span in FAST_SPAN_LOG.items():
         info = torch.finfo(getattr(torch, dtype))
@@ -382,7 +385,7 @@ def test_kernels_take_any_gate_as_accurately_as_fla(dtype_name):
     import torch
 
     fla_ops = pytest.importorskip("fla.ops")
-    from stages.s05_fast_kda.kernel import forward
+    from stages.kda.calls import forward
 
     x = _inputs(1, 1000, 2, 128, 128, seed=15)
     gentle = _cuda_inputs(x, getattr(torch, dtype_name))
@@ -391,7 +394,7 @@ def test_kernels_take_any_gate_as_accurately_as_fla(dtype_name):
     x.g[:, 500:700, :, :64] = -5.0
     args = _cuda_inputs(x, getattr(torch, dtype_name))
     expected = reference.recurrent(x.q, x.k, x.v, x.g, x.beta)
-    ours, fla = forward(*args), fla_ops.chunk_kda(*args, scale=1.0)[0]
+    ours, fla = forward(*args)[0], fla_ops.chunk_kda(*args, scale=1.0)[0]
     assert torch.isfinite(ours).all()
     ours_error, fla_error = error_report(ours, expected), error_report(fla, expected)
 
@@ -431,10 +434,13 @@ def cpu_forward(monkeypatch):
     torch = pytest.importorskip("torch")
     from stages.common.device_checks import flags_for
     from stages.common.interpreter import interpret
-    from stages.s05_fast_kda import kernel
+    from stages.kda import calls, checks
+    from stages.kda.config import KernelConfig
+    from stages.kda.prepare import build_prepare_program
+    from stages.kda.recurrence import build_recurrence_program
 
-    def interpreted_prepare(B, N, H, d_k, d_v, C, dtype, threads, value_flags):
-        run = interpret(kernel.build_prepare_program(B, N, H, d_k, d_v, C, dtype, threads, value_flags=value_flags))
+    def interpreted_prepare(B, N, H, d_k, d_v, C, dtype, threads, value_flags, solve_outputs=False):
+        run = interpret(build_prepare_program(B, N, H, d_k, d_v, C, dtype, threads, value_flags=value_flags))
 
         def prepare(q, k, v, g, beta, *flags):
             operand = torch.float16
@@ -446,19 +452,19 @@ def cpu_forward(monkeypatch):
         return prepare
 
     def compiled_recurrence(*arguments):
-        run = interpret(kernel.build_recurrence_program(*arguments), out_idx=[7, 8])
+        run = interpret(build_recurrence_program(*arguments), out_idx=[7, 8])
         return lambda *tensors: [torch.from_numpy(x) for x in run(*tensors)]
 
-    monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
-    monkeypatch.setattr(kernel, "compiled_prepare", lambda *arguments: interpreted_prepare(*arguments, False))
-    monkeypatch.setattr(kernel, "compiled_flagged_prepare", lambda *arguments: interpreted_prepare(*arguments, True))
-    monkeypatch.setattr(kernel, "compiled_recurrence", compiled_recurrence)
+    monkeypatch.setattr(checks, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(calls, "compiled_prepare", interpreted_prepare)
+    monkeypatch.setattr(calls, "compiled_recurrence", compiled_recurrence)
     flags_for("cpu").zero_()
 
     def forward(x, checks="device"):
         tensors = [torch.tensor(a, dtype=torch.float16) for a in (x.q, x.k, x.v)]
         tensors += [torch.tensor(a, dtype=torch.float32) for a in (x.g, x.beta)]
-        return kernel.forward(*tensors, chunk_size=FLAG_C, block_dv=FLAG_BLOCK_DV, checks=checks)
+        config = KernelConfig(chunk_size=FLAG_C, block_dv=FLAG_BLOCK_DV, prepare_threads=128)
+        return calls.forward(*tensors, checks=checks, config=config)[0]
 
     yield forward
     flags_for("cpu").zero_()
@@ -508,13 +514,12 @@ def test_checks_off_flags_nothing_and_host_refuses_before_the_kernels(cpu_forwar
     """checks="off" runs the kernel without Flags: a bad value sets nothing. checks="host" raises at
     the call, before any kernel is built."""
     from stages.common.device_checks import flags_for
-    from stages.s05_fast_kda import kernel
+    from stages.kda import calls
 
     bad = _flag_inputs(("g", (0, 22, 1, 5), 0.25))
     cpu_forward(bad, checks="off")
     assert not flags_for("cpu").any()
-    for name in ("compiled_prepare", "compiled_flagged_prepare"):
-        monkeypatch.setattr(kernel, name, lambda *arguments: pytest.fail("a kernel was built"))
+    monkeypatch.setattr(calls, "compiled_prepare", lambda *arguments, **options: pytest.fail("a kernel was built"))
     with pytest.raises(ValueError, match="g must be finite and <= 0"):
         cpu_forward(bad, checks="host")
     with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
@@ -529,7 +534,7 @@ def test_the_solve_outputs_are_the_forwards_a_kk_and_t(dtype):
     on gates down to -1e4 (flagged sub-blocks, taken term by term), beta at 0 (where L's column is
     zero and A_kk's is not: L written for A_kk fails) and 1, and a short last chunk. Inputs unchanged, a second call equal."""
     from stages.common.interpreter import interpret
-    from stages.s05_fast_kda.kernel import build_prepare_program, prepare_outputs
+    from stages.kda.prepare import build_prepare_program, prepare_outputs
 
     x = _any_gate_inputs()
     B, N, H, d_k, d_v = ANY_GATE_SHAPE
@@ -574,7 +579,7 @@ def _solve_by_definition(k, g, beta, C):
 def test_only_the_flagged_prepare_takes_flags():
     """value_flags=False builds the program stage 5's exercise builds (no Flags); True adds Flags after
     Beta, and nothing else of the signature moves."""
-    from stages.s05_fast_kda.kernel import build_prepare_program
+    from stages.kda.prepare import build_prepare_program
 
     def names(program):
         return [program.buffer_map[p].name for p in program.params]
@@ -594,7 +599,7 @@ def test_the_default_forward_flags_bad_values_on_the_gpu_and_captures_in_a_cuda_
     import torch
 
     from stages.common.device_checks import BAD_BETA, BAD_GATE, MESSAGES, raise_if_flagged
-    from stages.s05_fast_kda.kernel import forward
+    from stages.kda.calls import forward
 
     device = torch.device("cuda")
     x = _inputs(1, 1000, 2, 128, 128, seed=16)
@@ -602,11 +607,11 @@ def test_the_default_forward_flags_bad_values_on_the_gpu_and_captures_in_a_cuda_
     x.beta[0, 3], x.beta[0, 9] = 0.0, 1.0
     q, k, v, g, beta = _cuda_inputs(x, torch.bfloat16)
     raise_if_flagged(device)
-    eager = forward(q, k, v, g, beta)
+    eager, _ = forward(q, k, v, g, beta)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = forward(q, k, v, g, beta)
+        captured, _ = forward(q, k, v, g, beta)
     graph.replay()
     graph.replay()
     torch.cuda.synchronize()
