@@ -31,7 +31,7 @@ STATE_AXES = ("batch", "head", "d_k", "d_v")
 
 def _interpreted(name, *arguments):
     """The kernel `name`, built with `arguments`, run by the tile interpreter."""
-    from stages.s06_backward.kernel import BUILDERS
+    from stages.kda.backward import BUILDERS
 
     build, outputs = BUILDERS[name]
     return interpret(build(*arguments), out_idx=outputs)
@@ -40,7 +40,8 @@ def _interpreted(name, *arguments):
 def _interpret_backward(x, do, initial_state, d_final_state, chunk_size, block_dv, dtype):
     """The wrapper's steps on NumPy arrays: pad, the five kernels through the interpreter, crop."""
     from stages.common.checks import padded_length
-    from stages.s06_backward.kernel import kernel_arguments, run_kernels
+    from stages.kda.backward import kernel_arguments
+    from stages.kda.calls import run_kernels
 
     B, N, H, d_k = x.q.shape
     d_v = x.v.shape[3]
@@ -189,7 +190,9 @@ def test_the_forwards_prepare_outputs_given_skip_the_prepare_and_give_the_same_g
     interpreted prepare's outputs on the same padded inputs): the prepare is not launched again and
     every gradient is the same, bit for bit; a prepared of another shape is refused by the wrapper."""
     from stages.common.checks import padded_length
-    from stages.s06_backward.kernel import check_prepared, kernel_arguments, run_kernels
+    from stages.kda.backward import kernel_arguments
+    from stages.kda.calls import run_kernels
+    from stages.kda.checks import check_prepared
 
     x, do, S_0, dS_N = _inputs(1, 40, 2, D, D, seed=12)
     N_padded = padded_length(40, C)
@@ -284,7 +287,8 @@ def test_exact_sub_blocks_alone_match_reference_c(monkeypatch):
 
 def test_wrapper_rejects_bad_input():
     torch = pytest.importorskip("torch")
-    from stages.s06_backward.kernel import backward
+    from stages.kda.calls import backward
+    from stages.kda.config import KernelConfig
 
     q = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
     g = -torch.ones(1, 64, 2, 64)
@@ -300,8 +304,8 @@ def test_wrapper_rejects_bad_input():
          r"initial_state must have shape \(B, H, d_k, d_v\) = \(1, 2, 64, 64\)"),
         ((q, q, q, g, beta, q), {"d_final_state": state.half()}, TypeError, "d_final_state must have dtype float32"),
         ((q, q, q, g[..., :32].contiguous(), beta, q), {}, ValueError, r"g must have shape \(B, N, H, d_k\)"),
-        ((q, q, q, g, beta, q), {"chunk_size": 128}, ValueError, "chunk_size must be 32 or 64"),
-        ((q, q, q, g, beta, q), {"block_dv": 24}, ValueError, "block_dv must be a multiple of 16"),
+        ((q, q, q, g, beta, q), {"config": KernelConfig(chunk_size=128)}, ValueError, "chunk_size must be 32 or 64"),
+        ((q, q, q, g, beta, q), {"config": KernelConfig(block_dv=24)}, ValueError, "block_dv must be a multiple of 16"),
         # the values on the host with checks="host" (the default leaves them to the prepare kernel's flags)
         ((q, q, q, -g, beta, q), {"checks": "host"}, ValueError, r"g must be finite and <= 0"),
         ((q, q, q, g, beta + 1, q), {"checks": "host"}, ValueError, r"beta must lie in \[0, 1\]"),
@@ -318,7 +322,7 @@ def test_wrapper_rejects_bad_input():
 
 
 # The GPU tests' cases. A case compiles the five kernels once for its (B, N padded, H, D, dtype, block_dv)
-# (compiled_kernels caches them); the cases share most compiles, so that the GPU tests take a minute on
+# (compiled_backward_kernels caches them); the cases share most compiles, so that the GPU tests take a minute on
 # a fresh machine, and the compile tests below lower every one of them on a CPU. d = 128 at
 # (2, 300, 2, 128) in bf16: the shape and dtype of test_s06_autograd's and test_s06_layer's GPU tests.
 GPU_CASES = {
@@ -333,9 +337,9 @@ H200_SMS = 132  # the GPU the tests run on: the wrapper's block_dv for None ther
 
 
 def _gpu_kernel_shapes():
-    """{case: the arguments of compiled_kernels} for every GPU case, as the wrapper calls it on an H200."""
+    """{case: the arguments of compiled_backward_kernels} for every GPU case, as the wrapper calls it on an H200."""
     from stages.common.checks import padded_length
-    from stages.s05_fast_kda.kernel import DEFAULT_CHUNK_SIZE, default_block_dv
+    from stages.kda.config import DEFAULT_CHUNK_SIZE, default_block_dv
 
     shapes = {}
     for name, (B, N, H, D, dtype, _, block_dv) in GPU_CASES.items():
@@ -345,8 +349,8 @@ def _gpu_kernel_shapes():
 
 
 def _gpu_compiles(*dtypes):
-    """[(kernel, compiled_kernels' arguments)]: each distinct compile of the GPU cases in `dtypes`."""
-    from stages.s06_backward.kernel import kernel_arguments
+    """[(kernel, compiled_backward_kernels' arguments)]: each distinct compile of the GPU cases in `dtypes`."""
+    from stages.kda.backward import kernel_arguments
 
     compiles = {}
     for shape in _gpu_kernel_shapes().values():
@@ -397,7 +401,7 @@ def test_kernel_lowers_for_sm90a(kernel, shape):
     """Every fp16 kernel the GPU tests compile, lowered (nvcc's registers are bf16's above), with no
     __syncthreads() in a branch on the thread index."""
     from stages.common.tilelang_tools import barriers_in_thread_branches, lower
-    from stages.s06_backward.kernel import BUILDERS, kernel_arguments
+    from stages.kda.backward import BUILDERS, kernel_arguments
 
     source = lower(BUILDERS[kernel][0](*kernel_arguments(*shape)[kernel])).kernel_source
     assert barriers_in_thread_branches(source) == []
@@ -405,10 +409,12 @@ def test_kernel_lowers_for_sm90a(kernel, shape):
 
 def test_every_gpu_case_finds_its_kernels_among_the_shared_compiles(monkeypatch):
     """On the CPU, the wrapper as the GPU tests call it (an H200's 132 SMs): each case asks
-    compiled_kernels for kernels that gpu_kernels compiles up front, so no case (d = 128 included)
+    compiled_backward_kernels for kernels that gpu_kernels compiles up front, so no case (d = 128 included)
     compiles again, and the two d = 128 cases share all but the chunk loops."""
     torch = pytest.importorskip("torch")
-    from stages.s06_backward import kernel
+    from stages.kda import calls, config
+    from stages.kda import checks as kda_checks
+    from stages.kda.backward import kernel_arguments
 
     asked = []
 
@@ -421,20 +427,27 @@ def test_every_gpu_case_finds_its_kernels_among_the_shared_compiles(monkeypatch)
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
                 torch.zeros_like(beta), torch.zeros_like(initial_state))
 
-    monkeypatch.setattr(kernel, "compiled_kernels", compiled_kernels)
-    monkeypatch.setattr(kernel, "run_kernels", run_kernels)
-    monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
-    monkeypatch.setattr(kernel, "streaming_multiprocessors", lambda device: H200_SMS)
+    monkeypatch.setattr(calls, "compiled_backward_kernels", compiled_kernels)
+    monkeypatch.setattr(calls, "run_kernels", run_kernels)
+    monkeypatch.setattr(kda_checks, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(config, "streaming_multiprocessors", lambda device: H200_SMS)
     for B, N, H, D, dtype, with_states, block_dv in GPU_CASES.values():
         q = torch.zeros(B, N, H, D, dtype=getattr(torch, dtype))
         state = torch.zeros(B, H, D, D) if with_states else None
-        kernel.backward(q, q, q, torch.full((B, N, H, D), -0.1), torch.full((B, N, H), 0.5), q,
-                        initial_state=state, d_final_state=state, block_dv=block_dv)
+        calls.backward(q, q, q, torch.full((B, N, H, D), -0.1), torch.full((B, N, H), 0.5), q,
+                       initial_state=state, d_final_state=state, config=_config(B, H, D, block_dv))
     assert asked == list(_gpu_kernel_shapes().values())
-    shared = {(name, kernel.kernel_arguments(*shape)[name]) for name, shape in _gpu_compiles("float16", "bfloat16")}
+    shared = {(name, kernel_arguments(*shape)[name]) for name, shape in _gpu_compiles("float16", "bfloat16")}
     for shape in asked:
-        assert {(name, arguments) for name, arguments in kernel.kernel_arguments(*shape).items()} <= shared, shape
+        assert {(name, arguments) for name, arguments in kernel_arguments(*shape).items()} <= shared, shape
     assert len(shared) == 17  # 5 per case, the 64-column case adding its two chunk loops
+
+
+def _config(B, H, D, block_dv):
+    """The backward's sizes with block_dv given, or None (resolved by the call) where it is not."""
+    from stages.kda.config import resolve
+
+    return None if block_dv is None else resolve(B, H, D, D, H200_SMS, block_dv=block_dv)
 
 
 def _cuda(x, do, S_0, dS_N, dtype):
@@ -449,11 +462,12 @@ def _cuda(x, do, S_0, dS_N, dtype):
 @pytest.fixture(scope="module")
 def gpu_kernels():
     """Every distinct kernel of the GPU cases compiled at once, in threads (a minute, not one per case);
-    the wrapper then finds them in compiled_one_kernel's cache."""
+    the wrapper then finds them in compiled_backward_kernel's cache."""
     from stages.common.tilelang_tools import compile_in_threads
-    from stages.s06_backward.kernel import compiled_one_kernel, kernel_arguments
+    from stages.kda.backward import kernel_arguments
+    from stages.kda.compiled import compiled_backward_kernel
 
-    jobs = {f"{kernel} at {shape}": functools.partial(compiled_one_kernel, kernel, *kernel_arguments(*shape)[kernel])
+    jobs = {f"{kernel} at {shape}": functools.partial(compiled_backward_kernel, kernel, *kernel_arguments(*shape)[kernel])
             for kernel, shape in _gpu_compiles("float16", "bfloat16")}
     failures = {key: result for key, result in compile_in_threads(jobs, log=print).items()
                 if isinstance(result, Exception)}
@@ -469,7 +483,7 @@ def _gpu_case(name):
     S_0, dS_N = (S_0, dS_N) if with_states else (None, None)
     expected = reference.recurrent_backward(x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N)
     arguments, (S_0_cuda, dS_N_cuda) = _cuda(x, do, S_0, dS_N, getattr(torch, dtype))
-    return expected, arguments, dict(initial_state=S_0_cuda, d_final_state=dS_N_cuda, block_dv=block_dv)
+    return expected, arguments, dict(initial_state=S_0_cuda, d_final_state=dS_N_cuda, config=_config(B, H, D, block_dv))
 
 
 @pytest.mark.gpu
@@ -479,7 +493,7 @@ def test_backward_on_gpu_matches_reference_a(gpu_kernels, case):
     the inputs unchanged and a second call bitwise equal."""
     import torch
 
-    from stages.s06_backward.kernel import backward
+    from stages.kda.calls import backward
 
     dtype = GPU_CASES[case][4]
     expected, arguments, options = _gpu_case(case)
@@ -500,7 +514,7 @@ def test_backward_on_gpu_matches_fla_chunk_kda(gpu_kernels):
     """bf16 at B=2, N=300, H=2, d=128, both states: each of our gradients is within twice FLA's own
     error against the float64 reference A (or within u, where FLA's is smaller than that)."""
     fla_ops = pytest.importorskip("fla.ops")
-    from stages.s06_backward.kernel import backward
+    from stages.kda.calls import backward
 
     expected, arguments, options = _gpu_case(FLA_CASE)
     ours = backward(*arguments, **options)
@@ -528,7 +542,7 @@ def test_backward_on_gpu_takes_any_gate_as_accurately_as_fla(gpu_kernels, layout
     import torch
 
     fla_ops = pytest.importorskip("fla.ops")
-    from stages.s06_backward.kernel import backward
+    from stages.kda.calls import backward
 
     B, N, H, D_case, dtype, _, _ = GPU_CASES[FLA_CASE]
     gentle_x, gentle_do, *_ = _inputs(B, N, H, D_case, D_case, seed=N + D_case)
@@ -571,17 +585,19 @@ def test_the_backward_checks_values_where_checks_says(monkeypatch, checks):
     default) compiles the prepare that flags them and hands it the device's flags; "off" neither."""
     torch = pytest.importorskip("torch")
     from stages.common.device_checks import flags_for
-    from stages.s06_backward import kernel
+    from stages.kda import calls, config
+    from stages.kda import checks as kda_checks
+    from stages.kda.backward import kernel_arguments
 
     B, N, H, D = 1, 64, 1, 64
     q = torch.zeros(B, N, H, D, dtype=torch.float16)
     bad_g, beta = torch.full((B, N, H, D), 0.5), torch.full((B, N, H), 0.5)  # g > 0
     if checks == "host":
         with pytest.raises(ValueError, match="g must"):
-            kernel.backward(q, q, q, bad_g, beta, q, checks=checks)
+            calls.backward(q, q, q, bad_g, beta, q, checks=checks)
         return
     with pytest.raises(ValueError, match="cuda|CUDA"):  # no value read on the host: the device check is next
-        kernel.backward(q, q, q, bad_g, beta, q, checks=checks)
+        calls.backward(q, q, q, bad_g, beta, q, checks=checks)
     seen = {}
 
     def compiled_kernels(*arguments, value_flags=False):
@@ -592,11 +608,11 @@ def test_the_backward_checks_values_where_checks_says(monkeypatch, checks):
         seen["flags"] = flags
         return (q, k, v, g, beta, initial_state)
 
-    monkeypatch.setattr(kernel, "compiled_kernels", compiled_kernels)
-    monkeypatch.setattr(kernel, "run_kernels", run_kernels)
-    monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
-    monkeypatch.setattr(kernel, "streaming_multiprocessors", lambda device: 132)
-    kernel.backward(q, q, q, bad_g, beta, q, checks=checks)
+    monkeypatch.setattr(calls, "compiled_backward_kernels", compiled_kernels)
+    monkeypatch.setattr(calls, "run_kernels", run_kernels)
+    monkeypatch.setattr(kda_checks, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(config, "streaming_multiprocessors", lambda device: 132)
+    calls.backward(q, q, q, bad_g, beta, q, checks=checks)
     if checks == "device":
         assert seen["value_flags"] and len(seen["flags"]) == 1 and seen["flags"][0] is flags_for(q.device)
     else:
@@ -607,7 +623,9 @@ def test_the_backward_hands_the_kept_prepare_outputs_to_its_kernels(monkeypatch)
     """backward(..., prepared=...) checks their shape against the padded inputs and passes them on to
     run_kernels (which then skips the prepare: the interpreter test above)."""
     torch = pytest.importorskip("torch")
-    from stages.s06_backward import kernel
+    from stages.kda import calls, config
+    from stages.kda import checks as kda_checks
+    from stages.kda.backward import kernel_arguments
 
     B, N, H, D = 1, 40, 1, 32  # padded to 64 tokens
     q, g, beta = torch.zeros(B, N, H, D, dtype=torch.float16), -torch.rand(B, N, H, D), torch.rand(B, N, H)
@@ -617,21 +635,23 @@ def test_the_backward_hands_the_kept_prepare_outputs_to_its_kernels(monkeypatch)
         seen["prepared"] = prepared
         return (q, k, v, g, beta, initial_state)
 
-    monkeypatch.setattr(kernel, "compiled_kernels", lambda *arguments, value_flags=False: {})
-    monkeypatch.setattr(kernel, "run_kernels", run_kernels)
-    monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
-    monkeypatch.setattr(kernel, "streaming_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(calls, "compiled_backward_kernels", lambda *arguments, value_flags=False: {})
+    monkeypatch.setattr(calls, "run_kernels", run_kernels)
+    monkeypatch.setattr(kda_checks, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(config, "streaming_multiprocessors", lambda device: 132)
     kept = tuple(torch.zeros(B, 64, H, D) for _ in range(8))
-    kernel.backward(q, q, q, g, beta, q, checks="off", prepared=kept)
+    calls.backward(q, q, q, g, beta, q, checks="off", prepared=kept)
     assert seen["prepared"] is kept
     with pytest.raises(ValueError, match="prepared must be the eight tensors"):
-        kernel.backward(q, q, q, g, beta, q, checks="off", prepared=tuple(torch.zeros(B, N, H, D) for _ in range(8)))
+        calls.backward(q, q, q, g, beta, q, checks="off", prepared=tuple(torch.zeros(B, N, H, D) for _ in range(8)))
 
 
 def test_the_backward_refuses_an_unknown_checks_mode():
     torch = pytest.importorskip("torch")
-    from stages.s06_backward import kernel
+    from stages.kda import calls, config
+    from stages.kda import checks as kda_checks
+    from stages.kda.backward import kernel_arguments
 
     q = torch.zeros(1, 64, 1, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="checks must be one of"):
-        kernel.backward(q, q, q, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), q, checks=True)
+        calls.backward(q, q, q, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), q, checks=True)
