@@ -51,6 +51,9 @@ class Stage:
     gate: str  # "none", "head", "token" or "channel", as stages.common.inputs
     has_beta: bool
     plain: object  # the plain-torch function
+    # the modules whose build_*program functions build the kernels, where kernel_module does not
+    program_modules: tuple[str, ...] = ()
+    forward_returns_state: bool = False  # forward returns (o, final state or None), the fast path's convention
 
     def inputs_bytes(self, B, N, H, D, element_size):
         """Bytes the forward must read and write at least: q, k, v, gates, beta in; o out."""
@@ -61,40 +64,72 @@ class Stage:
         return moved
 
     def kernel_digest(self):
-        """Which kernel a run measured: the first 12 hex digits of the SHA-256 of the code of the kernel
-        module's program builders (its top-level `build_*program` functions and the macros they build
-        with: program_digest), so that an edit of the wrapper, a comment or a snippet marker does not
+        """Which kernel a run measured: the first 12 hex digits of the SHA-256 of the code of the
+        program modules' builders (their top-level `build_*program` functions and the macros they build
+        with: modules_digest), so that an edit of the wrapper, a comment or a snippet marker does not
         mark old results stale."""
-        source = Path(importlib.util.find_spec(self.kernel_module).origin).read_text()
-        return program_digest(source)
+        return modules_digest(self.program_modules or (self.kernel_module,))
+
+
+def modules_digest(modules):
+    """program_digest of the kernel modules named (dotted names), their code in the order given."""
+    lines = []
+    for module in modules:
+        lines += program_lines(_module_source(module))
+    return _digest(lines)
 
 
 def program_digest(source):
     """Digest of the code that builds a kernel module's programs: its `build_*program` functions and
-    its TileLang macros (`*_macro`), and the macros it imports from another kernel module (stages 6
-    and 7 build with stage 5's), their text with the comments and blank lines taken out. Not
-    `ast.dump` or the token stream, whose forms change between Python versions (the GPU machine runs
-    another Python than the course machines); a comment is a comment in every version."""
+    its TileLang macros (`*_macro`), and those it imports from another kernel module (stage 5 re-exports
+    the builders of stages.kda, whose builders build with the macros of stages.kda.tiles), their text
+    with the comments and blank lines taken out. Not `ast.dump` or the token stream, whose forms change
+    between Python versions (the GPU machine runs another Python than the course machines); a comment
+    is a comment in every version."""
+    return _digest(program_lines(source))
+
+
+def program_lines(source, names=None):
+    """The code lines program_digest hashes: the builders and macros `source` defines (those of `names`
+    only, if given), then, in the order imported, those it imports from other modules and what they
+    build with in turn. Refused if none of them is a `build_*program` function."""
     import ast
 
     tree = ast.parse(source)
-    builders = [node for node in tree.body
-                if isinstance(node, ast.FunctionDef) and node.name.startswith("build_") and node.name.endswith("program")]
-    if not builders:
-        raise ValueError("the kernel module defines no build_*program function")
-    kept = _code_lines(source, builders + [node for node in tree.body if _is_macro(node)])
-    for node in tree.body:  # the macros of another kernel module, in the order they are imported
-        names = {alias.name for alias in getattr(node, "names", ()) if alias.name.endswith("_macro")}
-        if isinstance(node, ast.ImportFrom) and node.module and names:
-            other = Path(importlib.util.find_spec(node.module).origin).read_text()
-            kept += _code_lines(other, [n for n in ast.parse(other).body if _is_macro(n) and n.name in names])
-    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:12]
+    own = [node for node in tree.body if _builds(node) and (names is None or node.name in names)]
+    own.sort(key=lambda node: not _is_builder(node.name))  # the builders, then the macros
+    kept = _code_lines(source, own)
+    builds_a_program = any(_is_builder(node.name) for node in own)
+    for node in tree.body:
+        imported = {alias.name for alias in getattr(node, "names", ()) if _builds_name(alias.name)}
+        if isinstance(node, ast.ImportFrom) and node.module and imported:
+            kept += program_lines(_module_source(node.module), imported)
+            builds_a_program = builds_a_program or any(_is_builder(name) for name in imported)
+    if not builds_a_program and names is None:
+        raise ValueError("the kernel module defines or imports no build_*program function")
+    return kept
 
 
-def _is_macro(node):
+def _digest(lines):
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+
+
+def _module_source(module):
+    return Path(importlib.util.find_spec(module).origin).read_text()
+
+
+def _is_builder(name):
+    return name.startswith("build_") and name.endswith("program")
+
+
+def _builds_name(name):
+    return _is_builder(name) or name.endswith("_macro")
+
+
+def _builds(node):
     import ast
 
-    return isinstance(node, ast.FunctionDef) and node.name.endswith("_macro")
+    return isinstance(node, ast.FunctionDef) and _builds_name(node.name)
 
 
 def _code_lines(source, functions):
@@ -122,7 +157,8 @@ STAGES = {
     "s03": Stage("s03_gated_deltanet", "stages.s03_gated_deltanet.kernel", "chunk_gated_delta_rule", "token", True,
                  plain_torch.gated_deltanet),
     "s04": Stage("s04_kda", "stages.s04_kda.kernel", "chunk_kda", "channel", True, plain_torch.kda),
-    "s05": Stage("s05_fast_kda", "stages.s05_fast_kda.kernel", "chunk_kda", "channel", True, plain_torch.kda),
+    "s05": Stage("s05_fast_kda", "stages.kda.calls", "chunk_kda", "channel", True, plain_torch.kda,
+                 program_modules=("stages.kda.prepare", "stages.kda.recurrence"), forward_returns_state=True),
 }
 
 
@@ -149,7 +185,11 @@ def make_inputs(stage, B, N, H, D, dtype, gate_range=GATE_RANGE, seed=0):
 
 
 def ours(stage):
-    return importlib.import_module(stage.kernel_module).forward
+    """Our forward of the stage, returning o (as `fla` returns FLA's)."""
+    forward = importlib.import_module(stage.kernel_module).forward
+    if stage.forward_returns_state:
+        return lambda *args: forward(*args)[0]
+    return forward
 
 
 def fla(stage):

@@ -14,13 +14,13 @@ it first compiles, autotunes, captures and checks (ours against FLA), then times
   kernel flags bad values, no host sync), and `call_unchecked` with checks="off" (the kernel
   without the flags); `value_check`: the check checks="host" adds, alone
   (stages.common.torch_checks.check_gate_values: one pass and a sync; no range check, any gate runs);
-- ours `prepare_flagged`: the prepare kernel forward's default launches (it flags bad values as it
-  loads g and beta), and `prepare_bounded_gate`: the prepare kernel without the any-gate branch
-  (any_gate=False, every diagonal sub-block through the anchored GEMMs: the kernel before it took any
-  gate, wrong past the operands' range), each alone as a CUDA graph: what the flags and the any-gate
-  branch cost the kernels;
+- ours `prepare_flagged`: the prepare kernel forward's default call launches (it flags bad values as
+  it loads g and beta), alone as a CUDA graph: what the flags cost the kernels;
 - FLA `call`: chunk_kda as a caller runs it, once per shape and round, and FLA `kernels`: the same
   call captured as a CUDA graph, if it captures.
+
+The kernels are built as forward builds them at each shape, with the KernelConfig that
+stages.kda.config.resolve_for gives that shape on this GPU.
 
 The inputs are the benchmark's (bench.make_inputs: gates a = e^g uniform in bench.GATE_RANGE), or with
 --gate-range LOW,HIGH gates a uniform in [LOW, HIGH]: 0.000001,0.0001 makes every diagonal sub-block's
@@ -35,8 +35,8 @@ shapes, so every started shape is timed at least once. The rows of the prepare a
 their TileLang programs (stages.common.program_cost).
 
 Writes DIR/fair.csv (one row per round and measurement) and DIR/fair_meta.json (machine, versions,
-command, kernel digest, this machine's roofs from benchmarks/roofs.py, rel L2 of ours vs FLA per
-shape; written first, with the roofs, and completed at the end: a run stopped from outside keeps
+command, kernel digest, this machine's roofs from benchmarks/roofs.py, per shape the config and
+rel L2 of ours vs FLA; written first, with the roofs, and completed at the end: a run stopped from outside keeps
 "complete": false); named apart from bench.py's files so both can share one DIR. Commit them as
 benchmarks/results/fair.csv and fair_meta.json; `course regenerate` turns them into the fair
 timings and the roofline of the benchmarks page (kdacourse/pages/fair.py).
@@ -44,8 +44,8 @@ timings and the roofline of the benchmarks page (kdacourse/pages/fair.py).
 
 import argparse
 import csv
+import dataclasses
 import gc
-import inspect
 import json
 import platform
 import statistics
@@ -65,7 +65,7 @@ DTYPE = "bfloat16"
 # (impl, what) in the order of an odd round; even rounds run it backwards
 MEASUREMENTS = [("fla", "call"), ("ours", "call"), ("ours", "call_unchecked"), ("ours", "value_check"),
                 ("fla", "kernels"), ("ours", "kernels"), ("ours", "prepare"), ("ours", "recurrence"),
-                ("ours", "prepare_flagged"), ("ours", "prepare_bounded_gate")]
+                ("ours", "prepare_flagged")]
 KERNEL_PARTS = ("prepare", "recurrence")
 FIELDS = ["round", "B", "N", "H", "D", "dtype", "impl", "what", "method", "time_ms", "gemm_flops",
           "elementwise_flops", "bytes_read", "bytes_written", "error"]
@@ -183,6 +183,8 @@ def comparisons(rows):
             "check alone": Spread.of(measured.get(("ours", "value_check"), {}).values()),
             "call, checks on / off": paired(measured, ("ours", "call"), ("ours", "call_unchecked"), ratio),
             "flags in the prepare (% of the kernels)": share_of_kernels(measured, "prepare_flagged", "prepare"),
+            # the runs in benchmarks/results/fair_checks/ and fair_any_gate_worst/ also timed a prepare
+            # built without the any-gate branch (prepare_bounded_gate), which the kernels no longer build
             "any-gate branch (% of the kernels)": share_of_kernels(measured, "prepare", "prepare_bounded_gate"),
         }
     return result
@@ -218,43 +220,30 @@ def open_writer(path):
 
 # ------------------------------------------------------------------ on the GPU
 
-def forward_defaults():
-    """Stage 5's forward defaults: the kernels timed alone are the ones forward launches."""
-    from stages.s05_fast_kda import kernel
-
-    parameters = inspect.signature(kernel.forward).parameters
-    return {name: parameters[name].default
-            for name in ("chunk_size", "block_dv", "num_stages", "threads", "prepare_threads")}
-
-
-def forward_block_dv(B, H, D, num_sms):
-    """The recurrence's block_dv that forward takes at this shape on a GPU of num_sms SMs."""
-    from stages.s05_fast_kda import kernel
-
-    return forward_defaults()["block_dv"] or kernel.default_block_dv(B, H, D, num_sms)
-
-
 def program_costs(B, N, H, D, num_sms):
-    """{kernel: Cost} of stage 5's two programs at this shape, as forward builds them."""
+    """{kernel: Cost} of stage 5's two programs at this shape, as forward builds them on a GPU of
+    num_sms SMs."""
     from stages.common.program_cost import program_cost
-    from stages.s05_fast_kda import kernel
+    from stages.kda.config import resolve
+    from stages.kda.prepare import build_prepare_program
+    from stages.kda.recurrence import build_recurrence_program
 
-    o = forward_defaults()
-    block_dv = forward_block_dv(B, H, D, num_sms)
-    return {"prepare": program_cost(kernel.build_prepare_program(B, N, H, D, D, o["chunk_size"], DTYPE,
-                                                                 o["prepare_threads"])),
-            "recurrence": program_cost(kernel.build_recurrence_program(B, N, H, D, D, o["chunk_size"], block_dv,
-                                                                       DTYPE, o["num_stages"], o["threads"]))}
+    config = resolve(B, H, D, D, num_sms)
+    return {"prepare": program_cost(build_prepare_program(B, N, H, D, D, config.chunk_size, DTYPE,
+                                                          config.prepare_threads)),
+            "recurrence": program_cost(build_recurrence_program(B, N, H, D, D, config.chunk_size, config.block_dv,
+                                                                DTYPE, config.num_stages, config.threads))}
 
 
-def bounded_gate_prepare(B, N, H, D, chunk_size, threads):
-    """Stage 5's prepare kernel without its any-gate branch (any_gate=False), compiled for the GPU."""
-    import tilelang
+def forward_kernels(B, N, H, D, config, value_flags=False):
+    """(prepare, recurrence) compiled as forward compiles them for this shape and config (value_flags:
+    the prepare of the default call, checks="device"), with the arguments written as forward writes
+    them: functools.cache keys on them as written, so forward's calls find these compiled."""
+    from stages.kda.compiled import compiled_prepare, compiled_recurrence
 
-    from stages.s05_fast_kda import kernel
-
-    program = kernel.build_prepare_program(B, N, H, D, D, chunk_size, DTYPE, threads, any_gate=False)
-    return tilelang.compile(program, out_idx=[5, 6, 7, 8, 9, 10], target="cuda")
+    C = config.chunk_size
+    return (compiled_prepare(B, N, H, D, D, C, DTYPE, config.prepare_threads, value_flags, solve_outputs=False),
+            compiled_recurrence(B, N, H, D, D, C, config.block_dv, DTYPE, config.num_stages, config.threads))
 
 
 def capture(function):
@@ -282,38 +271,33 @@ class Shape:
 
         from stages.common.device_checks import flags_for
         from stages.common.torch_checks import check_gate_values
-        from stages.s05_fast_kda import kernel
+        from stages.kda.calls import forward
+        from stages.kda.config import resolve_for, streaming_multiprocessors
 
         self.B, self.N, self.H, self.D = B, N, H, D
         self.label = f"B={B} N={N} H={H} D={D}"
         self.errors, self.methods, self.functions = {}, {}, {}
         q, k, v, g, beta = bench.make_inputs(bench.STAGES["s05"], B, N, H, D, torch.bfloat16, gate_range)
-        o = forward_defaults()
-        num_sms = kernel.streaming_multiprocessors(q.device)
-        self.block_dv = forward_block_dv(B, H, D, num_sms)
-        prepare = kernel.compiled_prepare(B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"])
-        recurrence = kernel.compiled_recurrence(B, N, H, D, D, o["chunk_size"], self.block_dv, DTYPE,
-                                                 o["num_stages"], o["threads"])
+        self.config = resolve_for(q.device, B, H, D, D)  # what forward resolves at this shape
+        prepare, recurrence = forward_kernels(B, N, H, D, self.config)
         state = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device)
         prepared = prepare(q, k, v, g, beta)
-        self.costs = program_costs(B, N, H, D, num_sms)
-        flagged = kernel.compiled_flagged_prepare(B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"])
+        self.costs = program_costs(B, N, H, D, streaming_multiprocessors(q.device))
+        flagged, _ = forward_kernels(B, N, H, D, self.config, value_flags=True)
         flags = flags_for(q.device)
-        bounded_gate = bounded_gate_prepare(B, N, H, D, o["chunk_size"], o["prepare_threads"])
         launches = {"kernels": lambda: recurrence(*prepare(q, k, v, g, beta), state),
                     "prepare": lambda: prepare(q, k, v, g, beta),
                     "recurrence": lambda: recurrence(*prepared, state),
-                    "prepare_flagged": lambda: flagged(q, k, v, g, beta, flags),
-                    "prepare_bounded_gate": lambda: bounded_gate(q, k, v, g, beta)}
+                    "prepare_flagged": lambda: flagged(q, k, v, g, beta, flags)}
         for what, launch in launches.items():
             self._graph_or_events(("ours", what), launch, log)
-        self.functions[("ours", "call")] = lambda: kernel.forward(q, k, v, g, beta)
-        self.functions[("ours", "call_unchecked")] = lambda: kernel.forward(q, k, v, g, beta, checks="off")
+        self.functions[("ours", "call")] = lambda: forward(q, k, v, g, beta)
+        self.functions[("ours", "call_unchecked")] = lambda: forward(q, k, v, g, beta, checks="off")
         # the check forward(checks="host") makes (it takes any gate: no range check)
         self.functions[("ours", "value_check")] = lambda: check_gate_values(g, beta)
         for key in (("ours", "call"), ("ours", "call_unchecked"), ("ours", "value_check")):
             self.methods[key] = "events"
-        ours_output = kernel.forward(q, k, v, g, beta, checks="off")
+        ours_output, _ = forward(q, k, v, g, beta, checks="off")
         self.rel_l2_vs_fla = None
         try:
             fla_call = bench.fla(bench.STAGES["s05"])
@@ -428,6 +412,7 @@ def run(args, log, started):
                 torch.cuda.empty_cache()
                 continue
             setup_notes[shape.label] = {"rel_l2_ours_vs_fla": shape.rel_l2_vs_fla,
+                                        "config": dataclasses.asdict(shape.config),
                                         "methods": {f"{i} {w}": m for (i, w), m in shape.methods.items()}}
             log(f"{shape.label}: rel L2 ours vs FLA {shape.rel_l2_vs_fla}")
             try:
@@ -488,8 +473,7 @@ def run_meta(args, argv, torch):
                 python=platform.python_version(),
                 command="python -m benchmarks.fair " + " ".join(sys.argv[1:] if argv is None else argv),
                 date=time.strftime("%Y-%m-%d"), rounds=args.rounds, quick=args.quick, dtype=DTYPE,
-                gate_range=list(args.gate_range),
-                forward_defaults=forward_defaults(), kernel=bench.STAGES["s05"].kernel_digest())
+                gate_range=list(args.gate_range), kernel=bench.STAGES["s05"].kernel_digest())
 
 
 def write_meta(out, meta, started, complete):

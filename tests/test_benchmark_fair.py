@@ -121,7 +121,7 @@ def test_program_costs_count_the_kernels_forward_launches():
 
 
 def test_block_dv_is_wide_only_where_every_sm_keeps_a_program():
-    from stages.s05_fast_kda.kernel import default_block_dv
+    from stages.kda.config import default_block_dv
 
     assert default_block_dv(1, 32, 128, 132) == 32  # 64 programs of 64 columns would idle 68 SMs
     assert default_block_dv(8, 16, 128, 132) == 64  # 256 programs of 64
@@ -195,15 +195,38 @@ def test_a_stopped_run_is_said_so(tmp_path, monkeypatch):
     assert "stopped before it finished" in (tmp_path / "t.md").read_text()
 
 
-def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, capsys):
-    """main() end to end without a GPU: the tile interpreter stands in for the compiled kernels, a
-    fixed timer for do_bench; graphs cannot capture here (events instead) and FLA is missing or cannot
-    run: both are recorded, and the rest is measured."""
+@pytest.fixture
+def empty_compile_caches():
+    """The fast path's compiled-kernel caches emptied before and after a test that fakes compiles."""
+    from stages.kda import compiled
+
+    caches = (compiled.compiled_prepare, compiled.compiled_recurrence)
+    for cache in caches:
+        cache.cache_clear()
+    yield
+    for cache in caches:
+        cache.cache_clear()
+
+
+def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, capsys, empty_compile_caches):
+    """main() end to end without a GPU: the tile interpreter stands in for tilelang.compile, a fixed
+    timer for do_bench; graphs cannot capture here (events instead) and FLA is missing or cannot run:
+    both are recorded, and the rest is measured. The kernels timed alone are the ones forward
+    launches: each compiled once (forward's calls find them compiled), with the sizes forward resolves."""
     torch = pytest.importorskip("torch")
-    pytest.importorskip("tilelang")
+    tilelang = pytest.importorskip("tilelang")
+    import collections
+
     from benchmarks import bench
     from stages.common.interpreter import interpret
-    from stages.s05_fast_kda import kernel
+    from stages.kda import checks, config
+
+    compiles = collections.Counter()
+
+    def compile_on_the_cpu(program, out_idx, target):
+        compiles[f"{program.attrs['global_symbol']}/{len(program.params)}"] += 1
+        run = interpret(program, out_idx=out_idx)
+        return lambda *tensors: [torch.from_numpy(x) for x in run(*tensors)]
 
     def on_cpu(stage, B, N, H, D, dtype, gate_range):
         assert gate_range == (0.5, 0.9)  # --gate-range reaches the inputs
@@ -214,26 +237,13 @@ def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, 
         g = torch.log(gate_range[0] + (gate_range[1] - gate_range[0]) * torch.rand(B, N, H, D, generator=generator))
         return [q, k, v, g, 0.1 + 0.8 * torch.rand(B, N, H, generator=generator)]
 
-    def interpreted(build, out_idx, **options):
-        def compiled(*arguments):
-            run = interpret(build(*arguments, **options), out_idx=out_idx)
-            return lambda *tensors: [torch.from_numpy(x) for x in run(*tensors)]
-        return compiled
-
     for name, value in {"is_available": lambda: True, "get_device_name": lambda *a: "a CPU",
                         "synchronize": lambda *a: None, "empty_cache": lambda: None}.items():
         monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(tilelang, "compile", compile_on_the_cpu)
     monkeypatch.setattr(bench, "make_inputs", on_cpu)
-    monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
-    monkeypatch.setattr(kernel, "streaming_multiprocessors", lambda device: 132)
-    monkeypatch.setattr(kernel, "compiled_prepare", interpreted(kernel.build_prepare_program, [5, 6, 7, 8, 9, 10]))
-    monkeypatch.setattr(kernel, "compiled_flagged_prepare",  # the default call's: Flags after beta
-                        interpreted(kernel.build_prepare_program, [6, 7, 8, 9, 10, 11], value_flags=True))
-    monkeypatch.setattr(kernel, "compiled_recurrence", interpreted(kernel.build_recurrence_program, [7, 8]))
-    bounded_gate = interpreted(kernel.build_prepare_program, [5, 6, 7, 8, 9, 10], any_gate=False)
-    monkeypatch.setattr(fair, "bounded_gate_prepare",
-                        lambda B, N, H, D, chunk_size, threads: bounded_gate(B, N, H, D, D, chunk_size, fair.DTYPE,
-                                                                             threads))
+    monkeypatch.setattr(checks, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(config, "streaming_multiprocessors", lambda device: 2)  # 64 value columns fill 2 SMs
     monkeypatch.setattr(bench, "fla", lambda stage: (_ for _ in ()).throw(ImportError("no FLA here")))
     monkeypatch.setattr(fair, "make_timer", lambda quick: lambda function: [function(), 1.0][1])
     out = tmp_path / "run"
@@ -242,15 +252,18 @@ def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, 
     measured = {(row["round"], row["impl"], row["what"]): row for row in rows}
     assert len(rows) == 2 * len(fair.MEASUREMENTS)
     assert all(measured[("2", "ours", what)]["time_ms"] == "1.0000" for what in
-               ("kernels", "prepare", "recurrence", "call", "call_unchecked", "value_check", "prepare_flagged",
-                "prepare_bounded_gate"))
+               ("kernels", "prepare", "recurrence", "call", "call_unchecked", "value_check", "prepare_flagged"))
     assert measured[("1", "ours", "kernels")]["method"] == "events"  # no graph without CUDA
     assert measured[("1", "fla", "call")]["error"] == "ImportError: no FLA here"
     assert int(measured[("1", "ours", "prepare")]["gemm_flops"]) > 0
+    # the prepare with checks off, the default call's (Flags after beta), the recurrence: once each
+    assert compiles == {"kda_prepare/11": 1, "kda_prepare/12": 1, "kda_recurrence/9": 1}
     meta = __import__("json").loads((out / fair.META_NAME).read_text())
     assert meta["complete"] and meta["device"] == "a CPU" and "error" in meta["roofs"]
     assert meta["gate_range"] == [0.5, 0.9]
-    assert "B=1 N=128 H=2 D=128" in meta["shapes"] and "did not capture" in capsys.readouterr().out
+    assert meta["shapes"]["B=1 N=128 H=2 D=128"]["config"] == dict(
+        chunk_size=64, block_dv=64, threads=128, num_stages=2, prepare_threads=256, intra_threads=256)
+    assert "did not capture" in capsys.readouterr().out
 
 
 def test_a_runs_note_and_the_roofs_source_are_shown(tmp_path, monkeypatch):

@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-from benchmarks import profile_s05
+from benchmarks import bench, profile_s05
 from benchmarks.bench import STAGES
 from benchmarks.merge import write_rows
 from kdacourse.pages import benchmarks as figures
-from stages.s05_fast_kda.kernel import build_prepare_program
+from stages.kda.prepare import build_prepare_program
 
 FIELDS = ["stage", "N", "dtype", "impl", "gate_lower", "gate_upper", "rel_l2_vs_float64", "error"]
 
@@ -57,18 +57,22 @@ def test_runs_table_flags_results_of_a_kernel_changed_since(tmp_path, monkeypatc
 
 
 def test_kernel_digest_follows_the_program_not_the_file(tmp_path, monkeypatch):
+    """A stage's digest is its program's code, wherever it is: a module that re-exports a builder
+    (as stage 5's kernel module re-exports stages.kda's) has the digest of the builder it imports."""
     def write(program_line, elsewhere):
         (tmp_path / "probe_kernel.py").write_text(
             f"def build_program(n):\n    # a comment\n    {program_line}\n\n\ndef forward(x):\n    {elsewhere}\n")
 
     monkeypatch.syspath_prepend(str(tmp_path))
-    stage = dataclasses.replace(STAGES["s05"], kernel_module="probe_kernel")
+    stage = dataclasses.replace(STAGES["s05"], program_modules=("probe_kernel",))
+    reexport = "from probe_kernel import build_program, forward\n"
     write("return n + 1", "return x")
     before = stage.kernel_digest()
+    assert bench.program_digest(reexport) == before
     write("return n + 1", "return 2 * x")  # the wrapper changes: the kernel is the same
-    assert stage.kernel_digest() == before
+    assert stage.kernel_digest() == before == bench.program_digest(reexport)
     write("return n + 2", "return 2 * x")  # the program changes
-    assert stage.kernel_digest() != before
+    assert stage.kernel_digest() != before and bench.program_digest(reexport) == stage.kernel_digest()
     (tmp_path / "probe_kernel.py").write_text("WIDTH = 1\n")
     with pytest.raises(ValueError, match="build_"):
         stage.kernel_digest()
