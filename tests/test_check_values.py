@@ -38,7 +38,7 @@ def test_s05_checks_on_the_host_or_leaves_the_values_to_the_device():
     """checks="host" refuses the bad values before the device check; "device" (the default) and
     "off" read none on the host, and reach the device check; the other checks stay in every mode."""
     torch = pytest.importorskip("torch")
-    from stages.s05_fast_kda.kernel import forward
+    from stages.kda.calls import forward
 
     args = _inputs("s05_fast_kda", torch)
     with pytest.raises(ValueError, match="g must be finite and <= 0"):
@@ -56,7 +56,7 @@ def test_s05_checks_on_the_host_or_leaves_the_values_to_the_device():
 
 def test_s05_zero_state_is_made_once_per_shape_and_device():
     torch = pytest.importorskip("torch")
-    from stages.s05_fast_kda.kernel import zero_state
+    from stages.kda.calls import zero_state
 
     first = zero_state(1, 2, 16, 32, torch.device("cpu"))
     assert first.shape == (1, 2, 16, 32) and first.dtype == torch.float32 and not first.any()

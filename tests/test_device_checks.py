@@ -33,7 +33,7 @@ def _flag_guards(cuda_source, kind):
 def _flagged_reports():
     """The CUDA sources of the three kernels that flag values, at the shapes their stages' compile tests
     use (compile_report's cache shares one nvcc run)."""
-    from stages.s05_fast_kda.kernel import compile_report as forward_report
+    from stages.kda.compiled import compile_report as forward_report
     from stages.s07_serving.kernel import compile_report as decode_report
     from stages.s07_serving.kernel import varlen_compile_report
 

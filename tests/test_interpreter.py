@@ -148,7 +148,8 @@ def test_stage5_kernels_each_match_their_reference():
     """prepare's six outputs against reference.prepare, and recurrence from a nonzero initial state
     against reference.recurrence fed the same tensors (its final state too)."""
     from stages.s05_fast_kda import reference
-    from stages.s05_fast_kda.kernel import build_prepare_program, build_recurrence_program
+    from stages.kda.prepare import build_prepare_program
+    from stages.kda.recurrence import build_recurrence_program
 
     N, C = STAGE_SHAPES[5]
     x = _stage_inputs(5, "float64")

@@ -131,7 +131,9 @@ def test_stage1_kernel_matches_its_formula(B, N, H, d, C, block_dv):
 
 
 def test_stage5_kernels_move_each_tensor_as_often_as_their_grids_say():
-    from stages.s05_fast_kda.kernel import SUB_BLOCK, build_prepare_program, build_recurrence_program
+    from stages.kda.config import SUB_BLOCK
+    from stages.kda.prepare import build_prepare_program
+    from stages.kda.recurrence import build_recurrence_program
 
     B, N, H, d, C, block_dv = 1, 256, 2, 128, 64, 32
     tokens = B * N * H

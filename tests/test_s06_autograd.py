@@ -9,7 +9,7 @@ import torch
 
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
-from stages.s06_backward.autograd import CPU_CHUNK_SIZE, REFUSED, chunk_kda
+from stages.kda.autograd import CPU_CHUNK_SIZE, REFUSED, chunk_kda
 from tests.test_s06_backward import torch_recurrent
 
 INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
@@ -171,7 +171,7 @@ def test_the_kernels_take_q_scaled_and_normalized_with_one_rounding(monkeypatch,
     place everywhere, and k likewise with the norm. The scale taken in bf16 after the norm's own
     rounding put about a quarter of q's entries past it, up to 2.4 half units (and more roundings on dq
     on the way back: 1.19 times FLA's error in dq on the H200)."""
-    from stages.s06_backward import autograd
+    from stages.kda import autograd
 
     captured = {}
 
@@ -201,7 +201,7 @@ def test_gradients_of_q_and_k_reach_the_caller_in_float32_through_the_norm(monke
     """With the norm and the scale in front, the function's q and k are float32 (not yet rounded) and the
     gradients it returns for them are float32 too: the norm's backward then runs on unrounded dq and
     dk, and the caller's bf16 q and k receive one rounding."""
-    from stages.s06_backward import autograd
+    from stages.kda import autograd
 
     seen = {}
     original_backward = autograd.ChunkKDAFunction.backward
@@ -298,15 +298,16 @@ def test_bad_inputs_are_refused_with_clear_errors():
 
 
 def test_the_checks_mode_reaches_stage_5s_forward(monkeypatch):
-    """The CUDA path hands chunk_kda's checks to stage 5's forward, which checks the values as it says;
+    """The CUDA path hands chunk_kda's checks to the forward, which checks the values as it says;
     checked on the CPU with the forward stubbed, since the path itself needs a GPU."""
-    import stages.s05_fast_kda.kernel as stage5
-    from stages.s06_backward import autograd
+    from stages.kda import autograd
 
     seen = []
-    monkeypatch.setattr(stage5, "forward", lambda *arguments, **options: seen.append(options["checks"]))
+    monkeypatch.setattr(autograd, "resolve_for", lambda device, *shape, **sizes: None)
+    monkeypatch.setattr(autograd, "forward_and_prepared", lambda q, k, v, g, beta, state, checks, *rest: seen.append(checks))
+    q = torch.zeros(1, 64, 1, 32)
     for checks in ("device", "host", "off"):
-        autograd._cuda_forward(*[None] * 6, 64, checks)
+        autograd._cuda_forward(q, q, q, None, None, None, 64, checks)
     assert seen == ["device", "host", "off"]
 
 
@@ -360,7 +361,7 @@ def test_cuda_backward_takes_strong_gates_as_accurately_as_fla():
     stretch down to -1e4. No value-range refusal; o, S_T and the six gradients finite and within
     twice FLA's error (or 1e-2) from torch.autograd of the float64 token-by-token recurrence (the CPU
     path's anchored reference overflows float64 at these gates); prints both errors."""
-    from stages.s06_backward.autograd import l2_normalize
+    from stages.kda.autograd import l2_normalize
 
     fla_ops = pytest.importorskip("fla.ops")
     B, T, H, D = 2, 300, 2, 128

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from stages.common.errors import error_report
-from stages.s06_backward.autograd import CPU_CHUNK_SIZE
-from stages.s06_backward.layer import A_RANGE, DT_RANGE, ForgetGate, KDALayer
+from stages.kda.autograd import CPU_CHUNK_SIZE
+from stages.kda.layer import A_RANGE, DT_RANGE, ForgetGate, KDALayer
 
 C = CPU_CHUNK_SIZE
 PIECES = [1, 3, C - 1, C + 5, 2 * C, 1, 1, 1]  # a prefill in pieces, then three decode steps
@@ -48,7 +48,7 @@ def _served_by_stage_7(q, k, v, g, beta, initial_state=None, output_final_state=
     packed batch in one pass, one state per sequence."""
     import numpy as np
 
-    from stages.s06_backward.autograd import l2_normalize, scaled_queries
+    from stages.kda.autograd import l2_normalize, scaled_queries
     from stages.s07_serving.reference import kernel_mirror
 
     if use_qk_l2norm_in_kernel:
@@ -169,7 +169,7 @@ def test_beta_is_a_sigmoid_and_the_kernel_is_called_as_fla_s():
     def recording_kernel(q, k, v, g, beta, **options):
         calls.append(options)
         assert (beta > 0).all() and (beta < 1).all() and (g <= 0).all()
-        from stages.s06_backward.autograd import chunk_kda
+        from stages.kda.autograd import chunk_kda
         return chunk_kda(q, k, v, g, beta, **options)
 
     layer = _layer(kernel=recording_kernel)

@@ -197,7 +197,8 @@ def test_varlen_index_is_the_chunk_table_then_rows_that_start_past_their_sequenc
     them; empty sequences and a single sequence included."""
     import torch
 
-    from stages.s07_serving.kernel import most_chunks, varlen_index
+    from stages.kda.calls import varlen_index
+    from stages.kda.config import most_chunks
     from stages.s07_serving.reference import chunk_table
 
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
@@ -248,20 +249,37 @@ def _interpreted_kernels(lengths, dtype, value_flags=False, C=PREFILL_C, H=PREFI
     `lengths` as prefill sizes it (most_chunks rows in the chunk table), as varlen_forward calls them
     (torch tensors, outputs written in place)."""
     from stages.common.interpreter import interpret
-    from stages.s07_serving.kernel import build_varlen_prepare_program, build_varlen_recurrence_program, most_chunks
+    from stages.kda.config import most_chunks
 
     n_chunks = most_chunks(sum(lengths), len(lengths), C)
     sizes = (sum(lengths), n_chunks * C, n_chunks, len(lengths), H, d, d, C)
-    return (interpret(build_varlen_prepare_program(*sizes, dtype, value_flags=value_flags)),
-            interpret(build_varlen_recurrence_program(*sizes, block_dv, dtype)))
+    return (interpret(_packed_prepare(*sizes, dtype, value_flags=value_flags)),
+            interpret(_packed_recurrence(*sizes, block_dv, dtype)))
+
+
+def _packed_prepare(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_v, C, dtype, value_flags=False):
+    """The prepare program for a packed batch of these sizes (prefill's, at fixed sizes)."""
+    from stages.kda.prepare import PackedBatch, build_prepare_program
+
+    return build_prepare_program(1, T_padded, H, d_k, d_v, C, dtype, value_flags=value_flags,
+                                 packed=PackedBatch(T_tokens, n_chunks, N_seq))
+
+
+def _packed_recurrence(T_tokens, T_padded, n_chunks, N_seq, H, d_k, d_v, C, block_dv, dtype):
+    """The recurrence program for a packed batch of these sizes."""
+    from stages.kda.prepare import PackedBatch
+    from stages.kda.recurrence import build_recurrence_program
+
+    return build_recurrence_program(1, T_padded, H, d_k, d_v, C, block_dv, dtype,
+                                    packed=PackedBatch(T_tokens, n_chunks, N_seq))
 
 
 def _prefill_on_the_cpu(x, cu_seqlens, S0, dtype, kernels):
-    """stages.s07_serving.kernel.varlen_forward on CPU torch tensors with interpreted kernels: the
+    """stages.kda.calls.varlen_forward on CPU torch tensors with interpreted kernels: the
     wrapper's index and the kernels' launches as on the GPU. Returns float64 (o, final states)."""
     import torch
 
-    from stages.s07_serving.kernel import varlen_forward, varlen_index
+    from stages.kda.calls import varlen_forward, varlen_index
 
     operand = {"float64": torch.float64, "bfloat16": torch.bfloat16}[dtype]
     state = torch.float64 if dtype == "float64" else torch.float32
@@ -297,7 +315,8 @@ def test_varlen_prepare_program_matches_reference_c():
     import torch
 
     from stages.common.interpreter import interpret
-    from stages.s07_serving.kernel import build_varlen_prepare_program, most_chunks, varlen_index
+    from stages.kda.calls import varlen_index
+    from stages.kda.config import most_chunks
     from stages.s07_serving.reference import CHUNK_FIELDS, chunk_aligned_rows, chunk_table, prepare_varlen
 
     x, cu_seqlens, _ = _prefill_case(seed=50)
@@ -307,7 +326,7 @@ def test_varlen_prepare_program_matches_reference_c():
     T, N_seq = int(cu_seqlens[-1]), len(cu_seqlens) - 1
     index = varlen_index(torch.tensor(cu_seqlens), T, PREFILL_C).numpy()
     sizes = _varlen_sizes(cu_seqlens, most_chunks(T, N_seq, PREFILL_C))
-    program = build_varlen_prepare_program(*sizes, "float64")
+    program = _packed_prepare(*sizes, "float64")
     outputs = interpret(program, out_idx=[7, 8, 9, 10, 11, 12])(
         *inputs, index[2 * N_seq + 2:].reshape(-1, 2), index[:N_seq + 1])
     prepared, chunk_decay = dict(zip(("w", "u", "q_decayed", "k_to_chunk_end", "a_qk"), outputs[:5])), outputs[5]
@@ -335,7 +354,6 @@ def test_varlen_recurrence_program_matches_reference_c():
     program per (d_v block, sequence x head) that reads only its own sequence's chunks, and o stored
     straight to the packed rows (every row written once: o's buffer starts as NaN in the interpreter)."""
     from stages.common.interpreter import interpret
-    from stages.s07_serving.kernel import build_varlen_recurrence_program
     from stages.s07_serving.reference import chunk_aligned_rows, prepare_varlen, recurrence_varlen
 
     x, cu_seqlens, S0 = _prefill_case(seed=51)
@@ -350,7 +368,7 @@ def test_varlen_recurrence_program_matches_reference_c():
         out[0, token_rows] = a[0]
         return out
 
-    program = build_varlen_recurrence_program(*_varlen_sizes(cu_seqlens), PREFILL_BLOCK_DV, "float64")
+    program = _packed_recurrence(*_varlen_sizes(cu_seqlens), PREFILL_BLOCK_DV, "float64")
     o, final_states = interpret(program, out_idx=[9, 10])(
         *(chunk_aligned(getattr(tensors, field)) for field in program_fields), tensors.chunk_decay, S0,
         chunk_offsets.astype(np.int32), cu_seqlens.astype(np.int32))
@@ -408,6 +426,8 @@ def _prefill_arguments():
 def _bad_prefill_inputs():
     import torch
 
+    from stages.kda.config import KernelConfig
+
     return [
         (dict(cu_seqlens=torch.tensor([0.0, 3.0, 10.0])), TypeError, "cu_seqlens must have dtype int32 or int64"),
         (dict(cu_seqlens=torch.tensor([0, 3, 11], dtype=torch.int32), checks="host"), ValueError, "end at T = 10"),
@@ -418,8 +438,8 @@ def _bad_prefill_inputs():
         (dict(initial_state=torch.zeros(2, 2, 32, 32, dtype=torch.float64)), TypeError, "initial_state must have dtype"),
         (dict(g=torch.full((1, 10, 2, 32), 0.5), checks="host"), ValueError, "g must be finite and <= 0"),
         (dict(beta=torch.rand(1, 10, 3)), ValueError, r"beta must have shape \(B, T, H\)"),
-        (dict(chunk_size=48), ValueError, "chunk_size must be 32 or 64"),
-        (dict(block_dv=12), ValueError, "block_dv"),
+        (dict(config=KernelConfig(chunk_size=48)), ValueError, "chunk_size must be 32 or 64"),
+        (dict(config=KernelConfig(block_dv=12)), ValueError, "block_dv"),
         (dict(q=torch.randn(1, 10, 2, 16, dtype=torch.bfloat16), k=torch.randn(1, 10, 2, 16, dtype=torch.bfloat16),
               g=-torch.rand(1, 10, 2, 16), initial_state=torch.zeros(2, 2, 16, 32)), ValueError,
          "d_k must be a multiple of 32"),
@@ -433,7 +453,7 @@ def _bad_prefill_inputs():
 
 @pytest.mark.parametrize("case", range(15))
 def test_prefill_refuses_bad_inputs_on_any_machine(case):
-    from stages.s07_serving.kernel import prefill
+    from stages.kda.calls import prefill
 
     change, error, message = _bad_prefill_inputs()[case]
     arguments = _prefill_arguments()
@@ -445,7 +465,7 @@ def test_prefill_refuses_bad_inputs_on_any_machine(case):
 def test_prefill_refuses_cu_seqlens_with_more_than_one_row():
     import torch
 
-    from stages.s07_serving.kernel import prefill
+    from stages.kda.calls import prefill
 
     arguments = _prefill_arguments()
     for name in ("q", "k", "v", "g", "beta"):
@@ -509,20 +529,21 @@ def cpu_prefill(monkeypatch):
     GPU). The CPU's flags are clear before and after."""
     torch = pytest.importorskip("torch")
     from stages.common.device_checks import flags_for
-    from stages.s07_serving import kernel
+    from stages.kda import calls, checks
+    from stages.kda.config import KernelConfig
 
     def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False):
         return _interpreted_kernels(PREFILL_LENGTHS, dtype, value_flags, chunk_size, H, d_k, block_dv)
 
-    monkeypatch.setattr(kernel, "check_on_cuda", lambda tensors: None)
-    monkeypatch.setattr(kernel, "compiled_prefill_kernels", compiled_prefill_kernels)
+    monkeypatch.setattr(checks, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(calls, "compiled_prefill_kernels", compiled_prefill_kernels)
     flags_for("cpu").zero_()
 
     def prefill(x, cu_seqlens, checks="device"):
         tensors = [torch.tensor(a, dtype=torch.bfloat16) for a in (x.q, x.k, x.v)]
         tensors += [torch.tensor(a, dtype=torch.float32) for a in (x.g, x.beta)]
-        return kernel.prefill(*tensors, cu_seqlens=torch.tensor(cu_seqlens), chunk_size=PREFILL_C,
-                              block_dv=PREFILL_BLOCK_DV, checks=checks)
+        config = KernelConfig(chunk_size=PREFILL_C, block_dv=PREFILL_BLOCK_DV)
+        return calls.prefill(*tensors, cu_seqlens=torch.tensor(cu_seqlens), checks=checks, config=config)[0]
 
     yield prefill
     flags_for("cpu").zero_()
@@ -598,9 +619,9 @@ def test_the_default_prefill_flags_cu_seqlens_out_of_order_and_reads_nothing_out
 
 
 def test_prefill_on_the_host_refuses_before_the_kernels(cpu_prefill, monkeypatch):
-    from stages.s07_serving import kernel
+    from stages.kda import calls
 
-    monkeypatch.setattr(kernel, "compiled_prefill_kernels", lambda *arguments: pytest.fail("a kernel was built"))
+    monkeypatch.setattr(calls, "compiled_prefill_kernels", lambda *arguments: pytest.fail("a kernel was built"))
     with pytest.raises(ValueError, match="g must be finite and <= 0"):
         cpu_prefill(*_flagged_case(("g", 63, np.nan)), checks="host")
     with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
@@ -613,11 +634,10 @@ def test_rows_past_a_sequence_end_are_not_read_for_the_flags(token, flagged):
     token 64, the next sequence's first (the row its program would read if the loads were not masked),
     sets no flag; at token 63, its own last, it does."""
     from stages.common.interpreter import interpret
-    from stages.s07_serving.kernel import build_varlen_prepare_program
 
     x, cu_seqlens = _flagged_case(("g", token, 0.25))
     T_tokens, C, H, d = int(cu_seqlens[-1]), PREFILL_C, PREFILL_H, PREFILL_D
-    program = build_varlen_prepare_program(T_tokens, C, 1, len(PREFILL_LENGTHS), H, d, d, C, "float64",
+    program = _packed_prepare(T_tokens, C, 1, len(PREFILL_LENGTHS), H, d, d, C, "float64",
                                            value_flags=True)
     flags = np.zeros(FLAG_COUNT, dtype=np.int32)
     outputs = [np.zeros((1, C, H, width)) for width in (d, d, d, d, C)] + [np.zeros((1, 1, H, d))]
@@ -648,7 +668,7 @@ def test_prefill_kernels_compile_for_any_batch_without_spills(kernel, value_flag
 
 def test_prefill_refuses_a_batch_past_32_bit_indices():
     """The kernels of run-time size index in int32: 2^31 entries or more in one buffer are refused."""
-    from stages.s07_serving.kernel import check_int32_indexing
+    from stages.kda.checks import check_int32_indexing
 
     check_int32_indexing(2**31 // (32 * 128) - 64, 32, 128)  # the largest batch of 64-row chunks that fits
     with pytest.raises(ValueError, match="2\\^31 or more: prefill it in smaller batches"):
@@ -673,7 +693,7 @@ def test_prefill_matches_float64_and_fla_with_cu_seqlens(dtype_name):
     against float64 (stage 7's reference B), outputs and final states."""
     import torch
 
-    from stages.s07_serving.kernel import prefill
+    from stages.kda.calls import prefill
     from stages.s07_serving.reference import chunkwise
 
     H, D = 4, 128
@@ -714,7 +734,7 @@ def test_the_default_prefill_flags_bad_values_on_the_gpu():
     import torch
 
     from stages.common.device_checks import BAD_BETA, BAD_GATE, MESSAGES, raise_if_flagged
-    from stages.s07_serving.kernel import prefill
+    from stages.kda.calls import prefill
 
     device = torch.device("cuda")
     x, cu_seqlens, _ = _gpu_packed(GPU_LENGTHS, 2, 128, seed=32)  # sequences from tokens 0, 1, 64, 128, 193, 493, 1493
@@ -750,7 +770,7 @@ def test_prefill_with_cu_seqlens_syncs_nothing_and_replays_as_a_cuda_graph():
     import torch
 
     from stages.common.device_checks import BAD_CU_SEQLENS, MESSAGES, raise_if_flagged
-    from stages.s07_serving.kernel import prefill
+    from stages.kda.calls import prefill
 
     device = torch.device("cuda")
     x, cu_seqlens, S0 = _gpu_packed(GPU_LENGTHS, 2, 128, seed=33)
@@ -797,8 +817,7 @@ def test_prefill_with_cu_seqlens_syncs_nothing_and_replays_as_a_cuda_graph():
 
 def test_the_compiled_pair_is_made_once_and_then_returned_without_threads(monkeypatch):
     """Starting compile_in_threads's two threads on every prefill cost 260 us of host time per call."""
-    from stages.common import tilelang_tools
-    from stages.s07_serving import kernel
+    from stages.kda import compiled
 
     started = []
 
@@ -806,7 +825,7 @@ def test_the_compiled_pair_is_made_once_and_then_returned_without_threads(monkey
         started.append(sorted(compilers))
         return {name: object() for name in compilers}
 
-    monkeypatch.setattr(tilelang_tools, "compile_in_threads", compile_in_threads)
+    monkeypatch.setattr(compiled, "compile_in_threads", compile_in_threads)
     arguments = (2, 64, 64, 64, 32, "a dtype only this test asks for", True)
-    first, second = kernel.compiled_prefill_kernels(*arguments), kernel.compiled_prefill_kernels(*arguments)
+    first, second = compiled.compiled_prefill_kernels(*arguments), compiled.compiled_prefill_kernels(*arguments)
     assert started == [["prepare", "recurrence"]] and first == second

@@ -99,7 +99,7 @@ def test_prefill_in_pieces_then_decode_on_gpu(dtype_name):
     against one float64 pass of stage 4's reference A: every token's output and the final states."""
     import torch
 
-    from stages.s07_serving.kernel import decode, prefill
+    from stages.kda.calls import decode, prefill
 
     dtype = getattr(torch, dtype_name)
     x = _served_inputs(seed=43, H=4, d_k=128, d_v=128)
@@ -118,8 +118,8 @@ def test_prefill_in_pieces_then_decode_on_gpu(dtype_name):
 
     def decode_token(q, k, v, g, beta, host_pool, slots):
         pool[torch.tensor(slots)] = torch.tensor(host_pool[slots], dtype=torch.float32, device="cuda")
-        o = decode(*cuda(q, k, v, as_dtype=dtype), *cuda(g, beta, as_dtype=torch.float32), pool,
-                   torch.tensor(slots, dtype=torch.int32, device="cuda"))
+        o, _ = decode(*cuda(q, k, v, as_dtype=dtype), *cuda(g, beta, as_dtype=torch.float32), pool,
+                      torch.tensor(slots, dtype=torch.int32, device="cuda"))
         host_pool[slots] = pool[torch.tensor(slots)].double().cpu().numpy()
         return o.double().cpu().numpy()
 
@@ -155,7 +155,7 @@ class _ServedKernel:
                  use_qk_l2norm_in_kernel=False, scale=None):
         import torch
 
-        from stages.s06_backward.autograd import l2_normalize, scaled_queries
+        from stages.kda.autograd import l2_normalize, scaled_queries
 
         B, T, H, d_k = q.shape
         if use_qk_l2norm_in_kernel:
@@ -195,7 +195,7 @@ def test_a_layer_served_in_pieces_and_decode_steps_equals_one_forward():
     its own kernel (rel L2 <= 1e-12); the pool's other slots untouched."""
     import torch
 
-    from stages.s06_backward.layer import KDALayer
+    from stages.kda.layer import KDALayer
     from stages.s07_serving.reference import kernel_mirror
 
     def prefill(q, k, v, g, beta, cu_seqlens, states):
@@ -230,8 +230,8 @@ def test_a_layer_served_by_prefill_and_decode_on_gpu():
     on the CPU."""
     import torch
 
-    from stages.s06_backward.layer import KDALayer
-    from stages.s07_serving.kernel import decode, prefill
+    from stages.kda.calls import decode, prefill
+    from stages.kda.layer import KDALayer
 
     def prefill_on_gpu(q, k, v, g, beta, cu_seqlens, states):
         return prefill(*(a.to(torch.bfloat16) for a in (q, k, v)), g.float(), beta.float(),
@@ -239,7 +239,7 @@ def test_a_layer_served_by_prefill_and_decode_on_gpu():
                        output_final_state=True)
 
     def decode_on_gpu(q, k, v, g, beta, pool, slots):
-        return decode(*(a.to(torch.bfloat16) for a in (q, k, v)), g.float(), beta.float(), pool, slots)
+        return decode(*(a.to(torch.bfloat16) for a in (q, k, v)), g.float(), beta.float(), pool, slots)[0]
 
     torch.manual_seed(11)
     layer = KDALayer(d_model=256, n_heads=4, head_dim=128)
