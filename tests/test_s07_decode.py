@@ -122,7 +122,7 @@ def _run_kernel(x, pool, dtype, state_dtype="float32", steps=None):
     """Every token of x through the interpreted kernel, in order, on `pool` (float64 array, updated in
     place); returns o (B, N, H, d_v)."""
     from stages.common.interpreter import interpret
-    from stages.s07_serving.kernel import build_decode_program
+    from stages.kda.decode import build_decode_program
 
     kernel = interpret(build_decode_program(B, P, H, D_K, D_V, BLOCK_DV, dtype=dtype, state_dtype=state_dtype))
     outputs = []
@@ -193,7 +193,7 @@ def _one_step_flags(change):
     """One interpreted step with x's first token changed by `change(g, beta, slots)` (in place):
     (the flags it set, the pool before, the pool after)."""
     from stages.common.interpreter import interpret
-    from stages.s07_serving.kernel import build_decode_program
+    from stages.kda.decode import build_decode_program
 
     x, pool = _kernel_case(seed=25, N=1)
     q, k, v, g, beta = (a.copy() for a in _token(x, 0))
@@ -247,7 +247,7 @@ def test_the_unflagged_decode_takes_no_flags_and_still_writes_no_slot_outside_th
     """value_flags=False (decode's checks="off"): no Flags parameter, so bad values set nothing; a slot
     past the pool still reads slot 0 and writes no state."""
     from stages.common.interpreter import interpret
-    from stages.s07_serving.kernel import build_decode_program
+    from stages.kda.decode import build_decode_program
 
     program = build_decode_program(B, P, H, D_K, D_V, BLOCK_DV, dtype="float64", state_dtype="float64",
                                    value_flags=False)
@@ -279,6 +279,8 @@ def _torch_arguments(B=2, H=2, d_k=16, d_v=32, P=4):
 def _bad_wrapper_inputs():
     import torch
 
+    from stages.kda.config import KernelConfig
+
     return [
         (dict(q=torch.randn(2, 2, 16)), TypeError, "q must have dtype float16 or bfloat16"),
         (dict(k=torch.randn(2, 2, 8, dtype=torch.float16)), ValueError, "k must have the shape of q"),
@@ -295,7 +297,7 @@ def _bad_wrapper_inputs():
         (dict(checks="host", slots=torch.tensor([0, 4], dtype=torch.int32)), ValueError, r"slots must lie in \[0, P\) = \[0, 4\)"),
         (dict(checks="host", g=torch.full((2, 2, 16), 0.5)), ValueError, "g must be finite and <= 0"),
         (dict(checks="host", beta=torch.full((2, 2), 2.0)), ValueError, r"beta must lie in \[0, 1\]"),
-        (dict(block_dv=12), ValueError, "block_dv must be a positive divisor of d_v = 32"),
+        (dict(config=KernelConfig(block_dv=12)), ValueError, "block_dv must be a positive divisor of d_v = 32"),
         (dict(checks="sometimes"), ValueError, "checks must be one of 'device', 'host', 'off'"),
         (dict(), ValueError, "must be on a CUDA device"),  # every check passed: the device is last
     ]
@@ -304,7 +306,7 @@ def _bad_wrapper_inputs():
 @pytest.mark.parametrize("case", range(18))
 def test_wrapper_refuses_bad_inputs_on_any_machine(case):
     """Every check runs before the device check, so each shows on a CPU-only machine."""
-    from stages.s07_serving.kernel import decode
+    from stages.kda.calls import decode
 
     change, error, message = _bad_wrapper_inputs()[case]
     arguments = _torch_arguments()
@@ -317,7 +319,7 @@ def test_the_default_call_leaves_the_values_to_the_kernel():
     """checks="device": repeated slots and a positive gate reach the device check (no host read)."""
     import torch
 
-    from stages.s07_serving.kernel import decode
+    from stages.kda.calls import decode
 
     arguments = _torch_arguments()
     arguments.update(slots=torch.tensor([1, 1], dtype=torch.int32), g=torch.full((2, 2, 16), 0.5))
@@ -348,7 +350,7 @@ def test_kernel_compiles_for_sm90a_without_spills():
 def test_a_pool_past_2_31_entries_is_indexed_in_64_bits():
     """8192 slots of H=32, d=128 hold 2^32 fp32 entries: the state's addresses must not wrap in int32."""
     from stages.common.tilelang_tools import lower
-    from stages.s07_serving.kernel import build_decode_program
+    from stages.kda.decode import build_decode_program
 
     source = lower(build_decode_program(64, 8192, 32, 128, 128, dtype="bfloat16")).kernel_source
     accesses = [line for line in source.splitlines() if "State_pool +" in line]
@@ -363,7 +365,7 @@ def test_kernel_matches_reference_on_gpu(dtype_name, B, P, H, d_k, d_v):
     """Four steps on the GPU against the reference: o and the states within 4u, other slots bitwise kept."""
     import torch
 
-    from stages.s07_serving.kernel import decode
+    from stages.kda.calls import decode
 
     N = 4
     x = make_sequences(B, N, H, d_k, d_v, seed=B + d_k, gate_range=(0.5, 1.0))
@@ -380,7 +382,7 @@ def test_kernel_matches_reference_on_gpu(dtype_name, B, P, H, d_k, d_v):
         q, k, v, g, beta = _token(x, t)
         outputs.append(decode(*(torch.tensor(a, dtype=dtype, device="cuda") for a in (q, k, v)),
                               *(torch.tensor(a, dtype=torch.float32, device="cuda") for a in (g, beta)),
-                              pool_gpu, slots_gpu))
+                              pool_gpu, slots_gpu)[0])
     o = torch.stack(outputs, dim=1).double().cpu().numpy()
     u = UNIT_ROUNDOFF[dtype_name]
     print(f"{dtype_name} B={B} P={P} H={H} d_k={d_k} d_v={d_v}: o {error_report(o, expected)}, "
@@ -400,7 +402,7 @@ def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
     import torch
 
     from stages.common.device_checks import MESSAGES, raise_if_flagged
-    from stages.s07_serving.kernel import decode
+    from stages.kda.calls import decode
 
     device = torch.device("cuda")
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -416,13 +418,13 @@ def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
 
     eager_pool = pool.clone()
     for _ in range(2):
-        eager_o = decode(q, k, v, g, beta, eager_pool, slots)
+        eager_o, _ = decode(q, k, v, g, beta, eager_pool, slots)
     graph_pool = pool.clone()
     decode(q, k, v, g, beta, graph_pool.clone(), slots)  # compiled before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_o = decode(q, k, v, g, beta, graph_pool, slots)
+        graph_o, _ = decode(q, k, v, g, beta, graph_pool, slots)
     graph.replay()
     graph.replay()
     torch.cuda.synchronize()
@@ -453,6 +455,6 @@ def test_the_default_call_flags_bad_values_and_captures_in_a_cuda_graph():
 
 @pytest.mark.parametrize("d_v, block_dv", [(128, 64), (64, 64), (32, 32), (96, 32)])
 def test_decode_takes_64_value_columns_where_they_divide_d_v(d_v, block_dv):
-    from stages.s07_serving.kernel import decode_block_dv
+    from stages.kda.config import decode_block_dv
 
     assert decode_block_dv(d_v) == block_dv
