@@ -51,6 +51,9 @@ MARKER = HANDOUT_MARKER
 COPIED = ["Makefile", "pyproject.toml", "mkdocs.yml", ".gitignore", "scripts", "kdacourse", "stages",
           "exercises", "docs", "benchmarks/results", "tests/__init__.py", "tests/conftest.py", "tests/exercises"]
 LIBRARY_MODULES = ("reference.py", "kernel.py", "numerics.py")
+# the fast path's package (stages/kda/): stages 5-7 teach its kernels, so an exercise of theirs may be
+# one of its functions (build_prepare_program, say), stubbed there as in a stage's modules
+KERNEL_PACKAGE = "kda"
 # The README a student reads at the handout's root, in place of the course's (kdacourse/handout_README.md).
 STUDENT_README = "kdacourse/handout_README.md"
 # A snapshot of a commit, which make_handout writes and builds the handout from, holds this file.
@@ -249,14 +252,22 @@ def solution_functions():
         solution = REPO_ROOT / "solutions" / exercise.stage / exercise.file
         names = {node.name for node in ast.parse(solution.read_text()).body
                  if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")}
-        for module in LIBRARY_MODULES:
-            path = REPO_ROOT / "stages" / exercise.stage / module
-            if not path.is_file():
-                continue
+        for folder, path in library_paths(exercise.stage):
             defined = {node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
             for name in sorted(names & defined):
-                found[(exercise.stage, module, name)] = exercise
+                found[(folder, path.name, name)] = exercise
     return found
+
+
+def library_paths(stage):
+    """[(folder under stages/, path)] of the library modules where `stage`'s exercise functions may
+    live: the stage's LIBRARY_MODULES and, for a stage whose kernel.py teaches the kernel package, the
+    package's modules."""
+    paths = [(stage, REPO_ROOT / "stages" / stage / module) for module in LIBRARY_MODULES]
+    kernel = REPO_ROOT / "stages" / stage / "kernel.py"
+    if kernel.is_file() and f"stages.{KERNEL_PACKAGE}" in kernel.read_text():
+        paths += [(KERNEL_PACKAGE, path) for path in sorted((REPO_ROOT / "stages" / KERNEL_PACKAGE).glob("*.py"))]
+    return [(folder, path) for folder, path in paths if path.is_file()]
 
 
 def exercise_functions():
@@ -272,8 +283,9 @@ def exercise_functions():
         answer = answer_lines(exercise)
         given_away = (SHARE_OF_A_BUILD_ANSWER_THAT_GIVES_IT_AWAY * len(answer) if exercise.file == BUILD_FILE
                       else ANSWER_LINES_THAT_GIVE_IT_AWAY)
-        for path in sorted((REPO_ROOT / "stages").glob("s[0-9][0-9]_*/*.py")):
-            if path.name not in LIBRARY_MODULES:
+        for path in sorted((REPO_ROOT / "stages").glob("s[0-9][0-9]_*/*.py")) + sorted(
+                (REPO_ROOT / "stages" / KERNEL_PACKAGE).glob("*.py")):
+            if path.name not in LIBRARY_MODULES and path.parent.name != KERNEL_PACKAGE:
                 continue
             source = path.read_text()
             for node in ast.parse(source).body:
