@@ -170,7 +170,7 @@ REFERENCE_MODULES = ("reference", "kernel", "identities", "numerics", "autograd"
 
 def write_reference_modules(path):
     """The Reference page's stage sections: a mkdocstrings block per module of each stage that has it."""
-    lines = [banner("kdacourse/pages/course.py: every stage's reference, kernel, identities, numerics, autograd, layer").rstrip(), ""]
+    lines = [banner("kdacourse/pages/course.py: every stage's reference, kernel, identities, numerics, autograd, layer; the kernel package").rstrip(), ""]
     for folder in sorted((REPO_ROOT / "stages").glob("s[0-9][0-9]_*")):
         modules = [name for name in REFERENCE_MODULES if (folder / f"{name}.py").is_file()]
         if not modules:
@@ -182,4 +182,8 @@ def write_reference_modules(path):
             title = match.group(1) if match else title
         lines += [f"## {title}", ""]
         lines += [line for name in modules for line in (f"::: stages.{folder.name}.{name}", "")]
+    package = REPO_ROOT / "stages" / "kda"  # the fast path's kernel library, which stages 5-7 teach
+    lines += ["## The kernel package, stages.kda", ""]
+    lines += [line for module in sorted(package.glob("*.py")) if module.name != "__init__.py"
+              for line in (f"::: stages.kda.{module.stem}", "")]
     path.write_text("\n".join(lines))

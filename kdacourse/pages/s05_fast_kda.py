@@ -313,12 +313,12 @@ def _interpreted_output(x, dtype, chunk_size, anchored_only):
     from unittest import mock
 
     from stages.common.interpreter import interpret
-    from stages.s05_fast_kda import kernel
+    from stages.s05_fast_kda import kernel, numerics
 
     B, N, H, d_k = x.q.shape
     d_v = x.v.shape[3]
-    spans = {name: math.inf for name in kernel.FAST_SPAN_LOG} if anchored_only else {}
-    with mock.patch.dict(kernel.FAST_SPAN_LOG, spans):
+    spans = {name: math.inf for name in numerics.FAST_SPAN_LOG} if anchored_only else {}
+    with mock.patch.dict(numerics.FAST_SPAN_LOG, spans):
         prepare = interpret(kernel.build_prepare_program(B, N, H, d_k, d_v, chunk_size, dtype=dtype),
                             out_idx=[5, 6, 7, 8, 9, 10])
     recurrence = interpret(kernel.build_recurrence_program(B, N, H, d_k, d_v, chunk_size, d_v, dtype=dtype),
@@ -332,7 +332,7 @@ def write_any_gate_table(path):
     channel's log gates at `strength` on tokens 1 to 8, so that the first sub-block's anchored factor
     above its middle row is e^{-8 strength}; o's rel L2 against float64 (reference A) for the programs
     with the anchored GEMMs alone (before) and with the any-gate branch (after)."""
-    from stages.s05_fast_kda.kernel import FAST_SPAN_LOG, score_operand_dtypes
+    from stages.s05_fast_kda.numerics import FAST_SPAN_LOG, score_operand_dtypes
 
     C = 32
     rows = []

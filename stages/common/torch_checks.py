@@ -167,7 +167,7 @@ CU_SEQLENS_DTYPES = ("int32", "int64")
 def check_cu_seqlens(cu_seqlens, B):
     """cu_seqlens: a contiguous int32 or int64 tensor (N_seq + 1,) of offsets into a packed batch of
     B = 1 row, FLA's convention. Its type and shape only: nothing is read from the device (the values
-    are check_cu_seqlens_values's, or the device's: stages.s07_serving.kernel.varlen_index)."""
+    are check_cu_seqlens_values's, or the device's: stages.kda.calls.varlen_index)."""
     check_kernel_tensor("cu_seqlens", cu_seqlens, rank=1, dtypes=CU_SEQLENS_DTYPES)
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must have shape (N_seq + 1,) with N_seq >= 1, got {tuple(cu_seqlens.shape)}")

@@ -111,6 +111,7 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
 # --8<-- [end:backward]
 
 
+# --8<-- [start:run_kernels]
 def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, flags=(), prepared=None):
     """The five launches of the backward, in order, on inputs already padded to a multiple of chunk_size;
     flags: (Flags,) for a prepare that flags bad values, else (); prepared: the forward's prepare

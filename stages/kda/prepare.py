@@ -111,6 +111,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     block_inverse = block_inverse_macro(C)
     wy_outputs = wy_outputs_macro(C)
 
+    # --8<-- [start:packed_loads]
     @T.macro
     def load_chunk(Q, K, G, Beta, s, at):
         # Q_s, K_s, gamma_s (the log gates, before the sum) and beta_s from one chunk's rows
@@ -130,6 +131,8 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                 s.gamma_s[r, d] = T.if_then_else(r < at.rows, G[0, at.start + r, at.h, d], 0)
             for r in T.Parallel(C):
                 s.beta_s[r] = T.if_then_else(r < at.rows, Beta[0, at.start + r, at.h], 0)
+
+    # --8<-- [end:packed_loads]
 
     @T.macro
     def prepare_chunk(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk, Inverse,

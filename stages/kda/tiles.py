@@ -327,6 +327,7 @@ def wy_outputs_macro(C):
 # --8<-- [end:prepare_outputs]
 
 
+# --8<-- [start:recurrence_chunk]
 def chunk_output_macro(C, block_dv):
     """The macro chunk_output(...): one chunk's output from the state S^T (S_f, d_k x block_dv fp32) it
     starts from and the prepare kernel's operands in shared memory, into O_s (C, block_dv); V_new_s
@@ -364,6 +365,7 @@ def advance_state_macro(d_k, block_dv):
         T.gemm(K_to_chunk_end_s, V_new_s, S_f, transpose_A=True)
 
     return advance_state
+# --8<-- [end:recurrence_chunk]
 
 
 def wait_for_tensor_cores_macro(threads, issued_together):

@@ -1,7 +1,7 @@
 """Stage 5 numerics: the types of the prepare kernel's anchored score operands, and the span of
 gates they hold before a sub-block is taken term by term.
 
-The prepare kernel (stages.s05_fast_kda.kernel) multiplies q and k by e^{+-(gamma_r - gamma_m)},
+The prepare kernel (stages.kda.prepare) multiplies q and k by e^{+-(gamma_r - gamma_m)},
 anchored at a row m of each sub-block, before its score GEMMs. The off-diagonal slabs' factors are
 all <= 1; the diagonal sub-blocks' reach a_min^-(SUB_BLOCK / 2) for the smallest gate a_min, which
 decides the operands' types and the gates their GEMMs take (FAST_SPAN_LOG; past it, the kernels take

@@ -15,7 +15,7 @@ kernel layout, (B, H, d_k, d_v), the layout of stage 5's `initial_state` and FLA
   start (S^T, the kernel layout), then walks back over the chunks carrying dS^T, and inside a chunk
   takes every forward step of reference B backwards: the state update, the output, V_new, the WY
   factors, the UT transform, the scores M and A_qk, and last the cumulative gate gamma.
-- `kernel_mirror_backward` (C) is the backward kernels' control flow (stages/s06_backward/kernel.py),
+- `kernel_mirror_backward` (C) is the backward kernels' control flow (stages/kda/backward.py),
   split as stage 5's forward is: stage 5's `prepare` again, then `chunk_states` (the forward's state
   loop, writing S^T at every chunk start and V_new), `state_gradients` (the reverse chunk loop
   carrying dS^T), `state_products` (everything of a chunk that sums over d_v: the GEMMs with S and

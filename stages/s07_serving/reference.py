@@ -29,7 +29,7 @@ The three references, each checked against the one before:
   nothing (k = v = 0, beta = 0, g = 0: the padding of stages 4 and 5), so a short last chunk is exact.
 
 `prefill_in_pieces` is chunked prefill: one prompt prefilled in pieces, each piece starting from the
-state the one before left. The `prefill` wrapper of stages/s07_serving/kernel.py runs reference C's
+state the one before left. The `prefill` call of stages/kda/calls.py runs reference C's
 design as two varlen kernels.
 
 `verify_step` and `accept_drafts` are speculative decoding's verify pass: T drafted tokens per
