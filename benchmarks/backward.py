@@ -8,18 +8,18 @@ At each shape (bench.SHAPES by default; bf16, d_k = d_v = 128, the benchmark's i
 dLoss/do) it times:
 
 - ours `fwd_bwd_kernels`: stage 5's two forward kernels and the five backward kernels
-  (stages.s06_backward.kernel.run_kernels) on preallocated inputs, as one CUDA graph; `backward_kernels`
+  (stages.kda.calls.run_kernels) on preallocated inputs, as one CUDA graph; `backward_kernels`
   the backward's five alone; each backward kernel alone (`prepare`, `states`, `state_gradient`,
-  `state_products`, `intra`) on the outputs of the one before. Each is built as the wrappers build
-  it at this shape: the forward's recurrence and the backward's chunk loops take stage 5's
-  default_block_dv (64 value columns where B * H * d_v / 64 programs fill the SMs, else 32), the
-  backward's unless --block-dv sets it;
-- ours `fwd_bwd_call`: stage 5's `forward` then stage 6's `backward`, as a caller runs them, value
+  `state_products`, `intra`) on the outputs of the one before. Each is built as the calls build
+  it at this shape, with the KernelConfig stages.kda.config.resolve gives it on this GPU (the
+  recurrence and the backward's chunk loops: 64 value columns where B * H * d_v / 64 programs fill
+  the SMs, else 32), the backward's block_dv set by --block-dv if given;
+- ours `fwd_bwd_call`: stages.kda.calls.forward then backward, as a caller runs them, value
   checks off (checks="off": FLA checks no values either); `fwd_bwd_call_default`: the same calls with
   their default checks (checks="device": each kernel flags a bad gate or beta on the device, no host
   sync), what a caller pays who passes nothing; `fwd_bwd_call_kept`: checks off, the forward's prepare
-  outputs kept for the backward (chunk_kda's disable_recompute=True: forward with
-  return_prepared=True, backward with prepared=), one kernel fewer for six tensors of memory;
+  outputs kept for the backward (chunk_kda's disable_recompute=True: forward_and_prepared, then
+  backward with prepared=), one kernel fewer for six tensors of memory;
 - FLA `fwd_bwd_call`: chunk_kda forward, then torch.autograd.grad of its output with dLoss/do, as a
   caller runs them; FLA `fwd_bwd_call_kept`: the same with FLA's disable_recompute=True (its forward
   keeps its intermediate tensors for the backward); FLA `backward_call`: torch.autograd.grad alone, on
@@ -36,8 +36,8 @@ events around the launches instead (the row's `method` says which). Every time i
 triton.testing.do_bench's timings after warm-up.
 
 Writes DIR/backward.csv (one row per round and measurement) and DIR/backward_meta.json (machine,
-versions, command, the backward kernel's digest, per shape the block_dv of both passes and rel L2 of
-our gradients against FLA's; "complete": false until the run ends). Commit them as
+versions, command, the kernels' digest, per shape the block_dv of both passes and rel L2 of our
+gradients against FLA's; "complete": false until the run ends). Commit them as
 benchmarks/results/backward.csv and backward_meta.json.
 """
 
@@ -71,6 +71,7 @@ CSV_NAME, META_NAME = "backward.csv", "backward_meta.json"
 FLA_GRAPH_NOT_TRIED = ("not tried: capturing autograd's backward invalidated the capture on the H200 and "
                        "left the process unable to replay graphs")
 GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta")
+KERNEL_MODULES = ("stages.kda.prepare", "stages.kda.recurrence", "stages.kda.backward")  # what kernel_digest covers
 
 
 # ------------------------------------------------------------------ arguments and statistics (no GPU)
@@ -84,7 +85,7 @@ def parse_args(argv=None):
     parser.add_argument("--shapes", type=fair.parse_shapes, default=None,
                         help="B,N,H,D;B,N,H,D;... instead of the benchmark shapes")
     parser.add_argument("--block-dv", type=int, default=None,
-                        help="value columns per program of the two chunk loops (default: the wrapper's)")
+                        help="value columns per program of the backward's two chunk loops (default: the call's)")
     parser.add_argument("--no-fla", action="store_true", help="time ours alone (no FLA set-up, no ratios)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new shape or round is started (what was measured is kept)")
@@ -141,43 +142,45 @@ def open_writer(path):
 
 # ------------------------------------------------------------------ on the GPU
 
-def block_dvs(B, H, D, num_sms, backward_block_dv=None):
-    """(the forward recurrence's block_dv, the backward chunk loops' block_dv) at this shape: what
-    stage 5's forward and stage 6's backward take (both stage 5's default_block_dv rule), unless
-    --block-dv sets the backward's."""
-    from stages.s05_fast_kda.kernel import default_block_dv
+def configs(B, H, D, num_sms, backward_block_dv=None):
+    """(the forward's KernelConfig, the backward's) at this shape on a GPU of num_sms SMs: what forward
+    and backward resolve, the backward's block_dv set by --block-dv if given."""
+    from stages.kda.config import resolve
 
-    return fair.forward_block_dv(B, H, D, num_sms), backward_block_dv or default_block_dv(B, H, D, num_sms)
+    return resolve(B, H, D, D, num_sms), resolve(B, H, D, D, num_sms, block_dv=backward_block_dv)
 
 
 def compile_all(shapes, backward_block_dv, num_sms, log):
-    """Every kernel of every shape compiled up front, all at once in threads (the forward's recurrence,
-    and the backward's five, whose prepare is the forward's); returns {shape: the first failure's
-    message} for the shapes that did not compile."""
+    """Every kernel of every shape compiled up front, all at once in threads (the forward's two, the
+    default call's prepare that flags bad values, forward_and_prepared's prepare, the backward's five
+    and its flagged prepare), each by the call the library makes for it; returns {shape: the first
+    failure's message} for the shapes that did not compile."""
     import functools
 
     from stages.common.tilelang_tools import compile_in_threads
-    from stages.s05_fast_kda import kernel as stage5
-    from stages.s06_backward import kernel
+    from stages.kda.backward import kernel_arguments
+    from stages.kda.compiled import compiled_backward_kernel
 
-    o = fair.forward_defaults()
     jobs, shape_of = {}, {}
     for B, N, H, D in shapes:
-        forward_block_dv, block_dv = block_dvs(B, H, D, num_sms, backward_block_dv)
-        calls = {"prepare": (stage5.compiled_prepare, B, N, H, D, D, o["chunk_size"], DTYPE, o["prepare_threads"]),
-                 "recurrence": (stage5.compiled_recurrence, B, N, H, D, D, o["chunk_size"], forward_block_dv, DTYPE,
-                                o["num_stages"], o["threads"])}
+        forward_config, backward_config = configs(B, H, D, num_sms, backward_block_dv)
+        compiles = fair.forward_compiles(B, N, H, D, forward_config)
         # the prepare the forward's default call launches: the one that flags bad values
-        calls["flagged prepare"] = (stage5.compiled_flagged_prepare, *calls["prepare"][1:])
-        arguments = kernel.kernel_arguments(B, N, H, D, D, o["chunk_size"], block_dv, DTYPE)
+        compiles["flagged prepare"] = fair.forward_compiles(B, N, H, D, forward_config, value_flags=True)["prepare"]
+        # the one forward_and_prepared launches (fwd_bwd_call_kept): with A_kk and T as outputs
+        compiles["kept prepare"] = fair.forward_compiles(B, N, H, D, forward_config, keep_prepared=True)["prepare"]
+        arguments = kernel_arguments(B, N, H, D, D, backward_config.chunk_size, backward_config.block_dv, DTYPE)
         for name in arguments:
-            # the backward's prepare is the forward's with A_kk and T as outputs too: a program of its own
-            calls[f"backward {name}" if name == "prepare" else name] = (kernel.compiled_one_kernel, name, *arguments[name])
+            # as compiled_backward_kernels compiles them; the backward's prepare is the forward's with
+            # A_kk and T as outputs too: a program of its own
+            compiles[f"backward {name}" if name == "prepare" else name] = functools.partial(
+                compiled_backward_kernel, name, *arguments[name], value_flags=False)
         # and the backward's default call's prepare, which flags bad values too
-        calls["backward flagged prepare"] = (kernel.compiled_one_kernel, "prepare_flagged", *arguments["prepare"])
-        for name, (function, *arguments) in calls.items():
+        compiles["backward flagged prepare"] = functools.partial(compiled_backward_kernel, "prepare",
+                                                                 *arguments["prepare"], value_flags=True)
+        for name, compile in compiles.items():
             key = f"{name} at B={B} N={N} H={H} D={D}"
-            jobs[key], shape_of[key] = functools.partial(function, *arguments), (B, N, H, D)
+            jobs[key], shape_of[key] = compile, (B, N, H, D)
     log(f"compiling {len(jobs)} kernels in threads")
     failures = {}
     for key, result in compile_in_threads(jobs, log).items():
@@ -193,8 +196,9 @@ class Shape:
     def __init__(self, B, N, H, D, backward_block_dv, log):
         import torch
 
-        from stages.s05_fast_kda import kernel as stage5
-        from stages.s06_backward import kernel
+        from stages.kda.calls import backward, forward, forward_and_prepared, run_kernels
+        from stages.kda.compiled import compiled_backward_kernels
+        from stages.kda.config import streaming_multiprocessors
 
         self.B, self.N, self.H, self.D = B, N, H, D
         self.label = f"B={B} N={N} H={H} D={D}"
@@ -203,41 +207,43 @@ class Shape:
         do = torch.randn(q.shape, device=q.device, generator=torch.Generator(q.device).manual_seed(1)).to(q.dtype)
         self.inputs = (q, k, v, g, beta, do)
         state = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device)
-        o = fair.forward_defaults()
-        C = o["chunk_size"]
+        self.forward_config, self.backward_config = configs(B, H, D, streaming_multiprocessors(q.device),
+                                                            backward_block_dv)
+        C = self.backward_config.chunk_size
         if N % C:
             raise ValueError(f"N = {N} must be a multiple of the chunk size {C} here (the kernels take padded inputs)")
-        self.forward_block_dv, self.block_dv = block_dvs(B, H, D, stage5.streaming_multiprocessors(q.device),
-                                                         backward_block_dv)
         # the forward's two kernels as forward() launches them at this shape, the backward's as backward() does
-        forward_prepare = stage5.compiled_prepare(B, N, H, D, D, C, DTYPE, o["prepare_threads"])
-        recurrence = stage5.compiled_recurrence(B, N, H, D, D, C, self.forward_block_dv, DTYPE, o["num_stages"],
-                                                 o["threads"])
-        kernels = kernel.compiled_kernels(B, N, H, D, D, C, self.block_dv, DTYPE)
+        forward_prepare, recurrence = (compile() for compile in
+                                       fair.forward_compiles(B, N, H, D, self.forward_config).values())
+        kernels = compiled_backward_kernels(B, N, H, D, D, C, self.backward_config.block_dv, DTYPE, value_flags=False)
+        # the calls take a config only where --block-dv sets one: a caller who passes nothing resolves it
+        config = None if backward_block_dv is None else self.backward_config
 
         def backward_kernels():
-            return kernel.run_kernels(kernels, q, k, v, g, beta, do, state, state)
+            return run_kernels(kernels, q, k, v, g, beta, do, state, state)
 
         def forward_and_backward_kernels():
             recurrence(*forward_prepare(q, k, v, g, beta), state)
             return backward_kernels()
 
         def ours_call():
-            stage5.forward(q, k, v, g, beta, checks="off")
-            return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv, checks="off")
+            forward(q, k, v, g, beta, checks="off")
+            return backward(q, k, v, g, beta, do, checks="off", config=config)
 
         def ours_call_default():
-            stage5.forward(q, k, v, g, beta)
-            return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv)
+            forward(q, k, v, g, beta)
+            return backward(q, k, v, g, beta, do, config=config)
 
         def ours_call_kept():
-            _, prepared = stage5.forward(q, k, v, g, beta, checks="off", return_prepared=True)
-            return kernel.backward(q, k, v, g, beta, do, block_dv=backward_block_dv, checks="off", prepared=prepared)
+            _, _, prepared = forward_and_prepared(q, k, v, g, beta, checks="off")
+            return backward(q, k, v, g, beta, do, checks="off", config=config, prepared=prepared)
 
         launches = {"fwd_bwd_kernels": forward_and_backward_kernels, "backward_kernels": backward_kernels,
                     **self._first_calls(kernels, forward_prepare, recurrence, q, k, v, g, beta, do, state, log)}
-        # the default calls' prepares that flag bad values (the forward's, the backward's) load here too
+        # the default calls' prepares that flag bad values (the forward's, the backward's) load here too,
+        # and the kept call's forward prepare (cached apart from the backward's, though the same program)
         self._first_call("default_calls", ours_call_default, log)
+        self._first_call("kept_call", ours_call_kept, log)
         for what, launch in launches.items():
             started = time.monotonic()
             self._graph_or_events(("ours", what), launch, log)
@@ -277,8 +283,9 @@ class Shape:
 
     def notes(self):
         """What the meta file keeps of this shape."""
-        return {"rel_l2_ours_vs_fla": self.rel_l2_vs_fla, "forward_block_dv": self.forward_block_dv,
-                "backward_block_dv": self.block_dv, "methods": {f"{i} {w}": m for (i, w), m in self.methods.items()}}
+        return {"rel_l2_ours_vs_fla": self.rel_l2_vs_fla, "forward_block_dv": self.forward_config.block_dv,
+                "backward_block_dv": self.backward_config.block_dv,
+                "methods": {f"{i} {w}": m for (i, w), m in self.methods.items()}}
 
     def _first_calls(self, kernels, forward_prepare, recurrence, q, k, v, g, beta, do, state, log):
         """{kernel name: a launch of it alone}, each on the outputs of the kernels before it, which each
@@ -378,7 +385,7 @@ def run(args, log, started):
     before FLA's first call, which can take minutes on a fresh machine."""
     import torch
 
-    from stages.s05_fast_kda.kernel import streaming_multiprocessors
+    from stages.kda.config import streaming_multiprocessors
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -470,9 +477,9 @@ def run_meta(args, argv, torch):
 
 
 def kernel_digest():
-    """The digest of stage 6's kernel file as bench.py computes it for a stage's kernels."""
-    return bench.program_digest(Path(__file__).resolve().parent.parent.joinpath(
-        "stages", "s06_backward", "kernel.py").read_text())
+    """The digest of the builders of every kernel the run times (the forward's and the backward's), as
+    bench.py computes it for a stage's kernels."""
+    return bench.modules_digest(KERNEL_MODULES)
 
 
 def write_meta(out, meta, started, complete):

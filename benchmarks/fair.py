@@ -45,6 +45,7 @@ timings and the roofline of the benchmarks page (kdacourse/pages/fair.py).
 import argparse
 import csv
 import dataclasses
+import functools
 import gc
 import json
 import platform
@@ -235,15 +236,18 @@ def program_costs(B, N, H, D, num_sms):
                                                                 DTYPE, config.num_stages, config.threads))}
 
 
-def forward_kernels(B, N, H, D, config, value_flags=False):
-    """(prepare, recurrence) compiled as forward compiles them for this shape and config (value_flags:
-    the prepare of the default call, checks="device"), with the arguments written as forward writes
-    them: functools.cache keys on them as written, so forward's calls find these compiled."""
+def forward_compiles(B, N, H, D, config, value_flags=False, keep_prepared=False):
+    """{"prepare": ..., "recurrence": ...}: functions that compile forward's two kernels for this shape
+    and config (value_flags: the prepare of the default call, checks="device"; keep_prepared: the one
+    of forward_and_prepared, with A_kk and T as outputs too), with the arguments written as forward
+    writes them: functools.cache keys on them as written, so forward's calls find these compiled."""
     from stages.kda.compiled import compiled_prepare, compiled_recurrence
 
     C = config.chunk_size
-    return (compiled_prepare(B, N, H, D, D, C, DTYPE, config.prepare_threads, value_flags, solve_outputs=False),
-            compiled_recurrence(B, N, H, D, D, C, config.block_dv, DTYPE, config.num_stages, config.threads))
+    return {"prepare": functools.partial(compiled_prepare, B, N, H, D, D, C, DTYPE, config.prepare_threads,
+                                         value_flags, solve_outputs=keep_prepared),
+            "recurrence": functools.partial(compiled_recurrence, B, N, H, D, D, C, config.block_dv, DTYPE,
+                                            config.num_stages, config.threads)}
 
 
 def capture(function):
@@ -279,11 +283,11 @@ class Shape:
         self.errors, self.methods, self.functions = {}, {}, {}
         q, k, v, g, beta = bench.make_inputs(bench.STAGES["s05"], B, N, H, D, torch.bfloat16, gate_range)
         self.config = resolve_for(q.device, B, H, D, D)  # what forward resolves at this shape
-        prepare, recurrence = forward_kernels(B, N, H, D, self.config)
+        prepare, recurrence = (compile() for compile in forward_compiles(B, N, H, D, self.config).values())
         state = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device)
         prepared = prepare(q, k, v, g, beta)
         self.costs = program_costs(B, N, H, D, streaming_multiprocessors(q.device))
-        flagged, _ = forward_kernels(B, N, H, D, self.config, value_flags=True)
+        flagged = forward_compiles(B, N, H, D, self.config, value_flags=True)["prepare"]()
         flags = flags_for(q.device)
         launches = {"kernels": lambda: recurrence(*prepare(q, k, v, g, beta), state),
                     "prepare": lambda: prepare(q, k, v, g, beta),

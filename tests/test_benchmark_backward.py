@@ -1,6 +1,8 @@
 """benchmarks/backward.py on a CPU: its arguments, the ratios it reports from its rows, its CSV, the
 kernel digest it records, and a clear refusal without CUDA."""
 
+import dataclasses
+
 import pytest
 
 from benchmarks import backward, bench, fair
@@ -69,64 +71,81 @@ def test_ratios_are_taken_round_by_round_from_the_csv(tmp_path):
 def test_every_measurement_is_timed_once_per_round_in_alternating_order():
     assert len(set(backward.MEASUREMENTS)) == len(backward.MEASUREMENTS)
     assert {what for impl, what in backward.MEASUREMENTS if impl == "ours"} >= set(backward.BACKWARD_KERNELS)
-    from stages.s06_backward.kernel import BUILDERS
+    from stages.kda.backward import BUILDERS
 
     assert tuple(BUILDERS) == backward.BACKWARD_KERNELS  # every kernel the backward launches is timed alone
 
 
-def test_kernel_digest_is_the_stage_6_builders():
+def test_kernel_digest_is_the_builders_of_the_forward_and_the_backward():
+    """The digest of the prepare's, the recurrence's and the backward's builders: stage 5's (the forward's
+    kernels) and the backward's own, in that order."""
     from pathlib import Path
 
-    import stages.s06_backward.kernel as kernel
+    from stages.kda import backward as backward_kernels
 
     digest = backward.kernel_digest()
-    assert len(digest) == 12 and digest == bench.program_digest(Path(kernel.__file__).read_text())
+    forward_lines = [line for module in ("stages.kda.prepare", "stages.kda.recurrence")
+                     for line in bench.program_lines(bench._module_source(module))]
+    own_lines = bench.program_lines(Path(backward_kernels.__file__).read_text())
+    assert len(digest) == 12 and digest == bench._digest(forward_lines + own_lines)
+    assert bench.STAGES["s05"].kernel_digest() == bench._digest(forward_lines) != digest
 
 
 def test_both_passes_take_64_value_columns_where_that_still_fills_the_sms():
     """H200 (132 SMs): B=8 H=16 gives 256 programs of 64 columns, B=1 H=32 only 64 (32 columns then);
-    --block-dv sets the backward's alone."""
-    assert backward.block_dvs(8, 16, 128, 132) == (64, 64)
-    assert backward.block_dvs(1, 32, 128, 132) == (32, 32)
-    assert backward.block_dvs(8, 16, 128, 132, backward_block_dv=32) == (64, 32)
+    --block-dv sets the backward's alone, the rest of its config is the forward's."""
+    def block_dvs(*arguments, **options):
+        forward_config, backward_config = backward.configs(*arguments, **options)
+        return forward_config.block_dv, backward_config.block_dv
+
+    assert block_dvs(8, 16, 128, 132) == (64, 64)
+    assert block_dvs(1, 32, 128, 132) == (32, 32)
+    assert block_dvs(8, 16, 128, 132, backward_block_dv=32) == (64, 32)
+    forward_config, backward_config = backward.configs(8, 16, 128, 132, backward_block_dv=32)
+    assert dataclasses.replace(backward_config, block_dv=64) == forward_config
 
 
 def test_compile_all_builds_each_kernel_once_as_the_wrappers_launch_it(monkeypatch):
     """The forward's prepare and recurrence, and the backward's five (its prepare the one with A_kk and T
-    as outputs), with each pass's block_dv, and both prepares that flag bad values (the default calls');
-    a shape whose kernel fails is reported with the kernel's name, and the other shapes compile."""
-    from stages.s05_fast_kda import kernel as stage5
-    from stages.s06_backward import kernel
+    as outputs), with each pass's block_dv, both prepares that flag bad values (the default calls'),
+    and forward_and_prepared's prepare, each by the call the library makes for it (functools.cache
+    keys on the arguments as written); a shape whose kernel fails is reported with the kernel's name,
+    and the other shapes compile."""
+    from stages.kda import compiled
 
     calls = []
-    monkeypatch.setattr(stage5, "compiled_prepare", lambda *arguments: calls.append(("prepare", *arguments)))
-    monkeypatch.setattr(stage5, "compiled_flagged_prepare",
-                        lambda *arguments: calls.append(("flagged prepare", *arguments)))
-    monkeypatch.setattr(stage5, "compiled_recurrence", lambda *arguments: calls.append(("recurrence", *arguments)))
 
-    def backward_kernel(name, *arguments):
+    def recording(name):
+        return lambda *arguments, **options: calls.append((name, arguments, options))
+
+    monkeypatch.setattr(compiled, "compiled_prepare", recording("prepare"))
+    monkeypatch.setattr(compiled, "compiled_recurrence", recording("recurrence"))
+
+    def backward_kernel(name, *arguments, **options):
         if name == "intra" and arguments[0] == 8:
             raise RuntimeError("No valid warp partition for T.gemm")
-        calls.append((name, *arguments))
+        calls.append((name, arguments, options))
 
-    monkeypatch.setattr(kernel, "compiled_one_kernel", backward_kernel)
+    monkeypatch.setattr(compiled, "compiled_backward_kernel", backward_kernel)
     heard = []
     failed = backward.compile_all([(1, 4096, 32, 128), (8, 4096, 16, 128)], None, 132, heard.append)
     assert list(failed) == [(8, 4096, 16, 128)] and "intra at B=8" in failed[(8, 4096, 16, 128)]
     assert "No valid warp partition" in failed[(8, 4096, 16, 128)]
-    o = fair.forward_defaults()
     expected = []
     for B, H, block_dv in ((1, 32, 32), (8, 16, 64)):
         shape = (B, 4096, H, 128, 128, 64)
-        expected += [("prepare", *shape, "bfloat16", o["prepare_threads"]), ("prepare", *shape, "bfloat16"),
-                     ("flagged prepare", *shape, "bfloat16", o["prepare_threads"]),
-                     ("prepare_flagged", *shape, "bfloat16"),
-                     ("recurrence", *shape, block_dv, "bfloat16", o["num_stages"], o["threads"]),
-                     ("states", *shape, block_dv, "bfloat16"), ("state_gradient", *shape, block_dv, "bfloat16"),
-                     ("state_products", *shape, "bfloat16")]
-    expected.append(("intra", 1, 4096, 32, 128, 128, 64, "bfloat16"))
+        off, on = dict(value_flags=False), dict(value_flags=True)
+        expected += [("prepare", (*shape, "bfloat16", 256, False), dict(solve_outputs=False)),
+                     ("prepare", (*shape, "bfloat16", 256, True), dict(solve_outputs=False)),
+                     ("prepare", (*shape, "bfloat16", 256, False), dict(solve_outputs=True)),
+                     ("recurrence", (*shape, block_dv, "bfloat16", 2, 128), {}),
+                     ("prepare", (*shape, "bfloat16"), off), ("prepare", (*shape, "bfloat16"), on),
+                     ("states", (*shape, block_dv, "bfloat16"), off),
+                     ("state_gradient", (*shape, block_dv, "bfloat16"), off),
+                     ("state_products", (*shape, "bfloat16"), off)]
+    expected.append(("intra", (1, 4096, 32, 128, 128, 64, "bfloat16"), dict(value_flags=False)))
     assert sorted(calls, key=str) == sorted(expected, key=str)
-    assert len(heard) == 19 and heard[0] == "compiling 18 kernels in threads"
+    assert len(heard) == 21 and heard[0] == "compiling 20 kernels in threads"
 
 
 class _FakeShape:
@@ -151,12 +170,12 @@ class _FakeShape:
 @pytest.mark.parametrize("no_fla", [False, True])
 def test_ours_is_timed_before_fla_is_set_up_and_no_fla_leaves_fla_out(tmp_path, monkeypatch, no_fla):
     pytest.importorskip("torch")
-    from stages.s05_fast_kda import kernel as stage5
+    from stages.kda import config
 
     _FakeShape.events = []
     monkeypatch.setattr(backward, "Shape", _FakeShape)
     monkeypatch.setattr(backward, "compile_all", lambda *arguments: {(2, 4096, 16, 128): "RuntimeError: boom"})
-    monkeypatch.setattr(stage5, "streaming_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(config, "streaming_multiprocessors", lambda device: 132)
     monkeypatch.setattr(backward, "make_timer", lambda quick: None)  # triton's do_bench: the fake times nothing
     argv = ["--out", str(tmp_path), "--shapes", "1,4096,32,128;2,4096,16,128", "--rounds", "3"]
     args = backward.parse_args(argv + (["--no-fla"] if no_fla else []))
@@ -174,11 +193,11 @@ def test_ours_is_timed_before_fla_is_set_up_and_no_fla_leaves_fla_out(tmp_path, 
 
 @pytest.fixture
 def empty_compile_caches():
-    """The compiled-kernel caches of stages 5 and 6 emptied before and after a test that fakes compiles."""
-    from stages.s05_fast_kda import kernel as stage5
-    from stages.s06_backward import kernel
+    """The fast path's compiled-kernel caches emptied before and after a test that fakes compiles."""
+    from stages.kda import compiled
 
-    caches = (stage5.compiled_prepare, stage5.compiled_recurrence, kernel.compiled_one_kernel, kernel.compiled_kernels)
+    caches = (compiled.compiled_prepare, compiled.compiled_recurrence, compiled.compiled_backward_kernel,
+              compiled.compiled_backward_kernels)
     for cache in caches:
         cache.cache_clear()
     yield
@@ -189,16 +208,15 @@ def empty_compile_caches():
 def test_a_run_on_the_cpu_compiles_each_kernel_once_before_it_sets_up(tmp_path, monkeypatch, empty_compile_caches):
     """run() end to end on the CPU: tilelang.compile counted and replaced by the tile interpreter, the
     torch.cuda calls by stand-ins, a GPU of 2 SMs (so both passes take 64 value columns, where the
-    wrappers' rule and the benchmark's could part). Every kernel is compiled once, all before "set up
-    ours" (none in a capture, none in ours' timed call), and each kernel's first call (which builds its
-    host library on a GPU) is made and logged before the first capture."""
+    wrappers' rule and the benchmark's could part). Every kernel is compiled once (but the one below),
+    all before "set up ours" (none in a capture, none in ours' timed call), and each kernel's first call
+    (which builds its host library on a GPU) is made and logged before the first capture."""
     torch = pytest.importorskip("torch")
     tilelang = pytest.importorskip("tilelang")
     import collections
 
     from stages.common.interpreter import interpret
-    from stages.s05_fast_kda import kernel as stage5
-    from stages.s06_backward import kernel
+    from stages.kda import checks, config
 
     heard, compiles, first_calls = [], [], {}
 
@@ -226,16 +244,18 @@ def test_a_run_on_the_cpu_compiles_each_kernel_once_before_it_sets_up(tmp_path, 
                         "empty_cache": lambda: None}.items():
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(bench, "make_inputs", on_cpu)
-    for module in (stage5, kernel):
-        monkeypatch.setattr(module, "check_on_cuda", lambda tensors: None)
-        monkeypatch.setattr(module, "streaming_multiprocessors", lambda device: 2)
+    monkeypatch.setattr(checks, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(config, "streaming_multiprocessors", lambda device: 2)
     monkeypatch.setattr(backward, "make_timer", lambda quick: lambda function: [function(), 1.0][1])
     args = backward.parse_args(["--out", str(tmp_path), "--shapes", "1,64,2,64", "--rounds", "1", "--no-fla"])
     notes = backward.run(args, heard.append, 0.0)
 
     assert notes["B=1 N=64 H=2 D=64"]["forward_block_dv"] == notes["B=1 N=64 H=2 D=64"]["backward_block_dv"] == 64
     counted = collections.Counter(name for name, _ in compiles)  # one shape: a kernel's name is its compile
-    assert [name for name, count in counted.items() if count > 1] == [], "compiled twice for one shape"
+    # the one program compiled twice: the prepare with A_kk and T, which forward_and_prepared (the kept call)
+    # and the backward's compiled_backward_kernel ask stages.kda.compiled for under two cache keys
+    # (prepare_threads 256 and None): what is left to share there
+    assert [name for name, count in counted.items() if count > 1] == ["kda_prepare/13"], "compiled twice for one shape"
     # the prepares: the forward's and the backward's (A_kk and T too), each also with Flags (the default calls)
     assert sorted(counted) == sorted(["kda_prepare/11", "kda_prepare/12", "kda_prepare/13", "kda_prepare/14",
                                       "kda_recurrence/9", "kda_states/7", "kda_state_gradient/10",
@@ -247,34 +267,37 @@ def test_a_run_on_the_cpu_compiles_each_kernel_once_before_it_sets_up(tmp_path, 
     assert all(set_up < position < first_capture for position in first_calls.values()), "a first call in a capture"
     logged = [line.split("first call of ")[1].split()[0] for line in heard[set_up:first_capture]
               if "first call of" in line]
-    assert logged == ["forward_prepare", "recurrence", *backward.BACKWARD_KERNELS, "default_calls"]
+    assert logged == ["forward_prepare", "recurrence", *backward.BACKWARD_KERNELS, "default_calls", "kept_call"]
     rows = fair.read_rows(tmp_path / backward.CSV_NAME)
     assert {row["what"] for row in rows if row["time_ms"] == "1.0000"} == {
         what for impl, what in backward.MEASUREMENTS if impl == "ours"}
 
 
 def test_kernel_digest_covers_the_macros_a_kernel_builds_with(monkeypatch, tmp_path):
-    """An edit of one of stage 5's macros marks the results of every stage that builds with it stale:
-    stage 5's own digest and stage 7's (which imports the macro) change; a comment does not."""
+    """An edit of one of the shared macros (stages.kda.tiles) marks the results of every kernel that
+    builds with it stale: the digest of the prepare's module, stage 5's and the backward benchmark's
+    change; a comment does not."""
     import importlib.util
     from pathlib import Path
 
-    import stages.s05_fast_kda.kernel as stage5
-    import stages.s07_serving.kernel as stage7
+    from stages.kda import prepare, tiles
 
-    source = Path(stage5.__file__).read_text()
+    source = Path(tiles.__file__).read_text()
     line = "                    T_s[p0 + r, c] = -block_row_f[r, c]\n"
     assert source.count(line) == 1
-    edited, commented = source.replace(line, line.replace("= -", "= ")), source.replace(line, line[:-1] + "  # x\n")
-    assert bench.program_digest(edited) != bench.program_digest(source) == bench.program_digest(commented)
-
-    stage7_source = Path(stage7.__file__).read_text()
-    before = bench.program_digest(stage7_source)
-    (tmp_path / "kernel.py").write_text(edited)
+    prepare_source = Path(prepare.__file__).read_text()
+    before = (bench.program_digest(prepare_source), bench.STAGES["s05"].kernel_digest(), backward.kernel_digest())
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: importlib.util.spec_from_file_location(
-        name, tmp_path / "kernel.py") if name == "stages.s05_fast_kda.kernel" else find_spec(name, *args))
-    assert bench.program_digest(stage7_source) != before
+
+    def with_tiles(text):
+        (tmp_path / "tiles.py").write_text(text)
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: importlib.util.spec_from_file_location(
+            name, tmp_path / "tiles.py") if name == "stages.kda.tiles" else find_spec(name, *args))
+        return bench.program_digest(prepare_source), bench.STAGES["s05"].kernel_digest(), backward.kernel_digest()
+
+    assert with_tiles(source.replace(line, line[:-1] + "  # x\n")) == before
+    edited = with_tiles(source.replace(line, line.replace("= -", "= ")))
+    assert all(after != digest for after, digest in zip(edited, before))
 
 
 def test_the_default_checks_cost_is_our_default_call_over_our_unchecked_call(tmp_path):
