@@ -49,14 +49,14 @@ def parse_args(argv=None):
     parser.add_argument("--block-dv", type=_block_sizes, default=(16, 32, 64),
                         help="value columns per program, comma-separated, each dividing d (default 16,32,64)")
     parser.add_argument("--threads", type=_positive, default=None,
-                        help="threads per program (default: the kernel's DEFAULT_THREADS)")
+                        help="threads per program (default: decode's, KernelConfig().threads)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.threads is None:
-        from stages.s07_serving.kernel import DEFAULT_THREADS
+        from stages.kda.config import KernelConfig
 
-        args.threads = DEFAULT_THREADS
+        args.threads = KernelConfig().threads
     if args.pool < args.B:
         parser.error(f"--pool must be at least --B = {args.B} (one state per sequence), got {args.pool}")
     for block_dv in args.block_dv:
@@ -163,7 +163,6 @@ def run(args, log=print):
     import torch
 
     from benchmarks import roofs
-    from stages.s07_serving import kernel as decode_kernel
 
     B, H, d, P = args.B, args.H, args.d, args.pool
     dtype = getattr(torch, args.dtype)
@@ -196,8 +195,7 @@ def run(args, log=print):
     work = pool.clone()  # every timed call advances these states in place (they stay bounded: a <= 1, beta <= 1)
     for block_dv in args.block_dv:
         try:
-            _measure_ours(decode_kernel, block_dv, (q, k, v, g, beta, work, slots), pool, expected_o, expected_states,
-                          record, args)
+            _measure_ours(block_dv, (q, k, v, g, beta, work, slots), pool, expected_o, expected_states, record, args)
         except Exception as failure:  # noqa: BLE001 - one block size failing leaves the others measured
             traceback.print_exc()
             rows.append(dict(base, impl="ours", what="kernel", block_dv=block_dv,
@@ -225,35 +223,32 @@ def run(args, log=print):
     return rows
 
 
-def _measure_ours(decode_kernel, block_dv, inputs, pool, expected_o, expected_states, record, args):
+def _measure_ours(block_dv, inputs, pool, expected_o, expected_states, record, args):
     """Check the kernel at block_dv against the float64 step (from the original pool), then time it."""
     from stages.common.device_checks import flags_for, raise_if_flagged
+    from stages.kda.calls import decode
+    from stages.kda.compiled import compiled_decode
+    from stages.kda.config import KernelConfig, decode_block_dv
 
     q, k, v, g, beta, work, slots = inputs
+    config = KernelConfig(block_dv=block_dv, threads=args.threads)
     work.copy_(pool)
-    o = decode_kernel.decode(q, k, v, g, beta, work, slots, block_dv=block_dv, threads=args.threads)
+    o, _ = decode(q, k, v, g, beta, work, slots, config=config)
     raise_if_flagged(q.device)  # the benchmark's inputs are good: a flag is a kernel bug
     errors = dict(rel_l2_o=f"{relative_l2(o, expected_o):.3e}",
                   rel_l2_state=f"{relative_l2(work[slots.long()], expected_states):.3e}")
     B, H, d = q.shape
-    compiled = decode_kernel.compiled_decode(B, pool.shape[0], H, d, d, block_dv, args.dtype, args.threads, True)
+    compiled = compiled_decode(B, pool.shape[0], H, d, d, block_dv, args.dtype, args.threads, True)
     flags = flags_for(q.device)
     function, method = graph_or_events(lambda: compiled(q, k, v, g, beta, slots, work, flags))
     record("ours", "kernel", function, method, block_dv, errors)
-    if block_dv == decode_kernel.decode_block_dv(d):  # the default call's block
-        record("ours", "call", lambda: decode_kernel.decode(q, k, v, g, beta, work, slots, block_dv=block_dv,
-                                                            threads=args.threads),
+    if block_dv == decode_block_dv(d):  # the default call's block
+        record("ours", "call", lambda: decode(q, k, v, g, beta, work, slots, config=config), "events", block_dv)
+        record("ours", "call_host_checks", lambda: decode(q, k, v, g, beta, work, slots, checks="host", config=config),
                "events", block_dv)
-        record("ours", "call_host_checks", lambda: decode_kernel.decode(q, k, v, g, beta, work, slots,
-                                                                        block_dv=block_dv, threads=args.threads,
-                                                                        checks="host"),
-               "events", block_dv)
-        function, method = graph_or_events(lambda: decode_kernel.decode(q, k, v, g, beta, work, slots,
-                                                                         block_dv=block_dv, threads=args.threads))
+        function, method = graph_or_events(lambda: decode(q, k, v, g, beta, work, slots, config=config))
         record("ours", "call_graph", function, method, block_dv)
-        function, method = graph_or_events(lambda: decode_kernel.decode(q, k, v, g, beta, work, slots,
-                                                                         block_dv=block_dv, threads=args.threads,
-                                                                         checks="off"))
+        function, method = graph_or_events(lambda: decode(q, k, v, g, beta, work, slots, checks="off", config=config))
         record("ours", "call_unchecked_graph", function, method, block_dv)
 
 

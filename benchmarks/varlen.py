@@ -12,7 +12,7 @@ its own initial state, the final states returned:
 Measured, each the median of CUDA-event timings after warm-up (triton's do_bench, which flushes the
 L2 cache), in `--rounds` interleaved rounds (each round runs the measurements in the reverse order of
 the one before):
-- ours `call` and `call_unchecked`: stages.s07_serving.kernel.prefill with cu_seqlens, initial_state
+- ours `call` and `call_unchecked`: stages.kda.calls.prefill with cu_seqlens, initial_state
   and output_final_state, with checks="device" (the default: the varlen prepare flags bad values,
   the index's ops bad offsets) and checks="off"; neither syncs with the host;
 - ours `graph`: the default call replayed from a CUDA graph (it captures: nothing is read to the host);
@@ -42,7 +42,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks.decode import graph_or_events, relative_l2, spread
-from stages.s07_serving.kernel import DEFAULT_CHUNK_SIZE  # prefill's chunks, stage 5's
+from stages.kda.config import DEFAULT_CHUNK_SIZE  # prefill's chunks
 
 MIXES = {  # name: (sequences, shortest, longest), lengths log-uniform between the two
     "prefill": (16, 256, 16384),
@@ -106,26 +106,28 @@ def make_inputs(lengths, H, d, dtype, seed):
     return (q.to(dtype), k.to(dtype), v.to(dtype), g, beta), cu_seqlens, initial_state
 
 
-def prefill_kernels(inputs, cu_seqlens, initial_state, chunk_size=DEFAULT_CHUNK_SIZE):
-    """A function that runs prefill's two kernels alone (stages.s07_serving.kernel.varlen_forward, with
-    prefill's block_dv) on the packed inputs, the index built on the device once here."""
-    from stages.s05_fast_kda.kernel import default_block_dv, streaming_multiprocessors
-    from stages.s07_serving.kernel import compiled_prefill_kernels, varlen_forward, varlen_index
+def prefill_kernels(inputs, cu_seqlens, initial_state):
+    """A function that runs prefill's two kernels alone (stages.kda.calls.varlen_forward, with the
+    KernelConfig prefill resolves for the batch's sequences) on the packed inputs, the index built on
+    the device once here."""
+    from stages.kda.calls import varlen_forward, varlen_index
+    from stages.kda.compiled import compiled_prefill_kernels
+    from stages.kda.config import resolve_for
 
     q, v = inputs[0], inputs[2]
     N_seq = len(cu_seqlens) - 1
-    index = varlen_index(cu_seqlens, q.shape[1], chunk_size)
-    block_dv = default_block_dv(N_seq, q.shape[2], v.shape[3], streaming_multiprocessors(q.device))
-    kernels = compiled_prefill_kernels(q.shape[2], q.shape[3], v.shape[3], chunk_size, block_dv, str(q.dtype).split(".")[1])
-    return lambda: varlen_forward(*inputs, index, initial_state, chunk_size, kernels)
+    config = resolve_for(q.device, N_seq, q.shape[2], q.shape[3], v.shape[3])
+    index = varlen_index(cu_seqlens, q.shape[1], config.chunk_size)
+    kernels = compiled_prefill_kernels(q.shape[2], q.shape[3], v.shape[3], config.chunk_size, config.block_dv,
+                                       str(q.dtype).split(".")[1], False)
+    return lambda: varlen_forward(*inputs, index, initial_state, config.chunk_size, kernels)
 
 
 def measurements(inputs, cu_seqlens, initial_state):
     """{(impl, what): (callable, method)} for one mix; FLA's graph only if it captures."""
     from fla.ops import chunk_kda
 
-    from stages.s05_fast_kda.kernel import forward
-    from stages.s07_serving.kernel import prefill
+    from stages.kda.calls import forward, prefill
 
     def ours(checks="device"):
         return prefill(*inputs, cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=True,
