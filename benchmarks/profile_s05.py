@@ -20,14 +20,17 @@ PROFILES = [  # (version, ncu output), oldest first
 
 
 def _bf16_inputs_and_prepare(B, N, H, D):
-    """The benchmark's bf16 inputs at one shape, and stage 5's compiled prepare kernel for them."""
+    """The benchmark's bf16 inputs at one shape, and stage 5's compiled prepare kernel for them (checks
+    off: no value flags), at the default sizes (KernelConfig())."""
     import torch
 
     from benchmarks.bench import STAGES, make_inputs
-    from stages.s05_fast_kda import kernel
+    from stages.kda.compiled import compiled_prepare
+    from stages.kda.config import KernelConfig
 
+    config = KernelConfig()
     inputs = make_inputs(STAGES["s05"], B, N, H, D, torch.bfloat16)
-    return inputs, kernel.compiled_prepare(B, N, H, D, D, kernel.DEFAULT_CHUNK_SIZE, "bfloat16", None)
+    return inputs, compiled_prepare(B, N, H, D, D, config.chunk_size, "bfloat16", config.prepare_threads)
 
 
 def main(B=1, N=16384, H=32, D=128):
@@ -44,16 +47,19 @@ def time_each_kernel(B=1, N=16384, H=32, D=128):
     import torch
     from triton.testing import do_bench
 
-    from stages.s05_fast_kda import kernel
+    from stages.kda.calls import forward
+    from stages.kda.compiled import compiled_recurrence
+    from stages.kda.config import KernelConfig
 
     (q, k, v, g, beta), prepare = _bf16_inputs_and_prepare(B, N, H, D)
-    recurrence = kernel.compiled_recurrence(B, N, H, D, D, kernel.DEFAULT_CHUNK_SIZE, kernel.DEFAULT_BLOCK_DV,
-                                             "bfloat16", 2, 128)
+    config = KernelConfig()  # the default sizes: DEFAULT_BLOCK_DV's 32 value columns at every shape
+    recurrence = compiled_recurrence(B, N, H, D, D, config.chunk_size, config.block_dv, "bfloat16", config.num_stages,
+                                     config.threads)
     prepared = prepare(q, k, v, g, beta)
     initial_state = q.new_zeros((B, H, D, D), dtype=torch.float32)
     for name, run in (("prepare", lambda: prepare(q, k, v, g, beta)),
                       ("recurrence", lambda: recurrence(*prepared, initial_state)),
-                      ("forward", lambda: kernel.forward(q, k, v, g, beta))):
+                      ("forward", lambda: forward(q, k, v, g, beta))):
         print(f"B={B} N={N} H={H} D={D} bf16 {name}: {do_bench(run, warmup=25, rep=100, return_mode='median'):.4f} ms")
 
 

@@ -17,12 +17,13 @@ def main(B=1, N=16384, H=32, D=128):
     import torch
 
     from benchmarks.bench import STAGES, make_inputs
-    from stages.s06_backward import kernel
+    from stages.kda.compiled import compiled_backward_kernels
+    from stages.kda.config import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE
 
     q, k, v, g, beta = make_inputs(STAGES["s05"], B, N, H, D, torch.bfloat16)
     do = torch.randn(q.shape, device=q.device, generator=torch.Generator(q.device).manual_seed(1)).to(q.dtype)
     state = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device)
-    kernels = kernel.compiled_kernels(B, N, H, D, D, kernel.DEFAULT_CHUNK_SIZE, kernel.DEFAULT_BLOCK_DV, "bfloat16")
+    kernels = compiled_backward_kernels(B, N, H, D, D, DEFAULT_CHUNK_SIZE, DEFAULT_BLOCK_DV, "bfloat16")
     w, u, q_decayed, k_to_chunk_end, a_qk, chunk_decay, a_kk, inverse = kernels["prepare"](q, k, v, g, beta)
     states, v_new = kernels["states"](w, u, k_to_chunk_end, chunk_decay, state)
     d_states, dv_new, _ = kernels["state_gradient"](q_decayed, k_to_chunk_end, w, a_qk, chunk_decay, do, state)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from stages.common.checks import padded_length
-from stages.s05_fast_kda.kernel import DEFAULT_CHUNK_SIZE
+from stages.kda.config import DEFAULT_CHUNK_SIZE
 
 
 class Checked:
@@ -52,16 +52,17 @@ def _numpy(x):
 
 
 def replay_on_cuda(saved):
-    """chunk_kda and its backward as the training step ran them, every compiled kernel wrapped."""
-    import stages.s05_fast_kda.kernel as stage5
-    import stages.s06_backward.kernel as stage6
-    from stages.s06_backward.autograd import chunk_kda
+    """chunk_kda and its backward as the training step ran them, every compiled kernel wrapped (where
+    the calls look them up: stages.kda.calls)."""
+    import stages.kda.calls as calls
+    from stages.kda.autograd import chunk_kda
 
-    prepare, recurrence, backward_kernels = (stage5.compiled_prepare, stage5.compiled_recurrence,
-                                             stage6.compiled_kernels)
-    stage5.compiled_prepare = lambda *a, **keywords: Checked("prepare", prepare(*a, **keywords))
-    stage5.compiled_recurrence = lambda *a: Checked("recurrence", recurrence(*a))
-    stage6.compiled_kernels = lambda *a: {name: Checked(name, kernel) for name, kernel in backward_kernels(*a).items()}
+    prepare, recurrence, backward_kernels = (calls.compiled_prepare, calls.compiled_recurrence,
+                                             calls.compiled_backward_kernels)
+    calls.compiled_prepare = lambda *a, **keywords: Checked("prepare", prepare(*a, **keywords))
+    calls.compiled_recurrence = lambda *a: Checked("recurrence", recurrence(*a))
+    calls.compiled_backward_kernels = lambda *a, **keywords: {
+        name: Checked(name, kernel) for name, kernel in backward_kernels(*a, **keywords).items()}
     leaves = [x.cuda().requires_grad_(x.is_floating_point()) for x in saved["inputs"]]
     o, _ = chunk_kda(*leaves, **dict(saved["options"], checks="off"))
     if "do" in saved:
@@ -71,9 +72,12 @@ def replay_on_cuda(saved):
 def replay_on_cpu(saved, chunk_size=DEFAULT_CHUNK_SIZE):
     """The seven kernels through the tile interpreter, on the inputs chunk_kda gives its kernels."""
     from stages.common.interpreter import interpret
-    from stages.s05_fast_kda.kernel import build_prepare_program, build_recurrence_program, default_block_dv
-    from stages.s06_backward.autograd import l2_normalize, scaled_queries
-    from stages.s06_backward.kernel import BUILDERS, kernel_arguments, run_kernels
+    from stages.kda.autograd import l2_normalize, scaled_queries
+    from stages.kda.backward import BUILDERS, kernel_arguments
+    from stages.kda.calls import run_kernels
+    from stages.kda.config import resolve
+    from stages.kda.prepare import build_prepare_program, prepare_outputs
+    from stages.kda.recurrence import build_recurrence_program
 
     q, k, v, g, beta = (x.float() for x in saved["inputs"])
     options = saved["options"]
@@ -93,13 +97,15 @@ def replay_on_cpu(saved, chunk_size=DEFAULT_CHUNK_SIZE):
     do = pad(saved["do"]) if "do" in saved else np.zeros_like(v)
     initial_state = options.get("initial_state")
     state = np.zeros((B, H, d_k, d_v)) if initial_state is None else _numpy(initial_state)
-    block_dv = default_block_dv(B, H, d_v, 132)  # the H200's SMs: the block the GPU run took
-    prepare = Checked("prepare", interpret(build_prepare_program(B, N_padded, H, d_k, d_v, chunk_size, dtype),
-                                           out_idx=[5, 6, 7, 8, 9, 10]))
+    config = resolve(B, H, d_k, d_v, num_sms=132, chunk_size=chunk_size)  # the H200's SMs: the GPU run's sizes
+    prepare = Checked("prepare", interpret(
+        build_prepare_program(B, N_padded, H, d_k, d_v, chunk_size, dtype, config.prepare_threads),
+        out_idx=prepare_outputs()))
     recurrence = Checked("recurrence", interpret(
-        build_recurrence_program(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype), out_idx=[7, 8]))
+        build_recurrence_program(B, N_padded, H, d_k, d_v, chunk_size, config.block_dv, dtype, config.num_stages,
+                                 config.threads), out_idx=[7, 8]))
     recurrence(*prepare(q, k, v, g, beta), state)
-    arguments = kernel_arguments(B, N_padded, H, d_k, d_v, chunk_size, block_dv, dtype)
+    arguments = kernel_arguments(B, N_padded, H, d_k, d_v, chunk_size, config.block_dv, dtype)
     kernels = {name: Checked(name, interpret(BUILDERS[name][0](*arguments[name]), out_idx=BUILDERS[name][1]))
                for name in arguments}
     run_kernels(kernels, q, k, v, g, beta, do, state, np.zeros((B, H, d_k, d_v)))

@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 from stages.common.device_checks import CHECKS, raise_if_flagged
-from stages.s06_backward.autograd import chunk_kda
-from stages.s06_backward.layer import KDALayer
+from stages.kda.autograd import chunk_kda
+from stages.kda.layer import KDALayer
 
 IGNORED = -100  # cross_entropy's ignore_index: positions without a target
 LOWER_BOUND = -5.0  # the forget gate's floor, log space: FLA's recommended safe-gate bound

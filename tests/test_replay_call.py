@@ -62,7 +62,7 @@ def test_the_unbounded_demos_nan_call_now_runs(capsys):
     e^88.7. The interpreter named the prepare kernel, as the GPU did, and then stage 6's intra
     kernel; both now take that sub-block by its definition, and every kernel is finite."""
     from kdacourse import REPO_ROOT
-    from stages.s05_fast_kda.kernel import SUB_BLOCK
+    from stages.kda.config import SUB_BLOCK
     from stages.s05_fast_kda.numerics import FP32_LARGEST_LOG
 
     path = REPO_ROOT / "benchmarks/results/train_kda_cuda_unbounded/nan_trap_step165.pt"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import train_kda
-from stages.s06_backward.autograd import chunk_kda
+from stages.kda.autograd import chunk_kda
 
 SMALL = ["--batch", "8", "--d-model", "32", "--heads", "2", "--head-dim", "16", "--layers", "1"]
 
@@ -76,7 +76,7 @@ def test_nan_trap_saves_the_call_that_went_non_finite(tmp_path, monkeypatch):
     here a kernel that writes one NaN), at a call the kernels' value check refuses, or at a
     non-finite gradient (backward), with the call's inputs (and do, and the refusal) saved for a
     replay."""
-    import stages.s06_backward.autograd as autograd
+    import stages.kda.autograd as autograd
 
     trap = train_kda.NanTrap(tmp_path / "nan_trap.pt")
     generator = torch.Generator().manual_seed(0)
