@@ -167,12 +167,11 @@ def compile_all(shapes, backward_block_dv, num_sms, log):
         compiles = fair.forward_compiles(B, N, H, D, forward_config)
         # the prepare the forward's default call launches: the one that flags bad values
         compiles["flagged prepare"] = fair.forward_compiles(B, N, H, D, forward_config, value_flags=True)["prepare"]
-        # the one forward_and_prepared launches (fwd_bwd_call_kept): with A_kk and T as outputs
-        compiles["kept prepare"] = fair.forward_compiles(B, N, H, D, forward_config, keep_prepared=True)["prepare"]
         arguments = kernel_arguments(B, N, H, D, D, backward_config.chunk_size, backward_config.block_dv, DTYPE)
         for name in arguments:
             # as compiled_backward_kernels compiles them; the backward's prepare is the forward's with
-            # A_kk and T as outputs too: a program of its own
+            # A_kk and T as outputs too, the one forward_and_prepared launches (fwd_bwd_call_kept): one
+            # cache entry for both
             compiles[f"backward {name}" if name == "prepare" else name] = functools.partial(
                 compiled_backward_kernel, name, *arguments[name], value_flags=False)
         # and the backward's default call's prepare, which flags bad values too

@@ -587,7 +587,6 @@ def test_the_backward_checks_values_where_checks_says(monkeypatch, checks):
     from stages.common.device_checks import flags_for
     from stages.kda import calls, config
     from stages.kda import checks as kda_checks
-    from stages.kda.backward import kernel_arguments
 
     B, N, H, D = 1, 64, 1, 64
     q = torch.zeros(B, N, H, D, dtype=torch.float16)
@@ -625,7 +624,6 @@ def test_the_backward_hands_the_kept_prepare_outputs_to_its_kernels(monkeypatch)
     torch = pytest.importorskip("torch")
     from stages.kda import calls, config
     from stages.kda import checks as kda_checks
-    from stages.kda.backward import kernel_arguments
 
     B, N, H, D = 1, 40, 1, 32  # padded to 64 tokens
     q, g, beta = torch.zeros(B, N, H, D, dtype=torch.float16), -torch.rand(B, N, H, D), torch.rand(B, N, H)
@@ -648,9 +646,7 @@ def test_the_backward_hands_the_kept_prepare_outputs_to_its_kernels(monkeypatch)
 
 def test_the_backward_refuses_an_unknown_checks_mode():
     torch = pytest.importorskip("torch")
-    from stages.kda import calls, config
-    from stages.kda import checks as kda_checks
-    from stages.kda.backward import kernel_arguments
+    from stages.kda import calls
 
     q = torch.zeros(1, 64, 1, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="checks must be one of"):

@@ -13,7 +13,7 @@ from stages.common.device_checks import check_mode
 from stages.common.torch_checks import (check_cu_seqlens, check_cu_seqlens_values, check_gate, check_gate_values,
                                         check_kernel_tensor, check_on_cuda, check_qkv, check_same, check_slot_values,
                                         check_slots, check_tile_sizes)
-from stages.kda.config import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK, KernelConfig,
+from stages.kda.config import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, KernelConfig,
                                decode_block_dv, most_chunks)
 
 if TYPE_CHECKING:

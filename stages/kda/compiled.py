@@ -13,7 +13,7 @@ from stages.common.tilelang_tools import compile_report as lower_and_report
 from stages.common.torch_checks import KERNEL_DTYPES
 from stages.kda.backward import BUILDERS, kernel_arguments
 from stages.kda.checks import check_block, check_kernel_sizes
-from stages.kda.config import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_THREADS
+from stages.kda.config import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_THREADS, default_prepare_threads
 from stages.kda.decode import build_decode_program
 from stages.kda.prepare import PackedBatch, build_prepare_program, prepare_outputs, run_time_sizes
 from stages.kda.recurrence import build_recurrence_program
@@ -53,8 +53,9 @@ def compiled_backward_kernel(kernel, *arguments, value_flags=False):
     arguments for it; the prepare is the forward's, with solve_outputs (and value_flags)."""
     import tilelang
 
-    if kernel == "prepare":
-        return compiled_prepare(*arguments, None, value_flags=value_flags, solve_outputs=True)
+    if kernel == "prepare":  # in the call's form that forward_and_prepared makes: one cache entry for both
+        chunk_size = arguments[5]
+        return compiled_prepare(*arguments, default_prepare_threads(chunk_size), value_flags, solve_outputs=True)
     build, outputs = BUILDERS[kernel]
     return tilelang.compile(build_in_turn(build, *arguments), out_idx=outputs, target="cuda")
 
