@@ -233,6 +233,7 @@ def run(environ=None):
     assignment = [exercise for exercise in exercises() if exercise.stage in config["stages"]]
     started = time.monotonic()
     try:
+        protect_course(results_folder)
         with tempfile.TemporaryDirectory(prefix="autograder-") as scratch:
             results, code = grade_upload(submission, Path(scratch), assignment, config)
     except Exception:  # the grader's own failure: results.json still says that nothing was graded
@@ -247,6 +248,24 @@ def run(environ=None):
     written.replace(results_folder / "results.json")
     print(f"results.json: {results['output'].splitlines()[0]}", flush=True)
     return code
+
+
+def protect_course(results_folder):
+    """Make the course the grader's alone, as root in Gradescope's container: each entry of the course
+    but its Python environment loses every permission of group and others, and the results folder
+    their write permission. A sandbox that runs the student's code as a user of its own (where no
+    namespace can be made: kdacourse.sandbox's own-user isolation) then reaches neither the solutions
+    nor the tests, and cannot write what Gradescope reads; under bubblewrap this changes nothing."""
+    if os.geteuid() != 0:
+        return
+    environment = os.path.realpath(sys.prefix)
+    for entry in REPO_ROOT.iterdir():
+        real = os.path.realpath(entry)
+        if entry.is_symlink() or environment == real or environment.startswith(real + os.sep):
+            continue
+        entry.chmod(stat.S_IMODE(entry.stat().st_mode) & ~0o077)
+    results_folder.mkdir(parents=True, exist_ok=True)
+    results_folder.chmod(stat.S_IMODE(results_folder.stat().st_mode) & ~0o022)
 
 
 def grade_upload(submission, scratch, assignment, config):
@@ -384,8 +403,9 @@ def gradescope_results(assignment, report, config, notes, grader_problem=None):
     passed = sum(test["status"] == "passed" for test in tests)
     summary = [f"{score} of {maximum} points: {passed} of {len(tests)} exercises pass."]
     if report is not None:
-        summary.append(f"Your code ran in a sandbox, {config['timeout_per_test']:g} s per test. An exercise earns "
-                       f"its points when all of its tests pass.")
+        summary.append(f"Your code ran in a sandbox, isolated by {report.get('isolation_described', 'bubblewrap')}; "
+                       f"{config['timeout_per_test']:g} s per test. An exercise earns its points when all "
+                       f"of its tests pass.")
     return {
         "score": score,
         "output": "\n".join(summary + notes),
@@ -394,7 +414,8 @@ def gradescope_results(assignment, report, config, notes, grader_problem=None):
         "stdout_visibility": "hidden",
         "tests": tests,
         "extra_data": {"course_commit": config.get("commit"), "stages": config["stages"],
-                       "sandbox": bool(report and report.get("sandbox")), "grader_problem": grader_problem},
+                       "sandbox": bool(report and report.get("sandbox")),
+                       "isolation": (report or {}).get("isolation"), "grader_problem": grader_problem},
     }
 
 

@@ -362,6 +362,11 @@ def grade(folder, out, timeout_per_test=60, trust=False):
     report = grade_report(folder_path, results, not_graded, started_at, time.monotonic() - started,
                           timeout_per_test, timeout_per_exercise)
     report["sandbox"] = not trust
+    if not trust:
+        from kdacourse.sandbox import chosen_isolation, describe
+
+        report["isolation"] = chosen_isolation()
+        report["isolation_described"] = describe(report["isolation"])
 
     write_reports(out_path, report, results)
     print(f"score: {report['score']}/{report['max_score']} points; "
@@ -418,8 +423,8 @@ def markdown_report(report):
         "Tests passed counts the tests that ran; skipped ones are listed under each table. An exercise "
         "that timed out had a test stopped by its time limit, and its other tests failed at once.",
         "",
-        ("The code ran in the sandbox (untrusted grading)." if report.get("sandbox", True)
-         else "The code ran as the grader (--trust)."),
+        (f"The code ran in the sandbox (untrusted grading), isolated by {report.get('isolation_described', 'bubblewrap')}."
+         if report.get("sandbox", True) else "The code ran as the grader (--trust)."),
         "",
     ]
     if report["stages_not_graded"]:
