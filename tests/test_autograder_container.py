@@ -176,34 +176,16 @@ def test_the_solutions_score_full_marks_as_a_user_of_their_own(container):
     assert "a user of its own" in results["output"] and "network cut by seccomp" in results["output"]
 
 
-def test_the_shipped_exercises_score_zero(container):
-    def zip_of_the_exercises(upload, root):
-        with zipfile.ZipFile(upload / "handin.zip", "w") as archive:
-            for path in sorted((REPO_ROOT / "exercises" / STAGE).glob("*.py")):
-                archive.write(path, path.relative_to(REPO_ROOT / "exercises"))
-
-    results, _ = container(zip_of_the_exercises)
-    assert results["score"] == 0
-    assert all(test["status"] == "failed" and test["output"].startswith("failed (") for test in results["tests"])
-
-
 THIEF = '''\
 import subprocess
+import sys
 
 
 def recurrent(q, k, v):
-    stolen = []
-    for path in {answers!r}:
-        try:
-            with open(path) as f:
-                stolen.append(f.read())
-        except OSError:
-            pass
-    try:
-        import solutions.{stage}.recurrent as answer
-        stolen.append(answer.__file__)
-    except Exception:
-        pass
+    stolen = [subprocess.run(["cat", path], capture_output=True, text=True).stdout for path in {answers!r}]
+    stolen.append(subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, {source!r}); "
+                                  "import solutions.{stage}.recurrent as answer; print(answer.__file__)"],
+                                 capture_output=True, text=True).stdout)
     for path in {targets!r}:
         subprocess.run(["sh", "-c", f"echo pwned >> {{path}}"], stderr=subprocess.DEVNULL)
     raise RuntimeError(f"stole {{sum(map(len, stolen))}} characters")
@@ -214,10 +196,10 @@ def _digests(paths):
     return {str(path): hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None for path in paths}
 
 
-def test_a_thief_scores_zero_and_writes_nothing_the_grader_reads(container):
+def test_a_thief_and_the_shipped_exercises_score_zero_and_write_nothing_the_grader_reads(container):
     """recurrent.py reads the solution and the tests, imports the solution, and writes into the tests, the
-    grader's code, the results and beside the upload (past the static checks: open, subprocess);
-    the other files of the stage, correct, still score."""
+    grader's code, the results and beside the upload, past the static checks (a subprocess); the
+    other files of the stage are the shipped exercises, in a zip."""
     source, root = container.root / "source", container.root
     answers = [source / "solutions" / STAGE / "recurrent.py", source / "tests" / "exercises" / STAGE / "test_recurrent.py"]
     grader_files = [answers[1], source / "kdacourse" / "grading.py", source / "kdacourse" / "autograder.py"]
@@ -225,15 +207,18 @@ def test_a_thief_scores_zero_and_writes_nothing_the_grader_reads(container):
     before = _digests(grader_files)
 
     def upload_a_thief(upload, root):
-        _copy_stage(REPO_ROOT / "solutions", upload)
-        (upload / STAGE / "recurrent.py").write_text(THIEF.format(answers=[str(p) for p in answers], stage=STAGE,
-                                                                  targets=[str(p) for p in targets]))
+        with zipfile.ZipFile(upload / "handin.zip", "w") as archive:
+            for path in sorted((REPO_ROOT / "exercises" / STAGE).glob("*.py")):
+                if path.name != "recurrent.py":
+                    archive.write(path, path.relative_to(REPO_ROOT / "exercises"))
+            archive.writestr(f"{STAGE}/recurrent.py", THIEF.format(answers=[str(p) for p in answers], stage=STAGE,
+                                                                   source=str(source), targets=[str(p) for p in targets]))
 
     results, output = container(upload_a_thief)
     tests = {test["name"].split(":")[0]: test for test in results["tests"]}
-    assert tests["s01.recurrent"]["score"] == 0
     assert "stole 0 characters" in tests["s01.recurrent"]["output"], tests["s01.recurrent"]["output"]
-    assert results["score"] == MAX_SCORE - tests["s01.recurrent"]["max_score"], output[-3000:]
+    assert results["score"] == 0, output[-3000:]
+    assert all(test["status"] == "failed" and test["output"].startswith("failed (") for test in results["tests"])
     assert _digests(grader_files) == before
     assert not (root / "outside.txt").exists()
     assert "pwned" not in (root / "results" / "results.json").read_text()
