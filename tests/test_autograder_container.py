@@ -162,7 +162,7 @@ def container(filtered, tmp_path_factory):
         run.environment = environment
         yield run
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        subprocess.run(["rm", "-rf", str(root)], check=False)  # faster than shutil.rmtree on 100,000 links
 
 
 def _copy_stage(source, upload):
