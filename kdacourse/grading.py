@@ -28,7 +28,7 @@ from pathlib import Path
 
 from kdacourse import REPO_ROOT
 from kdacourse.catalog import Exercise, exercises, resolve_stage, stages
-from kdacourse.pages.tables import table_cell
+from kdacourse.report_cells import report_cell
 from kdacourse.runner import RunResult, run_tests
 from kdacourse.sitelinks import read_location, read_url  # the page and section on the site
 from kdacourse.targets import TargetError, target_folder
@@ -438,7 +438,7 @@ def markdown_report(report):
                 lines.append(f"| `{entry['id']}` | {entry['kind']} | {'yes' if entry['passed'] else '**no**'} "
                              f"| {entry['points']}/{entry['max_points']} "
                              f"| {_tests_cell(entry)} "
-                             f"| {table_cell(entry['first_failure'], untrusted=True)} |")
+                             f"| {report_cell(entry['first_failure'])} |")
         lines.append("")
         lines += _skipped_lines([entry for entry in report["exercises"] if entry["stage"] == stage])
     lines += ["## Totals", "", "| stage | points | exercises passed |", "|---|---|---|"]
@@ -468,7 +468,7 @@ def _skipped_lines(entries):
             reasons.setdefault(reason or "no reason given", []).append(name)
         for reason, names in reasons.items():
             lines.append(f"- `{entry['id']}`: {len(names)} skipped ({', '.join(f'`{n}`' for n in names)}): "
-                         f"{table_cell(reason, untrusted=True)}")
+                         f"{report_cell(reason)}")
     return ["Tests skipped, not counted:", "", *lines, ""] if lines else []
 
 
@@ -558,16 +558,22 @@ def check(stage=None, target="exercises", compile=False):
 
 
 def show_check_result(result, run_target):
-    """PASS, or FAIL with the first failure's message in full, the section to read and how to re-run."""
+    """PASS, or FAIL with the first failure's message in full, one line for each other failure, the
+    section to read and how to re-run."""
     if result.passed:
         print(f"PASS  {result.exercise.id}", flush=True)
         return
     failed = len(result.run.failed())
     tally = f" ({failed} of {result.tests_total} tests fail)" if failed else ""
-    first, *rest = result.failure_messages()[0].strip().splitlines() or ["(no message)"]
+    messages = result.failure_messages() or ["(no message)"]
+    first, *rest = messages[0].strip().splitlines() or ["(no message)"]
     print(f"FAIL  {result.exercise.id}{tally}: {first}", flush=True)
     for line in rest:
         print(f"      {line}", flush=True)
+    if len(messages) > 1:
+        print(f"      {'also fails' if len(messages) == 2 else f'{len(messages) - 1} more fail'}:", flush=True)
+        for message in messages[1:]:
+            print(f"        {_one_line(message)}", flush=True)
     print(f"      read: {read_location(result.exercise.read)}", flush=True)
     print(f"            {read_url(result.exercise.read)} (with `course serve` running)", flush=True)
     rerun = f"pytest {result.exercise.test_path.relative_to(REPO_ROOT)} -q --tb=short"
