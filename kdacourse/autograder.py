@@ -10,9 +10,12 @@ OUT receives autograder.zip, and the same files unpacked in OUT/autograder/ to r
 
 - the course as committed (`git archive` of HEAD), never the working tree, where an instructor's
   solved exercises or notes may lie uncommitted. Its solutions/ and tests/ are the grader's: the
-  student's code runs in the sandbox, which holds only the library stages/ (kdacourse.sandbox);
+  student's code runs in the sandbox, which holds only the library stages/ (kdacourse.sandbox), or
+  where no namespace can be made runs as a user of its own, to whom protect_course makes the course
+  unreadable;
 - setup.sh: bubblewrap, a Python of at least 3.11 and a virtual environment with torch (the CPU
-  build, pinned as scripts/setup.sh pins it) and the course, as `make setup` makes for grading;
+  build, pinned as scripts/install_torch.sh pins it) and the course, as `make setup` makes for
+  grading; its last line says whether the sandbox works in the image, and which isolation;
 - run_autograder: `python -m kdacourse.autograder` in the course, which is `run()` below;
 - autograder.json: the assignment: its stages, the time limit per test, the tests' visibility.
 
@@ -80,8 +83,12 @@ fi
 # the sandbox runs the students' code as nobody: it must be able to read the library and Python
 chmod -R a+rX "$source_dir/stages" "$venv"
 chmod +x "$source_dir/run_autograder"
-# whether the sandbox works in this image: where it does not, every submission is refused, not run
-"$venv/bin/python" -c 'import kdacourse.sandbox as sandbox; print("sandbox:", sandbox.sandbox_problem() or "works")'
+# whether the sandbox works in this image, the course made private first as run_autograder makes it:
+# where it does not, every submission is refused, not run
+"$venv/bin/python" -c 'import kdacourse.autograder as autograder, kdacourse.sandbox as sandbox
+autograder.protect_course()
+problem = sandbox.sandbox_problem()
+print("sandbox:", problem or "works, isolated by " + sandbox.describe(sandbox.chosen_isolation()))'
 """
 
 RUN_AUTOGRADER = """\
@@ -250,7 +257,7 @@ def run(environ=None):
     return code
 
 
-def protect_course(results_folder):
+def protect_course(results_folder=None):
     """Make the course the grader's alone, as root in Gradescope's container: each entry of the course
     but its Python environment loses every permission of group and others, and the results folder
     their write permission. A sandbox that runs the student's code as a user of its own (where no
@@ -264,8 +271,9 @@ def protect_course(results_folder):
         if entry.is_symlink() or environment == real or environment.startswith(real + os.sep):
             continue
         entry.chmod(stat.S_IMODE(entry.stat().st_mode) & ~0o077)
-    results_folder.mkdir(parents=True, exist_ok=True)
-    results_folder.chmod(stat.S_IMODE(results_folder.stat().st_mode) & ~0o022)
+    if results_folder is not None:
+        results_folder.mkdir(parents=True, exist_ok=True)
+        results_folder.chmod(stat.S_IMODE(results_folder.stat().st_mode) & ~0o022)
 
 
 def grade_upload(submission, scratch, assignment, config):
