@@ -344,6 +344,22 @@ def test_check_lists_every_failing_test_the_first_in_full(capsys):
             "        test_c: IndexError: out of range\n") in out, out
 
 
+def test_grading_does_not_import_the_site():
+    """What grades (course grade, grade-all, the autograder) reaches no module of the site, kdacourse.pages,
+    by any chain of imports (those inside functions too)."""
+    from tests.test_import_rules import import_graph
+
+    graph, _ = import_graph()
+    reached, chains = set(), [[module] for module in ("kdacourse.grading", "kdacourse.gradeall", "kdacourse.autograder")]
+    while chains:
+        chain = chains.pop()
+        if chain[-1].startswith("kdacourse.pages"):
+            pytest.fail(f"grading imports the site: {' -> '.join(chain)}")
+        if chain[-1] not in reached:
+            reached.add(chain[-1])
+            chains += [[*chain, module] for module in graph.get(chain[-1], {})]
+
+
 def test_report_cells_keep_a_pipe_as_an_escape_that_renders():
     """report.md's cells: `\\|` and `\\\\`, no HTML entity for "|"; the table still renders the message."""
     import markdown
