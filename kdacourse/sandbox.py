@@ -110,7 +110,8 @@ _chosen = {}  # what the self-test of the isolation in use found: {"isolation", 
 class Limits:
     """What one sandboxed process may use. cpu_seconds, address_space, processes, file_size and
     open_files are rlimits (RLIMIT_CPU, _AS, _NPROC, _FSIZE, _NOFILE); processes counts the threads
-    of every process of uid 65534 on the machine."""
+    of every process of the child's uid on the machine (under bubblewrap as root, 65534's, which all
+    children share; in the own-user isolation, the child's own uid's)."""
 
     cpu_seconds: int = 300
     address_space: int = 4 * 2**30  # a kernel exercise (TileLang, the interpreter) runs in 2 GiB
@@ -555,12 +556,27 @@ def _course_files():
     and of any copy of the course installed in that environment: none may be readable to that user."""
     environment = {os.path.realpath(prefix) for prefix in (sys.prefix, sys.base_prefix)}
     found = []
-    roots = [str(REPO_ROOT), *_installed_course_packages([sys.prefix, sys.base_prefix])]
+    roots = [str(REPO_ROOT), *_git_folders(), *_installed_course_packages([sys.prefix, sys.base_prefix])]
     for root in roots:
         for folder, folders, files in os.walk(root):
             folders[:] = [name for name in folders if os.path.realpath(os.path.join(folder, name)) not in environment]
             found += [os.path.join(folder, name) for name in files]
     return found
+
+
+def _git_folders():
+    """The git folders of a course that is a worktree or a submodule (its .git a file naming them),
+    which hold the solutions' history outside the course's folder."""
+    dot_git = REPO_ROOT / ".git"
+    if not dot_git.is_file():
+        return []
+    text = dot_git.read_text(errors="replace").strip()
+    if not text.startswith("gitdir:"):
+        return []
+    folder = (REPO_ROOT / text.removeprefix("gitdir:").strip()).resolve()
+    common = folder / "commondir"
+    shared = [str((folder / common.read_text().strip()).resolve())] if common.is_file() else []
+    return [str(folder), *shared]
 
 
 def _self_test(kind):

@@ -19,7 +19,9 @@ A call's reply is {"ok": {"$dict": {"value": ..., "arguments": [...]}}}: the val
 arguments as the function left them, which the parent copies back into its own (a function that
 updates an argument in place, as a state pool is updated, does so across the sandbox too).
 
-Requests (parent -> child): {"op": "load", "stage", "file", "source", "forbidden", "delegates"}, {"op": "call",
+Requests (parent -> child): in "selftest" mode one {"op": "selftest", "unreadable": [paths], "unwritable":
+[folders]}, answered with what the child is and reaches (_self_test); {"op": "load", "stage", "file",
+"source", "forbidden", "delegates"}, {"op": "call",
 "name", "args", "kwargs"}, {"op": "interpret", "program", "inputs", "out_idx"}, {"op": "program_json",
 "program"}; in "analysis" mode (no student code) {"op": "analyze", "program_json", "function"}.
 Replies: {"ok": value} or {"error": {"type", "message", "traceback"}}; before its reply, a call may send
