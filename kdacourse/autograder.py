@@ -10,9 +10,12 @@ OUT receives autograder.zip, and the same files unpacked in OUT/autograder/ to r
 
 - the course as committed (`git archive` of HEAD), never the working tree, where an instructor's
   solved exercises or notes may lie uncommitted. Its solutions/ and tests/ are the grader's: the
-  student's code runs in the sandbox, which holds only the library stages/ (kdacourse.sandbox);
+  student's code runs in the sandbox, which holds only the library stages/ (kdacourse.sandbox), or
+  where no namespace can be made runs as a user of its own, to whom protect_course makes the course
+  unreadable;
 - setup.sh: bubblewrap, a Python of at least 3.11 and a virtual environment with torch (the CPU
-  build, pinned as scripts/setup.sh pins it) and the course, as `make setup` makes for grading;
+  build, pinned as scripts/install_torch.sh pins it) and the course, as `make setup` makes for
+  grading; its last line says whether the sandbox works in the image, and which isolation;
 - run_autograder: `python -m kdacourse.autograder` in the course, which is `run()` below;
 - autograder.json: the assignment: its stages, the time limit per test, the tests' visibility.
 
@@ -80,8 +83,12 @@ fi
 # the sandbox runs the students' code as nobody: it must be able to read the library and Python
 chmod -R a+rX "$source_dir/stages" "$venv"
 chmod +x "$source_dir/run_autograder"
-# whether the sandbox works in this image: where it does not, every submission is refused, not run
-"$venv/bin/python" -c 'import kdacourse.sandbox as sandbox; print("sandbox:", sandbox.sandbox_problem() or "works")'
+# whether the sandbox works in this image, the course made private first as run_autograder makes it:
+# where it does not, every submission is refused, not run
+"$venv/bin/python" -c 'import kdacourse.autograder as autograder, kdacourse.sandbox as sandbox
+autograder.protect_course()
+problem = sandbox.sandbox_problem()
+print("sandbox:", problem or "works, isolated by " + sandbox.describe(sandbox.chosen_isolation()))'
 """
 
 RUN_AUTOGRADER = """\
@@ -233,6 +240,7 @@ def run(environ=None):
     assignment = [exercise for exercise in exercises() if exercise.stage in config["stages"]]
     started = time.monotonic()
     try:
+        protect_course(results_folder)
         with tempfile.TemporaryDirectory(prefix="autograder-") as scratch:
             results, code = grade_upload(submission, Path(scratch), assignment, config)
     except Exception:  # the grader's own failure: results.json still says that nothing was graded
@@ -247,6 +255,25 @@ def run(environ=None):
     written.replace(results_folder / "results.json")
     print(f"results.json: {results['output'].splitlines()[0]}", flush=True)
     return code
+
+
+def protect_course(results_folder=None):
+    """Make the course the grader's alone, as root in Gradescope's container: each entry of the course
+    but its Python environment loses every permission of group and others, and the results folder
+    their write permission. A sandbox that runs the student's code as a user of its own (where no
+    namespace can be made: kdacourse.sandbox's own-user isolation) then reaches neither the solutions
+    nor the tests, and cannot write what Gradescope reads; under bubblewrap this changes nothing."""
+    if os.geteuid() != 0:
+        return
+    environment = os.path.realpath(sys.prefix)
+    for entry in REPO_ROOT.iterdir():
+        real = os.path.realpath(entry)
+        if entry.is_symlink() or environment == real or environment.startswith(real + os.sep):
+            continue
+        entry.chmod(stat.S_IMODE(entry.stat().st_mode) & ~0o077)
+    if results_folder is not None:
+        results_folder.mkdir(parents=True, exist_ok=True)
+        results_folder.chmod(stat.S_IMODE(results_folder.stat().st_mode) & ~0o022)
 
 
 def grade_upload(submission, scratch, assignment, config):
@@ -384,8 +411,9 @@ def gradescope_results(assignment, report, config, notes, grader_problem=None):
     passed = sum(test["status"] == "passed" for test in tests)
     summary = [f"{score} of {maximum} points: {passed} of {len(tests)} exercises pass."]
     if report is not None:
-        summary.append(f"Your code ran in a sandbox, {config['timeout_per_test']:g} s per test. An exercise earns "
-                       f"its points when all of its tests pass.")
+        summary.append(f"Your code ran in a sandbox, isolated by {report.get('isolation_described', 'bubblewrap')}; "
+                       f"{config['timeout_per_test']:g} s per test. An exercise earns its points when all "
+                       f"of its tests pass.")
     return {
         "score": score,
         "output": "\n".join(summary + notes),
@@ -394,7 +422,8 @@ def gradescope_results(assignment, report, config, notes, grader_problem=None):
         "stdout_visibility": "hidden",
         "tests": tests,
         "extra_data": {"course_commit": config.get("commit"), "stages": config["stages"],
-                       "sandbox": bool(report and report.get("sandbox")), "grader_problem": grader_problem},
+                       "sandbox": bool(report and report.get("sandbox")),
+                       "isolation": (report or {}).get("isolation"), "grader_problem": grader_problem},
     }
 
 

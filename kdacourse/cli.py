@@ -33,6 +33,9 @@ def main(argv=None):
     grade_all = commands.add_parser("grade-all", help="grade every student folder of a folder, in parallel")
     grade_all.add_argument("submissions", help="a folder with one folder per student, each laid out like exercises/")
     _grading_options(grade_all, "folder for gradebook.csv and each student's reports")
+    grade_all.add_argument("--stages", nargs="+", metavar="STAGE",
+                           help="grade only these stages: s01, 1 or s01_linear_attention (default: every stage a "
+                                "student handed in); the gradebook's max counts them")
     grade_all.add_argument("--leaderboard", action="store_true",
                            help="add each passed tune exercise's counted cost to the gradebook and rank the class "
                                 "by it in leaderboard.csv (builds each program once more, in the sandbox)")
@@ -83,7 +86,7 @@ def main(argv=None):
         from kdacourse.gradeall import grade_all
 
         return grade_all(args.submissions, args.out, timeout_per_test=args.timeout, trust=args.trust,
-                         leaderboard=args.leaderboard)
+                         leaderboard=args.leaderboard, only_stages=args.stages)
     if args.command == "serve":
         from kdacourse.site import serve
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from kdacourse import REPO_ROOT
 from kdacourse.catalog import Exercise, exercises, resolve_stage, stages
-from kdacourse.pages.tables import table_cell
+from kdacourse.report_cells import report_cell
 from kdacourse.runner import RunResult, run_tests
 from kdacourse.sitelinks import read_location, read_url  # the page and section on the site
 from kdacourse.targets import TargetError, target_folder
@@ -362,6 +362,11 @@ def grade(folder, out, timeout_per_test=60, trust=False):
     report = grade_report(folder_path, results, not_graded, started_at, time.monotonic() - started,
                           timeout_per_test, timeout_per_exercise)
     report["sandbox"] = not trust
+    if not trust:
+        from kdacourse.sandbox import chosen_isolation, describe
+
+        report["isolation"] = chosen_isolation()
+        report["isolation_described"] = describe(report["isolation"])
 
     write_reports(out_path, report, results)
     print(f"score: {report['score']}/{report['max_score']} points; "
@@ -418,8 +423,8 @@ def markdown_report(report):
         "Tests passed counts the tests that ran; skipped ones are listed under each table. An exercise "
         "that timed out had a test stopped by its time limit, and its other tests failed at once.",
         "",
-        ("The code ran in the sandbox (untrusted grading)." if report.get("sandbox", True)
-         else "The code ran as the grader (--trust)."),
+        (f"The code ran in the sandbox (untrusted grading), isolated by {report.get('isolation_described', 'bubblewrap')}."
+         if report.get("sandbox", True) else "The code ran as the grader (--trust)."),
         "",
     ]
     if report["stages_not_graded"]:
@@ -433,7 +438,7 @@ def markdown_report(report):
                 lines.append(f"| `{entry['id']}` | {entry['kind']} | {'yes' if entry['passed'] else '**no**'} "
                              f"| {entry['points']}/{entry['max_points']} "
                              f"| {_tests_cell(entry)} "
-                             f"| {table_cell(entry['first_failure'], untrusted=True)} |")
+                             f"| {report_cell(entry['first_failure'])} |")
         lines.append("")
         lines += _skipped_lines([entry for entry in report["exercises"] if entry["stage"] == stage])
     lines += ["## Totals", "", "| stage | points | exercises passed |", "|---|---|---|"]
@@ -463,7 +468,7 @@ def _skipped_lines(entries):
             reasons.setdefault(reason or "no reason given", []).append(name)
         for reason, names in reasons.items():
             lines.append(f"- `{entry['id']}`: {len(names)} skipped ({', '.join(f'`{n}`' for n in names)}): "
-                         f"{table_cell(reason, untrusted=True)}")
+                         f"{report_cell(reason)}")
     return ["Tests skipped, not counted:", "", *lines, ""] if lines else []
 
 
@@ -553,16 +558,22 @@ def check(stage=None, target="exercises", compile=False):
 
 
 def show_check_result(result, run_target):
-    """PASS, or FAIL with the first failure's message in full, the section to read and how to re-run."""
+    """PASS, or FAIL with the first failure's message in full, one line for each other failure, the
+    section to read and how to re-run."""
     if result.passed:
         print(f"PASS  {result.exercise.id}", flush=True)
         return
     failed = len(result.run.failed())
     tally = f" ({failed} of {result.tests_total} tests fail)" if failed else ""
-    first, *rest = result.failure_messages()[0].strip().splitlines() or ["(no message)"]
+    messages = result.failure_messages() or ["(no message)"]
+    first, *rest = messages[0].strip().splitlines() or ["(no message)"]
     print(f"FAIL  {result.exercise.id}{tally}: {first}", flush=True)
     for line in rest:
         print(f"      {line}", flush=True)
+    if len(messages) > 1:
+        print(f"      {'also fails' if len(messages) == 2 else f'{len(messages) - 1} more fail'}:", flush=True)
+        for message in messages[1:]:
+            print(f"        {_one_line(message)}", flush=True)
     print(f"      read: {read_location(result.exercise.read)}", flush=True)
     print(f"            {read_url(result.exercise.read)} (with `course serve` running)", flush=True)
     rerun = f"pytest {result.exercise.test_path.relative_to(REPO_ROOT)} -q --tb=short"

@@ -16,7 +16,9 @@ It holds what a student works with, and works on its own (`make setup` there, or
   NotImplementedError and names the exercise: the functions of stages/<stage>/reference.py,
   kernel.py and numerics.py that have the name of a function of solutions/<stage>/*.py (e.g.
   recurrent, kernel_mirror, build_program). What calls a stub raises in turn (the kernels' wrappers);
-- the pages, docs/, without solution code: every collapsed block opened "after your check passes"
+- the pages, docs/, as the handout has them: the texts that describe the full course (solutions/,
+  --target=solutions, bug targets) replaced by the handout's (FULL_COURSE_TEXT), and without solution
+  code: every collapsed block opened "after your check passes"
   (the solutions, the bugs the exercises ship with) gives way to a line saying the solution is with
   the instructor; a code snippet of a stubbed function is written into the page when the student's
   exercise file shows the same code anyway (a kernel's head), and otherwise gives way to the same
@@ -63,6 +65,14 @@ NO_SOLUTION = "*The solution is with your instructor: a handout leaves it out.*"
 ANSWER_BLOCK = re.compile(r'^(?P<indent>\s*)\?\?\?\+? \w+ "[^"]*\(open after [^"]*\)"\s*$')
 SNIPPET = re.compile(r'^(?P<indent>\s*)--8<-- "(?P<path>[^":]+):(?P<section>[A-Za-z_]\w*)"\s*$')
 SECTION_MARK = re.compile(r"#\s*--8<--\s*\[(?P<which>start|end):(?P<name>\w+)\]")
+# A page's text for the full course, then, in an HTML comment the site does not show, the handout's:
+#     <!-- full course -->
+#     ...what the full course says (solutions/, --target=solutions, bug targets)...
+#     <!-- handout
+#     ...what the handout says instead...
+#     -->
+FULL_COURSE_TEXT = re.compile(r"^<!-- full course -->\n(?P<course>.*?)^<!-- handout\n(?P<handout>.*?)^-->\n", re.S | re.M)
+FULL_COURSE_MARKERS = ("<!-- full course -->", "<!-- handout")
 
 
 class HandoutError(Exception):
@@ -520,6 +530,15 @@ def _without_shipped_rows(text, shipped):
     return "\n".join(kept) + "\n"
 
 
+def _handout_text(text):
+    """The page as the handout has it: each full-course text replaced by the handout's (FULL_COURSE_TEXT)."""
+    new = FULL_COURSE_TEXT.sub(lambda match: match["handout"], text)
+    if any(marker in new for marker in FULL_COURSE_MARKERS):
+        raise HandoutError("a page holds a `<!-- full course -->` text without its `<!-- handout` one after it "
+                           "(kdacourse/handout.py: FULL_COURSE_TEXT)")
+    return new
+
+
 def rewrite_pages(out, stubbed):
     """The handout's pages: no answer blocks, no snippets of stubbed code, no shipped bugs."""
     from kdacourse.catalog import exercises
@@ -528,7 +547,7 @@ def rewrite_pages(out, stubbed):
     shipped = {exercise.bug for exercise in exercises() if exercise.bug}
     for path in sorted((out / "docs").rglob("*.md")):
         text = path.read_text()
-        new = _with_snippets_replaced(_without_answer_blocks(text), replacements)
+        new = _with_snippets_replaced(_without_answer_blocks(_handout_text(text)), replacements)
         if path.name.endswith("kill_matrix.md"):
             new = _without_shipped_rows(new, shipped)
         new = new.replace('"The kill matrix, bug by test (it names the bugs the exercises ship with)"',

@@ -1,6 +1,9 @@
-"""The sandbox that student code runs in when an instructor grades (bubblewrap, Linux).
+"""The sandbox that student code runs in when an instructor grades (Linux): bubblewrap, or where no
+namespace can be made, a user of its own.
 
-A sandboxed process (SandboxedProcess) is kdacourse/sandbox_child.py run by bwrap with:
+A sandboxed process (SandboxedProcess) is kdacourse/sandbox_child.py run in one of two isolations.
+
+**bubblewrap** (BUBBLEWRAP), wherever bwrap can make namespaces: the child runs by bwrap with:
 - no network and no other namespace shared (IPC, PID, UTS, cgroup): it sees only its own processes;
 - a filesystem of its own: read-only binds of the system (/usr, /lib...), of Python and its
   packages, of the graded library at /course/stages and of the child script; nothing else of the
@@ -22,29 +25,56 @@ A sandboxed process (SandboxedProcess) is kdacourse/sandbox_child.py run by bwra
   launcher asks the kernel to kill bwrap when its parent dies (PR_SET_PDEATHSIG), bwrap kills the
   sandbox's PID namespace when it dies, so a process that started its own session dies too.
 
-Where bwrap is missing or fails its self-test, `sandbox_problem()` says why and how to get it.
+**A user of its own** (OWN_USER), where bwrap cannot make namespaces (a container under Docker's
+default seccomp profile, or without CAP_SYS_ADMIN, as Gradescope runs each submission) and the grader
+is root, as Gradescope's guidance for autograders advises (run the student's code as another user,
+the answers out of its reach); kdacourse/sandbox_launcher.py starts the child:
+- as a uid that no account has (USER_BASE and up, one per sandboxed process alive, held by a lock
+  file), with no groups; before its start and after its end every process of that uid is killed
+  (`kill(-1)` as that uid: one that started its own session too) and its files in the shared temporary
+  folders removed, so that nothing of one child reaches the next that gets the uid;
+- in a folder of its own, made by the grader: a copy of the graded library and of the child script
+  (the grader's, read-only), and a private scratch folder (the child's HOME, TMPDIR and working
+  directory, where the submission's files are written); no tmpfs, so scratch_bytes is not enforced
+  there (file_size bounds each file);
+- the same rlimits, killed with its parent (PR_SET_PDEATHSIG), no_new_privs, and the network cut
+  where seccomp is allowed (kdacourse/seccomp.py: a socket of any family but AF_UNIX refused);
+- the course out of its reach by the file permissions alone: the self-test checks, as that user,
+  that it can read none of the course's files (the Python environment aside) nor any installed copy
+  of the course, and can write nowhere in the course or the environment; where it can, the sandbox
+  is refused and the message names the files (the Gradescope bundle makes the course private itself,
+  kdacourse.autograder.protect_course).
+
+`sandbox_problem()` picks the isolation (bubblewrap first) and says, where neither works, why: the
+real cause (bwrap missing, or namespaces forbidden here and the grader not root, or a file the user
+could read). `describe()` says which ran, for the reports.
 """
 
 import collections
 import compileall
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import select
 import shutil
 import signal
+import socket
+import stat
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from kdacourse import REPO_ROOT
 from kdacourse.sandbox_child import LIBRARY_ROOT, SCRATCH_EXERCISES
+from kdacourse.seccomp import Rule, SeccompUnavailable, program
 
 NOBODY = 65534
 CHILD_SCRIPT = Path(__file__).with_name("sandbox_child.py")
@@ -58,13 +88,30 @@ LIBRARY_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 HOW_TO_GET = ("install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`, which `make setup` does when "
               "run as root), or, on a machine where the code is trusted (a student's own), pass --trust")
 SELF_TEST_SECONDS = 60
+BUBBLEWRAP, OWN_USER = "bubblewrap", "own user"
+# The isolation the grading run's parent chose, handed to the processes it starts.
+ISOLATION_VARIABLE = "COURSE_SANDBOX_ISOLATION"
+LAUNCHER_SCRIPT = Path(__file__).with_name("sandbox_launcher.py")
+# The own-user isolation's uids: far above every range that accounts get (Debian's users end at 59999,
+# systemd's dynamic users at 65519, subordinate uid ranges start at 100000 and take 65536 per user).
+USER_BASE = 2_000_000_000
+USER_SLOTS = 1024
+USERS_FOLDER = Path(tempfile.gettempdir()) / "kdacourse-sandbox-users"  # the grader's lock files, 0700
+SHARED_TEMPORARY_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")  # where any user may leave files
+# The own-user isolation's network: no socket but a local one (and no io_uring, which makes sockets too).
+NETWORK_RULES = (Rule("socket", errno.EACCES, not_equal=socket.AF_UNIX), Rule("io_uring_setup", errno.EPERM))
+NAMESPACES_FORBIDDEN = ("this system forbids new namespaces (a container under Docker's default seccomp profile "
+                        "or without CAP_SYS_ADMIN, as Gradescope runs each submission, or user namespaces "
+                        "turned off)")
+_chosen = {}  # what the self-test of the isolation in use found: {"isolation", "network_cut"}
 
 
 @dataclass(frozen=True)
 class Limits:
     """What one sandboxed process may use. cpu_seconds, address_space, processes, file_size and
     open_files are rlimits (RLIMIT_CPU, _AS, _NPROC, _FSIZE, _NOFILE); processes counts the threads
-    of every process of uid 65534 on the machine."""
+    of every process of the child's uid on the machine (under bubblewrap as root, 65534's, which all
+    children share; in the own-user isolation, the child's own uid's)."""
 
     cpu_seconds: int = 300
     address_space: int = 4 * 2**30  # a kernel exercise (TileLang, the interpreter) runs in 2 GiB
@@ -152,6 +199,8 @@ def _build_library(folder):
     shutil.copytree(REPO_ROOT / "stages", folder / "stages", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (folder / "stages" / "common" / "oracles.py").unlink()  # closed forms: the answer of a reference A
     stubbed = stub_library(folder)
+    for path in [folder, *folder.rglob("*")]:  # readable by the sandbox's user, whatever the course's modes
+        path.chmod(0o755 if path.is_dir() else 0o644)
     # compiled once here: the sandboxes read the bytecode (they may not write it) instead of each
     # compiling the library again at start
     compileall.compile_dir(folder / "stages", quiet=1)
@@ -243,21 +292,146 @@ def bwrap_command(mode, limits, preload_tilelang=False):
     return launcher + args + ["--"] + child
 
 
+def _acquire_user():
+    """(a uid of the own-user isolation that no other sandboxed process holds, the lock file's fd that
+    holds it until closed)."""
+    try:
+        USERS_FOLDER.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    status = USERS_FOLDER.lstat()
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.geteuid() or status.st_mode & 0o077:
+        raise SandboxUnavailable(f"{USERS_FOLDER} is not a folder of the grader's own that only it can open: "
+                                 f"remove it")
+    start = os.getpid() % USER_SLOTS
+    for offset in range(USER_SLOTS):
+        uid = USER_BASE + (start + offset) % USER_SLOTS
+        fd = os.open(USERS_FOLDER / str(uid), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return uid, fd
+        except BlockingIOError:
+            os.close(fd)
+    raise SandboxUnavailable(f"all {USER_SLOTS} users of the sandbox are in use")
+
+
+_KILL_ALL = "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept ProcessLookupError:\n    pass\n"
+
+
+def sweep_user(uid):
+    """Kill every process of `uid` (kill(-1) as that uid reaches each, whatever its session) and remove
+    what it left in the shared temporary folders."""
+    subprocess.run([sys.executable, "-I", "-S", "-c", _KILL_ALL], user=uid, group=uid, extra_groups=[], cwd="/",
+                   env={}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=60, check=True)
+    for folder in SHARED_TEMPORARY_FOLDERS:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)  # by file descriptors: no link inside is followed
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
+
+
+class OwnUserBox:
+    """The uid and the folder of one sandboxed process in the own-user isolation:
+
+        <box>/child.py                 the child script     (the grader's, 0644)
+        <box>/course/stages/...        the graded library   (the grader's, 0755/0644)
+        <box>/course/exercises         -> <box>/scratch/exercises, as the handout's stubs expect
+        <box>/scratch/                 the child's, 0700: HOME, TMPDIR, working directory
+    """
+
+    def __init__(self):
+        self.uid, self._lock = _acquire_user()
+        self.folder = None
+        try:
+            sweep_user(self.uid)  # a grader that died may have left processes of this uid
+            self.folder = Path(tempfile.mkdtemp(prefix="kdacourse-sandbox-"))
+            library = self.folder / "course" / "stages"
+            shutil.copytree(graded_library() / "stages", library)  # its modes: 0755 and 0644 (_build_library)
+            for folder in (self.folder, self.folder / "course"):
+                folder.chmod(0o755)
+            shutil.copyfile(CHILD_SCRIPT, self.folder / "child.py")
+            (self.folder / "child.py").chmod(0o644)
+            self.scratch = self.folder / "scratch"
+            self.scratch.mkdir(mode=0o700)
+            os.chown(self.scratch, self.uid, self.uid)
+            os.symlink(self.scratch / "exercises", self.folder / "course" / "exercises")
+        except BaseException:
+            self.close()
+            raise
+
+    def command(self, mode, limits, preload_tilelang=False):
+        """The argv that starts the child in `mode` as this box's user, behind sandbox_launcher.py."""
+        scratch = str(self.scratch)
+        environment = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "USER": "sandbox",
+                       "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                       "TVM_NUM_THREADS": "1", "COURSE_SANDBOX_LIBRARY": str(self.folder / "course"),
+                       "COURSE_SANDBOX_SCRATCH": scratch}
+        if os.environ.get("LD_LIBRARY_PATH"):  # the interpreter is the grader's, which may need it to start
+            environment["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+        child = [sys.executable, "-I", "-B", str(self.folder / "child.py"), mode]
+        if preload_tilelang:
+            child.append("--preload-tilelang")
+        try:
+            network_filter = program(NETWORK_RULES).hex()
+        except SeccompUnavailable:
+            network_filter = None
+        spec = {"rlimits": limits.rlimits(), "uid": self.uid, "gid": self.uid, "parent": os.getpid(),
+                "filter": network_filter, "cwd": scratch, "environment": environment, "argv": child}
+        return [sys.executable, "-I", "-S", str(LAUNCHER_SCRIPT), json.dumps(spec)]
+
+    def close(self):
+        """Kill the uid's processes, remove its files and the box, and give the uid back."""
+        if self._lock is None:
+            return
+        try:
+            sweep_user(self.uid)
+        except (OSError, subprocess.SubprocessError):
+            pass  # the start's sweep failed too, and said why; the next holder of the uid sweeps again
+        finally:
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
+            os.close(self._lock)
+            self._lock = None
+
+
 def _under(path, roots):
     return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
 
 
 class SandboxedProcess:
-    """One sandbox_child.py in bwrap, spoken to in messages (kdacourse.sandbox_child's format)."""
+    """One sandbox_child.py in the isolation chosen (`isolation()`, or the one given), spoken to in
+    messages (kdacourse.sandbox_child's format)."""
 
-    def __init__(self, mode="student", limits=None, preload_tilelang=False):
+    def __init__(self, mode="student", limits=None, preload_tilelang=False, isolation_kind=None):
         self.limits = limits = limits or Limits()
         self._stderr = collections.deque()
         self._stderr_size = 0
         self._lock = threading.Lock()
-        self.process = subprocess.Popen(bwrap_command(mode, limits, preload_tilelang), stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                        cwd="/")
+        self.isolation = isolation_kind or isolation()
+        self.box = None
+        if self.isolation == OWN_USER:
+            self.box = OwnUserBox()
+            command, cwd = self.box.command(mode, limits, preload_tilelang), str(self.box.scratch)
+        else:
+            command, cwd = bwrap_command(mode, limits, preload_tilelang), "/"
+        try:
+            self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, start_new_session=True, cwd=cwd)
+        except BaseException:
+            if self.box is not None:
+                self.box.close()
+            raise
         self._reader = threading.Thread(target=self._drain_stderr, daemon=True)
         self._reader.start()
         self.dead = False
@@ -351,7 +525,8 @@ class SandboxedProcess:
         return f"the sandboxed process {how} before replying" + (f"; its last output:\n{tail}" if tail else "")
 
     def kill(self):
-        """Kill bwrap's process group; its death takes the sandbox's PID namespace with it."""
+        """Kill the process group; bwrap's death takes the sandbox's PID namespace with it, and the
+        own user's box kills every process of its uid."""
         if self.dead:
             return
         self.dead = True
@@ -369,33 +544,132 @@ class SandboxedProcess:
         except subprocess.TimeoutExpired:
             pass
         self._reader.join(timeout=2)
+        if self.box is not None:
+            self.box.close()
 
     def close(self):
         self.kill()
 
 
-@cache
-def sandbox_problem():
-    """None when the sandbox works here; else why not and how to get it."""
-    if not sys.platform.startswith("linux"):
-        return f"the sandbox needs Linux (bubblewrap); this is {sys.platform}: {HOW_TO_GET}"
-    if bwrap_path() is None:
-        return f"bwrap (bubblewrap) is not installed: {HOW_TO_GET}"
+def _course_files():
+    """Every file of the course (its Python environment aside, which the sandbox's user must read)
+    and of any copy of the course installed in that environment: none may be readable to that user."""
+    environment = {os.path.realpath(prefix) for prefix in (sys.prefix, sys.base_prefix)}
+    found = []
+    roots = [str(REPO_ROOT), *_git_folders(), *_installed_course_packages([sys.prefix, sys.base_prefix])]
+    for root in roots:
+        for folder, folders, files in os.walk(root):
+            folders[:] = [name for name in folders if os.path.realpath(os.path.join(folder, name)) not in environment]
+            found += [os.path.join(folder, name) for name in files]
+    return found
+
+
+def _git_folders():
+    """The git folders of a course that is a worktree or a submodule (its .git a file naming them),
+    which hold the solutions' history outside the course's folder."""
+    dot_git = REPO_ROOT / ".git"
+    if not dot_git.is_file():
+        return []
+    text = dot_git.read_text(errors="replace").strip()
+    if not text.startswith("gitdir:"):
+        return []
+    folder = (REPO_ROOT / text.removeprefix("gitdir:").strip()).resolve()
+    common = folder / "commondir"
+    shared = [str((folder / common.read_text().strip()).resolve())] if common.is_file() else []
+    return [str(folder), *shared]
+
+
+def _self_test(kind):
+    """What the child says of itself in the isolation `kind` ({uid, gid, groups, ...}); ChildFailed,
+    OSError or ValueError when it does not start or answer."""
     from kdacourse.sandbox_child import decode, encode
 
+    request = {"op": "selftest"}
+    if kind == OWN_USER:
+        request.update(unreadable=_course_files(), unwritable=sorted({str(REPO_ROOT), os.path.realpath(sys.prefix)}))
     child = None
     try:
-        child = SandboxedProcess("selftest", Limits(call_seconds=SELF_TEST_SECONDS))
-        facts = decode(child.request(encode({"op": "selftest"})))
-    except (ChildFailed, OSError, ValueError) as error:
+        child = SandboxedProcess("selftest", Limits(call_seconds=SELF_TEST_SECONDS), isolation_kind=kind)
+        facts = decode(child.request(encode(request)))
+        facts["uid_expected"] = child.box.uid if child.box else NOBODY
+        return facts
+    except PermissionError:
+        raise
+    except (ChildFailed, OSError, ValueError, subprocess.SubprocessError) as error:
         output = child.output().strip() if child else ""
-        return f"bwrap fails its self-test ({error}{'; ' + output[-500:] if output else ''}): {HOW_TO_GET}"
+        raise ChildFailed(f"{error}{'; ' + output[-500:] if output else ''}") from None
     finally:
         if child:
             child.kill()
+
+
+@cache
+def _bubblewrap_problem():
+    """None when bwrap isolates here; else why not, its real cause first."""
+    if bwrap_path() is None:
+        return "bwrap (bubblewrap) is not installed"
+    try:
+        facts = _self_test(BUBBLEWRAP)
+    except ChildFailed as error:
+        text = str(error)
+        if "namespace" in text or "Operation not permitted" in text:
+            said = next((line.strip() for line in text.splitlines() if line.strip().startswith("bwrap:")), text[:300])
+            return f"bwrap cannot make the namespaces it isolates with ({said}): {NAMESPACES_FORBIDDEN}"
+        return f"bwrap fails its self-test ({text})"
     if running_as_root() and (facts.get("uid"), facts.get("gid"), facts.get("groups")) != (NOBODY, NOBODY, []):
-        return f"bwrap's self-test: the child runs as {facts}, not as nobody: {HOW_TO_GET}"
+        return f"bwrap's self-test: the child runs as {facts}, not as nobody"
+    if facts.get("imports"):
+        return f"bwrap's self-test: the child cannot import NumPy and the graded library ({facts['imports']})"
     return None
+
+
+@cache
+def _own_user_problem():
+    """None when the own-user isolation holds here (the grader is root); else why not."""
+    if not running_as_root():
+        return (f"the other isolation, the code run as a user of its own, needs the grader to run as root "
+                f"(it runs as uid {os.geteuid()})")
+    try:
+        facts = _self_test(OWN_USER)
+    except PermissionError as error:
+        return (f"the sandbox's user cannot run the grader's Python ({error}): the Python environment "
+                f"({sys.prefix}, {sys.base_prefix}) and the folders above it must be readable by other users")
+    except (ChildFailed, SandboxUnavailable, OSError, subprocess.SubprocessError) as error:
+        return f"the code cannot run as a user of its own here: {error}"
+    expected = facts.pop("uid_expected")
+    if (facts.get("uid"), facts.get("gid"), facts.get("groups")) != (expected, expected, []):
+        return f"the own-user isolation's self-test: the child runs as {facts}, not as uid {expected} alone"
+    if facts.get("imports"):
+        return (f"the sandbox's user (uid {expected}) cannot import NumPy and the graded library "
+                f"({facts['imports']}): the Python environment {sys.prefix} and the folders above it must be "
+                f"readable by other users")
+    readable, writable = facts.get("readable", []), facts.get("writable", [])
+    if readable:
+        return (f"the sandbox's user could read {facts['readable_count']} of the course's files, e.g. {readable[0]}: make the "
+                f"course unreadable to other users (chmod go-rwx on each entry of {REPO_ROOT} but the Python "
+                f"environment; the autograder bundle does it itself)")
+    if writable:
+        return (f"the sandbox's user could write {writable[0]}{f' and {len(writable) - 1} more' if len(writable) > 1 else ''}"
+                f": the course and its Python environment must be the grader's alone to write")
+    _chosen["network_cut"] = not facts.get("network")
+    return None
+
+
+@cache
+def sandbox_problem():
+    """None when a sandbox works here (bubblewrap, else a user of its own); else why not, the real
+    cause, and what to do. The isolation chosen is handed to the processes this one starts."""
+    if not sys.platform.startswith("linux"):
+        return f"the sandbox needs Linux; this is {sys.platform}: {HOW_TO_GET}"
+    for kind, problem in ((BUBBLEWRAP, _bubblewrap_problem), (OWN_USER, _own_user_problem)):
+        if problem() is None:
+            _chosen["isolation"] = kind
+            os.environ[ISOLATION_VARIABLE] = kind
+            return None
+    what = (HOW_TO_GET if bwrap_path() is None else
+            "grade where namespaces are allowed, or as root (as Gradescope runs the autograder), or, on a machine "
+            "where the code is trusted (a student's own), pass --trust")
+    return f"{_bubblewrap_problem()}; and {_own_user_problem()}: {what}"
 
 
 def require_sandbox():
@@ -405,7 +679,25 @@ def require_sandbox():
         raise SandboxUnavailable(problem)
 
 
-def describe(limits=None):
-    """One line on the sandbox, for reports."""
-    limits = limits or Limits()
-    return "bubblewrap sandbox, " + ", ".join(f"{key}={value}" for key, value in asdict(limits).items())
+def isolation():
+    """The isolation the sandboxed processes use: the one the grading run's parent chose, else this
+    process's choice (sandbox_problem)."""
+    require_sandbox()
+    return os.environ[ISOLATION_VARIABLE]
+
+
+def chosen_isolation():
+    """The isolation this process's sandbox_problem chose, or that its parent handed down; None before."""
+    return os.environ.get(ISOLATION_VARIABLE)
+
+
+def describe(kind):
+    """What a report says of the isolation `kind` (None: not known)."""
+    if kind == BUBBLEWRAP:
+        return "bubblewrap (namespaces: no network, the course not in the sandbox)"
+    if kind == OWN_USER:
+        network = ("its network cut by seccomp" if _chosen.get("network_cut", True)
+                   else "its network NOT cut (seccomp was refused here)")
+        return ("a user of its own (no namespace could be made here: the code ran as a uid of its own in a "
+                f"private folder, the course unreadable to it, {network})")
+    return "the sandbox"

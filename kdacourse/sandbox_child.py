@@ -19,7 +19,9 @@ A call's reply is {"ok": {"$dict": {"value": ..., "arguments": [...]}}}: the val
 arguments as the function left them, which the parent copies back into its own (a function that
 updates an argument in place, as a state pool is updated, does so across the sandbox too).
 
-Requests (parent -> child): {"op": "load", "stage", "file", "source", "forbidden", "delegates"}, {"op": "call",
+Requests (parent -> child): in "selftest" mode one {"op": "selftest", "unreadable": [paths], "unwritable":
+[folders]}, answered with what the child is and reaches (_self_test); {"op": "load", "stage", "file",
+"source", "forbidden", "delegates"}, {"op": "call",
 "name", "args", "kwargs"}, {"op": "interpret", "program", "inputs", "out_idx"}, {"op": "program_json",
 "program"}; in "analysis" mode (no student code) {"op": "analyze", "program_json", "function"}.
 Replies: {"ok": value} or {"error": {"type", "message", "traceback"}}; before its reply, a call may send
@@ -36,10 +38,14 @@ import sys
 
 import numpy as np
 
-# Where the sandbox holds the graded library (LIBRARY_ROOT/stages) and the submission's files: the
-# library's stubs that run a student's own function read LIBRARY_ROOT/exercises, a link to SCRATCH_EXERCISES.
+# Where bubblewrap's sandbox holds the graded library (LIBRARY_ROOT/stages) and the submission's files:
+# the library's stubs that run a student's own function read LIBRARY_ROOT/exercises, a link to
+# SCRATCH_EXERCISES. The own-user isolation has them in its box, and says where in these variables.
 LIBRARY_ROOT = "/course"
 SCRATCH_EXERCISES = "/tmp/exercises"
+LIBRARY_VARIABLE, SCRATCH_VARIABLE = "COURSE_SANDBOX_LIBRARY", "COURSE_SANDBOX_SCRATCH"
+PROBE_REPORTED = 20  # paths the self-test names of those it could read or write
+ANSWER_PACKAGES = ("solutions", "tests", "kdacourse")  # the course's packages that hold answers
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # the parent caps what it reads far lower (kdacourse.remote)
 MAX_DEPTH = 16
 NUMERIC_KINDS = "biufc"
@@ -375,7 +381,8 @@ def _write_exercise(stage, file, source):
     """The private scratch copy (tmpfs) of a submission's file, SCRATCH_EXERCISES/stage/file; its path."""
     if not (stage.isidentifier() and file.endswith(".py") and file[:-3].isidentifier()):
         raise ValueError("bad stage or file name")
-    folder = os.path.join(SCRATCH_EXERCISES, stage)
+    scratch = os.environ.get(SCRATCH_VARIABLE)
+    folder = os.path.join(os.path.join(scratch, "exercises") if scratch else SCRATCH_EXERCISES, stage)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, file)
     with open(path, "w", encoding="utf-8") as f:
@@ -395,9 +402,47 @@ def _drop_privileges():
     os.environ.pop("COURSE_SANDBOX_SETUID", None)
 
 
+def _self_test(request):
+    """What the child is and reaches: its ids; whether NumPy and the graded library import; of the
+    paths the request names, those it can read ("unreadable") and, under the folders it names, those
+    it can write ("unwritable"); whether it can open a network socket."""
+    facts = {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups()}
+    try:
+        import stages  # noqa: F401
+    except Exception as error:  # noqa: BLE001 (whatever stops the import is what the grader must hear)
+        facts["imports"] = f"{type(error).__name__}: {error}"
+    readable = [path for path in request.get("unreadable", []) if os.access(path, os.R_OK)]
+    import importlib.util
+
+    for name in ANSWER_PACKAGES:  # an installed copy of the course (an editable install's finder, say)
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        locations = [spec.origin] if spec.has_location and spec.origin else list(spec.submodule_search_locations or [])
+        readable += [path for path in locations if os.access(path, os.R_OK)]
+    # the answers first, then the rest, as examples
+    facts["readable"] = sorted(readable, key=lambda path: "/solutions/" not in path)[:PROBE_REPORTED]
+    facts["readable_count"] = len(readable)
+    facts["writable"] = [path for root in request.get("unwritable", []) for folder, _, files in os.walk(root)
+                         for path in (folder, *(os.path.join(folder, name) for name in files))
+                         if os.access(path, os.W_OK)][:PROBE_REPORTED]
+    import socket
+
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+        facts["network"] = True
+    except OSError:
+        facts["network"] = False
+    return facts
+
+
 def main():
     _drop_privileges()
-    sys.path.insert(0, LIBRARY_ROOT)  # the graded library, before any copy the environment has installed
+    # the graded library, before any copy the environment has installed
+    sys.path.insert(0, os.environ.get(LIBRARY_VARIABLE, LIBRARY_ROOT))
     mode = sys.argv[1] if len(sys.argv) > 1 else "student"
     # the protocol keeps private copies of stdin and stdout; what the code under test prints goes
     # to stderr, which the parent reads apart and caps
@@ -410,8 +455,9 @@ def main():
     if mode == "selftest":
         # the request is read before the reply: a child that replied and ended before the parent had
         # written would leave the parent a broken pipe (seen once under load: "ended with exit code 0")
-        _read_exact(requests)
-        replies.write(encode({"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups()}))
+        body = _read_exact(requests)
+        request = decode(body) if body is not None else {}
+        replies.write(encode(_self_test(request if isinstance(request, dict) else {})))
         return
     if "--preload-tilelang" in sys.argv:
         import tilelang  # noqa: F401  (before the student's code: a kernel exercise needs it)

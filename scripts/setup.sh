@@ -25,10 +25,11 @@ echo "setup [1/5]: a virtual environment in $venv"
 "$python" -m venv "$venv"
 echo "setup [2/5]: the latest pip"
 "$venv/bin/python" -m pip install -q --upgrade pip
-# The CPU build of torch first and pinned: left to the resolver, torch would arrive as a CUDA build
-# of several GB. Kernels run on a GPU machine, which brings its own CUDA torch.
-echo "setup [3/5]: torch, CPU build (the largest download)"
-"$venv/bin/python" -m pip install -q "torch==2.13.0"
+# torch first and pinned: left to the resolver, it would arrive as a CUDA build of several GB on a
+# machine without a GPU (scripts/install_torch.sh: the CPU build there, CUDA's where a GPU is)
+echo "setup [3/5]: torch (the largest download)"
+source scripts/install_torch.sh
+install_torch "$venv/bin/python"
 echo "setup [4/5]: the course and its dependencies (pyproject.toml: NumPy, SymPy, TileLang, pytest; MkDocs, matplotlib, Playwright, ruff)"
 # with the extras the site (MkDocs, matplotlib) and the tests (Playwright's driver, ruff) need
 "$venv/bin/python" -m pip install -q -e ".[site,test]"

@@ -104,7 +104,7 @@ def schema_errors(value, schema, where="results.json"):
     return errors
 
 
-def results_errors(results):
+def results_errors(results, assignment=ASSIGNMENT):
     """The schema's errors, then what a schema cannot say: no test scores above its maximum, the
     total is the tests' sum, and the tests are the assignment's exercises, each worth its points."""
     errors = schema_errors(results, RESULTS_SCHEMA)
@@ -115,7 +115,7 @@ def results_errors(results):
                for test in tests if test["score"] > test["max_score"]]
     if results["score"] != sum(test["score"] for test in tests):
         errors.append(f"score {results['score']} is not the sum of the tests' scores")
-    expected = [(exercise.id, exercise.points) for exercise in ASSIGNMENT]
+    expected = [(exercise.id, exercise.points) for exercise in assignment]
     if [(test["name"].split(":")[0], test["max_score"]) for test in tests] != expected:
         errors.append("the tests are not the assignment's exercises with their points")
     return errors

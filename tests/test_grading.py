@@ -328,6 +328,52 @@ def test_check_prints_a_message_of_several_lines_in_full(capsys):
     assert "\n      largest error 1.00e+00 at batch 0\n      first wrong entry at batch 0\n" in out
 
 
+def test_check_lists_every_failing_test_the_first_in_full(capsys):
+    """The first failure's message whole, then one line for each other failed test."""
+    exercise = exercises_of_stage(BROKEN_STAGE)[0]
+    failing = {"t.py::test_a": "AssertionError: the output\nlargest error 1.00e+00 at batch 0",
+               "t.py::test_b": "ValueError: shapes differ\n(1, 2) vs (2, 1)", "t.py::test_c": "IndexError: out of range"}
+    run = RunResult(outcomes={**dict.fromkeys(failing, "failed"), "t.py::test_d": "passed"}, summaries=failing,
+                    returncode=1)
+    show_check_result(ExerciseResult(exercise, run, seconds=1.0, timeout_per_exercise=10), "exercises")
+    out = capsys.readouterr().out
+    assert (f"FAIL  {exercise.id} (3 of 4 tests fail): test_a: AssertionError: the output\n"
+            "      largest error 1.00e+00 at batch 0\n"
+            "      2 more fail:\n"
+            "        test_b: ValueError: shapes differ (1, 2) vs (2, 1)\n"
+            "        test_c: IndexError: out of range\n") in out, out
+
+
+def test_grading_does_not_import_the_site():
+    """What grades (course grade, grade-all, the autograder) reaches no module of the site, kdacourse.pages,
+    by any chain of imports (those inside functions too)."""
+    from tests.test_import_rules import import_graph
+
+    graph, _ = import_graph()
+    reached, chains = set(), [[module] for module in ("kdacourse.grading", "kdacourse.gradeall", "kdacourse.autograder")]
+    while chains:
+        chain = chains.pop()
+        if chain[-1].startswith("kdacourse.pages"):
+            pytest.fail(f"grading imports the site: {' -> '.join(chain)}")
+        if chain[-1] not in reached:
+            reached.add(chain[-1])
+            chains += [[*chain, module] for module in graph.get(chain[-1], {})]
+
+
+def test_report_cells_keep_a_pipe_as_an_escape_that_renders():
+    """report.md's cells: `\\|` and `\\\\`, no HTML entity for "|"; the table still renders the message."""
+    import markdown
+
+    from kdacourse.report_cells import report_cell
+
+    message = "expected a | b, got a \\| b <script>\nsecond line"
+    cell = report_cell(message)
+    assert cell == "expected a \\| b, got a \\\\\\| b &lt;script&gt;<br>second line"
+    assert "&#124;" not in cell
+    html = markdown.markdown(f"| test | failure |\n|---|---|\n| t | {cell} |\n", extensions=["tables"])
+    assert "<td>expected a | b, got a \\| b &lt;script&gt;<br>second line</td>" in html, html
+
+
 @pytest.mark.parametrize("name", ["s01", "s1", "01", "1", "s01_linear_attention"])
 def test_a_stage_is_named_as_a_student_would(name):
     from kdacourse.catalog import resolve_stage

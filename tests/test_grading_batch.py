@@ -195,6 +195,34 @@ def test_grade_all_starts_one_test_process_per_student(tmp_path, monkeypatch):
     assert per_student == {"ada": stage_1, "bob": stage_1, "cy": stage_1 + stage_2}
 
 
+def test_grade_all_grades_the_stages_asked_and_its_gradebook_counts_them(tmp_path, monkeypatch):
+    """--stages 1: a student's stage 2 is not run, and the gradebook's columns and max are stage 1's."""
+    import csv
+    import json
+
+    import kdacourse.grading as grading
+    import kdacourse.sandbox as sandbox
+    from kdacourse import REPO_ROOT
+    from kdacourse.catalog import exercises
+    from kdacourse.gradeall import grade_all
+
+    for stage in (STAGE, "s02_scalar_decay"):
+        (tmp_path / "class" / "ada" / stage).mkdir(parents=True)
+    runs = []
+    monkeypatch.setattr(sandbox, "sandbox_problem", lambda: None)
+    monkeypatch.setattr(grading, "run_tests", lambda target, paths, **options: runs.append(paths) or RunResult())
+    assert grade_all(tmp_path / "class", tmp_path / "out", only_stages=["1"]) == 0
+    stage_1 = [exercise for exercise in exercises() if exercise.stage == STAGE]
+    assert [str(path) for paths in runs for path in paths] == [str(e.test_path.relative_to(REPO_ROOT)) for e in stage_1]
+    with open(tmp_path / "out" / "gradebook.csv", newline="") as f:
+        (row,) = csv.DictReader(f)
+    assert list(row)[1:-3] == [exercise.id for exercise in stage_1]
+    assert row["max"] == str(sum(exercise.points for exercise in stage_1))
+    report = json.loads((tmp_path / "out" / "ada" / "report.json").read_text())
+    assert report["max_score"] == int(row["max"]) and report["stages_not_graded"] == []
+    assert grade_all(tmp_path / "class", tmp_path / "other", only_stages=["s99"]) == 2
+
+
 def test_a_submission_splits_into_whole_stages():
     """course grade's batches: one per core, every exercise once, whole stages, catalog order within
     each. (How the work is weighed is a speed choice, measured by kdacourse.grading_speed, not checked.)"""

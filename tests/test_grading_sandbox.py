@@ -23,7 +23,7 @@ import pytest
 
 from kdacourse import REPO_ROOT
 from kdacourse import sandbox as sandbox_module
-from kdacourse.catalog import exercises
+from kdacourse.catalog import exercises, exercises_of_stage
 from kdacourse.cheating import check_exercise
 from kdacourse.remote import RemoteError, RemoteSession, SandboxCallFailed, TargetRefused
 from kdacourse.sandbox import Limits, sandbox_problem
@@ -434,6 +434,11 @@ def test_arrays_updated_in_the_sandbox_are_updated_in_the_caller():
             _copy_back([pool, untouched], reply)
 
 
+def _forget_the_sandbox():
+    for check in (sandbox_module.sandbox_problem, sandbox_module._bubblewrap_problem, sandbox_module._own_user_problem):
+        check.cache_clear()
+
+
 @pytest.mark.parametrize("command", ["grade", "grade-all"])
 def test_grading_refuses_without_a_sandbox_and_names_trust(tmp_path, monkeypatch, capsys, command):
     from kdacourse.gradeall import grade_all
@@ -441,16 +446,19 @@ def test_grading_refuses_without_a_sandbox_and_names_trust(tmp_path, monkeypatch
 
     shutil.copytree(REPO_ROOT / "exercises" / STAGE, tmp_path / "class" / "alice" / STAGE)
     monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: None)
-    sandbox_module.sandbox_problem.cache_clear()
+    monkeypatch.setattr(sandbox_module, "running_as_root", lambda: False)  # no own-user isolation either
+    monkeypatch.delenv(sandbox_module.ISOLATION_VARIABLE, raising=False)
+    _forget_the_sandbox()
     try:
         if command == "grade":
             assert grade(tmp_path / "class" / "alice", tmp_path / "out") == 2
         else:
             assert grade_all(tmp_path / "class", tmp_path / "out") == 2
     finally:
-        sandbox_module.sandbox_problem.cache_clear()
+        _forget_the_sandbox()
     error = capsys.readouterr().err
     assert "bubblewrap" in error and "--trust" in error and "apt-get install" in error
+    assert "needs the grader to run as root" in error
     assert not (tmp_path / "out").exists()
 
 
@@ -510,18 +518,29 @@ def test_grade_of_an_attacking_stage(tmp_path, capsys):
     print(f"graded one attacking stage in {seconds:.1f} s")
 
 
-def test_gradebook_has_one_row_per_student_and_one_column_per_exercise(tmp_path):
-    from kdacourse.gradeall import write_gradebook
-
-    catalog = exercises()
-    write_gradebook(tmp_path / "gradebook.csv", {"bob": {catalog[0].id: catalog[0].points}, "=cmd": {}})
+def test_gradebook_counts_what_was_graded_and_names_the_cheating(tmp_path):
+    """One column per exercise graded, its max their points (not the course's), and a cheating column."""
     import csv
 
+    from kdacourse.cheating import Finding
+    from kdacourse.gradeall import write_gradebook
+    from kdacourse.grading import ExerciseResult
+    from kdacourse.runner import RunResult
+
+    graded = [exercise for exercise in exercises() if exercise.stage == STAGE]
+    first, second = graded[:2]
+    passed = ExerciseResult(first, RunResult(outcomes={"t.py::test_a": "passed"}), 1.0, 10)
+    cheated = ExerciseResult(second, RunResult(), 0.0, 10, (Finding(f"/class/bob/{STAGE}/{second.file}", 3, "uses open"),))
+    write_gradebook(tmp_path / "gradebook.csv", graded, {"bob": {first.id: passed, second.id: cheated}, "=cmd": {}})
     rows = list(csv.reader((tmp_path / "gradebook.csv").open()))
-    assert rows[0] == ["student", *[exercise.id for exercise in catalog], "total", "max"]
+    assert rows[0] == ["student", *[exercise.id for exercise in graded], "total", "max", "cheating"]
     assert [row[0] for row in rows[1:]] == ["'=cmd", "bob"]  # a formula is not left to a spreadsheet
-    assert rows[2][1:2] == [str(catalog[0].points)] and rows[2][-2] == str(catalog[0].points)
-    assert rows[2][-1] == str(sum(exercise.points for exercise in catalog))
+    bob = dict(zip(rows[0], rows[2]))
+    assert bob[first.id] == str(first.points) and bob[second.id] == "0" and bob["total"] == str(first.points)
+    stage_points = sum(exercise.points for exercise in exercises_of_stage(STAGE))
+    assert bob["max"] == str(stage_points) and stage_points < sum(exercise.points for exercise in exercises())
+    assert bob["cheating"] == f"{second.id}: {second.file}:3: uses open"
+    assert dict(zip(rows[0], rows[1]))["cheating"] == ""
 
 
 def test_a_hard_link_is_refused_and_shows(tmp_path):

@@ -220,6 +220,38 @@ def test_readme_is_the_students(handout):
         assert (handout / link).is_file(), f"the handout's README links to {link}, which the handout lacks"
 
 
+def test_full_course_texts_give_way_to_the_handouts():
+    """On the course's exercises page, each text marked as the full course's gives way to the handout's
+    (the handout built below shows it in place); a marker without its handout text is refused."""
+    from kdacourse.handout import HandoutError, _handout_text
+
+    page = (REPO_ROOT / "docs" / "exercises.md").read_text()
+    assert "--target=bug:" in page and "<!-- full course -->" in page
+    handout_page = _handout_text(page)
+    assert "the solutions are with your instructor" in handout_page
+    assert not any(text in handout_page for text in ("solutions/", "bug:", "<!-- full course", "<!-- handout"))
+    with pytest.raises(HandoutError, match="without its"):
+        _handout_text("<!-- full course -->\nthe solutions/ folder\n")
+
+
+def test_readme_and_pages_describe_the_handout(handout):
+    """The README names the Python the course needs (pyproject.toml's requires-python); the exercises
+    page names no solutions/, no --target=solutions and no bug target, which a handout lacks; no page
+    keeps the full course's text."""
+    import tomllib
+
+    requires = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    version = re.fullmatch(r">=\s*(3\.\d+)", requires)[1]
+    readme = (handout / "README.md").read_text()
+    assert f"Python {version} or newer" in readme and "3.10" not in readme
+    page = (handout / "docs" / "exercises.md").read_text()
+    assert "the solutions are with your instructor" in page
+    for full_course in ("solutions/", "--target=solutions", "bug:"):
+        assert full_course not in page, f"the handout's exercises page says {full_course!r}"
+    for path in (handout / "docs").rglob("*.md"):
+        assert "<!-- full course" not in path.read_text(), f"{path.name} keeps the full course's text"
+
+
 def test_handout_is_made_from_the_commit_not_the_working_tree(tmp_path):
     """An instructor solves an exercise and edits a page in their copy without committing: the
     handout holds the exercise as shipped and the page as committed, and stderr names what it left out."""
