@@ -19,7 +19,6 @@ this machine's roofs from benchmarks/roofs.py).
 
 import argparse
 import csv
-import hashlib
 import importlib.util
 import json
 import math
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import plain_torch, roofs
+from stages.common.program_digest import program_digest
 
 MEMORY_BANDWIDTH = 4.3e12  # bytes/s, what a device-to-device copy reached on an H200 (spec: 4.8; benchmarks/roofs.py)
 SHAPES = [(1, 4096, 32, 128), (1, 16384, 32, 128), (1, 65536, 32, 128), (8, 4096, 16, 128)]  # B, N, H, D
@@ -67,51 +67,6 @@ class Stage:
         mark old results stale."""
         source = Path(importlib.util.find_spec(self.kernel_module).origin).read_text()
         return program_digest(source)
-
-
-def program_digest(source):
-    """Digest of the code that builds a kernel module's programs: its `build_*program` functions and
-    its TileLang macros (`*_macro`), and the macros it imports from another kernel module (stages 6
-    and 7 build with stage 5's), their text with the comments and blank lines taken out. Not
-    `ast.dump` or the token stream, whose forms change between Python versions (the GPU machine runs
-    another Python than the course machines); a comment is a comment in every version."""
-    import ast
-
-    tree = ast.parse(source)
-    builders = [node for node in tree.body
-                if isinstance(node, ast.FunctionDef) and node.name.startswith("build_") and node.name.endswith("program")]
-    if not builders:
-        raise ValueError("the kernel module defines no build_*program function")
-    kept = _code_lines(source, builders + [node for node in tree.body if _is_macro(node)])
-    for node in tree.body:  # the macros of another kernel module, in the order they are imported
-        names = {alias.name for alias in getattr(node, "names", ()) if alias.name.endswith("_macro")}
-        if isinstance(node, ast.ImportFrom) and node.module and names:
-            other = Path(importlib.util.find_spec(node.module).origin).read_text()
-            kept += _code_lines(other, [n for n in ast.parse(other).body if _is_macro(n) and n.name in names])
-    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:12]
-
-
-def _is_macro(node):
-    import ast
-
-    return isinstance(node, ast.FunctionDef) and node.name.endswith("_macro")
-
-
-def _code_lines(source, functions):
-    """The lines of `functions` (nodes of `source`'s tree), without comments, blank lines or trailing blanks."""
-    import ast
-    import io
-    import tokenize
-
-    kept = []
-    for node in functions:
-        lines = ast.get_source_segment(source, node).splitlines()
-        for token in tokenize.generate_tokens(io.StringIO("\n".join(lines) + "\n").readline):
-            if token.type == tokenize.COMMENT:  # one line each: cut it from its column on
-                row, column = token.start
-                lines[row - 1] = lines[row - 1][:column]
-        kept += [line.rstrip() for line in lines if line.strip()]
-    return kept
 
 
 STAGES = {

@@ -194,7 +194,7 @@ def test_decode_table_gives_bandwidth_and_fla_timed_alike(tmp_path, monkeypatch)
 
 def test_decode_variants_table_takes_the_medians_that_end_each_log(tmp_path, monkeypatch):
     """The rows of each log's closing table (not the rounds before it), under their B; none committed: says so."""
-    assert "No decode variants study is committed yet" in _written(tmp_path, monkeypatch, page.write_decode_variants)
+    assert "No decode variants study is committed" in _written(tmp_path, monkeypatch, page.write_decode_variants)
     (tmp_path / "decode_variants_b64.log").write_text(
         "round 1: library (one state a program): 70.0 us, 90.0% of the copy bandwidth\n"
         "| not | the medians | yet |\n"
