@@ -1,9 +1,9 @@
 """Stage 5's prepare kernel at a benchmark shape, for a profiler to watch; the ncu outputs the page shows.
 
-NCU_COMMAND runs this module under Nsight Compute (benchmarks/gpu_session.sh runs it, or print it with
-`python -c "from benchmarks.profile_s05 import NCU_COMMAND; print(NCU_COMMAND)"`): three launches at
-B=1, N=16384, H=32, D=128, bf16; ncu skips two and profiles the third. time_each_kernel times the
-prepare kernel, the recurrence kernel and the whole forward at the same shape (gpu_session.sh runs it).
+NCU_COMMAND runs this module under Nsight Compute (the GPU check's part `profiles` runs it:
+benchmarks/gpu_check.py): three launches at B=1, N=16384, H=32, D=128, bf16; ncu skips two and
+profiles the third. time_each_kernel times the prepare kernel, the recurrence kernel and the whole
+forward at the same shape (the same part runs it).
 benchmarks/results/s05_prepare_ncu.txt is its output on the H200 for the committed kernel; the
 benchmarks page's profile table shows it beside the outputs for earlier versions (PROFILES in
 kdacourse/pages/benchmarks.py).

@@ -216,7 +216,7 @@ def test_decode_threads_table_has_each_kernel_with_its_own_runs_fla(tmp_path, mo
     _write_csv(tmp_path / "decode_b64_blocks.csv", decode.FIELDS, [
         row(128, "ours", "kernel", 64, 0.0730, 0.875), row(128, "ours", "call", 64, 0.0100, 0.999),
         row(128, "ours", "kernel", 32, 0.0770, 0.830), row(128, "fla", "kernel", "", 0.0750, 0.856)])
-    _write_csv(tmp_path / "decode_b64_threads.csv", decode.FIELDS, [
+    _write_csv(tmp_path / "decode_b64_t256.csv", decode.FIELDS, [
         row(256, "ours", "kernel", 64, 0.0754, 0.853), row(256, "fla", "kernel", "", 0.0760, 0.850)])
     text = _written(tmp_path, monkeypatch, page.write_decode_threads)
     rows = [line for line in text.splitlines() if line.startswith("| 1") or line.startswith("| 2")]

@@ -223,7 +223,7 @@ def write_decode_batches(path):
                          "FLA / ours"], table))
 
 
-DECODE_THREAD_RUNS = ("decode_b64_blocks.csv", "decode_b64_threads.csv")  # 128 threads; then 256 and 64
+DECODE_THREAD_RUNS = ("decode_b64_blocks.csv", "decode_b64_t256.csv", "decode_b64_t64.csv")  # 128, 256, 64 threads
 
 
 def write_decode_threads(path):
