@@ -23,7 +23,6 @@ from kdacourse import REPO_ROOT
 from stages.common.program_digest import module_digest
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
-GPU_TEST_RESULTS = REPO_ROOT / "tests" / "gpu_results"
 
 # The roofs of DESIGN.md, for a run that measured none (benchmarks/roofs.py measures them in a run).
 SPECIFIED_BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e, as the specification gives it

@@ -205,18 +205,44 @@ def write_bytes_table(path):
 
 ADOPTED_VARIANT = "tf32_diagonal_bf16"  # what stages/s05_fast_kda/kernel.py's prepare kernel is now
 PREPARE_VARIANTS = {  # archive/studies/s05_variants.py's variants, in its order: what each changes
-    'committed': "The committed kernel rebuilt here with every switch off: the control (its time should equal stages.s05_fast_kda.kernel.build_prepare_program's).",
-    'vectorized_slabs': 'The anchored-operand passes with less shared-memory traffic: the slab loop unrolled at build time, so each slab pass has a static extent and vectorizes (4-wide float4/uint2 accesses instead of scalar ones, whose 4-byte gamma reads were 4-way bank conflicted), one pass per slab and channel pass for the row and the column operands; every pass reads gamma and K once per element',
-    'vectorized_kg': 'vectorized_slabs, and K e^gamma written to its own buffer (which takes the bytes of the dead K_row_s and K_col_s, so shared memory stays 105 KiB) instead of K_s in place: the in-place pass had a __syncthreads in each of its 8 unrolled steps, gone here.',
-    'staged_wu': 'vectorized_kg, and W, U staged in shared memory (in the bytes of Q_s/V_s and K_s, dead by then: still 105 KiB) and written out by TMA stores of whole rows',
-    'staged_all': 'staged_wu, and A_qk staged too (the diagonal blocks were 2-byte stores over 8 rows per instruction) and written by one TMA store after the slabs',
-    'slabs_early_v': "vectorized_slabs, and V loaded from HBM into registers at the start (16 registers a thread), moved to shared memory where the committed kernel loads it: the load's latency overlaps the score passes instead of standing between the decayed pass and the block inverse.",
-    'paired': 'staged_all, and the GEMMs that share an operand issued together and waited for once (the score GEMMs of the diagonal blocks, the W and U GEMMs): 3 waits fewer a chunk.',
+    'committed': (
+        'The committed kernel rebuilt here with every switch off: the control (its time should equal '
+        "stages.s05_fast_kda.kernel.build_prepare_program's)."),
+    'vectorized_slabs': (
+        'The anchored-operand passes with less shared-memory traffic: the slab loop unrolled at build time, '
+        'so each slab pass has a static extent and vectorizes (4-wide float4/uint2 accesses instead of scalar'
+        ' ones, whose 4-byte gamma reads were 4-way bank conflicted), one pass per slab and channel pass for '
+        'the row and the column operands; every pass reads gamma and K once per element'),
+    'vectorized_kg': (
+        'vectorized_slabs, and K e^gamma written to its own buffer (which takes the bytes of the dead K_row_s'
+        ' and K_col_s, so shared memory stays 105 KiB) instead of K_s in place: the in-place pass had a '
+        '__syncthreads in each of its 8 unrolled steps, gone here.'),
+    'staged_wu': (
+        'vectorized_kg, and W, U staged in shared memory (in the bytes of Q_s/V_s and K_s, dead by then: '
+        'still 105 KiB) and written out by TMA stores of whole rows'),
+    'staged_all': (
+        'staged_wu, and A_qk staged too (the diagonal blocks were 2-byte stores over 8 rows per instruction) '
+        'and written by one TMA store after the slabs'),
+    'slabs_early_v': (
+        'vectorized_slabs, and V loaded from HBM into registers at the start (16 registers a thread), moved '
+        "to shared memory where the committed kernel loads it: the load's latency overlaps the score passes "
+        'instead of standing between the decayed pass and the block inverse.'),
+    'paired': (
+        'staged_all, and the GEMMs that share an operand issued together and waited for once (the score GEMMs'
+        ' of the diagonal blocks, the W and U GEMMs): 3 waits fewer a chunk.'),
     'paired_slabs': "paired, and the slabs' score GEMMs paired too: 9 waits fewer a chunk.",
-    'fp16_scores': "staged_all, and with bf16 inputs every score GEMM's anchored operands in fp16 (3 more mantissa bits, the same bytes)",
-    'fp16_slabs': "staged_all, and with bf16 inputs the off-diagonal slabs' anchored operands in fp16, in buffers of their own, where every factor is a product of gates (<= 1) and fp16 cannot overflow; the diagonal blocks, whose factors reach a_min^{-8}, keep bf16 operands",
-    'tf32_diagonal': "fp16_slabs, and the diagonal blocks' anchored operands in fp32, read by the tensor cores as TF32: the precision fp16_scores gave the diagonal, without its overflow",
-    'tf32_diagonal_bf16': 'tf32_diagonal for bf16 inputs only; fp16 inputs keep fp16 diagonal operands, as fp16_slabs',
+    'fp16_scores': (
+        "staged_all, and with bf16 inputs every score GEMM's anchored operands in fp16 (3 more mantissa bits,"
+        ' the same bytes)'),
+    'fp16_slabs': (
+        "staged_all, and with bf16 inputs the off-diagonal slabs' anchored operands in fp16, in buffers of "
+        'their own, where every factor is a product of gates (<= 1) and fp16 cannot overflow; the diagonal '
+        'blocks, whose factors reach a_min^{-8}, keep bf16 operands'),
+    'tf32_diagonal': (
+        "fp16_slabs, and the diagonal blocks' anchored operands in fp32, read by the tensor cores as TF32: "
+        'the precision fp16_scores gave the diagonal, without its overflow'),
+    'tf32_diagonal_bf16': (
+        'tf32_diagonal for bf16 inputs only; fp16 inputs keep fp16 diagonal operands, as fp16_slabs'),
 }
 RECURRENCE_VARIANTS = {  # archive/studies/s05_recurrence_variants.py's: what each changes
     'committed': 'The committed kernel rebuilt here with every switch off: the control',
@@ -250,8 +276,8 @@ def write_variants_table(path):
                      " / ".join(f"{b / t:.2f}x" for b, t in zip(base, prepare)),
                      *(f"{summary[shape][name][2] / summary[shape][name][1]:.2f}" for shape in shapes),
                      "bitwise equal" if error == 0 else f"rel L2 {error:.1e}"])
-    path.write_text(banner("kdacourse/pages/s05_fast_kda.py") + f"{results.study_command('s05_variants', '--out DIR')}.\n\n"
-                    + markdown_table(header, rows))
+    path.write_text(banner("kdacourse/pages/s05_fast_kda.py") + results.study_command("s05_variants", "--out DIR")
+                    + ".\n\n" + markdown_table(header, rows))
 
 
 def write_later_variants_table(path):
@@ -277,8 +303,9 @@ def write_later_variants_table(path):
         what = f"{RECURRENCE_VARIANTS[base_name]}; {columns or RECURRENCE_BLOCK_DV} columns a program"
         rows.append(["recurrence", name, what, *(f"{per_shape[shape]:.3f}" for shape in shapes),
                      " / ".join(f"{medians['committed'][shape] / per_shape[shape]:.2f}x" for shape in shapes)])
-    path.write_text(banner("kdacourse/pages/s05_fast_kda.py") + f"{results.study_command('s05_variants', '--out DIR --variants staged_all,paired,paired_slabs --no-fla')} "
-                    f"and {results.study_command('s05_recurrence_variants', '--out DIR')}.\n\n" + markdown_table(header, rows))
+    commands = (results.study_command("s05_variants", "--out DIR --variants staged_all,paired,paired_slabs --no-fla")
+                + " and " + results.study_command("s05_recurrence_variants", "--out DIR"))
+    path.write_text(banner("kdacourse/pages/s05_fast_kda.py") + f"{commands}.\n\n" + markdown_table(header, rows))
 
 
 def write_accuracy_table(path):
