@@ -199,17 +199,6 @@ def share_of_kernels(measured, with_it, without_it):
     return Spread.of([100 * (top[r] - bottom[r]) / kernels[r] for r in sorted(set(top) & set(bottom) & set(kernels))])
 
 
-def kernel_costs(rows):
-    """{(shape, kernel): {gemm_flops, elementwise_flops, bytes_read, bytes_written}} from the rows that carry them."""
-    costs = {}
-    for row in rows:
-        if row.get("gemm_flops"):
-            shape = tuple(int(row[key]) for key in ("B", "N", "H", "D"))
-            costs[(shape, row["what"])] = {key: int(row[key]) for key in
-                                           ("gemm_flops", "elementwise_flops", "bytes_read", "bytes_written")}
-    return costs
-
-
 def open_writer(path):
     """A csv.DictWriter over FIELDS on `path`, header written, every row flushed at once (a run stopped
     from outside keeps its rows); returns (writer, file)."""

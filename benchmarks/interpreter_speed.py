@@ -14,7 +14,7 @@ The process is pinned to one core and BLAS to one thread before NumPy loads, and
 process's CPU time (time.process_time): what one core spends, which other work on a shared machine
 does not inflate. Each row also carries the
 run's rel L2 error against reference A (a timed run must be a right one) and the digest of the kernel
-module's program builders (benchmarks.bench.program_digest), so the page can tell when a kernel has
+module's program builders (stages.common.program_digest), so the page can tell when a kernel has
 changed since the figures were measured. `course regenerate` renders the CSV on the interpreter page
 (kdacourse/pages/interpreter.py).
 """
@@ -87,7 +87,7 @@ def measure(runs=5):
     """One row per kernel (see FIELDS)."""
     import tilelang  # noqa: F401  (imported once, outside every timing)
 
-    from benchmarks.bench import program_digest
+    from stages.common.program_digest import program_digest
     from stages.common.errors import error_report
     from stages.common.inputs import make_inputs
     from stages.common.interpreter import interpret

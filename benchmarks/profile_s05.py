@@ -1,22 +1,17 @@
 """Stage 5's prepare kernel at a benchmark shape, for a profiler to watch; the ncu outputs the page shows.
 
-NCU_COMMAND runs this module under Nsight Compute (benchmarks/gpu_session.sh runs it, or print it with
-`python -c "from benchmarks.profile_s05 import NCU_COMMAND; print(NCU_COMMAND)"`): three launches at
-B=1, N=16384, H=32, D=128, bf16; ncu skips two and profiles the third. time_each_kernel times the
-prepare kernel, the recurrence kernel and the whole forward at the same shape (gpu_session.sh runs it).
-benchmarks/results/s05_prepare_ncu.txt is its output on the H200 for the committed kernel; PROFILES
-lists it with the outputs for the earlier versions, which `course regenerate` turns into the stage 5
-page's profile table (kdacourse/pages/benchmarks.py reads them).
+NCU_COMMAND runs this module under Nsight Compute (the GPU check's part `profiles` runs it:
+benchmarks/gpu_check.py): three launches at B=1, N=16384, H=32, D=128, bf16; ncu skips two and
+profiles the third. time_each_kernel times the prepare kernel, the recurrence kernel and the whole
+forward at the same shape (the same part runs it).
+benchmarks/results/s05_prepare_ncu.txt is its output on the H200 for the committed kernel; the
+benchmarks page's profile table shows it beside the outputs for earlier versions (PROFILES in
+kdacourse/pages/benchmarks.py).
 """
 
 NCU_COMMAND = ("ncu --clock-control none -k regex:kda_prepare -s 2 -c 1 --section SpeedOfLight --section Occupancy "
                "--section WarpStateStats --section SchedulerStats --section LaunchStats --print-details all "
                "python -m benchmarks.profile_s05")
-PROFILES = [  # (version, ncu output), oldest first
-    ("first version", "s05_prepare_ncu_before.txt"),
-    ("scalar merges", "s05_prepare_ncu_scalar_merges.txt"),
-    ("merges as TF32 GEMMs (this version)", "s05_prepare_ncu.txt"),
-]
 
 
 def _bf16_inputs_and_prepare(B, N, H, D):

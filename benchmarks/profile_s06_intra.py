@@ -1,10 +1,10 @@
 """Stage 6's intra kernel at a benchmark shape, for a profiler to watch.
 
-NCU_COMMAND runs this module under Nsight Compute (`bash benchmarks/gpu_open_work.sh OUT 19` runs it):
+NCU_COMMAND runs this module under Nsight Compute (the GPU check's part `profiles` runs it):
 the backward's kernels once at B=1, N=16384, H=32, D=128, bf16, to give the intra kernel the inputs a
 backward gives it, then the intra kernel three times; ncu skips two and profiles the third.
-benchmarks/results/s06_intra_ncu.txt is its output on the H200 before the padded rows (part 19),
-s06_intra_ncu_registers.txt after them and the decays kept in registers (part 21).
+benchmarks/results/s06_intra_ncu.txt is its output on the H200 before the padded rows,
+s06_intra_ncu_registers.txt after them and the decays kept in registers (the kernel now).
 """
 
 NCU_COMMAND = ("ncu --clock-control none -k regex:kda_intra -s 2 -c 1 --section SpeedOfLight --section Occupancy "

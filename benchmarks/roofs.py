@@ -9,18 +9,15 @@
   as 2 M N K floating-point operations per second.
 
 Both are timed as the kernels are (`triton.testing.do_bench`: warm-up, then the median of repeats).
-benchmarks/bench.py records them in the run's meta.json under "roofs"; the benchmarks page shows the
-roofs of every run that has them, beside the figures DESIGN.md fixed before runs measured their own.
-This module imports nothing of the course, so the page generators and bench.py can both import it.
+benchmarks/bench.py records them in the run's meta.json under "roofs" (FIELDS); the benchmarks page
+reads them there (kdacourse.results.roofs_of), beside the figures DESIGN.md fixed before runs
+measured their own.
 """
 
 import json
-import math
 import sys
 
-SPECIFIED_BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e, as the specification gives it
 DESIGN_COPY_BANDWIDTH = 4.30e12  # bytes/s: a device-to-device copy on an H200, measured before this module (DESIGN.md)
-DESIGN_GEMM_FLOPS = 672e12  # flop/s: a bf16 torch GEMM on an H200, measured before this module (DESIGN.md)
 
 COPY_BYTES = 1 << 30  # 1 GiB copied: far larger than the L2 cache (50 MiB on the H200)
 GEMM_SIZE = 8192  # M = N = K: large enough that the GEMM is bound by the tensor cores
@@ -65,45 +62,12 @@ def measure_or_error(**kwargs):
         return {"error": f"{type(error).__name__}: {error}"}
 
 
-def from_meta(run):
-    """The roofs a run recorded ({field: value}), or None if it has none (older runs) or an error."""
-    roofs = run.get("roofs")
-    if not isinstance(roofs, dict) or "error" in roofs:
-        return None
-    try:
-        values = {field: float(roofs[field]) for field in FIELDS}
-    except (KeyError, TypeError, ValueError):
-        return None
-    if not all(math.isfinite(value) and value > 0 for value in values.values()):
-        return None
-    return values
-
-
 def tb_per_s(bytes_per_s):
     return f"{bytes_per_s / 1e12:.2f} TB/s"
 
 
 def tflop_per_s(flops_per_s):
     return f"{flops_per_s / 1e12:.0f} TFLOP/s"
-
-
-def table_rows(runs, bound_bandwidth):
-    """Rows (what, bandwidth, bf16 compute, where it comes from) for the benchmarks page.
-
-    `runs`: meta.json's runs, numbered from 1 as the page numbers them; `bound_bandwidth`: the
-    bandwidth the page's memory bound uses (benchmarks.bench.MEMORY_BANDWIDTH).
-    """
-    rows = [("specified", tb_per_s(SPECIFIED_BANDWIDTH), "", "the H200's HBM3e, as the specification gives it"),
-            ("measured before the runs", tb_per_s(DESIGN_COPY_BANDWIDTH), tflop_per_s(DESIGN_GEMM_FLOPS),
-             "a device-to-device copy and a bf16 torch GEMM on an H200 (DESIGN.md)")]
-    for number, run in enumerate(runs, 1):
-        roofs = from_meta(run)
-        if roofs is not None:
-            rows.append((f"run {number}", tb_per_s(roofs["bandwidth_bytes_per_s"]),
-                         tflop_per_s(roofs["bf16_flops_per_s"]),
-                         f"measured by the run on its {run.get('device', 'GPU')} (benchmarks/roofs.py)"))
-    rows.append(("the memory bound uses", tb_per_s(bound_bandwidth), "", "benchmarks.bench.MEMORY_BANDWIDTH"))
-    return rows
 
 
 def main():

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from benchmarks import backward, bench, fair
+from stages.common.program_digest import program_digest
 
 
 def test_arguments_default_to_the_benchmark_shapes_and_three_rounds(tmp_path):
@@ -284,14 +285,14 @@ def test_kernel_digest_covers_the_macros_a_kernel_builds_with(monkeypatch, tmp_p
     line = "                    T_s[p0 + r, c] = -block_row_f[r, c]\n"
     assert source.count(line) == 1
     prepare_source = Path(prepare.__file__).read_text()
-    before = (bench.program_digest(prepare_source), bench.STAGES["s05"].kernel_digest(), backward.kernel_digest())
+    before = (program_digest(prepare_source), bench.STAGES["s05"].kernel_digest(), backward.kernel_digest())
     find_spec = importlib.util.find_spec
 
     def with_tiles(text):
         (tmp_path / "tiles.py").write_text(text)
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: importlib.util.spec_from_file_location(
             name, tmp_path / "tiles.py") if name == "stages.kda.tiles" else find_spec(name, *args))
-        return bench.program_digest(prepare_source), bench.STAGES["s05"].kernel_digest(), backward.kernel_digest()
+        return program_digest(prepare_source), bench.STAGES["s05"].kernel_digest(), backward.kernel_digest()
 
     assert with_tiles(source.replace(line, line[:-1] + "  # x\n")) == before
     edited = with_tiles(source.replace(line, line.replace("= -", "= ")))

@@ -7,6 +7,7 @@ import csv
 import pytest
 
 from benchmarks import fair
+from kdacourse import results
 
 
 def test_arguments_default_to_the_benchmark_shapes_and_three_rounds(tmp_path):
@@ -103,7 +104,7 @@ def test_a_round_writes_times_errors_and_the_kernels_costs(tmp_path):
     assert rows[("ours", "kernels")]["time_ms"] == "0.2500" and rows[("ours", "kernels")]["method"] == "graph"
     assert rows[("fla", "kernels")]["error"].startswith("no CUDA graph") and not rows[("fla", "kernels")]["time_ms"]
     assert rows[("ours", "prepare")]["gemm_flops"] == "10" and rows[("ours", "prepare")]["bytes_written"] == "2"
-    assert fair.kernel_costs(list(rows.values())) == {
+    assert results.kernel_costs(list(rows.values())) == {  # what the page reads back
         ((1, 256, 2, 128), "prepare"): dict(gemm_flops=10, elementwise_flops=0, bytes_read=4, bytes_written=2)}
     assert len(logged) == 3 and "round 1 B=1 N=256 H=2 D=128 ours kernels: 0.2500 ms (graph)" in logged
 

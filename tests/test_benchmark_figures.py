@@ -1,6 +1,6 @@
 """kdacourse.pages.benchmarks and profile_s05: the tables of the benchmarks page and the stage 5 profile, made from
 small results written here (the precision table in stage order, the runs table's kernel check, the ratio
-summary's target, the ncu reader)."""
+summary's target, the ncu reader); the kernel digest the benchmarks record and the page compares."""
 
 import dataclasses
 import json
@@ -11,6 +11,8 @@ import pytest
 from benchmarks import bench, profile_s05
 from benchmarks.bench import STAGES
 from benchmarks.merge import write_rows
+from stages.common.program_digest import program_digest
+from kdacourse import results
 from kdacourse.pages import benchmarks as figures
 from stages.kda.prepare import build_prepare_program
 
@@ -44,7 +46,8 @@ def test_precision_table_is_in_stage_order_with_gaps_and_failures_shown(tmp_path
 
 def test_runs_table_flags_results_of_a_kernel_changed_since(tmp_path, monkeypatch):
     monkeypatch.setattr(figures, "RESULTS", tmp_path)
-    current = STAGES["s05"].kernel_digest()
+    current = STAGES["s05"].kernel_digest()  # what a benchmark run records
+    assert current == results.current_kernel_digest("s05_fast_kda")  # what the page compares it with
     run = dict(device="H200", date="d", seconds=1, command="bench", timed=["s05_fast_kda"], precision=[])
     runs = [dict(run, kernels={"s05_fast_kda": current}), dict(run, kernels={"s05_fast_kda": "0" * 12}), run]
     (tmp_path / "meta.json").write_text(json.dumps({"runs": runs}))
@@ -68,11 +71,11 @@ def test_kernel_digest_follows_the_program_not_the_file(tmp_path, monkeypatch):
     reexport = "from probe_kernel import build_program, forward\n"
     write("return n + 1", "return x")
     before = stage.kernel_digest()
-    assert bench.program_digest(reexport) == before
+    assert program_digest(reexport) == before
     write("return n + 1", "return 2 * x")  # the wrapper changes: the kernel is the same
-    assert stage.kernel_digest() == before == bench.program_digest(reexport)
+    assert stage.kernel_digest() == before == program_digest(reexport)
     write("return n + 2", "return 2 * x")  # the program changes
-    assert stage.kernel_digest() != before and bench.program_digest(reexport) == stage.kernel_digest()
+    assert stage.kernel_digest() != before and program_digest(reexport) == stage.kernel_digest()
     (tmp_path / "probe_kernel.py").write_text("WIDTH = 1\n")
     with pytest.raises(ValueError, match="build_"):
         stage.kernel_digest()
@@ -122,7 +125,7 @@ NCU_TEXT = """\
 
 def test_ncu_text_is_read_metric_by_metric(tmp_path):
     (tmp_path / "ncu.txt").write_text(NCU_TEXT)
-    metrics = figures.read_ncu(tmp_path / "ncu.txt")
+    metrics = results.read_ncu(tmp_path / "ncu.txt")
     assert metrics[("Elapsed Cycles", "cycle")] == 2_000_000
     assert metrics[("Block Size", "")] == 256
     assert metrics[("Memory Throughput", "%")] == 50  # the first value of a metric printed twice
@@ -137,3 +140,14 @@ def test_ncu_command_filters_on_the_prepare_kernels_name():
     kernel_filter = re.search(r"-k regex:(\S+)", profile_s05.NCU_COMMAND).group(1)
     assert re.search(kernel_filter, str(build_prepare_program(1, 128, 1, 64, 64).attrs["global_symbol"]))
     assert profile_s05.NCU_COMMAND.endswith("python -m benchmarks.profile_s05")
+
+
+def test_the_page_and_the_benchmark_name_the_same_kernel_module_for_every_stage():
+    """The page reads a stage's committed kernel from kdacourse.results.kernel_module, the benchmark
+    measured benchmarks.bench.STAGES' kernel_module: the digests compared must be of one module."""
+    assert {stage.name: stage.kernel_module for stage in STAGES.values()} == {
+        stage.name: results.kernel_module(stage.name) for stage in STAGES.values()}
+
+
+def test_the_profile_table_has_a_column_per_committed_ncu_output():
+    assert all((results.RESULTS / name).exists() for _, name in figures.PROFILES)

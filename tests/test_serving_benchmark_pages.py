@@ -194,7 +194,7 @@ def test_decode_table_gives_bandwidth_and_fla_timed_alike(tmp_path, monkeypatch)
 
 def test_decode_variants_table_takes_the_medians_that_end_each_log(tmp_path, monkeypatch):
     """The rows of each log's closing table (not the rounds before it), under their B; none committed: says so."""
-    assert "No decode variants study is committed yet" in _written(tmp_path, monkeypatch, page.write_decode_variants)
+    assert "No decode variants study is committed" in _written(tmp_path, monkeypatch, page.write_decode_variants)
     (tmp_path / "decode_variants_b64.log").write_text(
         "round 1: library (one state a program): 70.0 us, 90.0% of the copy bandwidth\n"
         "| not | the medians | yet |\n"
@@ -216,7 +216,7 @@ def test_decode_threads_table_has_each_kernel_with_its_own_runs_fla(tmp_path, mo
     _write_csv(tmp_path / "decode_b64_blocks.csv", decode.FIELDS, [
         row(128, "ours", "kernel", 64, 0.0730, 0.875), row(128, "ours", "call", 64, 0.0100, 0.999),
         row(128, "ours", "kernel", 32, 0.0770, 0.830), row(128, "fla", "kernel", "", 0.0750, 0.856)])
-    _write_csv(tmp_path / "decode_b64_threads.csv", decode.FIELDS, [
+    _write_csv(tmp_path / "decode_b64_t256.csv", decode.FIELDS, [
         row(256, "ours", "kernel", 64, 0.0754, 0.853), row(256, "fla", "kernel", "", 0.0760, 0.850)])
     text = _written(tmp_path, monkeypatch, page.write_decode_threads)
     rows = [line for line in text.splitlines() if line.startswith("| 1") or line.startswith("| 2")]

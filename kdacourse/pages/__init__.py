@@ -8,8 +8,9 @@ commands, the Reference page's sections). Each defines
 `generated_files()` -> {path relative to the repository: function(path) that writes it}.
 tables.py makes the Markdown tables, table cells and SVG files they all write.
 
-The generators import the library (stages/), the benchmarks' results and the catalog; the library
-imports none of them. `course regenerate` rewrites every file; the test suite regenerates them into
+The generators import the library (stages/) and the catalog, and read the committed results
+(benchmarks/results/, tests/gpu_results/) through kdacourse.results, never the benchmarks' code; the
+library imports none of them. `course regenerate` rewrites every file; the test suite regenerates them into
 a temporary folder and checks that the committed ones are current. Figures are SVG written without
 dates, so the same numbers give the same bytes.
 """

@@ -3,21 +3,21 @@
 Reads benchmarks/results/{bench.csv, precision.csv, meta.json}, written on a GPU by
 `python -m benchmarks.bench --out RUN_DIR` and folded in by `python -m benchmarks.merge RUN_DIR`,
 and writes docs/generated/bench_*; and stage 5's profile table from the committed ncu outputs
-(benchmarks/profile_s05.py).
+(`python -m benchmarks.profile_s05` under ncu: PROFILES), all through kdacourse.results.
 """
 
-import csv
-import json
-import re
 from collections import defaultdict
 
-from benchmarks import profile_s05, roofs
-from benchmarks.bench import MEMORY_BANDWIDTH, STAGES
-from kdacourse import REPO_ROOT
+from kdacourse import results
 from kdacourse.pages.tables import markdown_table, save_svg
 
-RESULTS = REPO_ROOT / "benchmarks" / "results"
-GATED_STAGES = {stage.name for stage in STAGES.values() if stage.gate != "none"}
+RESULTS = results.RESULTS
+UNGATED_STAGES = {"s01_linear_attention"}  # linear attention has no gate: its precision rows say so
+PROFILES = [  # (version, ncu output of benchmarks.profile_s05.NCU_COMMAND), oldest first
+    ("first version", "s05_prepare_ncu_before.txt"),
+    ("scalar merges", "s05_prepare_ncu_scalar_merges.txt"),
+    ("merges as TF32 GEMMs (this version)", "s05_prepare_ncu.txt"),
+]
 TARGETED_STAGES = {"s01_linear_attention", "s02_scalar_decay"}  # fused kernels held to FLA's time (issue 6)
 TARGET_VS_FLA = 1.5
 STAGE_LABELS = {
@@ -31,10 +31,7 @@ STAGE_LABELS = {
 
 def _rows(name):
     path = RESULTS / name
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+    return results.read_rows(path) if path.exists() else []
 
 
 def _timings():
@@ -57,11 +54,11 @@ def write_meta(path):
     if not meta_path.exists():
         path.write_text("No benchmark results are committed yet.\n")
         return
-    runs = json.loads(meta_path.read_text())["runs"]
+    runs = results.read_json(meta_path)["runs"]
     shared = [key for key in ("device", "torch", "cuda", "triton", "tilelang", "fla", "python")
               if len({run.get(key) for run in runs}) == 1 and key in runs[0]]
     machine = markdown_table(["what", "value"], [(key, runs[0][key]) for key in shared])
-    current = {stage.name: stage.kernel_digest() for stage in STAGES.values()}
+    current = {stage: results.current_kernel_digest(stage) for stage in STAGE_LABELS}
 
     def stages(run, key):
         return ", ".join(STAGE_LABELS.get(stage, stage) for stage in run.get(key, [])) or "–"
@@ -78,28 +75,38 @@ def write_meta(path):
     per_run = markdown_table(
         ["run", "date", "timings of", "precision of", "kernels", "seconds", "command"],
         [(index, run["date"], stages(run, "timed"), stages(run, "precision"), kernels(run), run["seconds"],
-          f"`{shown_command(run['command'])}`") for index, run in enumerate(runs, 1)])
+          f"`{results.shown_command(run['command'])}`") for index, run in enumerate(runs, 1)])
     path.write_text(machine + "\n" + per_run)
 
 
-def shown_command(command):
-    """A run's command with its output folder, a path on the machine that ran it, written as DIR."""
-    return re.sub(r"(--out[ =])\S+", r"\1DIR", command)
+def roofs_rows(runs, fair_meta=None):
+    """Rows (what, bandwidth, bf16 compute, where it comes from): as specified, as measured before the
+    runs (DESIGN.md), as each run of `runs` (meta.json's, numbered from 1) and the fair run measured
+    them, and the bandwidth the memory bound uses (benchmarks.bench.MEMORY_BANDWIDTH, DESIGN.md's copy)."""
+    tb, tflop = results.tb_per_s, results.tflop_per_s
+    rows = [("specified", tb(results.SPECIFIED_BANDWIDTH), "", "the H200's HBM3e, as the specification gives it"),
+            ("measured before the runs", tb(results.DESIGN_COPY_BANDWIDTH), tflop(results.DESIGN_GEMM_FLOPS),
+             "a device-to-device copy and a bf16 torch GEMM on an H200 (DESIGN.md)")]
+    for number, run in enumerate(runs, 1):
+        roofs = results.roofs_of(run)
+        if roofs is not None:
+            rows.append((f"run {number}", tb(roofs["bandwidth_bytes_per_s"]), tflop(roofs["bf16_flops_per_s"]),
+                         f"measured by the run on its {run.get('device', 'GPU')} (benchmarks/roofs.py)"))
+    fair = results.roofs_of(fair_meta) if fair_meta else None
+    if fair is not None:
+        rows.append((f"fair run of {fair_meta.get('date', '?')}", tb(fair["bandwidth_bytes_per_s"]),
+                     tflop(fair["bf16_flops_per_s"]),
+                     f"measured by `benchmarks.fair` on its {fair_meta.get('device', 'GPU')} (benchmarks/roofs.py)"))
+    rows.append(("the memory bound uses", tb(results.DESIGN_COPY_BANDWIDTH), "", "benchmarks.bench.MEMORY_BANDWIDTH"))
+    return rows
 
 
 def write_roofs_table(path):
     """The machine's roofs: as specified, as measured before the runs, as each run measured them."""
-    meta_path = RESULTS / "meta.json"
-    runs = json.loads(meta_path.read_text())["runs"] if meta_path.exists() else []
-    rows = roofs.table_rows(runs, MEMORY_BANDWIDTH)
-    fair_path = RESULTS / "fair_meta.json"
-    fair = roofs.from_meta(json.loads(fair_path.read_text())) if fair_path.exists() else None
-    if fair is not None:  # the fair run's own roofs, before the bound's row that ends the table
-        fair_meta = json.loads(fair_path.read_text())
-        rows.insert(-1, (f"fair run of {fair_meta.get('date', '?')}", roofs.tb_per_s(fair["bandwidth_bytes_per_s"]),
-                         roofs.tflop_per_s(fair["bf16_flops_per_s"]),
-                         f"measured by `benchmarks.fair` on its {fair_meta.get('device', 'GPU')} (benchmarks/roofs.py)"))
-    path.write_text(markdown_table(["", "memory bandwidth", "bf16 tensor cores", "from"], rows))
+    meta_path, fair_path = RESULTS / "meta.json", RESULTS / results.FAIR_META
+    runs = results.read_json(meta_path)["runs"] if meta_path.exists() else []
+    fair_meta = results.read_json(fair_path) if fair_path.exists() else None
+    path.write_text(markdown_table(["", "memory bandwidth", "bf16 tensor cores", "from"], roofs_rows(runs, fair_meta)))
 
 
 def write_timing_table(path):
@@ -163,7 +170,7 @@ def write_precision_table(path):
     """Stage by stage (each stage's rows in the order its run wrote them): one column per N."""
     table = defaultdict(dict)
     for row in _rows("precision.csv"):
-        gates = f"[{row['gate_lower']}, {row['gate_upper']}]" if row["stage"] in GATED_STAGES else "no gates"
+        gates = "no gates" if row["stage"] in UNGATED_STAGES else f"[{row['gate_lower']}, {row['gate_upper']}]"
         key = (row["stage"], gates, row["dtype"], row["impl"])
         table[key][int(row["N"])] = row.get("rel_l2_vs_float64") or "failed"
     lengths = sorted({n for values in table.values() for n in values})
@@ -224,21 +231,6 @@ def write_plots(path):
     plt.close(figure)
 
 
-def read_ncu(path):
-    """{(metric name, unit): value} from `ncu --print-details all` text, the first value of each metric.
-
-    A metric line is "name  unit  value" or "name  value" (no unit), columns two or more spaces apart.
-    """
-    metrics = {}
-    for line in path.read_text().splitlines():
-        columns = re.split(r"\s{2,}", line.strip())
-        if len(columns) not in (2, 3) or not re.fullmatch(r"[\d,]+(\.\d+)?", columns[-1]):
-            continue
-        name, unit = columns[0], columns[1] if len(columns) == 3 else ""
-        metrics.setdefault((name, unit), float(columns[-1].replace(",", "")))
-    return metrics
-
-
 def profile_rows(profiles):
     """The table's rows: one per quantity, one column per profile ({(name, unit): value} each)."""
     def value(metrics, name, unit, form):
@@ -273,9 +265,9 @@ def profile_rows(profiles):
 
 
 def write_profile_table(path):
-    """Stage 5's prepare kernel as ncu saw it, one column per version (benchmarks.profile_s05.PROFILES)."""
-    profiles = [read_ncu(RESULTS / name) for _, name in profile_s05.PROFILES]
-    path.write_text(markdown_table(["", *(version for version, _ in profile_s05.PROFILES)], profile_rows(profiles)))
+    """Stage 5's prepare kernel as ncu saw it, one column per version of PROFILES."""
+    profiles = [results.read_ncu(RESULTS / name) for _, name in PROFILES]
+    path.write_text(markdown_table(["", *(version for version, _ in PROFILES)], profile_rows(profiles)))
 
 
 def generated_files():

@@ -4,18 +4,14 @@ Reads benchmarks/results/fair.csv and fair_meta.json, written on a GPU by
 `python -m benchmarks.fair --out DIR` and committed from DIR; writes docs/generated/fair_*. Without
 them each file says that nothing is measured yet. The FLOPs and bytes of each kernel come from the
 run's rows, which counted them from the kernels' TileLang programs (stages.common.program_cost); the
-roofs from the run's own measurement (benchmarks/roofs.py), else the figures of DESIGN.md.
+roofs from the run's own measurement (benchmarks/roofs.py), else the figures of DESIGN.md. Every file
+is read through kdacourse.results.
 """
 
-import json
-
-from benchmarks import fair, roofs
-from benchmarks.bench import STAGES
-from kdacourse import REPO_ROOT
-from kdacourse.pages.benchmarks import shown_command
+from kdacourse import results
 from kdacourse.pages.tables import markdown_table, save_svg
 
-RESULTS = REPO_ROOT / "benchmarks" / "results"
+RESULTS = results.RESULTS
 NOT_MEASURED = ("Not measured yet: `python -m benchmarks.fair --out DIR` on a CUDA machine writes "
                 "DIR/fair.csv and DIR/fair_meta.json; committed to benchmarks/results/, `course regenerate` "
                 "puts them here.\n")
@@ -24,12 +20,7 @@ KERNEL_LABELS = {"prepare": "prepare", "recurrence": "recurrence"}
 
 def _run(folder=None):
     """(rows, meta) of the committed fair run in `folder` (benchmarks/results/ unless given), or (None, None)."""
-    folder = folder or RESULTS
-    csv_path, meta_path = folder / fair.CSV_NAME, folder / fair.META_NAME
-    if not csv_path.exists() or not meta_path.exists():
-        return None, None
-    rows = fair.read_rows(csv_path)
-    return (rows, json.loads(meta_path.read_text())) if rows else (None, None)
+    return results.committed_run(results.FAIR_CSV, results.FAIR_META, folder or RESULTS)
 
 
 def _shape(shape):
@@ -38,24 +29,24 @@ def _shape(shape):
 
 def _roofs(meta):
     """(bandwidth bytes/s, bf16 FLOP/s, where they come from)."""
-    measured = roofs.from_meta(meta or {})
+    measured = results.roofs_of(meta or {})
     if measured is not None:
         where = meta.get("roofs_from") or f"measured by the run on its {meta['device']}"
         return measured["bandwidth_bytes_per_s"], measured["bf16_flops_per_s"], where
-    return roofs.DESIGN_COPY_BANDWIDTH, roofs.DESIGN_GEMM_FLOPS, "measured before the runs (DESIGN.md)"
+    return results.DESIGN_COPY_BANDWIDTH, results.DESIGN_GEMM_FLOPS, "measured before the runs (DESIGN.md)"
 
 
 def about_the_run(meta, current=None):
     """One line on the run: when, where, how many rounds, and whether its kernel is the committed one
     (`current`: the committed kernel's digest, stage 5's unless given)."""
-    current = current or STAGES["s05"].kernel_digest()
+    current = current or results.current_kernel_digest("s05_fast_kda")
     kernel = "the committed kernel" if meta.get("kernel") == current else "an earlier kernel (changed since)"
     complete = meta.get("complete", True)
     # a stopped run's seconds are those of its last write of the meta file, not its length
     seconds = f", {meta.get('seconds', '?')} s" if complete else ""
     stopped = "" if complete else " The run was stopped before it finished."
     note = f" {meta['note']}" if meta.get("note") else ""
-    return (f"Run of {meta['date']} on an {meta['device']} (`{shown_command(meta['command'])}`, "
+    return (f"Run of {meta['date']} on an {meta['device']} (`{results.shown_command(meta['command'])}`, "
             f"{meta['rounds']} round{'' if meta['rounds'] == 1 else 's'}{seconds}), on {kernel}."
             f"{stopped}{note}\n\n")
 
@@ -67,8 +58,8 @@ def write_timings(path, folder=None):
     if rows is None:
         path.write_text(NOT_MEASURED)
         return
-    named = fair.comparisons(rows)
-    summary = fair.summarize(rows)
+    named = results.fair_comparisons(rows)
+    summary = results.summarize(rows)
 
     def cell(spread, form):
         return spread.text(form) if spread is not None else "–"
@@ -105,7 +96,7 @@ def write_timings(path, folder=None):
 
 def _points(rows):
     """[(kernel, shape, gemm_flops, bytes, median ms)] for the kernels timed alone."""
-    summary, costs = fair.summarize(rows), fair.kernel_costs(rows)
+    summary, costs = results.summarize(rows), results.kernel_costs(rows)
     points = []
     for (shape, kernel), cost in sorted(costs.items()):
         spread = summary.get(shape, {}).get(("ours", kernel))
@@ -132,7 +123,7 @@ def write_roofline_table(path):
                       f"{moved / 1e6:.0f}", f"{intensity:.1f}", f"{flops / seconds / 1e12:.1f}",
                       f"{moved / seconds / 1e12:.2f}", limit, f"{flops / seconds / attainable:.0%}"))
     path.write_text(
-        f"Roofs: {roofs.tb_per_s(bandwidth)} and {roofs.tflop_per_s(peak)} bf16, {source}; the ridge, where "
+        f"Roofs: {results.tb_per_s(bandwidth)} and {results.tflop_per_s(peak)} bf16, {source}; the ridge, where "
         f"the two meet, is at {ridge:.0f} FLOP/byte.\n\n"
         + markdown_table(["kernel", "B, N, H, D", "time (ms)", "GEMM GFLOP", "element-wise GFLOP", "MB moved",
                           "FLOP/byte", "TFLOP/s", "TB/s", "roof at its intensity", "of that roof"], table))
@@ -159,8 +150,8 @@ def write_roofline_plot(path):
     low, high = min(min(intensities) / 4, 1.0), max(max(intensities) * 4, 4 * peak / bandwidth)
     xs = [low * (high / low) ** (i / 200) for i in range(201)]
     axis.plot(xs, [min(peak, bandwidth * x) for x in xs], color="black", linewidth=1.2)
-    axis.text(low * 1.2, bandwidth * low * 1.6, f"memory {roofs.tb_per_s(bandwidth)}", fontsize=8)
-    axis.text(high / 1.2, peak * 1.1, f"bf16 tensor cores {roofs.tflop_per_s(peak)}", ha="right", fontsize=8)
+    axis.text(low * 1.2, bandwidth * low * 1.6, f"memory {results.tb_per_s(bandwidth)}", fontsize=8)
+    axis.text(high / 1.2, peak * 1.1, f"bf16 tensor cores {results.tflop_per_s(peak)}", ha="right", fontsize=8)
     markers = {"prepare": "o", "recurrence": "s"}
     shapes = sorted({shape for _, shape, *_ in points})
     colors = {shape: f"C{index}" for index, shape in enumerate(shapes)}

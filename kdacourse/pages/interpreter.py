@@ -5,31 +5,24 @@ carries the digest of its kernel module's program builders; a kernel whose build
 is marked, so the page never shows an old kernel's figure as the current one's.
 """
 
-import csv
-import importlib.util
-from pathlib import Path
-
-from benchmarks.bench import program_digest
-from kdacourse import REPO_ROOT
+from kdacourse import results
 from kdacourse.pages.tables import markdown_table
 
-RESULTS = REPO_ROOT / "benchmarks" / "results" / "interpreter_speed.csv"
+RESULTS = results.RESULTS / "interpreter_speed.csv"
 STAGE_MODULES = {"s01": "s01_linear_attention", "s02": "s02_scalar_decay", "s03": "s03_gated_deltanet",
                  "s04": "s04_kda", "s05": "s05_fast_kda"}
 
 
 def _current_digest(kernel):
     """The digest of the committed kernel module named by a row's kernel ("s03 build_program")."""
-    module = f"stages.{STAGE_MODULES[kernel.split()[0]]}.kernel"
-    return program_digest(Path(importlib.util.find_spec(module).origin).read_text())
+    return results.current_kernel_digest(STAGE_MODULES[kernel.split()[0]])
 
 
 def write_speed_table(path):
     if not RESULTS.exists():
         path.write_text("No interpreter timings are committed yet: run `python -m benchmarks.interpreter_speed`.\n")
         return
-    with open(RESULTS, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = results.read_rows(RESULTS)
     table = []
     for row in rows:
         changed = "" if _current_digest(row["kernel"]) == row["kernel_digest"] else " (kernel changed since)"

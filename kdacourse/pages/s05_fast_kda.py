@@ -2,7 +2,6 @@
 two kernels' compile-only reports, the range of the anchored exponents (table and plot), the fp16
 mirror of the prepare kernel, and the bytes each kernel moves."""
 
-import re
 
 import numpy as np
 
@@ -171,78 +170,125 @@ def bytes_per_token(D=128, C=64, element=2, block_dv=32):
 
 
 def write_bytes_table(path):
-    from benchmarks.bench import MEMORY_BANDWIDTH, SHAPES, STAGES
-    from benchmarks.roofs import SPECIFIED_BANDWIDTH
+    """bytes_per_token beside the forward's least traffic at each benchmark shape, as the committed
+    benchmark run counted it (bench.csv's bytes: q, k, v, g, beta in, o out), and their times at
+    DESIGN.md's copy bandwidth (the bandwidth of bench.csv's memory bound)."""
+    from kdacourse import results
 
+    bandwidth = results.DESIGN_COPY_BANDWIDTH
+    least = {}  # (B, N, H): bytes the forward must move, from the benchmark's rows at d = 128
+    for row in results.read_rows(results.RESULTS / "bench.csv"):
+        if row["stage"] == "s05_fast_kda" and row["dtype"] == "bfloat16" and row["D"] == "128" and row["bytes"]:
+            least[results.shape_of(row)[:3]] = int(row["bytes"])
+    bounds = {int(moved) / (B * N * H) for (B, N, H), moved in least.items()}
+    if len(bounds) != 1:
+        raise ValueError(f"bench.csv's stage 5 rows count {sorted(bounds)} bytes a token and head: one expected")
+    bound, = bounds
     per_token = bytes_per_token()
     ours = sum(list(per_token.values())[:4])
-    bound = STAGES["s05"].inputs_bytes(1, 1, 1, 128, 2)  # q, k, v, g, beta in, o out: the benchmark's bound
     rows = [(name, f"{value:.0f}") for name, value in per_token.items()]
     rows += [("**both kernels**", f"**{ours:.0f}**"), ("the forward's least traffic (inputs once, output once)", f"{bound:.0f}")]
 
     def milliseconds(B, N, H, bytes_per_token_and_head):
-        return f"{B * N * H * bytes_per_token_and_head / MEMORY_BANDWIDTH * 1e3:.3f}"
+        return f"{B * N * H * bytes_per_token_and_head / bandwidth * 1e3:.3f}"
 
     shapes = [(f"B={B}, N={N}, H={H}", milliseconds(B, N, H, ours), milliseconds(B, N, H, bound))
-              for B, N, H, _ in SHAPES]
+              for B, N, H in least]
     path.write_text(
         banner(SOURCE) + "Per token and head, d_k = d_v = 128, C = 64, bf16 tensors, fp32 gates.\n\n"
         + markdown_table(["traffic", "bytes per token"], rows)
-        + f"\nAt {MEMORY_BANDWIDTH / 1e12:.1f} TB/s (what a device-to-device copy reached on the H200; its HBM3e is "
-        f"specified for {SPECIFIED_BANDWIDTH / 1e12:.1f}), the time that traffic alone takes:\n\n"
+        + f"\nAt {bandwidth / 1e12:.1f} TB/s (what a device-to-device copy reached on the H200; its HBM3e is "
+        f"specified for {results.SPECIFIED_BANDWIDTH / 1e12:.1f}), the time that traffic alone takes at the "
+        "benchmark's shapes (benchmarks/results/bench.csv):\n\n"
         + markdown_table(["shape", "both kernels (ms)", "least traffic (ms)"], shapes))
 
 
 ADOPTED_VARIANT = "tf32_diagonal_bf16"  # what stages/s05_fast_kda/kernel.py's prepare kernel is now
+PREPARE_VARIANTS = {  # archive/studies/s05_variants.py's variants, in its order: what each changes
+    'committed': (
+        'The committed kernel rebuilt here with every switch off: the control (its time should equal '
+        "stages.s05_fast_kda.kernel.build_prepare_program's)."),
+    'vectorized_slabs': (
+        'The anchored-operand passes with less shared-memory traffic: the slab loop unrolled at build time, '
+        'so each slab pass has a static extent and vectorizes (4-wide float4/uint2 accesses instead of scalar'
+        ' ones, whose 4-byte gamma reads were 4-way bank conflicted), one pass per slab and channel pass for '
+        'the row and the column operands; every pass reads gamma and K once per element'),
+    'vectorized_kg': (
+        'vectorized_slabs, and K e^gamma written to its own buffer (which takes the bytes of the dead K_row_s'
+        ' and K_col_s, so shared memory stays 105 KiB) instead of K_s in place: the in-place pass had a '
+        '__syncthreads in each of its 8 unrolled steps, gone here.'),
+    'staged_wu': (
+        'vectorized_kg, and W, U staged in shared memory (in the bytes of Q_s/V_s and K_s, dead by then: '
+        'still 105 KiB) and written out by TMA stores of whole rows'),
+    'staged_all': (
+        'staged_wu, and A_qk staged too (the diagonal blocks were 2-byte stores over 8 rows per instruction) '
+        'and written by one TMA store after the slabs'),
+    'slabs_early_v': (
+        'vectorized_slabs, and V loaded from HBM into registers at the start (16 registers a thread), moved '
+        "to shared memory where the committed kernel loads it: the load's latency overlaps the score passes "
+        'instead of standing between the decayed pass and the block inverse.'),
+    'paired': (
+        'staged_all, and the GEMMs that share an operand issued together and waited for once (the score GEMMs'
+        ' of the diagonal blocks, the W and U GEMMs): 3 waits fewer a chunk.'),
+    'paired_slabs': "paired, and the slabs' score GEMMs paired too: 9 waits fewer a chunk.",
+    'fp16_scores': (
+        "staged_all, and with bf16 inputs every score GEMM's anchored operands in fp16 (3 more mantissa bits,"
+        ' the same bytes)'),
+    'fp16_slabs': (
+        "staged_all, and with bf16 inputs the off-diagonal slabs' anchored operands in fp16, in buffers of "
+        'their own, where every factor is a product of gates (<= 1) and fp16 cannot overflow; the diagonal '
+        'blocks, whose factors reach a_min^{-8}, keep bf16 operands'),
+    'tf32_diagonal': (
+        "fp16_slabs, and the diagonal blocks' anchored operands in fp32, read by the tensor cores as TF32: "
+        'the precision fp16_scores gave the diagonal, without its overflow'),
+    'tf32_diagonal_bf16': (
+        'tf32_diagonal for bf16 inputs only; fp16 inputs keep fp16 diagonal operands, as fp16_slabs'),
+}
+RECURRENCE_VARIANTS = {  # archive/studies/s05_recurrence_variants.py's: what each changes
+    'committed': 'The committed kernel rebuilt here with every switch off: the control',
+    'paired': 'Two waits a chunk: (W S^T, Q e^gamma S^T) together, then (K^T V_new, A_qk V_new) together',
+    'paired_staged_o': 'paired, and o staged in shared memory for a TMA store of whole rows',
+    'staged_o': 'o staged in shared memory for a TMA store of whole rows; the GEMMs as committed',
+}
+RECURRENCE_BLOCK_DV = 32  # value columns a program, in the recurrence the study started from
 
 
 def write_variants_table(path):
-    """The prepare kernel's variants as measured on the H200 (benchmarks/studies/s05_variants.py, committed
+    """The prepare kernel's variants as measured on the H200 (the archived study s05_variants, committed
     results in benchmarks/results/s05_variants.csv): each step's time, its speed-up over the kernel
     it started from, the two kernels against FLA, and how far its outputs are from the old kernel's."""
-    import csv
+    from kdacourse import results
 
-    from benchmarks.studies import s05_variants
-    from kdacourse import REPO_ROOT
-
-    results = REPO_ROOT / "benchmarks" / "results" / "s05_variants.csv"
-    with results.open() as f:
-        summary = s05_variants.summarize(list(csv.DictReader(f)))
+    summary = results.prepare_variants(results.read_rows(results.RESULTS / "s05_variants.csv"))
     shapes = sorted(summary)
     header = ["variant", "what it changes"] + [f"prepare (ms), B={B} N={N} H={H}" for B, N, H, _ in shapes] + \
         ["speed-up of prepare"] + [f"FLA / both kernels, B={B} N={N}" for B, N, _, _ in shapes] + ["outputs vs the old kernel"]
     rows = []
     base = [summary[shape]["committed"][0] for shape in shapes]
-    for name, build in s05_variants.VARIANTS.items():
+    for name, what in PREPARE_VARIANTS.items():
         if any(name not in summary[shape] for shape in shapes):
             continue  # measured in a later run: write_later_variants_table
         prepare = [summary[shape][name][0] for shape in shapes]
         error = max(summary[shape][name][3] for shape in shapes)
         rows.append([f"**{name}** (adopted)" if name == ADOPTED_VARIANT else name,
-                     " ".join(re.split(r"\.\s", build.__doc__ or "")[0].split()),
+                     what,
                      *(f"{t:.3f}" for t in prepare),
                      " / ".join(f"{b / t:.2f}x" for b, t in zip(base, prepare)),
                      *(f"{summary[shape][name][2] / summary[shape][name][1]:.2f}" for shape in shapes),
                      "bitwise equal" if error == 0 else f"rel L2 {error:.1e}"])
-    path.write_text(banner("kdacourse/pages/s05_fast_kda.py") + markdown_table(header, rows))
+    path.write_text(banner("kdacourse/pages/s05_fast_kda.py") + results.study_command("s05_variants", "--out DIR")
+                    + ".\n\n" + markdown_table(header, rows))
 
 
 def write_later_variants_table(path):
     """The variants tried after the adopted one, measured on the H200 on 2026-12-01: the prepare
     kernel's paired GEMMs (benchmarks/results/s05_variants_paired.csv, against staged_all, the
-    committed kernel then) and the recurrence's (benchmarks/studies/s05_recurrence_variants.py,
+    committed kernel then) and the recurrence's (the archived study s05_recurrence_variants,
     benchmarks/results/s05_recurrence_variants.csv, against the recurrence committed then)."""
-    import csv
-    import statistics
+    from kdacourse import results
 
-    from benchmarks.studies import s05_recurrence_variants, s05_variants
-    from kdacourse import REPO_ROOT
-
-    results = REPO_ROOT / "benchmarks" / "results"
-    with (results / "s05_variants_paired.csv").open() as f:
-        prepare = s05_variants.summarize(list(csv.DictReader(f)))
-    with (results / "s05_recurrence_variants.csv").open() as f:
-        recurrence_rows = list(csv.DictReader(f))
+    prepare = results.prepare_variants(results.read_rows(results.RESULTS / "s05_variants_paired.csv"))
+    medians = results.recurrence_variants(results.read_rows(results.RESULTS / "s05_recurrence_variants.csv"))
     shapes = sorted(prepare)
     header = ["kernel", "variant", "what it changes"] + [f"ms, B={B} N={N} H={H}" for B, N, H, _ in shapes] + \
         ["speed-up"]
@@ -250,21 +296,16 @@ def write_later_variants_table(path):
     for name in ("staged_all", "paired", "paired_slabs"):
         times = [prepare[shape][name][0] for shape in shapes]
         base = [prepare[shape]["staged_all"][0] for shape in shapes]
-        rows.append(["prepare", name, " ".join(re.split(r"\.\s", s05_variants.VARIANTS[name].__doc__)[0].split()).rstrip("."),
+        rows.append(["prepare", name, PREPARE_VARIANTS[name].rstrip("."),
                      *(f"{t:.3f}" for t in times), " / ".join(f"{b / t:.2f}x" for b, t in zip(base, times))])
-    by_variant = {}
-    for row in recurrence_rows:
-        shape = tuple(int(row[k]) for k in ("B", "N", "H", "D"))
-        by_variant.setdefault(row["variant"], {}).setdefault(shape, []).append(float(row["recurrence_ms"]))
-    medians = {name: {shape: statistics.median(t) for shape, t in per_shape.items()}
-               for name, per_shape in by_variant.items()}
     for name, per_shape in medians.items():
         base_name, _, columns = name.partition("_dv")
-        what = " ".join(re.split(r"\.\s", s05_recurrence_variants.VARIANTS[base_name].__doc__)[0].split()).rstrip(".")
-        what += f"; {columns or s05_recurrence_variants.DEFAULT_BLOCK_DV} columns a program"
+        what = f"{RECURRENCE_VARIANTS[base_name]}; {columns or RECURRENCE_BLOCK_DV} columns a program"
         rows.append(["recurrence", name, what, *(f"{per_shape[shape]:.3f}" for shape in shapes),
                      " / ".join(f"{medians['committed'][shape] / per_shape[shape]:.2f}x" for shape in shapes)])
-    path.write_text(banner("kdacourse/pages/s05_fast_kda.py") + markdown_table(header, rows))
+    commands = (results.study_command("s05_variants", "--out DIR --variants staged_all,paired,paired_slabs --no-fla")
+                + " and " + results.study_command("s05_recurrence_variants", "--out DIR"))
+    path.write_text(banner("kdacourse/pages/s05_fast_kda.py") + f"{commands}.\n\n" + markdown_table(header, rows))
 
 
 def write_accuracy_table(path):
@@ -272,18 +313,13 @@ def write_accuracy_table(path):
     float64 at N=4096 before (bf16 operands everywhere: benchmarks/results/precision_before_tf32_diagonal.csv)
     and after (benchmarks/results/precision.csv, `python -m benchmarks.bench --stages s05 --no-timings`),
     beside FLA's; then the prepare kernel's time, staged_all against tf32_diagonal, whose bf16 program is
-    the adopted one (benchmarks/results/s05_variants_accuracy.csv)."""
-    import csv
-
-    from benchmarks.studies import s05_variants
-    from kdacourse import REPO_ROOT
-
-    results = REPO_ROOT / "benchmarks" / "results"
+    the adopted one (benchmarks/results/s05_variants_accuracy.csv, the archived study s05_variants)."""
+    from kdacourse import results
 
     def errors(name):
-        with (results / name).open() as f:
-            return {(row["dtype"], row["gate_lower"], row["impl"]): float(row["rel_l2_vs_float64"])
-                    for row in csv.DictReader(f) if row["stage"] == "s05_fast_kda" and row["N"] == "4096"}
+        return {(row["dtype"], row["gate_lower"], row["impl"]): float(row["rel_l2_vs_float64"])
+                for row in results.read_rows(results.RESULTS / name)
+                if row["stage"] == "s05_fast_kda" and row["N"] == "4096"}
 
     before, after = errors("precision_before_tf32_diagonal.csv"), errors("precision.csv")
     rows = [[dtype, f"[{lower}, 0.999]", f"{before[dtype, lower, 'ours']:.3e}", f"{after[dtype, lower, 'ours']:.3e}",
@@ -291,8 +327,7 @@ def write_accuracy_table(path):
              f"{after[dtype, lower, 'ours'] / after[dtype, lower, 'fla']:.2f}"]
             for dtype in ("bfloat16", "float16") for lower in ("0.5", "0.9")]
     accuracy = markdown_table(["inputs", "gates", "ours before", "ours after", "FLA", "before / FLA", "after / FLA"], rows)
-    with (results / "s05_variants_accuracy.csv").open() as f:
-        summary = s05_variants.summarize(list(csv.DictReader(f)))
+    summary = results.prepare_variants(results.read_rows(results.RESULTS / "s05_variants_accuracy.csv"))
     times = markdown_table(
         ["B, N, H", "prepare, bf16 operands (ms)", "prepare, fp32 diagonal and fp16 slab operands (ms)", "cost"],
         [(f"{B}, {N}, {H}", f"{variants['staged_all'][0]:.3f}", f"{variants['tf32_diagonal'][0]:.3f}",

@@ -86,10 +86,9 @@ BACKWARD_RUN = "benchmarks/results/backward.csv"  # committed by `python -m benc
 def write_storage_table(path):
     """Per shape of the committed backward run: what each choice holds, and the measured times of what
     our backward recomputes (the prepare kernel again, the states kernel) beside the whole backward."""
-    from benchmarks import fair
-    from kdacourse import REPO_ROOT
+    from kdacourse import REPO_ROOT, results
 
-    summary = fair.summarize(fair.read_rows(REPO_ROOT / BACKWARD_RUN))
+    summary = results.summarize(results.read_rows(REPO_ROOT / BACKWARD_RUN))
     rows = []
     for (B, N, H, D), measured in sorted(summary.items()):
         held = held_from_forward_to_backward(B, N, H, D)
@@ -108,27 +107,24 @@ def write_storage_table(path):
 
 TRAINING_RUN = "benchmarks/results/train_kda_cpu"  # committed by `python -m benchmarks.train_kda --out ...`
 CUDA_TRAINING_RUN = "benchmarks/results/train_kda_cuda"  # `... --device cuda --compare-fla`, on the H200
-# `... --device cuda --lower-bound none --compare-fla --nan-trap` (gpu_open_work.sh part 8), on the H200
+# `... --device cuda --lower-bound none --compare-fla --nan-trap`, on the H200
 UNBOUNDED_TRAINING_RUN = "benchmarks/results/train_kda_cuda_unbounded_fla"
 CPU_LABELS = {"ours": "stage 5 forward + stage 6 backward (CPU references)"}
 CUDA_LABELS = {"ours": "stage 5 + stage 6 kernels (H200)", "fla": "FLA chunk_kda (H200)"}
 
 
 def _training_run(run):
-    """(rows of a committed run's CSV, the loss of a guess among the values, log(vocab))."""
+    """(rows of a committed run's CSV, the loss of a guess among the values: log(vocab))."""
     import math
-    import re
 
-    from benchmarks.train_kda import read_csv
-    from kdacourse import REPO_ROOT
+    from kdacourse import REPO_ROOT, results
 
-    folder = REPO_ROOT / run
-    vocab = int(re.search(r"--vocab (\d+)", (folder / "train_kda.log").read_text()).group(1))
-    return read_csv(folder / "train_kda.csv"), math.log(vocab)
+    rows, vocab = results.training_run(REPO_ROOT / run)
+    return rows, math.log(vocab)
 
 
 def write_training_table(path):
-    from benchmarks.train_kda import summary
+    from kdacourse.results import training_summary as summary
 
     rows, guess = _training_run(TRAINING_RUN)
     result = summary(rows)
@@ -143,7 +139,7 @@ def write_training_table(path):
 
 def write_cuda_training_table(path, run=CUDA_TRAINING_RUN):
     """The H200 run of our kernels beside FLA's: first and last losses, accuracy, the gap between them."""
-    from benchmarks.train_kda import summary
+    from kdacourse.results import training_summary as summary
 
     rows, guess = _training_run(run)
     result = summary(rows)
@@ -244,27 +240,28 @@ def write_any_gate_table(path):
     path.write_text(banner(SOURCE) + markdown_table(headers, rows))
 
 
-GRADIENT_ACCURACY_RUNS = {  # `python -m benchmarks.studies.s06_gradient_accuracy --out ...` on the H200, oldest first
+GRADIENT_ACCURACY_RUNS = {  # the archived study s06_gradient_accuracy's runs on the H200, oldest first
     "dq in bf16": "benchmarks/results/gradient_accuracy_before",  # the intra kernel rounded dq, dk to bf16
     "dq in fp32": "benchmarks/results/gradient_accuracy_fp32_dq",  # dq, dk in fp32 to the norm's backward
     "A_hat split": "benchmarks/results/gradient_accuracy_dv_split",  # dv's GEMM: A_hat's rounding + remainder
     "scores split": "benchmarks/results/gradient_accuracy",  # the diagonal score-gradient GEMMs, both sides
-    "A_kk, T from the prepare": "benchmarks/results/gradient_accuracy_solve",  # gpu_open_work.sh OUT 17
+    "A_kk, T from the prepare": "benchmarks/results/gradient_accuracy_solve",  # the intra kernel reads the prepare's
 }
 GRADIENT_ACCURACY_SHAPE = "2,300,2,128"  # the shape every run measured at every seed
+GRADIENT_ACCURACY_GOAL = 1.1  # ours within 1.1 times FLA's error (issue 27, item 5)
+GRADIENT_ACCURACY_TENSORS = ("o", "final_state", "q", "k", "v", "g", "beta", "initial_state")  # the runs' order
 
 
 def write_gradient_accuracy_table(path):
     """Ours / FLA's rel L2 from float64 per tensor, the geometric mean over seeds (the worst seed after
     it): the newest run at every layout and mode, then every run at gentle gates, oldest first."""
-    import csv
+    from kdacourse import REPO_ROOT, results
 
-    from benchmarks.studies.s06_gradient_accuracy import GOAL, NAMES, ratios_by_group
-
+    GOAL, NAMES = GRADIENT_ACCURACY_GOAL, GRADIENT_ACCURACY_TENSORS
     runs = {}
     for label, folder in GRADIENT_ACCURACY_RUNS.items():
-        with open(f"{folder}/gradient_accuracy.csv") as f:
-            runs[label] = ratios_by_group(row for row in csv.DictReader(f) if row["shape"] == GRADIENT_ACCURACY_SHAPE)
+        rows = results.read_rows(REPO_ROOT / folder / "gradient_accuracy.csv")
+        runs[label] = results.gradient_accuracy(row for row in rows if row["shape"] == GRADIENT_ACCURACY_SHAPE)
     newest = list(runs)[-1]
 
     def cell(label, mode, layout, name):
@@ -285,24 +282,43 @@ def write_gradient_accuracy_table(path):
         + f"The kernels now ({newest}):\n\n" + now
         + f"\nAt gentle gates, run by run ({', '.join(runs)}):\n\n" + history
         + f"\nB, N, H, d = {GRADIENT_ACCURACY_SHAPE}, bf16, {seeds} seeds: ours / FLA's rel L2 from float64, the "
-        f"geometric mean over the seeds (the worst seed's in brackets); **over** marks a mean past {GOAL}.\n")
+        f"geometric mean over the seeds (the worst seed's in brackets); **over** marks a mean past {GOAL}. Each run: "
+        f"{results.study_command('s06_gradient_accuracy', '--out DIR --shapes 2,300,2,128')}.\n")
 
 
-INTRA_SECTIONS_LOG = "benchmarks/results/s06_intra_sections.log"  # `gpu_open_work.sh OUT 18` on the H200
+INTRA_SECTIONS_LOG = "benchmarks/results/s06_intra_sections.log"  # the archived study's run on the H200
+WHOLE_KERNEL, EVERY_GEMM_WAITED = "the kernel", "every GEMM waited for"  # the log's labels of the two controls
+
+
+def intra_sections_table(times):
+    """The Markdown table of the medians of `times` ({label: [ms per round]}, the sections in the log's
+    order): the kernel, the kernel with every GEMM waited for, then each section's time (the kernel
+    with the section run twice, less the kernel)."""
+    import statistics
+
+    whole = statistics.median(times[WHOLE_KERNEL])
+    waited = statistics.median(times[EVERY_GEMM_WAITED])
+    rows = [("(the kernel)", f"{whole:.4f}", "", ""),
+            (f"(the kernel, {EVERY_GEMM_WAITED})", f"{waited:.4f}", f"{waited - whole:+.4f} (the shared waits' saving)", "")]
+    for label, ms in times.items():
+        if label not in (WHOLE_KERNEL, EVERY_GEMM_WAITED):
+            section = statistics.median(ms) - whole
+            rows.append((label, f"{statistics.median(ms):.4f}", f"{section:.4f}", f"{section / whole:.0%}"))
+    return markdown_table(["section", "kernel with it twice (ms)", "the section (ms)", "share of the kernel"], rows)
 
 
 def write_intra_sections_table(path):
-    """Where the intra kernel's time goes: benchmarks.studies.s06_intra_sections' table, from the log of
-    its H200 run (the GPU's round times, tabulated as the study tabulates them)."""
-    from benchmarks.studies.s06_intra_sections import sections_table, times_from_log
+    """Where the intra kernel's time goes: the archived study s06_intra_sections' H200 run, from its log
+    (the GPU's round times)."""
+    from kdacourse import REPO_ROOT, results
 
-    with open(INTRA_SECTIONS_LOG) as f:
-        times = times_from_log(f.read())
-    rounds = len(times["the kernel"])
+    times = results.round_times((REPO_ROOT / INTRA_SECTIONS_LOG).read_text())
+    rounds = len(times[WHOLE_KERNEL])
     path.write_text(
         banner(f"{SOURCE}, from {INTRA_SECTIONS_LOG}")
         + f"NVIDIA H200, 2026-12-02, B, N, H, D = 1, 16384, 32, 128, bf16, {rounds} rounds, medians (CUDA graphs): "
-        "the time of the kernel with the section run twice, less the kernel's.\n\n" + sections_table(times))
+        f"the time of the kernel with the section run twice, less the kernel's "
+        f"({results.study_command('s06_intra_sections', '--rounds 3')}).\n\n" + intra_sections_table(times))
 
 
 def generated_files():

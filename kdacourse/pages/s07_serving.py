@@ -133,13 +133,18 @@ def write_chunk_table(path):
 
 
 def write_padding_table(path):
-    from benchmarks.varlen import MIXES, mix_lengths
+    """Per mix of the committed varlen run (its lengths, from varlen_meta.json): prefill's chunk-aligned
+    rows, the prepare's grid, and one batch padded to the longest sequence."""
+    from kdacourse import results
     from stages.s07_serving.kernel import most_chunks
 
     C = DEFAULT_CHUNK_SIZE
+    _, meta = results.committed_run("varlen.csv", "varlen_meta.json")
+    if meta is None:
+        path.write_text(banner(SOURCE) + "No varlen run committed (`python -m benchmarks.varlen --out DIR`).\n")
+        return
     rows = []
-    for index, name in enumerate(MIXES):
-        lengths = mix_lengths(name, index)
+    for name, lengths in results.varlen_mix_lengths(meta).items():
         chunks = int(chunk_aligned_rows(np.concatenate([[0], np.cumsum(lengths)]), C)[1][-1])
         grid = most_chunks(sum(lengths), len(lengths), C)
         one_batch = len(lengths) * max(-(-n // C) * C for n in lengths)
@@ -147,7 +152,8 @@ def write_padding_table(path):
                      str(chunks), f"{grid} (+{grid - chunks}, {grid / chunks - 1:.1%})",
                      f"{one_batch} ({one_batch / sum(lengths):.2f}x)"))
     path.write_text(
-        banner(SOURCE) + f"The mixes of benchmarks/varlen.py (lengths log-uniform; C = {C}). prefill's chunk-aligned "
+        banner(SOURCE) + f"The mixes of the committed `python -m benchmarks.varlen` run (benchmarks/results/"
+        f"varlen_meta.json: lengths log-uniform; C = {C}). prefill's chunk-aligned "
         "layout against one batch padded to the longest sequence; the prepare's grid, sized before the chunks are "
         "counted (most_chunks), against the chunks.\n\n"
         + markdown_table(["mix", "sequences", "tokens", "rows chunk-aligned", "chunks", "prepare programs per head "
@@ -164,8 +170,7 @@ PREFILL_PARTS = [(("ours", "call"), "whole call"), (("ours", "call_unchecked"), 
 def write_prefill_parts(path):
     """The committed run's medians over rounds for prefill's parts, what lies around the kernels (the call
     with checks off minus the kernels), the value checks' cost and FLA's call over ours."""
-    from kdacourse.pages.serving_benchmarks import committed_run, varlen_times
-    from benchmarks.fair import Spread, paired
+    from kdacourse.results import Spread, committed_run, difference, paired, ratio, varlen_times
 
     rows, _ = committed_run("varlen.csv", "varlen_meta.json")
     if rows is None:
@@ -173,9 +178,9 @@ def write_prefill_parts(path):
         return
     table = []
     for mix, measured in varlen_times(rows).items():
-        around = paired(measured, ("ours", "call_unchecked"), ("ours", "kernels"), lambda x, y: x - y)
-        checks = paired(measured, ("ours", "call"), ("ours", "call_unchecked"), lambda x, y: x - y)
-        speed_up = paired(measured, ("fla", "call"), ("ours", "call"), lambda x, y: x / y)
+        around = paired(measured, ("ours", "call_unchecked"), ("ours", "kernels"), difference)
+        checks = paired(measured, ("ours", "call"), ("ours", "call_unchecked"), difference)
+        speed_up = paired(measured, ("fla", "call"), ("ours", "call"), ratio)
         table += [(mix, label, Spread.of(measured[key].values()).text()) for key, label in PREFILL_PARTS
                   if key in measured]
         table += [(mix, "around the kernels (checks off minus kernels)", around.text()),

@@ -5,34 +5,25 @@ Reads what the GPU runs wrote, committed to benchmarks/results/:
 - backward.csv, backward_meta.json: `python -m benchmarks.backward --out DIR`;
 - varlen.csv, varlen_meta.json: `python -m benchmarks.varlen --out DIR`;
 - decode.csv: `python -m benchmarks.decode --out DIR`;
-and writes docs/generated/{backward,varlen,decode}_timings.md. Rounds are summarized as the forward's
-fair timings are (benchmarks/fair.py): each cell the median over the rounds with (min to max), a
-ratio taken within one round, then summarized. Without a run's files its table says so.
+and writes docs/generated/{backward,varlen,decode}_timings.md, reading them through kdacourse.results.
+Rounds are summarized as the forward's fair timings are: each cell the median over the rounds with
+(min to max), a ratio taken within one round, then summarized. Without a run's files its table says so.
 """
 
-import json
 import re
-from collections import defaultdict
 
-from benchmarks import backward, fair
-from kdacourse import REPO_ROOT
-from kdacourse.pages.benchmarks import shown_command
+from kdacourse import results
 from kdacourse.pages.fair import about_the_run
 from kdacourse.pages.tables import markdown_table
 
-RESULTS = REPO_ROOT / "benchmarks" / "results"
+RESULTS = results.RESULTS
 NOT_COMMITTED = ("No {what} timings are committed yet: `python -m benchmarks.{module} --out DIR` on a CUDA machine "
                  "writes {files}; copied to benchmarks/results/, `course regenerate` puts them here.\n")
 
 
 def committed_run(csv_name, meta_name=None):
-    """(rows, meta) of a committed run ({} for a run without a meta file), or (None, None) if absent or empty."""
-    csv_path = RESULTS / csv_name
-    meta_path = RESULTS / meta_name if meta_name else None
-    if not csv_path.exists() or (meta_path is not None and not meta_path.exists()):
-        return None, None
-    rows = fair.read_rows(csv_path)
-    return (rows, json.loads(meta_path.read_text()) if meta_path else {}) if rows else (None, None)
+    """(rows, meta) of a committed run in RESULTS ({} for a run without a meta file), or (None, None)."""
+    return results.committed_run(csv_name, meta_name, RESULTS)
 
 
 def _cell(spread, form="{:.3f}"):
@@ -69,12 +60,12 @@ def write_backward_timings(path, run=""):
     "backward_ours/" for ours alone, "backward_solve/" for the three shapes beside FLA once the intra
     kernel read A_kk and T from the prepare, "backward_ours_padded/" for ours alone with its fp32 rows
     padded, "backward_registers/" for the three shapes beside FLA once it kept its decays in registers)."""
-    rows, meta = committed_run(run + backward.CSV_NAME, run + backward.META_NAME)
+    rows, meta = committed_run(run + results.BACKWARD_CSV, run + results.BACKWARD_META)
     if rows is None:
         path.write_text(NOT_COMMITTED.format(what="backward", module="backward",
                                              files="DIR/backward.csv and DIR/backward_meta.json"))
         return
-    named, summary = backward.comparisons(rows), fair.summarize(rows)
+    named, summary = results.backward_comparisons(rows), results.summarize(rows)
     # a run before a measurement existed (the default checks' call came later) shows no column for it
     ratio_names = [name for name in next(iter(named.values()), {})
                    if any(n[name] is not None for n in named.values())]
@@ -86,21 +77,21 @@ def write_backward_timings(path, run=""):
     times = markdown_table(["B, N, H, D", *(f"{label} (ms)" for _, _, label in columns)],
                            [(_shape(shape), *(_cell(measured.get((impl, what))) for impl, what, _ in columns))
                             for shape, measured in sorted(summary.items())])
-    kernels = markdown_table(["B, N, H, D", *(f"{kernel} (ms)" for kernel in backward.BACKWARD_KERNELS)],
+    kernels = markdown_table(["B, N, H, D", *(f"{kernel} (ms)" for kernel in results.BACKWARD_KERNELS)],
                              [(_shape(shape), *(_cell(measured.get(("ours", kernel)))
-                                                for kernel in backward.BACKWARD_KERNELS))
+                                                for kernel in results.BACKWARD_KERNELS))
                               for shape, measured in sorted(summary.items())])
 
     def gradient_row(label, notes):
         errors = notes.get("rel_l2_ours_vs_fla") or {}
         shape = re.findall(r"=(\d+)", label)  # the meta names a shape "B=1 N=4096 H=32 D=128"
-        return (", ".join(shape), *(f"{errors[name]:.2e}" if name in errors else "–" for name in backward.GRADIENTS),
+        return (", ".join(shape), *(f"{errors[name]:.2e}" if name in errors else "–" for name in results.BACKWARD_GRADIENTS),
                 notes.get("forward_block_dv", "–"), notes.get("backward_block_dv", "–"))
 
-    gradients = markdown_table(["B, N, H, D", *(f"{name}: rel L2 vs FLA" for name in backward.GRADIENTS),
+    gradients = markdown_table(["B, N, H, D", *(f"{name}: rel L2 vs FLA" for name in results.BACKWARD_GRADIENTS),
                                 "forward block_dv", "backward block_dv"],
                                [gradient_row(label, notes) for label, notes in meta.get("shapes", {}).items()])
-    path.write_text(about_the_run(meta, backward.kernel_digest()) + ratios
+    path.write_text(about_the_run(meta, results.current_kernel_digest("s06_backward")) + ratios
                     + "\nThe times, medians over the rounds (min to max):\n\n" + times
                     + "\nThe backward's five kernels, each alone on the outputs of the one before, medians over the "
                     "rounds (min to max):\n\n" + kernels
@@ -116,16 +107,6 @@ VARLEN_TIMES = [("ours", "call", "ours call"), ("ours", "call_unchecked", "ours 
                 ("fla", "call_new_cu_seqlens", "FLA call, a new cu_seqlens"), ("fla", "graph", "FLA as a graph")]
 
 
-def varlen_times(rows):
-    """{mix: {(impl, what): {round: ms}}} from varlen.csv's rows (rows without a time left out), the
-    form benchmarks.fair.paired and Spread read."""
-    table = defaultdict(lambda: defaultdict(dict))
-    for row in rows:
-        if row.get("time_ms"):
-            table[row["mix"]][(row["impl"], row["what"])][int(row["round"])] = float(row["time_ms"])
-    return table
-
-
 def write_varlen_timings(path):
     """Per mix: its tokens, FLA / ours for the calls, the times over rounds, ours against FLA's output."""
     rows, meta = committed_run("varlen.csv", "varlen_meta.json")
@@ -135,11 +116,11 @@ def write_varlen_timings(path):
         return
     first = {row["mix"]: row for row in reversed(rows)}  # per mix, its sizes (the same on every row)
     mixes = list(dict.fromkeys(row["mix"] for row in rows))
-    measured = varlen_times(rows)
+    measured = results.varlen_times(rows)
     rounds = max(int(row["round"]) for row in rows)
 
     def ratio(mix, fla, ours):
-        return _cell(fair.paired(measured[mix], fla, ours, lambda a, b: a / b), "{:.2f}")
+        return _cell(results.paired(measured[mix], fla, ours, results.ratio), "{:.2f}")
 
     def checked(mix, key):
         value = meta.get("mixes", {}).get(mix, {}).get(key)
@@ -154,9 +135,10 @@ def write_varlen_timings(path):
           checked(mix, "rel_l2_state_ours_vs_fla")) for mix in mixes])
     times = markdown_table(
         ["mix", *(f"{label} (ms)" for _, _, label in VARLEN_TIMES)],
-        [(mix, *(_cell(fair.Spread.of(measured[mix].get((impl, what), {}).values())) for impl, what, _ in VARLEN_TIMES))
+        [(mix, *(_cell(results.Spread.of(measured[mix].get((impl, what), {}).values()))
+                 for impl, what, _ in VARLEN_TIMES))
          for mix in mixes])
-    about = (f"Run on an {meta.get('device', '?')} (`{shown_command(meta.get('command', '?'))}`, {rounds} "
+    about = (f"Run on an {meta.get('device', '?')} (`{results.shown_command(meta.get('command', '?'))}`, {rounds} "
              f"round{'s' if rounds > 1 else ''}, {first[mixes[0]]['dtype']}).\n\n")
     path.write_text(about + sizes + "\nThe times, medians over the rounds (min to max):\n\n" + times
                     + _failures(rows, lambda row: f"the {row['mix']} mix"))
@@ -241,7 +223,7 @@ def write_decode_batches(path):
                          "FLA / ours"], table))
 
 
-DECODE_THREAD_RUNS = ("decode_b64_blocks.csv", "decode_b64_threads.csv")  # 128 threads; then 256 and 64
+DECODE_THREAD_RUNS = ("decode_b64_blocks.csv", "decode_b64_t256.csv", "decode_b64_t64.csv")  # 128, 256, 64 threads
 
 
 def write_decode_threads(path):
@@ -271,8 +253,8 @@ DECODE_VARIANT_LOGS = {64: "decode_variants_b64.log", 256: "decode_variants_b256
 
 
 def write_decode_variants(path):
-    """The study benchmarks.studies.s07_decode_variants at each B of DECODE_VARIANT_LOGS: each kernel's
-    median over rounds and its fraction of the copy bandwidth, read from the table that ends its log."""
+    """The archived study s07_decode_variants (archive/studies/) at each B of DECODE_VARIANT_LOGS: each
+    kernel's median over rounds and its fraction of the copy bandwidth, read from the table that ends its log."""
     table = []
     for B, name in DECODE_VARIANT_LOGS.items():
         log = RESULTS / name
@@ -284,12 +266,12 @@ def write_decode_variants(path):
             if len(cells) == 3:
                 table.append((str(B), *cells))
     if not table:
-        path.write_text("No decode variants study is committed yet: `python -m benchmarks.studies.s07_decode_variants "
-                        "--B 64 > benchmarks/results/decode_variants_b64.log` on a CUDA machine (and `--B 256`).\n")
+        path.write_text(f"No decode variants study is committed: {results.study_command('s07_decode_variants')} "
+                        "wrote benchmarks/results/decode_variants_b64.log and _b256.log.\n")
         return
     path.write_text("Each CUDA graph replayed, H = 32, d_k = d_v = 128, a pool of 256 fp32 states, bf16 q, k, v, "
-                    "`block_dv` 64, 128 threads, medians of three interleaved rounds (`python -m "
-                    "benchmarks.studies.s07_decode_variants --B 64` and `--B 256`; logs in "
+                    "`block_dv` 64, 128 threads, medians of three interleaved rounds "
+                    f"({results.study_command('s07_decode_variants', '--B 64')} and `--B 256`; logs in "
                     "`benchmarks/results/decode_variants_b*.log`):\n\n"
                     + markdown_table(["B", "kernel", "time", "of the copy bandwidth"], table))
 

@@ -8,7 +8,7 @@ errors a committed GPU test log printed).
 import re
 import subprocess
 
-from kdacourse import REPO_ROOT
+from kdacourse import results
 from kdacourse.pages.tables import banner, markdown_table
 from stages.common.tilelang_tools import find_nvcc
 
@@ -47,11 +47,7 @@ def compile_report_table(reports, source):
 def gpu_log_table(log_path, source):
     """The kernel errors a committed GPU test log printed, one row per line of the form
     '<what>: max abs <x>, rel L2 <y>' (how the gpu tests print an ErrorReport)."""
-    pattern = re.compile(r"^(?P<what>[^:\[\]]+): max abs (?P<max_abs>\S+), rel L2 (?P<rel_l2>\S+)$")
-    rows = [(m["what"], m["max_abs"], m["rel_l2"])
-            for line in (REPO_ROOT / log_path).read_text().splitlines() if (m := pattern.match(line.strip()))]
-    if not rows:
-        raise ValueError(f"{log_path} has no line '<what>: max abs <x>, rel L2 <y>'")
+    rows = results.gpu_test_errors(log_path)
     return (banner(f"{source}, from {log_path}") + markdown_table(["run", "max abs error", "relative L2"], rows)
             + f"\nFrom `{log_path}`; tests/gpu_results/README.md says on which machine and with which command.\n")
 

@@ -30,6 +30,8 @@ as unchecked).
 BAD_GATE, BAD_BETA, BAD_SLOT, BAD_CU_SEQLENS = range(4)
 FLAG_COUNT = 4
 CHECKS = ("device", "host", "off")
+# Stages 2-4's kernels carry no flags: their forward checks the values on the host or not at all.
+HOST_CHECKS = ("host", "off")
 MESSAGES = {
     BAD_GATE: "g must be finite and <= 0 (g = log(a), 0 < a <= 1; for a = 0 use a large negative g such as "
               "-1e4): a call saw a g above 0, NaN or -inf",
@@ -41,10 +43,10 @@ MESSAGES = {
 }
 
 
-def check_mode(checks):
-    """checks is one of CHECKS (see above)."""
-    if checks not in CHECKS:
-        raise ValueError(f"checks must be one of {', '.join(map(repr, CHECKS))}, got {checks!r}")
+def check_mode(checks, modes=CHECKS):
+    """checks is one of `modes`: CHECKS (see above) for the fast calls, HOST_CHECKS for stages 2-4."""
+    if checks not in modes:
+        raise ValueError(f"checks must be one of {', '.join(map(repr, modes))}, got {checks!r}")
 
 
 def bad_gate(g, dtype="float32"):

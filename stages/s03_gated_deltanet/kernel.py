@@ -26,6 +26,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from stages.common.checks import padded_length
+from stages.common.device_checks import HOST_CHECKS, check_mode
 from stages.common.tilelang_tools import LOG2_E
 from stages.common.tilelang_tools import compile_report as _compile_report
 from stages.common.torch_checks import (check_gate, check_gate_values, check_on_cuda, check_qkv, check_tile_sizes,
@@ -162,19 +163,22 @@ def _compiled(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, thread
 # --8<-- [start:forward]
 def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
             chunk_size: int = DEFAULT_CHUNK_SIZE, block_dv: int = DEFAULT_BLOCK_DV, num_stages: int = 2,
-            threads: int = 128, check_values: bool = True) -> "torch.Tensor":
+            threads: int = 128, checks: str = "host") -> "torch.Tensor":
     """Run the kernel on CUDA tensors q, k: (B, N, H, d_k), v: (B, N, H, d_v), fp16 or bf16, and
     g = log(alpha), beta: (B, N, H), float32, with g <= 0 and 0 <= beta <= 1.
 
     Returns o: (B, N, H, d_v) in the input dtype. N need not be a multiple of chunk_size: the
-    sequence is zero-padded, which is exact (see reference.kernel_mirror). check_values=False skips
-    the checks of g's and beta's values (passes over the gates, a device sync per check): the caller vouches for them.
+    sequence is zero-padded, which is exact (see reference.kernel_mirror). checks="host" (the
+    default) reads g's and beta's values to the host and refuses a bad one (passes over the gates, a
+    device sync per check); "off" skips that: the caller vouches for them. The kernel sets no value
+    flags, so stage 5's "device" is not a mode here (stages.common.device_checks.HOST_CHECKS).
     """
+    check_mode(checks, HOST_CHECKS)
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate("g", g, (B, N, H), "(B, N, H)")
     check_gate("beta", beta, (B, N, H), "(B, N, H)")
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
-    if check_values:
+    if checks == "host":
         check_gate_values(g, beta)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta})
 

@@ -1,9 +1,9 @@
-"""check_values=False in stages 2-4's forward, checks="off" in stage 5's: the value checks are
-skipped, nothing else.
+"""checks="off" in every stage's forward skips the value checks, nothing else.
 
 On a CPU the device check comes after the value checks, so a forward given bad gate values on CPU
-tensors fails on the values with the (host) checks on, and on the device with them off. Stage 5's
-default, checks="device", reads no value on the host (the kernel flags them: tests/test_s05_fast_kda.py).
+tensors fails on the values with checks="host" and on the device with checks="off". Stages 2-4's
+kernels carry no value flags, so "host" is their default and "device" is refused; stage 5's default,
+checks="device", reads no value on the host (the kernel flags them: tests/test_s05_fast_kda.py).
 """
 
 import pytest
@@ -20,18 +20,31 @@ def _inputs(stage, torch):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_check_values_false_skips_only_the_value_checks(stage):
+def test_checks_off_skips_only_the_value_checks(stage):
     torch = pytest.importorskip("torch")
     import importlib
 
     forward = importlib.import_module(f"stages.{stage}.kernel").forward
     args = _inputs(stage, torch)
-    with pytest.raises(ValueError, match="g must be finite and <= 0"):
-        forward(*args)
+    for host in ({}, {"checks": "host"}):  # the default checks on the host
+        with pytest.raises(ValueError, match="g must be finite and <= 0"):
+            forward(*args, **host)
     with pytest.raises(ValueError, match="q must be on a CUDA device"):
-        forward(*args, check_values=False)
+        forward(*args, checks="off")
     with pytest.raises(TypeError, match="g must have dtype float32"):  # the other checks stay
-        forward(*args[:3], args[3].double(), *args[4:], check_values=False)
+        forward(*args[:3], args[3].double(), *args[4:], checks="off")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("checks", ["device", True, False])
+def test_stages_without_value_flags_refuse_other_modes(stage, checks):
+    """"device" would promise flags these kernels do not set; a boolean is the old vocabulary."""
+    torch = pytest.importorskip("torch")
+    import importlib
+
+    forward = importlib.import_module(f"stages.{stage}.kernel").forward
+    with pytest.raises(ValueError, match=f"checks must be one of 'host', 'off', got {checks!r}"):
+        forward(*_inputs(stage, torch), checks=checks)
 
 
 def test_s05_checks_on_the_host_or_leaves_the_values_to_the_device():

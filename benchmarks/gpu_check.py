@@ -1,0 +1,418 @@
+"""The GPU check: every GPU test and every committed GPU result, in parts that each fit one device call.
+
+    python -m benchmarks.gpu_check --list                 the parts, their steps and time limits
+    python -m benchmarks.gpu_check PART OUT_DIR [--dry-run]   run one part on a CUDA machine
+    python -m benchmarks.gpu_check all OUT_DIR            every part, one after another
+    python -m benchmarks.gpu_check --collect OUT_DIR      on the course machine: put what the parts
+                                                          wrote where the repository keeps it
+
+(`make gpu PART=... OUT=...` runs a part.) The GPU tests are selected by their marker and folder
+(`pytest -m gpu tests`) and split by name: stages 1-4, stages 5-7 without FLA, and the comparisons
+with FLA (`-k "fla_ or as_fla or on_fla"`), forward and backward apart; together the parts run every
+GPU test once (tests/test_gpu_check.py checks that on the collected tests). The other parts run the
+benchmarks whose results the pages show (benchmarks/results/): bench's timings and precision study,
+the fair comparison, forward + backward, the varlen prefill, the decode step, the training demo on
+CUDA, the profiles. The results of runs kept as records of earlier kernels (the pages say which,
+and archive/README.md) are not made again.
+
+Each part fits a device call of 9 minutes on a fresh H200, FLA's Triton autotuning (about 90 s a
+shape, once per process) and TileLang's compiles (about 15 s each) included: every step runs under
+its own time limit, steps that time something run one after another, the others side by side, and
+a part's limits add up to PART_LIMIT_S at most (its steps side by side: the longest). Tests run in
+pytest-xdist workers where they are independent, each under pytest-timeout's --timeout.
+
+A part writes under OUT_DIR/PART/: machine.log (the GPU, the driver, the commit), steps.log (when
+each step began and how it ended), <step>.log (its output, TileLang's compile chatter dropped) and
+<step>/ (the files a benchmark writes). `--collect OUT_DIR` then copies each step's files and log to
+where the pages read them and folds bench's runs in (benchmarks.merge); `course regenerate` puts them
+on the pages.
+"""
+
+import argparse
+import ast
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PART_LIMIT_S = 530  # a device call ends at 600 s; the machine's set-up and the copy back take the rest
+CHATTER = r"TileLang begins|TileLang completes|^==PROF=="  # lines no log keeps
+FILES = "{files}"  # in a step's command: its folder, OUT_DIR/PART/<step>
+MERGE = "merge"  # a step's files_to for a bench run: folded in by benchmarks.merge
+GPU_TEST_RESULTS = "tests/gpu_results"
+RESULTS = "benchmarks/results"
+
+FLA_TESTS = "fla_ or as_fla or on_fla"  # the tests that compare with FLA (its autotuning: minutes a process)
+EARLY_STAGES = "s01 or s02 or s03 or s04"
+TIMED_TESTS = "tune"  # the tune exercises time kernels against a target: alone on the GPU
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of a part: its log is OUT_DIR/PART/<name>.log, its files OUT_DIR/PART/<name>/."""
+
+    name: str
+    command: tuple[str, ...]  # argv; FILES stands for the step's folder
+    limit_s: int
+    log_to: str | None = None  # where --collect puts its log, relative to the repository
+    files_to: str | None = None  # where --collect puts the files of its folder (a folder), or MERGE
+    renamed: dict = field(default_factory=dict)  # {name in its folder: name in files_to}
+
+    def argv(self, folder: Path) -> list[str]:
+        return [str(folder) if word == FILES else word.replace(FILES, str(folder)) for word in self.command]
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    what: str
+    steps: tuple[Step, ...]
+    side_by_side: bool = False  # nothing in it is timed: its steps share the GPU
+
+    def limit_s(self) -> int:
+        limits = [step.limit_s for step in self.steps]
+        return max(limits) if self.side_by_side else sum(limits)
+
+
+def python(*arguments: str) -> tuple[str, ...]:
+    return (sys.executable, *arguments)
+
+
+def gpu_tests(selection: str, *options: str) -> tuple[str, ...]:
+    """pytest over every GPU test under tests/ that `selection` (a -k expression) names, the exercise
+    tests on the solutions, verbose, no cache written."""
+    return python("-m", "pytest", "tests", "-m", "gpu", "-k", selection, "--target=solutions", "-v",
+                  "-p", "no:cacheprovider", *options)
+
+
+def gpu_test_steps():
+    """{step name: (-k expression, pytest options, limit)} of the GPU tests, each test in one step."""
+    return {
+        "s01_linear_attention": (f"({EARLY_STAGES}) and s01 and not {TIMED_TESTS}", ("-s", "--timeout", "150"), 170),
+        "gpu_tests_s02_s04": (f"({EARLY_STAGES}) and not s01 and not {TIMED_TESTS}",
+                              ("-n", "4", "--timeout", "240"), 250),
+        "gpu_tests_tune": (TIMED_TESTS, ("-s", "--timeout", "100"), 110),
+        "gpu_tests_s05_s07": (f"not ({EARLY_STAGES}) and not ({FLA_TESTS}) and not {TIMED_TESTS}",
+                              ("-n", "6", "--timeout", "480"), 520),
+        "gpu_tests_fla_forward": (f"({FLA_TESTS}) and not s06 and not ({EARLY_STAGES}) and not {TIMED_TESTS}",
+                                  ("-n", "5", "--timeout", "480"), 520),
+        "gpu_tests_fla_backward": (f"({FLA_TESTS}) and s06 and not ({EARLY_STAGES}) and not {TIMED_TESTS}",
+                                   ("-n", "6", "--timeout", "480"), 520),
+    }
+
+
+def _tests(name):
+    selection, options, limit = gpu_test_steps()[name]
+    return Step(name, gpu_tests(selection, *options), limit, log_to=f"{GPU_TEST_RESULTS}/{name}.log")
+
+
+def _bench(name, stages, *options, limit=520):
+    return Step(name, python("-m", "benchmarks.bench", "--stages", stages, "--out", FILES, *options), limit,
+                log_to=f"{RESULTS}/{name}.log", files_to=MERGE)
+
+
+def _decode(name, csv_name, *options, limit):
+    return Step(name, python("-m", "benchmarks.decode", "--out", FILES, "--H", "32", "--d", "128", "--pool", "256",
+                             *options), limit, log_to=f"{RESULTS}/{csv_name.removesuffix('.csv')}.log",
+                files_to=RESULTS, renamed={"decode.csv": csv_name})
+
+
+def _train(name, folder, *options):
+    return Step(name, python("-m", "benchmarks.train_kda", "--device", "cuda", "--steps", "300", "--vocab", "32",
+                             "--compare-fla", "--out", FILES, *options), 500,
+                log_to=f"{RESULTS}/{folder}/train_kda.log", files_to=f"{RESULTS}/{folder}")
+
+
+def _ncu(module):
+    """The Nsight Compute command of a profile module (its NCU_COMMAND), as an argv."""
+    return tuple(shlex.split(importlib.import_module(module).NCU_COMMAND))
+
+
+def parts() -> dict[str, Part]:
+    listed = [
+        Part("tests-s01-s04", "stages 1-4's GPU tests and kernel exercises (stage 1's log is its page's), then "
+             "the tune exercises alone (they time kernels)",
+             (_tests("s01_linear_attention"), _tests("gpu_tests_s02_s04"), _tests("gpu_tests_tune"))),
+        Part("tests-s05-s07", "stages 5-7's GPU tests and kernel exercises, the device checks, FLA's comparisons "
+             "apart", (_tests("gpu_tests_s05_s07"),)),
+        Part("tests-fla-forward", "the forward's comparisons with FLA (stages 5 and 7), a test a worker",
+             (_tests("gpu_tests_fla_forward"),)),
+        Part("tests-fla-backward", "stage 6's comparisons with FLA (the backward, the layer), a test a worker",
+             (_tests("gpu_tests_fla_backward"),)),
+        Part("bench-s01-s02", "bench's timings of stages 1 and 2 beside FLA and plain torch",
+             (_bench("bench_s01", "s01", "--no-precision", "--deadline", "300", limit=350),
+              _bench("bench_s02", "s02", "--no-precision", "--deadline", "120", limit=170))),
+        Part("bench-s03", "bench's timings of stage 3", (_bench("bench_s03", "s03", "--no-precision", "--deadline", "420"),)),
+        Part("bench-s04", "bench's timings of stage 4", (_bench("bench_s04", "s04", "--no-precision", "--deadline", "420"),)),
+        Part("bench-s05", "bench's timings of stage 5", (_bench("bench_s05", "s05", "--no-precision", "--deadline", "420"),)),
+        Part("precision-s01-s03", "bench's precision study of stages 1-3 (fp16 and bf16 against float64 as N grows)",
+             (_bench("precision_s01_s03", "s01,s02,s03", "--no-timings", "--precision-lengths", "4096,16384,65536",
+                     "--deadline", "440"),)),
+        Part("precision-s04", "bench's precision study of stage 4",
+             (_bench("precision_s04", "s04", "--no-timings", "--precision-lengths", "4096,16384,65536",
+                     "--deadline", "440"),)),
+        Part("precision-s05", "bench's precision study of stage 5",
+             (_bench("precision_s05", "s05", "--no-timings", "--precision-lengths", "4096,16384", "--deadline", "440"),)),
+        Part("fair", "stage 5 measured fairly beside FLA: kernels alone, whole calls, the roofs",
+             (Step("fair", python("-m", "benchmarks.fair", "--out", FILES, "--deadline", "420"), 520,
+                   log_to=f"{RESULTS}/fair.log", files_to=RESULTS),)),
+        Part("backward", "stage 6's forward + backward beside FLA, at as many benchmark shapes as fit",
+             (Step("backward", python("-m", "benchmarks.backward", "--out", FILES, "--deadline", "400"), 520,
+                   log_to=f"{RESULTS}/backward.log", files_to=RESULTS),)),
+        Part("varlen", "stage 7's prefill of packed sequences beside FLA",
+             (Step("varlen", python("-m", "benchmarks.varlen", "--out", FILES, "--rounds", "3"), 400,
+                   log_to=f"{RESULTS}/varlen.log", files_to=RESULTS),)),
+        Part("decode-batches", "stage 7's decode step beside FLA at B = 1, 8, 64 and 256",
+             tuple(_decode(f"decode_b{B}", "decode.csv" if B == 64 else f"decode_b{B}.csv", "--B", str(B),
+                           "--block-dv", "32,64", limit=125) for B in (1, 8, 64, 256))),
+        Part("decode-threads", "the decode kernel at B = 64 by threads a program and block_dv",
+             (_decode("decode_b64_t128", "decode_b64_blocks.csv", "--B", "64", "--block-dv", "32,64,128",
+                      "--threads", "128", limit=170),
+              _decode("decode_b64_t256", "decode_b64_t256.csv", "--B", "64", "--block-dv", "32,64,128",
+                      "--threads", "256", limit=170),
+              _decode("decode_b64_t64", "decode_b64_t64.csv", "--B", "64", "--block-dv", "16,32,64",
+                      "--threads", "64", limit=170))),
+        Part("train", "the training demo on CUDA beside FLA: the bounded gate, and Kimi Linear's unbounded one "
+             "with the NaN trap (nothing timed)",
+             (_train("train_cuda", "train_kda_cuda"),
+              _train("train_cuda_unbounded", "train_kda_cuda_unbounded_fla", "--lower-bound", "none", "--nan-trap")),
+             side_by_side=True),
+        Part("profiles", "stage 5's kernels timed alone, Nsight Compute on its prepare kernel and on stage 6's "
+             "intra kernel",
+             (Step("s05_kernel_parts", python("-c", "from benchmarks.profile_s05 import time_each_kernel; "
+                                                    "time_each_kernel()"), 120, log_to=f"{RESULTS}/s05_kernel_parts.txt"),
+              Step("s05_prepare_ncu", _ncu("benchmarks.profile_s05"), 170, log_to=f"{RESULTS}/s05_prepare_ncu.txt"),
+              Step("s06_intra_ncu", _ncu("benchmarks.profile_s06_intra"), 240,
+                   log_to=f"{RESULTS}/s06_intra_ncu_registers.txt"))),
+    ]
+    return {part.name: part for part in listed}
+
+
+# ------------------------------------------------------------------ checking a part without running it
+
+def modules_named(command) -> list[str]:
+    """The project modules a command runs: `-m module` and the modules `-c` code imports from."""
+    modules = [command[i + 1] for i, word in enumerate(command[:-1]) if word == "-m"]
+    for i, word in enumerate(command[:-1]):
+        if word == "-c":
+            modules += [node.module for node in ast.walk(ast.parse(command[i + 1]))
+                        if isinstance(node, ast.ImportFrom)]
+    return [module for module in modules if module.split(".")[0] in ("benchmarks", "stages", "kdacourse")]
+
+
+def problems(part: Part) -> list[str]:
+    """What is wrong with a part without running it: a limit past PART_LIMIT_S, a module or a name it
+    imports that does not exist, two steps of one name, a test step outside tests/."""
+    found = []
+    if part.limit_s() > PART_LIMIT_S:
+        found.append(f"{part.name}: its steps' limits come to {part.limit_s()} s, past {PART_LIMIT_S} s")
+    names = [step.name for step in part.steps]
+    if len(set(names)) != len(names):
+        found.append(f"{part.name}: two steps share a name")
+    for step in part.steps:
+        for module in modules_named(step.command):
+            if importlib.util.find_spec(module) is None:
+                found.append(f"{part.name}/{step.name}: no module {module}")
+        for i, word in enumerate(step.command[:-1]):
+            if word == "-c":
+                for node in ast.walk(ast.parse(step.command[i + 1])):
+                    if isinstance(node, ast.ImportFrom) and importlib.util.find_spec(node.module):
+                        tree = ast.parse(Path(importlib.util.find_spec(node.module).origin).read_text())
+                        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+                        found += [f"{part.name}/{step.name}: {node.module} defines no {alias.name}"
+                                  for alias in node.names if alias.name not in defined]
+        if "pytest" in step.command and not (REPO_ROOT / "tests").is_dir():
+            found.append(f"{part.name}/{step.name}: no tests/ folder")
+    return found
+
+
+# ------------------------------------------------------------------ running a part
+
+def _machine_log(folder: Path):
+    lines = []
+    for command in (["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                    ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+                    ["git", "-C", str(REPO_ROOT), "status", "--short"]):
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            lines.append(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as error:
+            lines.append(f"$ {' '.join(command)}\n{error}\n")
+    (folder / "machine.log").write_text("".join(lines))
+
+
+def run_step(step: Step, folder: Path, say) -> dict:
+    """Run one step under its limit, its output to folder/<name>.log without the chatter; a step past
+    its limit is killed with its whole process group. Returns {"step", "rc", "seconds", "timed_out"}."""
+    files = folder / step.name
+    files.mkdir(parents=True, exist_ok=True)
+    argv = step.argv(files)
+    chatter = re.compile(CHATTER)
+    say(f"start {step.name} ({step.limit_s} s): {shown(argv)}")
+    started = time.monotonic()
+    with open(folder / f"{step.name}.log", "w") as log:
+        log.write(f"command: {shown(argv)}\nlimit: {step.limit_s} s\n\n")
+        log.flush()
+        process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   errors="replace", start_new_session=True)
+        timed_out = threading.Event()
+
+        def stop():
+            timed_out.set()
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended as its limit came
+                pass
+
+        timer = threading.Timer(step.limit_s, stop)
+        timer.start()
+        try:
+            for line in process.stdout:
+                if not chatter.search(line):
+                    log.write(line)
+                    log.flush()
+            rc = process.wait()
+        finally:
+            timer.cancel()
+        seconds = round(time.monotonic() - started, 1)
+        log.write(f"\nexit: {rc}{' (killed at its limit)' if timed_out.is_set() else ''}, {seconds} s\n")
+    if not any(files.iterdir()):
+        files.rmdir()
+    say(f"end {step.name}: rc={rc}{' timed out' if timed_out.is_set() else ''} ({seconds} s)")
+    return {"step": step.name, "rc": rc, "seconds": seconds, "timed_out": timed_out.is_set()}
+
+
+def run_part(part: Part, out: Path) -> int:
+    """Run `part` into out/<part>/; 0 if every step exited 0."""
+    folder = Path(out) / part.name
+    folder.mkdir(parents=True, exist_ok=True)
+    steps_log = folder / "steps.log"
+
+    def say(message):
+        line = f"[{time.strftime('%H:%M:%S')}] {message}"
+        print(line, flush=True)
+        with open(steps_log, "a") as f:
+            f.write(line + "\n")
+
+    _machine_log(folder)
+    say(f"part {part.name}: {part.what}")
+    if part.side_by_side:
+        ended = [None] * len(part.steps)
+        threads = [threading.Thread(target=lambda i=i, step=step: ended.__setitem__(i, run_step(step, folder, say)))
+                   for i, step in enumerate(part.steps)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    else:
+        ended = [run_step(step, folder, say) for step in part.steps]
+    (folder / "steps.json").write_text(json.dumps(ended, indent=1))
+    failed = [result["step"] for result in ended if result["rc"] != 0]
+    say(f"done: {'every step passed' if not failed else 'failed: ' + ', '.join(failed)}")
+    return 1 if failed else 0
+
+
+# ------------------------------------------------------------------ putting the results in place
+
+def collect(out: Path, root: Path = REPO_ROOT, merge=None) -> list[str]:
+    """Copy what the parts wrote under `out` to where the repository keeps it (each step's log_to and
+    files_to), bench's runs folded in by `merge` (benchmarks.merge.merge unless given); steps that
+    failed or did not run are left out. Returns what it did, one line each."""
+    if merge is None:
+        from benchmarks.merge import merge
+    done = []
+    for part in parts().values():
+        results = Path(out) / part.name / "steps.json"
+        if not results.exists():
+            continue
+        passed = {result["step"] for result in json.loads(results.read_text()) if result["rc"] == 0}
+        for step in part.steps:
+            if step.name not in passed:
+                done.append(f"{part.name}/{step.name}: not collected (it failed or did not run)")
+                continue
+            log, files = Path(out) / part.name / f"{step.name}.log", Path(out) / part.name / step.name
+            if step.log_to:
+                destination = Path(root) / step.log_to
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(log, destination)
+                done.append(f"{log} -> {step.log_to}")
+            if step.files_to == MERGE:
+                merge([str(files)])
+                done.append(f"{files} -> merged into {RESULTS}")
+            elif step.files_to:
+                for path in sorted(files.iterdir()) if files.is_dir() else []:
+                    name = step.renamed.get(path.name, path.name)
+                    destination = Path(root) / step.files_to / name
+                    destination.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(path, destination)
+                    done.append(f"{path} -> {step.files_to}/{name}")
+    return done
+
+
+def shown(argv) -> str:
+    """A command as a person would type it: this interpreter written as `python`."""
+    return shlex.join(["python" if word == sys.executable else word for word in argv])
+
+
+def list_text() -> str:
+    lines = []
+    for part in parts().values():
+        how = "side by side" if part.side_by_side else "one after another"
+        lines.append(f"{part.name} (at most {part.limit_s()} s, {how}): {part.what}")
+        for step in part.steps:
+            where = " -> " + ", ".join(filter(None, (step.log_to, step.files_to))) if step.log_to or step.files_to else ""
+            lines.append(f"    {step.name} ({step.limit_s} s){where}: {shown(step.argv(Path('OUT_DIR') / part.name / step.name))}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", nargs="?", help="a part's name (--list names them), or all")
+    parser.add_argument("out", nargs="?", type=Path, help="the folder for the part's logs and files")
+    parser.add_argument("--list", action="store_true", help="list the parts and their steps")
+    parser.add_argument("--dry-run", action="store_true", help="check the part and print its commands; run nothing")
+    parser.add_argument("--collect", type=Path, metavar="OUT_DIR",
+                        help="copy what the parts wrote under OUT_DIR to where the repository keeps it")
+    args = parser.parse_args(argv)
+    table = parts()
+    if args.list:
+        print(list_text())
+        return 0
+    if args.collect:
+        for line in collect(args.collect):
+            print(line)
+        return 0
+    if args.part is None or args.out is None:
+        parser.error("give PART and OUT_DIR (or --list, or --collect OUT_DIR)")
+    if args.part != "all" and args.part not in table:
+        parser.error(f"unknown part {args.part!r}; the parts: {', '.join(table)}, or all")
+    selected = list(table.values()) if args.part == "all" else [table[args.part]]
+    found = [problem for part in selected for problem in problems(part)]
+    if found:
+        print("\n".join(found), file=sys.stderr)
+        return 2
+    if args.dry_run:
+        for part in selected:
+            for step in part.steps:
+                print(f"{part.name}/{step.name} ({step.limit_s} s): {shown(step.argv(args.out / part.name / step.name))}")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():  # the GPU tests would all skip, and pass
+        print("the GPU check needs a CUDA device; torch sees none", file=sys.stderr)
+        return 2
+    return max(run_part(part, args.out) for part in selected)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

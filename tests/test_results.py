@@ -1,0 +1,166 @@
+"""kdacourse.results, the site's one reader of committed results, and the tables the pages make from
+what it reads: small result files written here, values worked out by hand; then the committed files
+themselves, which every page reads (the archived studies' among them)."""
+
+import csv
+
+import pytest
+
+from kdacourse import results
+from kdacourse.pages import s05_fast_kda, s06_backward
+
+
+def _write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_spread_is_the_median_with_the_lowest_and_highest():
+    spread = results.Spread.of([3.0, None, 1.0, 2.0])
+    assert (spread.median, spread.low, spread.high, spread.count) == (2.0, 1.0, 3.0, 3)
+    assert spread.text() == "2.000 (1.000 to 3.000)" and results.Spread.of([0.5]).text("{:.1f}") == "0.5"
+    assert results.Spread.of([None]) is None
+
+
+def test_a_ratio_is_taken_round_by_round_then_summarized():
+    """Ours 9, 1, 4, 2 ms in rounds 1-4, FLA 2, 4, 6 ms in rounds 2-4 (none in round 1): the ratios of
+    rounds 2-4 are 2, 1, 3, median 2; the ratio of the medians would be 4 / 3."""
+    rows = [dict(round=r, B=1, N=64, H=2, D=32, impl=impl, what="call", time_ms=ms)
+            for impl, times in (("fla", ("", "2", "4", "6")), ("ours", ("9", "1", "4", "2"))) for r, ms in
+            enumerate(times, 1)]
+    measured = results.times(rows)[(1, 64, 2, 32)]
+    assert measured[("ours", "call")] == {1: 9.0, 2: 1.0, 3: 4.0, 4: 2.0} and 1 not in measured[("fla", "call")]
+    spread = results.paired(measured, ("fla", "call"), ("ours", "call"), results.ratio)
+    assert (spread.median, spread.low, spread.high, spread.count) == (2.0, 1.0, 3.0, 3)
+    assert results.paired(measured, ("fla", "call"), ("ours", "kernels"), results.ratio) is None
+    assert results.summarize(rows)[(1, 64, 2, 32)][("ours", "call")].median == 3.0
+
+
+def test_a_missing_or_empty_run_reads_as_none(tmp_path):
+    assert results.committed_run("fair.csv", "fair_meta.json", tmp_path) == (None, None)
+    (tmp_path / "fair.csv").write_text("round,B\n")
+    (tmp_path / "fair_meta.json").write_text("{}")
+    assert results.committed_run("fair.csv", "fair_meta.json", tmp_path) == (None, None)
+    _write_csv(tmp_path / "fair.csv", [{"round": "1", "B": "2"}])
+    assert results.committed_run("fair.csv", "fair_meta.json", tmp_path) == ([{"round": "1", "B": "2"}], {})
+    assert results.shown_command("python -m benchmarks.fair --out /root/x --deadline 3") == \
+        "python -m benchmarks.fair --out DIR --deadline 3"
+
+
+def test_a_training_run_reads_its_vocabulary_and_summarizes_first_and_last_steps(tmp_path):
+    rows = [dict(step=step, loss_ours=10 - step, loss_fla=10 - step + (0.5 if step == 3 else 0.0),
+                 accuracy_ours=step / 10, accuracy_fla=0.0) for step in range(1, 5)]
+    _write_csv(tmp_path / "train_kda.csv", rows)
+    (tmp_path / "train_kda.log").write_text("python -m benchmarks.train_kda --steps 4 --vocab 64\n")
+    read, vocab = results.training_run(tmp_path)
+    assert vocab == 64 and read[0]["step"] == 1 and isinstance(read[0]["step"], int)
+    summary = results.training_summary(read, window=2)
+    assert summary["first_loss_ours"] == 8.5 and summary["last_loss_ours"] == 6.5  # (9 + 8) / 2, (7 + 6) / 2
+    assert summary["last_accuracy_ours"] == pytest.approx(0.35)
+    assert summary["max_loss_gap"] == 0.5 and summary["mean_loss_gap"] == 0.125
+    (tmp_path / "train_kda.log").write_text("python -m benchmarks.train_kda --steps 4\n")
+    with pytest.raises(ValueError, match="names no --vocab"):
+        results.training_run(tmp_path)
+
+
+def test_prepare_variants_take_each_variants_median_and_its_worst_output():
+    def row(variant, rounds_ms, **errors):
+        return [dict(round=r, B=1, N=16384, H=32, D=128, variant=variant, prepare_ms=str(ms), kernels_ms=str(ms + 1),
+                     fla_ms="3", **{f"rel_l2_{name}": errors.get(name, "0") for name in results.S05_VARIANT_OUTPUTS},
+                     error="") for r, ms in enumerate(rounds_ms, 1)]
+
+    summary = results.prepare_variants(row("committed", (1.0, 1.2, 1.1)) + row("staged_wu", (0.9, 0.8, 0.7), a_qk="2e-3"))
+    variants = summary[(1, 16384, 32, 128)]
+    assert list(variants) == ["committed", "staged_wu"]
+    assert variants["committed"][:4] == (1.1, 2.1, 3.0, 0.0)
+    assert variants["staged_wu"][0] == 0.8 and variants["staged_wu"][3] == 2e-3
+
+
+def test_recurrence_variants_take_the_median_per_shape():
+    rows = [dict(variant=name, B=1, N=64, H=2, D=32, recurrence_ms=ms)
+            for name, ms in (("committed", "2"), ("committed", "4"), ("committed", "3"), ("paired", "1"))]
+    assert results.recurrence_variants(rows) == {"committed": {(1, 64, 2, 32): 3.0}, "paired": {(1, 64, 2, 32): 1.0}}
+
+
+def _accuracy_rows(ratios_by_tensor, shape=s06_backward.GRADIENT_ACCURACY_SHAPE):
+    return [{"shape": shape, "mode": "kernels", "layout": "gentle", "seed": seed, "tensor": name,
+             "ours_rel_l2": "0", "fla_rel_l2": "0", "ratio": str(ratio)}
+            for name, ratios in ratios_by_tensor.items() for seed, ratio in enumerate(ratios)]
+
+
+def test_gradient_accuracy_is_the_geometric_mean_over_seeds_with_the_worst_beside_it():
+    groups = results.gradient_accuracy(_accuracy_rows({"q": [1.0, 1.44], "k": [1.21, 1.0]}))
+    mean, worst, seeds = groups[(s06_backward.GRADIENT_ACCURACY_SHAPE, "kernels", "gentle", "q")]
+    assert (mean, worst, seeds) == (pytest.approx(1.2), 1.44, 2)
+    assert groups[(s06_backward.GRADIENT_ACCURACY_SHAPE, "kernels", "gentle", "k")][0] == pytest.approx(1.1)
+
+
+def test_the_gradient_accuracy_page_shows_the_newest_run_then_every_run_and_marks_a_mean_past_the_goal(
+        tmp_path, monkeypatch):
+    runs = {}
+    for label, ratio in (("before", 1.3), ("after", 1.05)):
+        folder = tmp_path / label
+        folder.mkdir()
+        _write_csv(folder / "gradient_accuracy.csv",
+                   _accuracy_rows({name: [ratio, ratio] for name in s06_backward.GRADIENT_ACCURACY_TENSORS})
+                   + _accuracy_rows({name: [9.0] for name in s06_backward.GRADIENT_ACCURACY_TENSORS},
+                                    shape="1,2,3,4"))  # another shape: left out
+        runs[label] = str(folder)
+    monkeypatch.setattr(s06_backward, "GRADIENT_ACCURACY_RUNS", runs)
+    s06_backward.write_gradient_accuracy_table(tmp_path / "table.md")
+    text = (tmp_path / "table.md").read_text()
+    newest, history = text.split("run by run")
+    assert "| tensor | kernels, gentle |" in newest and "| q | 1.05 (1.05) |" in newest  # the last run alone
+    assert "| tensor | kernels: before | kernels: after |" in history
+    assert "| q | 1.30 (1.30) **over** | 1.05 (1.05) |" in history
+    assert "9.00" not in text
+
+
+def test_the_intra_sections_table_is_each_sections_median_less_the_kernels_read_from_the_log():
+    rounds = [{"the kernel": 4.0, "loads": 4.5, "score gradients": 6.0, "every GEMM waited for": 4.25},
+              {"the kernel": 5.0, "loads": 5.0, "score gradients": 6.5, "every GEMM waited for": 4.75},
+              {"the kernel": 4.5, "loads": 4.75, "score gradients": 7.0, "every GEMM waited for": 4.5}]
+    log = "compiled the kernel in 55 s\nevery GEMM waited for: outputs bit-equal\n" + "".join(
+        f"round {n + 1}: " + ", ".join(f"{label} {ms:.4f} ms" for label, ms in r.items()) + "\n"
+        for n, r in enumerate(rounds))
+    times = results.round_times(log)
+    assert list(times) == ["the kernel", "loads", "score gradients", "every GEMM waited for"]
+    table = s06_backward.intra_sections_table(times)
+    assert table.splitlines()[2:] == ["| (the kernel) | 4.5000 |  |  |",
+                     "| (the kernel, every GEMM waited for) | 4.5000 | +0.0000 (the shared waits' saving) |  |",
+                     "| loads | 4.7500 | 0.2500 | 6% |", "| score gradients | 6.5000 | 2.0000 | 44% |"]
+
+
+def test_the_variants_the_stage_5_page_describes_are_those_its_results_measured():
+    """Every variant a committed run measured has its description on the page, the adopted one too."""
+    measured = set()
+    for name in ("s05_variants.csv", "s05_variants_paired.csv", "s05_variants_accuracy.csv"):
+        measured |= {variant for per_shape in results.prepare_variants(results.read_rows(results.RESULTS / name))
+                     .values() for variant in per_shape}
+    assert measured <= set(s05_fast_kda.PREPARE_VARIANTS) and s05_fast_kda.ADOPTED_VARIANT in s05_fast_kda.PREPARE_VARIANTS
+    recurrence = results.recurrence_variants(results.read_rows(results.RESULTS / "s05_recurrence_variants.csv"))
+    assert {name.partition("_dv")[0] for name in recurrence} <= set(s05_fast_kda.RECURRENCE_VARIANTS)
+
+
+def test_every_gpu_test_log_a_page_shows_prints_errors():
+    assert results.gpu_test_errors("tests/gpu_results/s01_linear_attention.log")
+    with pytest.raises(ValueError, match="has no line"):
+        results.gpu_test_errors("tests/gpu_results/README.md")
+
+
+def test_the_kernel_digest_changes_with_the_program_only(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(results, "kernel_module", lambda stage: f"{stage}_probe_kernel")
+
+    def write(program_line, elsewhere):
+        (tmp_path / "s99_probe_kernel.py").write_text(
+            f"def build_program(n):\n    # a comment\n    {program_line}\n\n\ndef forward(x):\n    {elsewhere}\n")
+
+    write("return n + 1", "return x")
+    before = results.current_kernel_digest("s99")
+    write("return n + 1", "return 2 * x")
+    assert results.current_kernel_digest("s99") == before
+    write("return n + 2", "return 2 * x")
+    assert results.current_kernel_digest("s99") != before
