@@ -51,6 +51,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks import bench, fair
+from stages.common.program_digest import modules_digest
 
 SHAPES = bench.SHAPES  # B, N, H, D
 QUICK_SHAPES = [(1, 4096, 32, 128), (8, 4096, 16, 128)]
@@ -478,7 +479,7 @@ def run_meta(args, argv, torch):
 def kernel_digest():
     """The digest of the builders of every kernel the run times (the forward's and the backward's), as
     bench.py computes it for a stage's kernels."""
-    return bench.modules_digest(KERNEL_MODULES)
+    return modules_digest(KERNEL_MODULES)
 
 
 def write_meta(out, meta, started, complete):

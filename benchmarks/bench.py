@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import plain_torch, roofs
-from stages.common.program_digest import modules_digest, program_digest
+from stages.common.program_digest import modules_digest
 
 MEMORY_BANDWIDTH = 4.3e12  # bytes/s, what a device-to-device copy reached on an H200 (spec: 4.8; benchmarks/roofs.py)
 SHAPES = [(1, 4096, 32, 128), (1, 16384, 32, 128), (1, 65536, 32, 128), (8, 4096, 16, 128)]  # B, N, H, D
@@ -51,7 +51,8 @@ class Stage:
     gate: str  # "none", "head", "token" or "channel", as stages.common.inputs
     has_beta: bool
     plain: object  # the plain-torch function
-    # the modules whose build_*program functions build the kernels, where kernel_module does not
+    # the modules whose build_*program functions build the kernels, where kernel_module does not (stage
+    # 5's: its kernel module, which names the builders of stages.kda it teaches, as the site reads it)
     program_modules: tuple[str, ...] = ()
     forward_returns_state: bool = False  # forward returns (o, final state or None), the fast path's convention
 
@@ -80,7 +81,7 @@ STAGES = {
                  plain_torch.gated_deltanet),
     "s04": Stage("s04_kda", "stages.s04_kda.kernel", "chunk_kda", "channel", True, plain_torch.kda),
     "s05": Stage("s05_fast_kda", "stages.kda.calls", "chunk_kda", "channel", True, plain_torch.kda,
-                 program_modules=("stages.kda.prepare", "stages.kda.recurrence"), forward_returns_state=True),
+                 program_modules=("stages.s05_fast_kda.kernel",), forward_returns_state=True),
 }
 
 

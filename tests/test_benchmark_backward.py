@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from benchmarks import backward, bench, fair
+from stages.common import program_digest as digests
 from stages.common.program_digest import program_digest
 
 
@@ -86,10 +87,11 @@ def test_kernel_digest_is_the_builders_of_the_forward_and_the_backward():
 
     digest = backward.kernel_digest()
     forward_lines = [line for module in ("stages.kda.prepare", "stages.kda.recurrence")
-                     for line in bench.program_lines(bench._module_source(module))]
-    own_lines = bench.program_lines(Path(backward_kernels.__file__).read_text())
-    assert len(digest) == 12 and digest == bench._digest(forward_lines + own_lines)
-    assert bench.STAGES["s05"].kernel_digest() == bench._digest(forward_lines) != digest
+                     for line in digests.program_lines(digests._module_source(module))]
+    own_lines = digests.program_lines(Path(backward_kernels.__file__).read_text())
+    assert len(digest) == 12 and digest == digests._digest(forward_lines + own_lines)
+    stage5 = digests.program_lines(digests._module_source("stages.s05_fast_kda.kernel"))
+    assert bench.STAGES["s05"].kernel_digest() == digests._digest(stage5) != digest
 
 
 def test_both_passes_take_64_value_columns_where_that_still_fills_the_sms():

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from benchmarks import bench, profile_s05
+from benchmarks import profile_s05
 from benchmarks.bench import STAGES
 from benchmarks.merge import write_rows
 from stages.common.program_digest import program_digest
@@ -144,9 +144,10 @@ def test_ncu_command_filters_on_the_prepare_kernels_name():
 
 def test_the_page_and_the_benchmark_name_the_same_kernel_module_for_every_stage():
     """The page reads a stage's committed kernel from kdacourse.results.kernel_module, the benchmark
-    measured benchmarks.bench.STAGES' kernel_module: the digests compared must be of one module."""
-    assert {stage.name: stage.kernel_module for stage in STAGES.values()} == {
-        stage.name: results.kernel_module(stage.name) for stage in STAGES.values()}
+    digests the programs of STAGES' program_modules (or kernel_module): the digests compared must be of
+    one module."""
+    assert {stage.name: stage.program_modules or (stage.kernel_module,) for stage in STAGES.values()} == {
+        stage.name: (results.kernel_module(stage.name),) for stage in STAGES.values()}
 
 
 def test_the_profile_table_has_a_column_per_committed_ncu_output():
