@@ -558,8 +558,8 @@ def check(stage=None, target="exercises", compile=False):
 
 
 def show_check_result(result, run_target):
-    """PASS, or FAIL with the first failure's message in full, one line for each other failure, the
-    section to read and how to re-run."""
+    """PASS, or FAIL with the first failure's message in full, the first line of each other failure's,
+    the section to read and how to re-run."""
     if result.passed:
         print(f"PASS  {result.exercise.id}", flush=True)
         return
@@ -572,8 +572,8 @@ def show_check_result(result, run_target):
         print(f"      {line}", flush=True)
     if len(messages) > 1:
         print(f"      {'also fails' if len(messages) == 2 else f'{len(messages) - 1} more fail'}:", flush=True)
-        for message in messages[1:]:
-            print(f"        {_one_line(message)}", flush=True)
+        for message in messages[1:]:  # the first line of each: its headline, whole
+            print(f"        {(message.strip().splitlines() or ['(no message)'])[0]}", flush=True)
     print(f"      read: {read_location(result.exercise.read)}", flush=True)
     print(f"            {read_url(result.exercise.read)} (with `course serve` running)", flush=True)
     rerun = f"pytest {result.exercise.test_path.relative_to(REPO_ROOT)} -q --tb=short"

@@ -57,6 +57,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -613,7 +614,8 @@ def _bubblewrap_problem():
     except ChildFailed as error:
         text = str(error)
         if "namespace" in text or "Operation not permitted" in text:
-            said = next((line.strip() for line in text.splitlines() if line.strip().startswith("bwrap:")), text[:300])
+            said = re.search(r"bwrap: [^;\n]*", text)
+            said = said[0] if said else text[:300]
             return f"bwrap cannot make the namespaces it isolates with ({said}): {NAMESPACES_FORBIDDEN}"
         return f"bwrap fails its self-test ({text})"
     if running_as_root() and (facts.get("uid"), facts.get("gid"), facts.get("groups")) != (NOBODY, NOBODY, []):
@@ -666,9 +668,10 @@ def sandbox_problem():
             _chosen["isolation"] = kind
             os.environ[ISOLATION_VARIABLE] = kind
             return None
+    where = "fix what the message names" if running_as_root() else "grade as root (as Gradescope runs the autograder)"
     what = (HOW_TO_GET if bwrap_path() is None else
-            "grade where namespaces are allowed, or as root (as Gradescope runs the autograder), or, on a machine "
-            "where the code is trusted (a student's own), pass --trust")
+            f"{where}, or grade where namespaces are allowed, or, on a machine where the code is trusted (a "
+            f"student's own), pass --trust")
     return f"{_bubblewrap_problem()}; and {_own_user_problem()}: {what}"
 
 

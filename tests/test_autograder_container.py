@@ -32,7 +32,7 @@ import pytest
 from kdacourse import REPO_ROOT
 from kdacourse.autograder import make_autograder, unpack_bundle
 from kdacourse.catalog import exercises
-from kdacourse.seccomp import Rule, SeccompUnavailable, program
+from kdacourse.seccomp import Rule, SeccompUnavailable, architecture, program
 from tests.test_autograder import _copy_venv, results_errors
 
 STAGE = "s01_linear_attention"
@@ -43,14 +43,17 @@ CLONE_NEW_FLAGS = 0x7E020000  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER,
 DOCKER_RULES = [*(Rule(call, errno.EPERM) for call in ("unshare", "setns", "mount", "umount2", "pivot_root")),
                 Rule("clone", errno.EPERM, any_bits=CLONE_NEW_FLAGS), Rule("clone3", errno.ENOSYS)]
 SECCOMP_SCRIPT = REPO_ROOT / "kdacourse" / "seccomp.py"
-# What a process under the filter finds: unshare and clone3 refused as Docker refuses them, and no CAP_SYS_ADMIN.
-PROBE = f"""
-import ctypes, json
+# What a process under the filter finds: unshare, a clone into a new user namespace (flags | SIGCHLD, as
+# a fork: were it allowed, its child would print a second line) and clone3 refused as Docker refuses
+# them, and no CAP_SYS_ADMIN.
+PROBE = """
+import ctypes, json, sys
 libc = ctypes.CDLL(None, use_errno=True)
 facts = {{"unshare": libc.unshare(0x10000000) == -1 and ctypes.get_errno(),
+          "clone": libc.syscall({clone}, 0x10000000 | 17, 0, 0, 0, 0) == -1 and ctypes.get_errno(),
           "clone3": libc.syscall(435, 0, 0) == -1 and ctypes.get_errno()}}
 capabilities = next(line for line in open("/proc/self/status") if line.startswith("CapEff"))
-facts["sys_admin"] = bool(int(capabilities.split()[1], 16) >> {CAP_SYS_ADMIN} & 1)
+facts["sys_admin"] = bool(int(capabilities.split()[1], 16) >> {sys_admin} & 1)
 print(json.dumps(facts))
 """
 
@@ -77,11 +80,13 @@ def filtered():
         program(DOCKER_RULES)
     except SeccompUnavailable as error:
         pytest.skip(f"no Docker-like filter here: {error}")
-    probe = subprocess.run(docker_like([sys.executable, "-I", "-S", "-c", PROBE]), capture_output=True, text=True)
+    probe_source = PROBE.format(clone=architecture()[1]["clone"], sys_admin=CAP_SYS_ADMIN)
+    probe = subprocess.run(docker_like([sys.executable, "-I", "-S", "-c", probe_source]), capture_output=True, text=True)
     if probe.returncode != 0 and "prctl" in probe.stderr:
         pytest.skip(f"the kernel refuses the seccomp filter here: {probe.stderr.strip()[-300:]}")
     assert probe.returncode == 0, probe.stderr
-    assert json.loads(probe.stdout) == {"unshare": errno.EPERM, "clone3": errno.ENOSYS, "sys_admin": False}
+    assert json.loads(probe.stdout) == {"unshare": errno.EPERM, "clone": errno.EPERM, "clone3": errno.ENOSYS,
+                                        "sys_admin": False}
     bwrap = shutil.which("bwrap")
     if bwrap:
         refused = subprocess.run(docker_like([bwrap, "--ro-bind", "/", "/", "true"]), capture_output=True, text=True)
