@@ -78,20 +78,16 @@ def test_every_measurement_is_timed_once_per_round_in_alternating_order():
     assert tuple(BUILDERS) == backward.BACKWARD_KERNELS  # every kernel the backward launches is timed alone
 
 
-def test_kernel_digest_is_the_builders_of_the_forward_and_the_backward():
-    """The digest of the prepare's, the recurrence's and the backward's builders: stage 5's (the forward's
-    kernels) and the backward's own, in that order."""
-    from pathlib import Path
+def test_kernel_digest_covers_every_builder_a_training_step_runs():
+    """The digest of stage 6's kernel module, which names the forward's two builders and the backward's
+    four: the one the site compares a result's digest with, and not stage 5's (the forward's alone)."""
+    from kdacourse import results
 
-    from stages.kda import backward as backward_kernels
-
-    digest = backward.kernel_digest()
-    forward_lines = [line for module in ("stages.kda.prepare", "stages.kda.recurrence")
-                     for line in digests.program_lines(digests._module_source(module))]
-    own_lines = digests.program_lines(Path(backward_kernels.__file__).read_text())
-    assert len(digest) == 12 and digest == digests._digest(forward_lines + own_lines)
-    stage5 = digests.program_lines(digests._module_source("stages.s05_fast_kda.kernel"))
-    assert bench.STAGES["s05"].kernel_digest() == digests._digest(stage5) != digest
+    lines = digests.program_lines(digests._module_source(backward.KERNEL_MODULE))
+    for name in ("prepare", "recurrence", "states", "state_gradient", "state_products", "intra"):
+        assert any(line.startswith(f"def build_{name}_program(") for line in lines), name
+    assert backward.kernel_digest() == digests._digest(lines) == results.current_kernel_digest("s06_backward")
+    assert bench.STAGES["s05"].kernel_digest() != backward.kernel_digest()
 
 
 def test_both_passes_take_64_value_columns_where_that_still_fills_the_sms():

@@ -11,12 +11,18 @@ backward against the float64 reference on a GPU.
 """
 
 from stages.kda import compiled
-from stages.kda.backward import BUILDERS, build_state_gradient_program, kernel_arguments
+from stages.kda.backward import (BUILDERS, build_intra_program, build_state_gradient_program,
+                                 build_state_products_program, build_states_program, kernel_arguments)
 from stages.kda.calls import backward, run_kernels
 from stages.kda.config import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE
+from stages.kda.prepare import build_prepare_program
+from stages.kda.recurrence import build_recurrence_program
 
-__all__ = ["BUILDERS", "DEFAULT_BLOCK_DV", "DEFAULT_CHUNK_SIZE", "KERNELS", "backward", "build_state_gradient_program",
-           "compile_report", "kernel_arguments", "run_kernels"]
+# every builder a training step runs (the forward's two, the backward's four): the benchmarks digest
+# the stage's results through this module (stages.common.program_digest follows the names it imports)
+__all__ = ["BUILDERS", "DEFAULT_BLOCK_DV", "DEFAULT_CHUNK_SIZE", "KERNELS", "backward", "build_intra_program",
+           "build_prepare_program", "build_recurrence_program", "build_state_gradient_program",
+           "build_state_products_program", "build_states_program", "compile_report", "kernel_arguments", "run_kernels"]
 
 KERNELS = ("states", "state_gradient", "state_products", "intra")  # the backward's own; prepare is the forward's
 
