@@ -1,0 +1,128 @@
+"""The fast path's kernel package, stages/kda: one program builder per kernel role whose variants are
+Python switches over one signature, the resolved configuration, the calls' one return convention, and
+stages 5-7's kernel modules holding no kernel body."""
+
+import ast
+import dataclasses
+
+import pytest
+
+from kdacourse import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "stages" / "kda"
+
+
+def _decorated(path, decorator):
+    """Names of the functions in `path` decorated with T.<decorator>, at any depth."""
+    tree = ast.parse(path.read_text())
+    return [node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+            and any(isinstance(d, ast.Attribute) and d.attr == decorator for d in node.decorator_list)]
+
+
+@pytest.mark.parametrize("module, programs", [("prepare", 1), ("recurrence", 1), ("decode", 1), ("backward", 4)])
+def test_each_builder_writes_one_program(module, programs):
+    """A kernel role's variants (value flags, solve outputs, packed batches) are switches, not signatures:
+    one @T.prim_func for each builder (the backward has four kernels)."""
+    builders = [node.name for node in ast.parse((PACKAGE / f"{module}.py").read_text()).body
+                if isinstance(node, ast.FunctionDef) and node.name.startswith("build_")]
+    assert len(builders) == programs
+    assert len(_decorated(PACKAGE / f"{module}.py", "prim_func")) == programs
+
+
+@pytest.mark.parametrize("stage", ["s05_fast_kda", "s06_backward", "s07_serving"])
+def test_the_stage_kernel_modules_hold_no_kernel_body(stage):
+    path = REPO_ROOT / "stages" / stage / "kernel.py"
+    assert _decorated(path, "prim_func") == [] and _decorated(path, "macro") == []
+    assert not [name for name in (node.name for node in ast.parse(path.read_text()).body
+                                  if isinstance(node, ast.FunctionDef)) if name.startswith("build_")]
+
+
+def _parameters(program):
+    return [program.buffer_map[p].name for p in program.params]
+
+
+def test_the_prepares_switches_add_their_parameters_and_nothing_else():
+    """Flags after the inputs (and the packed index), A_kk and T after the six outputs, Chunks and
+    Cu_seqlens after Beta: each variant's parameters are the plain one's with its own inserted."""
+    from stages.kda.prepare import PackedBatch, build_prepare_program, prepare_outputs
+
+    inputs, outputs = ["Q", "K", "V", "G", "Beta"], ["W", "U", "Q_decayed", "K_to_chunk_end", "A_qk", "Chunk_decay"]
+    packed = PackedBatch(tokens=70, chunks=4, sequences=2)
+    cases = {(False, False, None): inputs + outputs,
+             (True, False, None): inputs + ["Flags"] + outputs,
+             (False, True, None): inputs + outputs + ["A_kk", "Inverse"],
+             (True, True, None): inputs + ["Flags"] + outputs + ["A_kk", "Inverse"],
+             (False, False, packed): inputs + ["Chunks", "Cu_seqlens"] + outputs,
+             (True, False, packed): inputs + ["Chunks", "Cu_seqlens", "Flags"] + outputs}
+    for (flags, solve, batch), expected in cases.items():
+        program = build_prepare_program(1, 128, 2, 32, 32, 32, value_flags=flags, solve_outputs=solve, packed=batch)
+        names = _parameters(program)
+        assert names == expected, (flags, solve, batch)
+        assert [names[i] for i in prepare_outputs(flags, solve, batch is not None)] == names[len(names) - len(
+            outputs) - 2 * solve:], (flags, solve, batch)
+
+
+def test_the_packed_recurrence_takes_the_index_after_the_states():
+    from stages.kda.prepare import PackedBatch
+    from stages.kda.recurrence import build_recurrence_program
+
+    dense = _parameters(build_recurrence_program(1, 128, 2, 32, 32, 32, 16))
+    packed = _parameters(build_recurrence_program(1, 128, 2, 32, 32, 32, 16, packed=PackedBatch(70, 4, 2)))
+    assert packed == dense[:7] + ["Chunk_offsets", "Cu_seqlens"] + dense[7:]
+
+
+def test_resolve_fills_what_is_not_given():
+    from stages.kda.config import KernelConfig, default_intra_threads, resolve
+
+    wide = resolve(1, 32, 128, 128, num_sms=64)  # 32 heads x 2 blocks of 64 columns: every SM has a program
+    narrow = resolve(1, 32, 128, 128, num_sms=132)
+    assert (wide.block_dv, narrow.block_dv) == (64, 32)
+    assert resolve(1, 32, 128, 128, num_sms=132, block_dv=64).block_dv == 64
+    assert resolve(1, 8, 64, 64, num_sms=132, chunk_size=32).prepare_threads == 128  # two sub-blocks' slabs
+    assert narrow.prepare_threads == 256 and narrow.intra_threads == default_intra_threads(64, 128) == 256
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        narrow.block_dv = 64
+    assert KernelConfig() == resolve(1, 1, 128, 128, num_sms=132)
+
+
+@pytest.fixture
+def stubbed_kernels(monkeypatch):
+    """stages.kda.calls on CPU tensors with every compiled kernel replaced by a stub that returns zeros
+    of its outputs' shapes: the calls' wiring and return conventions, no kernel."""
+    torch = pytest.importorskip("torch")
+    from stages.kda import calls, checks
+
+    def prepare_stub(B, N, H, d_k, d_v, C, dtype, threads, value_flags, solve_outputs=False):
+        def run(q, k, v, g, beta, *flags):
+            shapes = [(B, N, H, d_k), (B, N, H, d_v), (B, N, H, d_k), (B, N, H, d_k), (B, N, H, C), (B, N // C, H, d_k)]
+            return [torch.zeros(shape) for shape in shapes + [(B, N, H, C)] * 2 * solve_outputs]
+        return run
+
+    def recurrence_stub(B, N, H, d_k, d_v, *sizes):
+        return lambda *tensors: (torch.zeros(B, N, H, d_v), tensors[6] + 1)
+
+    monkeypatch.setattr(checks, "check_on_cuda", lambda tensors: None)
+    monkeypatch.setattr(calls, "compiled_prepare", prepare_stub)
+    monkeypatch.setattr(calls, "compiled_recurrence", recurrence_stub)
+    monkeypatch.setattr(calls, "compiled_decode",
+                        lambda B, P, H, d_k, d_v, *sizes: lambda q, k, v, *rest: torch.zeros(B, H, d_v))
+    return torch
+
+
+def test_every_forward_call_returns_the_output_and_the_final_state_or_none(stubbed_kernels):
+    torch = stubbed_kernels
+    from stages.kda.calls import decode, forward, forward_and_prepared, prefill
+    from stages.kda.config import KernelConfig
+
+    config = KernelConfig(chunk_size=32, block_dv=16, prepare_threads=128)
+    q, g, beta = torch.zeros(1, 40, 2, 32, dtype=torch.float16), -torch.ones(1, 40, 2, 32), torch.ones(1, 40, 2) / 2
+    o, final_state = forward(q, q, q, g, beta, config=config)
+    assert o.shape == (1, 40, 2, 32) and final_state is None  # o cut back to N
+    o, final_state = forward(q, q, q, g, beta, output_final_state=True, config=config)
+    assert final_state.shape == (1, 2, 32, 32) and torch.equal(final_state, torch.ones(1, 2, 32, 32))
+    assert prefill(q, q, q, g, beta, output_final_state=True, config=config)[1].shape == (1, 2, 32, 32)
+    *_, prepared = forward_and_prepared(q, q, q, g, beta, config=config)
+    assert len(prepared) == 8 and prepared[0].shape == (1, 64, 2, 32)  # padded to whole chunks
+    pool = torch.zeros(4, 2, 32, 32)
+    o, returned = decode(q[:, 0], q[:, 0], q[:, 0], g[:, 0], beta[:, 0], pool, torch.tensor([1], dtype=torch.int32))
+    assert o.shape == (1, 2, 32) and returned is pool
