@@ -683,8 +683,8 @@ def test_unsupported_constructs_name_the_construct_and_the_line():
 
 
 def test_thread_index_runs_each_statement_in_every_thread():
-    """Two blocks of 4 x 2 threads, each thread storing its own element under a guard: x is the fastest
-    thread index, as CUDA numbers threads, and the elements past the guard are never stored."""
+    """Two blocks of 4 x 2 threads, each thread storing its own element under a guard: every (tx, ty)
+    pair runs once in each block, and the elements past the guard are never stored."""
     T = _tilelang()
     N = 13
 
