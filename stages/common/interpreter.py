@@ -8,7 +8,8 @@ as calls (`tl.tileop.copy`, `tl.tileop.gemm` and `tl.tileop.wgmma_gemm`, `tl.til
 the author wrote, before any layout, pipeline or thread is chosen; this module runs it:
 
 - the grid is a loop over blocks, one block at a time;
-- every buffer is a NumPy array; `T.alloc_var` is one value per lane. Shared, fragment and local
+- every buffer is a NumPy array; `T.alloc_var` is one value per lane (or thread), and reading it
+  before anything stored into it stops the run with `ReadBeforeWrite`. Shared, fragment and local
   float buffers start filled with a NaN of a payload no arithmetic makes (UNWRITTEN_BITS): a statement
   that uses an element that nothing has written stops the run with `ReadBeforeWrite`, which names the
   buffer, the element and the statement's line in the author's file. `T.gemm` and `T.copy` into a
@@ -17,6 +18,11 @@ the author wrote, before any layout, pipeline or thread is chosen; this module r
   marked (TAINTED_BITS), and the run stops where a marked element is used, naming the first read;
 - a `T.Parallel` nest runs once, vectorized: its loop variables are index arrays that broadcast
   against each other, stores are fancy-index assignments, `if` and `T.if_then_else` are masks;
+- a block that reads its thread index (T.get_thread_binding, a loop bound to threadIdx) runs each
+  statement in all its threads at once: the index is an array over the threads, the last axis of
+  every value that depends on it, and a condition on it is a mask, as inside T.Parallel;
+- `T.atomic_add` (`T.atomic_max`, `T.atomic_min`) on an element combines every executing lane's value
+  into it in turn (np.add.at); on a region, adds a tile into it;
 - serial, pipelined and unrolled loops run in order (a pipelined loop's stages overlap on the GPU,
   not in meaning);
 - `T.copy` moves a region with bounds (reads outside the source give 0, writes outside the destination
@@ -30,7 +36,7 @@ the author wrote, before any layout, pipeline or thread is chosen; this module r
 Mistakes a GPU would not report stop the run with an error that names the author's line and the
 section of the interpreter page to read: ReadBeforeWrite, TileShapeMismatch, OutOfRange, and inside
 one T.Parallel nest CrossLaneRead (a lane reads an element another lane wrote there) and LaneRace (two
-lanes write one element). What it cannot show: races between threads beyond one T.Parallel nest,
+lanes, or two threads in one statement, write one element). What it cannot show: races between threads beyond one T.Parallel nest,
 missing or misplaced barriers, the pipeline's overlap, layouts, registers, spills and shared-memory
 limits (the compile-only path, stages.common.tilelang_tools, reports those), and the last bits of exp2
 and of the GEMM's summation order.
