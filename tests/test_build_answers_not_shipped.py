@@ -57,8 +57,10 @@ def test_a_shipped_program_fails_the_build_exercise(stage, description, path, tm
     exercise = BUILD_EXERCISES[stage]
     wanted = _builder_name((REPO_ROOT / "solutions" / stage / BUILD_FILE).read_text())
     source = path.read_text()
-    if (given := _builder_name(source)) != wanted:
-        source += f"\n\n{wanted} = {given}\n"
+    if (given := _builder_name(source)) != wanted:  # another kernel's builder: the tile arguments it lacks are dropped
+        source += (f"\n\ndef {wanted}(*args, **kwargs):\n    import inspect\n\n"
+                   f"    accepted = inspect.signature({given}).parameters\n"
+                   f"    return {given}(*args, **{{key: value for key, value in kwargs.items() if key in accepted}})\n")
     (tmp_path / stage).mkdir()
     (tmp_path / stage / BUILD_FILE).write_text(source)
     run = subprocess.run([sys.executable, "-m", "pytest", str(exercise.test_path), "-q", "-p", "no:cacheprovider",
@@ -83,8 +85,6 @@ STILL_HOLD_THE_ANSWER = {
     ("s02.build_kernel", "s02.kernel_program shipped"), ("s02.build_kernel", "s02.kernel_program repaired"),
     ("s02.build_kernel", "s02.tune_kernel shipped"),
     ("s03.build_kernel", "s03.kernel_program shipped"), ("s03.build_kernel", "s03.kernel_program repaired"),
-    ("s04.build_kernel", "s04.kernel_program shipped"), ("s04.build_kernel", "s04.kernel_program repaired"),
-    ("s04.build_kernel", "s04.tune_kernel shipped"),
     ("s05.build_kernel", "s05.tune_kernel shipped"),
 }
 
