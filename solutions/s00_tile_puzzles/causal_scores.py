@@ -28,10 +28,12 @@ def causal_scores(N, d, chunk_size=16, threads=32, dtype="float16", accum_dtype=
             T.copy(Q[c * C:(c + 1) * C, :], Q_s)
             T.copy(K[c * C:(c + 1) * C, :], K_s)
             # EXERCISE BEGIN
+            # --8<-- [start:answer]
             T.gemm(Q_s, K_s, S_f, transpose_B=True, clear_accum=True)
             for r, j in T.Parallel(C, C):
                 S_f[r, j] = T.if_then_else(j <= r, S_f[r, j], 0)
             T.copy(S_f, S[c, :, :])
+            # --8<-- [end:answer]
             # EXERCISE END
 
     return causal_scores_program

@@ -20,9 +20,11 @@ def chunk_cumsum(N, chunk_size=16, dtype="float32"):
         with T.Kernel(N // C, threads=32) as c:
             g_s = T.alloc_shared((C,), dtype)
             # EXERCISE BEGIN
+            # --8<-- [start:answer]
             T.copy(g[c * C:(c + 1) * C], g_s)
             T.cumsum(g_s, dim=0)
             T.copy(g_s, G[c * C:(c + 1) * C])
+            # --8<-- [end:answer]
             # EXERCISE END
 
     return chunk_cumsum_program

@@ -21,11 +21,13 @@ def column_sum(N, D, block_n=16, block_d=16, num_stages=2, dtype="float32"):
             A_f = T.alloc_fragment((block_n, block_d), dtype)
             sums_f = T.alloc_fragment((block_d,), dtype)
             # EXERCISE BEGIN
+            # --8<-- [start:answer]
             T.clear(sums_f)
             for k in T.Pipelined(N // block_n, num_stages=num_stages):
                 T.copy(A[k * block_n:(k + 1) * block_n, j * block_d:(j + 1) * block_d], A_f)
                 T.reduce_sum(A_f, sums_f, dim=0, clear=False)
             T.copy(sums_f, O[j * block_d:(j + 1) * block_d])
+            # --8<-- [end:answer]
             # EXERCISE END
 
     return column_sum_program

@@ -17,8 +17,10 @@ def copy_tile(N, block=32, dtype="float32"):
         with T.Kernel(N // block, threads=32) as b:
             A_s = T.alloc_shared((block,), dtype)
             # EXERCISE BEGIN
+            # --8<-- [start:answer]
             T.copy(A[b * block:(b + 1) * block], A_s)
             T.copy(A_s, O[b * block:(b + 1) * block])
+            # --8<-- [end:answer]
             # EXERCISE END
 
     return copy_tile_program

@@ -20,10 +20,12 @@ def gemm_tile(M, N, K, dtype="float16", accum_dtype="float32"):
             W_s = T.alloc_shared((N, K), dtype)
             C_f = T.alloc_fragment((M, N), accum_dtype)
             # EXERCISE BEGIN
+            # --8<-- [start:answer]
             T.copy(A, A_s)
             T.copy(W, W_s)
             T.gemm(A_s, W_s, C_f, transpose_B=True, clear_accum=True)
             T.copy(C_f, C)
+            # --8<-- [end:answer]
             # EXERCISE END
 
     return gemm_tile_program

@@ -21,10 +21,12 @@ def histogram(N, bins, threads=128):
             counts_s = T.alloc_shared((bins,), "int32")
             T.clear(counts_s)
             # EXERCISE BEGIN
+            # --8<-- [start:answer]
             for k in T.serial(T.ceildiv(N, threads)):
                 i = k * threads + tx
                 if i < N:
                     T.atomic_add(counts_s[Values[i]], 1)
+            # --8<-- [end:answer]
             # EXERCISE END
             T.copy(counts_s, Counts)
 

@@ -17,9 +17,11 @@ def masked_relu(N, block=32, dtype="float32"):
     def masked_relu_program(A: T.Tensor((N,), dtype), O: T.Tensor((N,), dtype)):
         with T.Kernel(T.ceildiv(N, block), threads=32) as b:
             # EXERCISE BEGIN
+            # --8<-- [start:answer]
             for i in T.Parallel(block):
                 if b * block + i < N:
                     O[b * block + i] = T.max(A[b * block + i], 0)
+            # --8<-- [end:answer]
             # EXERCISE END
 
     return masked_relu_program

@@ -22,11 +22,13 @@ def row_dot_threads(M, D, threads=32, dtype="float32"):
             r = b * threads + tx
             total = T.alloc_var(dtype)
             # EXERCISE BEGIN
+            # --8<-- [start:answer]
             if r < M:
                 total = 0
                 for j in T.serial(D):
                     total += A[r, j] * B[r, j]
                 O[r] = total
+            # --8<-- [end:answer]
             # EXERCISE END
 
     return row_dot_threads_program

@@ -18,9 +18,11 @@ def row_sum(M, D, rows=8, dtype="float32"):
             A_f = T.alloc_fragment((rows, D), dtype)
             sums_f = T.alloc_fragment((rows,), dtype)
             # EXERCISE BEGIN
+            # --8<-- [start:answer]
             T.copy(A[b * rows:(b + 1) * rows, :], A_f)
             T.reduce_sum(A_f, sums_f, dim=1)
             T.copy(sums_f, O[b * rows:(b + 1) * rows])
+            # --8<-- [end:answer]
             # EXERCISE END
 
     return row_sum_program

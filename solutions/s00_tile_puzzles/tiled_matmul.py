@@ -23,12 +23,14 @@ def tiled_matmul(M, N, K, block_m=32, block_n=32, block_k=32, num_stages=2, dtyp
             B_s = T.alloc_shared((block_k, block_n), dtype)
             C_f = T.alloc_fragment((block_m, block_n), accum_dtype)
             # EXERCISE BEGIN
+            # --8<-- [start:answer]
             T.clear(C_f)
             for k in T.Pipelined(K // block_k, num_stages=num_stages):
                 T.copy(A[by * block_m:(by + 1) * block_m, k * block_k:(k + 1) * block_k], A_s)
                 T.copy(B[k * block_k:(k + 1) * block_k, bx * block_n:(bx + 1) * block_n], B_s)
                 T.gemm(A_s, B_s, C_f)
             T.copy(C_f, C[by * block_m:(by + 1) * block_m, bx * block_n:(bx + 1) * block_n])
+            # --8<-- [end:answer]
             # EXERCISE END
 
     return tiled_matmul_program
