@@ -100,10 +100,13 @@ def _arguments(x):
 
 
 def test_every_stage_with_a_chunked_forward_kernel_is_interpreted():
-    """The stages run here are those of the catalog whose kernel.py builds a chunked forward kernel."""
+    """The stages run here are those of the catalog whose kernel.py builds a chunked forward kernel
+    (stage 0's puzzles have no library kernel: their own tests run them through the interpreter)."""
     forward = set()
     for number, stage in FOLDERS.items():
         path = REPO_ROOT / "stages" / stage / "kernel.py"
+        if not path.is_file():
+            continue
         defined = {node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
         if defined & set(FORWARD_BUILDERS):
             forward.add(number)
