@@ -36,10 +36,11 @@ the author wrote, before any layout, pipeline or thread is chosen; this module r
 Mistakes a GPU would not report stop the run with an error that names the author's line and the
 section of the interpreter page to read: ReadBeforeWrite, TileShapeMismatch, OutOfRange, and inside
 one T.Parallel nest CrossLaneRead (a lane reads an element another lane wrote there) and LaneRace (two
-lanes, or two threads in one statement, write one element). What it cannot show: races between threads beyond one T.Parallel nest,
-missing or misplaced barriers, the pipeline's overlap, layouts, registers, spills and shared-memory
-limits (the compile-only path, stages.common.tilelang_tools, reports those), and the last bits of exp2
-and of the GEMM's summation order.
+lanes, or two threads in one statement, write one element). What it cannot show: races between
+threads beyond one T.Parallel nest or one statement, races between blocks (they run one after
+another), missing or misplaced barriers, the pipeline's overlap, layouts, registers, spills and
+shared-memory limits (the compile-only path, stages.common.tilelang_tools, reports those), and the
+last bits of exp2 and of the GEMM's summation order.
 
     kernel = interpret(build_program(1, 256, 2, 64, 64), out_idx=[3])
     o = kernel(q, k, v)               # NumPy arrays in, NumPy arrays out
