@@ -128,9 +128,9 @@ def test_a_long_line_is_cut_at_a_word():
 
 
 def test_the_s04_fp16_message_points_at_the_state_and_comes_whole():
-    """The kernel exercise with its state decayed after the GEMM: chunk 0 right, the later chunks wrong.
+    """The build exercise with its state decayed after the GEMM: chunk 0 right, the later chunks wrong.
     The fp16 test's message says so in its last line (once cut off, with JUnit's attribute)."""
-    test = "tests/exercises/s04_kda/test_kernel_program.py::test_fp16_program_within_rounding"
+    test = "tests/exercises/s04_kda/test_build_kernel.py::test_fp16_program_within_rounding"
     run = run_tests("bug:s04-kernel-decay-after-gemm", [test], timeout_per_test=300, timeout_total=600)
     (message,) = run.summaries.values()
     assert message.rstrip().endswith("suspect what one chunk hands to the next (the state)"), message

@@ -121,6 +121,51 @@ def test_a_shared_buffer_used_before_its_copy():
     _assert_teaches(error, "doubled[i, j] = A_s[i, j] * 2", "A buffer read before it is written")
 
 
+def test_a_variable_read_before_it_is_written():
+    """A running sum per column in a T.alloc_var: without its first value, the first `+=` reads a
+    register nothing wrote (TileLang lowers the variable without a value); given one (a first store,
+    or init=0) it runs. A variable that only some lanes wrote is unwritten in the others."""
+    T = _tilelang()
+    R, D = 4, 8
+
+    def program(first_value):
+        @T.prim_func
+        def column_sums(A: T.Tensor((R, D), "float32"), O: T.Tensor((R, D), "float32")):
+            with T.Kernel(1, threads=128) as _bx:
+                for d in T.Parallel(D):
+                    if first_value == "init":
+                        running = T.alloc_var("float32", init=0)
+                    else:
+                        running = T.alloc_var("float32")
+                    if first_value == "store":
+                        running = 0
+                    for r in T.serial(R):
+                        running += A[r, d]
+                        O[r, d] = running
+
+        return column_sums
+
+    @T.prim_func
+    def some_lanes(A: T.Tensor((D,), "float32"), O: T.Tensor((D,), "float32")):
+        with T.Kernel(1, threads=128) as _bx:
+            for d in T.Parallel(D):
+                kept = T.alloc_var("float32")
+                if d < 2:
+                    kept = A[d]
+                O[d] = kept * 2
+
+    a = np.arange(R * D, dtype=np.float32).reshape(R, D)
+    for first_value in ("store", "init"):
+        assert np.array_equal(interpret(program(first_value), out_idx=[1])(a), np.cumsum(a, axis=0))
+    with pytest.raises(ReadBeforeWrite) as error:
+        interpret(program(None), out_idx=[1])(a)
+    _assert_teaches(error, "running += A[r, d]", "A buffer read before it is written")
+    assert "reads `running` before writing it: the variable running (a T.alloc_var, declared at line" in str(error.value)
+    with pytest.raises(ReadBeforeWrite) as error:
+        interpret(some_lanes, out_idx=[1])(a[0])
+    _assert_teaches(error, "O[d] = kept * 2", "A buffer read before it is written")
+
+
 def test_a_fragment_read_across_lanes():
     """Lane i reads the element lane i + 1 wrote in the same T.Parallel loop: in the interpreter the
     whole statement runs before the next, on the GPU that element is in another thread's registers."""

@@ -1,33 +1,40 @@
-"""Exercise s01.kernel_program (fill): the chunk loop of stage 1's TileLang kernel.
+"""Exercise s01.kernel_program (fill): linear attention token by token, a TileLang program of its own.
 
-One program per (block of d_v columns, batch x head) keeps its slice of the state S^T (d_k x
-block_dv) in an fp32 register fragment and walks the chunks. The loads of each chunk are written;
-fill in the rest of the loop body: the chunk's output, inter-chunk and intra-chunk terms, written to
-O, and the state's move past the chunk. Every buffer you need is allocated above the loop.
+Not the chunked kernel of this stage (that one is exercise s01.build_kernel): reference A's
+recurrence as a program, one token at a time, the way a decode step runs it. One program per (block
+of d_v columns, batch x head) keeps its slice of the state S^T (d_k x block_dv) in registers as an
+fp32 fragment and, for each token t,
+
+    S^T <- S^T + k_t v_t^T                        the token's write
+    o_t =  (S^T)^T q_t                            the output, read from the updated state
+
+The token's q, k and v are loaded into shared vectors for you; fill in the rest of the step: the
+write, then the output, a column of element-wise products summed over the key channels
+(T.reduce_sum sums a fragment along one axis into another), stored to O. Every buffer you need is
+allocated above the loop. There are no tensor cores here: d_k x block_dv of work per token on the
+CUDA cores, which is why the chunked kernel exists.
 
 Without a GPU the tests run your program through the course's tile interpreter
-(stages.common.interpreter) and compare it with reference C; with nvcc they also compile it for
+(stages.common.interpreter) and compare it with reference A; with nvcc they also compile it for
 sm_90a, and on a GPU they run it.
-Read: stage 1 page, "The kernel".  Check: course check s01
+Read: stage 1 page, "s01.kernel_program".  Check: course check s01
 """
 
-from stages.s01_linear_attention.kernel import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE
+from stages.s01_linear_attention.kernel import DEFAULT_BLOCK_DV
 
 
-def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
-                  dtype="float16", num_stages=2, threads=128):
-    """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v) -> o: (B, N, H, d_v).
+def build_recurrent_program(B, N, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="float16", threads=128):
+    """The token-by-token program for q, k: (B, N, H, d_k), v: (B, N, H, d_v) in `dtype` -> o: (B, N,
+    H, d_v) in `dtype`. State S^T: (d_k, block_dv) per program, fp32.
 
-    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
+    block_dv must divide d_v; N is any length (no chunks, no padding).
     """
     import tilelang.language as T
 
-    C = chunk_size
     accum_dtype = "float32"
-    num_chunks = N // C
 
     @T.prim_func
-    def linear_attention_fwd(
+    def linear_attention_recurrent(
         Q: T.Tensor((B, N, H, d_k), dtype),
         K: T.Tensor((B, N, H, d_k), dtype),
         V: T.Tensor((B, N, H, d_v), dtype),
@@ -37,25 +44,24 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             b, h = i_bh // H, i_bh % H
             v0 = i_v * block_dv
 
-            Q_s = T.alloc_shared((C, d_k), dtype)
-            K_s = T.alloc_shared((C, d_k), dtype)
-            V_s = T.alloc_shared((C, block_dv), dtype)
-            S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
-            scores_s = T.alloc_shared((C, C), dtype)
+            q_s = T.alloc_shared((d_k,), accum_dtype)
+            k_s = T.alloc_shared((d_k,), accum_dtype)
+            v_s = T.alloc_shared((block_dv,), accum_dtype)
 
-            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across chunks
-            scores = T.alloc_fragment((C, C), accum_dtype)
-            acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
+            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across the tokens
+            product_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # q ⊙ S^T, summed over d
+            o_f = T.alloc_fragment((block_dv,), accum_dtype)
 
-            T.clear(S_f)  # once, outside the chunk loop: the state carries over
-            for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
-                t0 = i_c * C
-                T.copy(Q[b, t0:t0 + C, h, :], Q_s)
-                T.copy(K[b, t0:t0 + C, h, :], K_s)
-                T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
+            T.clear(S_f)  # once, before the token loop: the state carries over
+            for t in T.serial(N):
+                for d in T.Parallel(d_k):
+                    q_s[d] = Q[b, t, h, d]
+                    k_s[d] = K[b, t, h, d]
+                for j in T.Parallel(block_dv):
+                    v_s[j] = V[b, t, h, v0 + j]
 
                 # EXERCISE BEGIN
                 raise NotImplementedError("s01.kernel_program: fill this region; see the docstring and the page")
                 # EXERCISE END
 
-    return linear_attention_fwd
+    return linear_attention_recurrent

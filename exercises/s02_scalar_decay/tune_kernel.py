@@ -1,8 +1,10 @@
 """Exercise s02.tune_kernel (tune): stage 2's TileLang kernel, brought under a cost target.
 
-The program between the markers is right: it passes the same value tests as the kernel exercise
-(through the tile interpreter, in float64 and fp16). It is also wasteful. Make it cheaper without
-changing what it computes, until each of its four counts is within 5% of the course's own kernel at
+The program between the markers is right: through the tile interpreter, in float64 it equals
+reference C, in fp16 it matches reference A within fp16's rounding. It is also wasteful: it is the
+chunked algorithm written as reference B writes it, every product a loop of sums on the CUDA cores,
+every operand read from global memory where a product needs it. Make it cheaper without changing
+what it computes, until each of its four counts is within 5% of the course's own kernel at
 the test's shape, as stages.common.program_cost counts them from the program (no GPU needed):
 
     global bytes       what the program reads from and writes to global memory (HBM)
@@ -47,57 +49,41 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             v0 = i_v * block_dv
 
             # EXERCISE BEGIN
-            Q_s = T.alloc_shared((C, d_k), dtype)
-            Q_inter_s = T.alloc_shared((C, d_k), dtype)  # the queries of the inter-chunk GEMM
-            K_s = T.alloc_shared((C, d_k), dtype)
-            V_s = T.alloc_shared((C, block_dv), dtype)
-            V_decayed_s = T.alloc_shared((C, block_dv), dtype)  # key_decay ⊙ V: V_s stays as loaded
-            S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
-            scores_s = T.alloc_shared((C, C), dtype)
-            key_decay_s = T.alloc_shared((C,), accum_dtype)  # read with V_s's layout, not acc_o's
+            # every product element by element on the CUDA cores, each operand read from global memory
+            # where the product needs it, every decay alpha^n recomputed where it is used
+            log2_alpha = G[h] * LOG2_E
+            scores = T.alloc_shared((C, C), accum_dtype)  # alpha^(c - j) q_c . k_j for j <= c
+            state = T.alloc_shared((d_k, block_dv), accum_dtype)  # S^T across the chunks
 
-            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across chunks
-            scores = T.alloc_fragment((C, C), accum_dtype)
-            acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
-            decay = T.alloc_fragment((C, C), accum_dtype)  # Gamma
-            query_decay = T.alloc_fragment((C,), accum_dtype)
-            state_decay = T.alloc_var(accum_dtype)
-
-            T.clear(S_f)
-            for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
+            for d, j in T.Parallel(d_k, block_dv):
+                state[d, j] = 0
+            for i_c in T.serial(num_chunks):
                 t0 = i_c * C
-                # this chunk's decays
-                log2_alpha = G[h] * LOG2_E
-                for r, j in T.Parallel(C, C):
-                    decay[r, j] = T.if_then_else(j <= r, T.exp2((r - j) * log2_alpha), 0)
-                for r in T.Parallel(C):
-                    query_decay[r] = T.exp2((r + 1) * log2_alpha)
-                    key_decay_s[r] = T.exp2((C - 1 - r) * log2_alpha)
-                state_decay = T.exp2(C * log2_alpha)
-
-                # intra-chunk scores Q K^T times the decay table
-                T.copy(Q[b, t0:t0 + C, h, :], Q_s)
-                T.copy(K[b, t0:t0 + C, h, :], K_s)
-                T.gemm(Q_s, K_s, scores, transpose_B=True, clear_accum=True)
-                for r, j in T.Parallel(C, C):
-                    scores_s[r, j] = scores[r, j] * decay[r, j]
-
-                # inter-chunk term Q S^T, decayed per row, then the intra-chunk term on top
-                T.copy(Q[b, t0:t0 + C, h, :], Q_inter_s)
-                T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
-                T.copy(S_f, S_s)
-                T.gemm(Q_inter_s, S_s, acc_o, clear_accum=True)
-                for r, c in T.Parallel(C, block_dv):
-                    acc_o[r, c] *= query_decay[r]
-                T.gemm(scores_s, V_s, acc_o)
-                T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
-
-                # the state moves past this chunk: decay it, then add K^T (key_decay ⊙ V)
-                for r, c in T.Parallel(C, block_dv):
-                    V_decayed_s[r, c] = V_s[r, c] * key_decay_s[r]
-                for d, c in T.Parallel(d_k, block_dv):
-                    S_f[d, c] *= state_decay
-                T.gemm(K_s, V_decayed_s, S_f, transpose_A=True)
+                for c, i in T.Parallel(C, C):
+                    total = T.alloc_var(accum_dtype)
+                    total = 0
+                    if i <= c:
+                        for d in T.serial(d_k):
+                            total += Q[b, t0 + c, h, d] * K[b, t0 + i, h, d]
+                    # c - i clamped at 0: above the diagonal total is 0, and alpha^(c - i) > 1 could overflow
+                    scores[c, i] = total * T.exp2(T.max(c - i, 0) * log2_alpha)
+                # o = alpha^(c + 1) q_c S^T + sum_{j <= c} scores[c, j] v_j, from the state the chunk found
+                for r, j in T.Parallel(C, block_dv):
+                    total = T.alloc_var(accum_dtype)
+                    total = 0
+                    for d in T.serial(d_k):
+                        total += Q[b, t0 + r, h, d] * state[d, j]
+                    total *= T.exp2((r + 1) * log2_alpha)
+                    for c in T.serial(r + 1):
+                        total += scores[r, c] * V[b, t0 + c, h, v0 + j]
+                    O[b, t0 + r, h, v0 + j] = total
+                # then S^T = alpha^C S^T + sum_r alpha^(C - 1 - r) k_r v_r^T
+                for d, j in T.Parallel(d_k, block_dv):
+                    total = T.alloc_var(accum_dtype)
+                    total = state[d, j] * T.exp2(C * log2_alpha)
+                    for r in T.serial(C):
+                        total += K[b, t0 + r, h, d] * V[b, t0 + r, h, v0 + j] * T.exp2((C - 1 - r) * log2_alpha)
+                    state[d, j] = total
             # EXERCISE END
 
     return scalar_decay_fwd

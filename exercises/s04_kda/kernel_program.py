@@ -1,44 +1,44 @@
-"""Exercise s04.kernel_program (fix): a TileLang program of the KDA kernel.
+"""Exercise s04.kernel_program (fix): KDA token by token, a TileLang program of its own.
 
-One program per (block of d_v columns, batch x head) keeps its slice of the state S^T (d_k x
-block_dv) in registers and walks the chunks: exponent split, two GEMMs and their masks, one forward
-substitution for [K ⊙ e^{gamma} | V], beta after it, the output, then the state. The comments name
-the seed's seven ordering constraints where they apply.
+Not the chunked kernel of this stage (that one is exercise s04.build_kernel): reference A's
+recurrence as a program, one token at a time, the way a decode step runs it. One program per (block
+of d_v columns, batch x head) keeps its slice of the state S^T (d_k x block_dv) in registers as an
+fp32 fragment and, for each token t,
 
-It is not the course's kernel: written product by product, it loads what each GEMM reads (the
-queries and the keys cross from global memory twice per chunk), and after the solve it reads beta
-where it uses it, from global memory, once per element of W; the build exercise asks for fewer
-bytes, and tune_kernel.py is about such waste. It is not the bug. The program compiles and looks
-right, and carries one known bug, one that no compiler sees. Find it and fix it. Without a GPU the
-tests run the program through the course's tile interpreter (stages.common.interpreter): in float64 it must equal reference C, in fp16 it must match the exact
-result within fp16's rounding; they also check the ordering constraints on its TIR. With nvcc they
-compile it for sm_90a, and on a GPU they run it against the delta-rule form of KDA.
-Read: stage 4 page, "The kernel".  Check: course check s04
+    S^T <- Diag(a_t) S^T                         the decay, one rate per key channel
+    u   =  beta_t (v_t - (S^T)^T k_t)            what the decayed state does not yet hold for k_t
+    S^T <- S^T + k_t u^T                          the write
+    o_t =  (S^T)^T q_t                            the output, read from the updated state
+
+which is S_t = S_{t-1} Diag(a_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T in the kernel layout.
+The two products with a vector are a column of element-wise products summed over the key channels
+(T.reduce_sum): no tensor cores, d_k x block_dv of work per token on the CUDA cores, which is why
+the chunked kernel exists.
+
+The program compiles and looks right, and carries one known bug, one that no compiler sees. Find it
+and fix it. Without a GPU the tests run the program through the course's tile interpreter
+(stages.common.interpreter): in float64 it must equal reference A, in fp16 match it within fp16's
+rounding. With nvcc they compile it for sm_90a, and on a GPU they run it.
+Read: stage 4 page, "s04.kernel_program".  Check: course check s04
 """
 
 from stages.common.tilelang_tools import LOG2_E
-from stages.s04_kda.kernel import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_LAYOUT
+from stages.s04_kda.kernel import DEFAULT_BLOCK_DV
 
 
-def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
-                  dtype="float16", num_stages=1, threads=128, layout=DEFAULT_LAYOUT):
-    """The TileLang program for q, k: (B, N, H, d_k), v: (B, N, H, d_v), g: (B, N, H, d_k) fp32,
-    beta: (B, N, H) fp32 -> o: (B, N, H, d_v). State S^T: (d_k, block_dv) per program.
+def build_recurrent_program(B, N, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="float16", threads=128):
+    """The token-by-token program for q, k: (B, N, H, d_k), v: (B, N, H, d_v) in `dtype`, g: (B, N, H,
+    d_k) and beta: (B, N, H) in fp32 -> o: (B, N, H, d_v) in `dtype`. State S^T: (d_k, block_dv) per
+    program, fp32.
 
-    N must be a multiple of chunk_size (the wrapper pads), block_dv must divide d_v.
-    layout maps "e_plus_gamma", "e_minus_gamma" and "w" to "registers" or "shared".
+    block_dv must divide d_v; N is any length (no chunks, no padding).
     """
     import tilelang.language as T
 
-    C = chunk_size
     accum_dtype = "float32"
-    num_chunks = N // C
-    width = d_k + block_dv  # the columns of [K ⊙ e^{gamma} | V], solved together
-    place = dict(layout)
-    alloc = {"registers": T.alloc_fragment, "shared": T.alloc_shared}
 
     @T.prim_func
-    def kda_fwd(
+    def kda_recurrent(
         Q: T.Tensor((B, N, H, d_k), dtype),
         K: T.Tensor((B, N, H, d_k), dtype),
         V: T.Tensor((B, N, H, d_v), dtype),
@@ -50,104 +50,41 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             b, h = i_bh // H, i_bh % H
             v0 = i_v * block_dv
 
-            Q_s = T.alloc_shared((C, d_k), dtype)
-            K_s = T.alloc_shared((C, d_k), dtype)  # read only (constraint 5)
-            V_s = T.alloc_shared((C, block_dv), dtype)
-            beta_s = T.alloc_shared((C,), accum_dtype)
-            gamma_s = T.alloc_shared((C, d_k), accum_dtype)  # every thread reads other rows
-            E_plus = alloc[place["e_plus_gamma"]]((C, d_k), accum_dtype)  # e^{gamma} <= 1
-            E_minus = alloc[place["e_minus_gamma"]]((C, d_k), accum_dtype)  # e^{-gamma} >= 1
-            Q_plus_s = T.alloc_shared((C, d_k), dtype)  # q ⊙ e^{gamma}, for A_qk
-            Q_inter_s = T.alloc_shared((C, d_k), dtype)  # q ⊙ e^{gamma}, for the inter-chunk term
-            K_plus_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{gamma}
-            K_end_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{gamma_C - gamma}
-            K_minus_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{-gamma}
-            L_s = T.alloc_shared((C, C), accum_dtype)  # every thread reads row r of L
-            X_s = T.alloc_shared((C, width), accum_dtype)  # [K ⊙ e^{gamma} | V], solved in place
-            W = alloc[place["w"]]((C, d_k), dtype)  # beta ⊙ X[:, :d_k], a GEMM operand
-            S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
-            A_qk_s = T.alloc_shared((C, C), dtype)
-            V_new_s = T.alloc_shared((C, block_dv), dtype)
+            q_s = T.alloc_shared((d_k,), accum_dtype)
+            k_s = T.alloc_shared((d_k,), accum_dtype)
+            decay_s = T.alloc_shared((d_k,), accum_dtype)  # a_t = e^{g_t}, one rate per key channel
+            v_s = T.alloc_shared((block_dv,), accum_dtype)
 
-            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across chunks
-            M_f = T.alloc_fragment((C, C), accum_dtype)
-            A_qk_f = T.alloc_fragment((C, C), accum_dtype)
-            V_new_f = T.alloc_fragment((C, block_dv), accum_dtype)
-            acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
-            correction = T.alloc_var(accum_dtype)
+            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across the tokens
+            product_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # k ⊙ S^T, then q ⊙ S^T
+            recalled_f = T.alloc_fragment((block_dv,), accum_dtype)  # (S^T)^T k: what the state holds for k
+            u_f = T.alloc_fragment((block_dv,), accum_dtype)  # beta (v - recalled)
+            o_f = T.alloc_fragment((block_dv,), accum_dtype)
 
             # EXERCISE BEGIN
-            T.clear(S_f)  # constraint 7: once, outside the chunk loop
-            for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
-                t0 = i_c * C
-                T.copy(Q[b, t0:t0 + C, h, :], Q_s)
-                T.copy(K[b, t0:t0 + C, h, :], K_s)
-                T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
-                # the gates are read by the threads that use them, outside the copy pipeline, so
-                # that no prefetch of the next chunk can overwrite them while this chunk reads them
-                for r in T.Parallel(C):
-                    beta_s[r] = Beta[b, t0 + r, h]
-                # per-channel cumulative log decay: channels in parallel, positions in order
+            T.clear(S_f)
+            for t in T.serial(N):
                 for d in T.Parallel(d_k):
-                    gamma_s[0, d] = G[b, t0, h, d]
-                    for r in T.serial(1, C):
-                        gamma_s[r, d] = gamma_s[r - 1, d] + G[b, t0 + r, h, d]
+                    q_s[d] = Q[b, t, h, d]
+                    k_s[d] = K[b, t, h, d]
+                    decay_s[d] = T.exp2(G[b, t, h, d] * LOG2_E)
+                for j in T.Parallel(block_dv):
+                    v_s[j] = V[b, t, h, v0 + j]
 
-                # the exponent split e^{gamma_c - gamma_i} = e^{gamma_c} e^{-gamma_i}
-                for r, d in T.Parallel(C, d_k):
-                    E_plus[r, d] = T.exp2(gamma_s[r, d] * LOG2_E)
-                    E_minus[r, d] = T.exp2(-gamma_s[r, d] * LOG2_E)
-                for r, d in T.Parallel(C, d_k):
-                    # constraint 3: q ⊙ e^{gamma} serves both GEMMs of q, so q is never needed again
-                    Q_plus_s[r, d] = Q_s[r, d] * E_plus[r, d]
-                    # constraint 5: K_s is only read; every derived key goes to its own buffer
-                    K_plus_s[r, d] = K_s[r, d] * E_plus[r, d]
-                    K_minus_s[r, d] = K_s[r, d] * E_minus[r, d]
-                    X_s[r, d] = K_s[r, d] * E_plus[r, d]
-                for r, j in T.Parallel(C, block_dv):
-                    X_s[r, d_k + j] = V_s[r, j]
-
-                # constraint 4: L strictly lower (i < c), A_qk with its diagonal (j <= c)
-                T.gemm(K_plus_s, K_minus_s, M_f, transpose_B=True, clear_accum=True)
-                for c, i in T.Parallel(C, C):
-                    L_s[c, i] = T.if_then_else(i < c, M_f[c, i] * beta_s[i], 0)
-                T.gemm(Q_plus_s, K_minus_s, A_qk_f, transpose_B=True, clear_accum=True)
-                for c, j in T.Parallel(C, C):
-                    A_qk_s[c, j] = T.if_then_else(j <= c, A_qk_f[c, j], 0)
-
-                # one forward substitution for both right-hand sides: row r needs rows j < r solved;
-                # each thread sums its column's correction in a register, one barrier per row
-                for r in T.serial(1, C):
-                    for col in T.Parallel(width):
-                        correction = 0
-                        for j in T.serial(r):
-                            correction += L_s[r, j] * X_s[j, col]
-                        X_s[r, col] -= correction
-                # constraint 6: beta only now, after the solve: diag(beta) T, not T diag(beta)
-                for r, d in T.Parallel(C, d_k):
-                    W[r, d] = X_s[r, d] * Beta[b, t0 + r, h]
-                T.copy(S_f, S_s)
-                T.gemm(W, S_s, V_new_f, clear_accum=True)
-                for r, j in T.Parallel(C, block_dv):
-                    V_new_f[r, j] = X_s[r, d_k + j] * beta_s[r] - V_new_f[r, j]
-                T.copy(V_new_f, V_new_s)
-
-                # the inter-chunk and intra-chunk terms into one accumulator (constraint 7: clear_accum)
-                T.copy(Q[b, t0:t0 + C, h, :], Q_inter_s)
-                for r, d in T.Parallel(C, d_k):
-                    Q_inter_s[r, d] = Q_inter_s[r, d] * E_plus[r, d]
-                T.gemm(Q_inter_s, S_s, acc_o, clear_accum=True)
-                T.gemm(A_qk_s, V_new_s, acc_o)
-                T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
-
-                # the state moves past the chunk (constraints 1 and 2): its rows decay, one rate per
-                # key channel, and the GEMM adds the chunk's keys and pseudo-values
-                T.copy(K[b, t0:t0 + C, h, :], K_end_s)
-                for r, d in T.Parallel(C, d_k):
-                    K_end_s[r, d] = K_end_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
-                T.gemm(K_end_s, V_new_s, S_f, transpose_A=True)
+                # the decay first: row d of S^T is key channel d, and decays at its own rate
                 for d, j in T.Parallel(d_k, block_dv):
-                    S_f[d, j] *= T.exp2(gamma_s[C - 1, d] * LOG2_E)
+                    S_f[d, j] *= decay_s[j]
+                    product_f[d, j] = k_s[d] * S_f[d, j]
+                T.reduce_sum(product_f, recalled_f, dim=0)
+                for j in T.Parallel(block_dv):
+                    u_f[j] = Beta[b, t, h] * (v_s[j] - recalled_f[j])
+
+                # the write, then the output read from the updated state
+                for d, j in T.Parallel(d_k, block_dv):
+                    S_f[d, j] += k_s[d] * u_f[j]
+                    product_f[d, j] = q_s[d] * S_f[d, j]
+                T.reduce_sum(product_f, o_f, dim=0)
+                T.copy(o_f, O[b, t, h, v0:v0 + block_dv])
             # EXERCISE END
 
-    return kda_fwd
+    return kda_recurrent

@@ -1,10 +1,11 @@
 """Exercise s04.tune_kernel (tune): the KDA kernel of stage 4, brought under a cost target.
 
-The program between the markers is right: it passes the kernel exercise's value tests (through the
-tile interpreter, in float64 and fp16) and keeps the seed's seven ordering constraints. It is also
-wasteful. Make it cheaper without changing what it computes, until each of its four counts is within
-5% of the course's own kernel at the test's shape, as stages.common.program_cost counts them from the
-program (no GPU needed):
+The program between the markers is right: through the tile interpreter, in float64 it equals
+reference C, in fp16 it matches reference A within fp16's rounding. It is also wasteful: it is the
+chunked algorithm written as reference B writes it, every product a loop of sums on the CUDA cores,
+every operand read from global memory where a product needs it. Make it cheaper without changing
+what it computes, until each of its four counts is within 5% of the course's own kernel at the
+test's shape, as stages.common.program_cost counts them from the program (no GPU needed):
 
     global bytes       what the program reads from and writes to global memory (HBM)
     GEMM FLOPs         the tensor cores' work, 2 M N K per T.gemm
@@ -52,103 +53,89 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             v0 = i_v * block_dv
 
             # EXERCISE BEGIN
-            Q_s = T.alloc_shared((C, d_k), dtype)
-            K_s = T.alloc_shared((C, d_k), dtype)  # read only (constraint 5)
-            V_s = T.alloc_shared((C, block_dv), dtype)
-            beta_s = T.alloc_shared((C,), accum_dtype)
-            gamma_s = T.alloc_shared((C, d_k), accum_dtype)  # every thread reads other rows
-            E_plus = alloc[place["e_plus_gamma"]]((C, d_k), accum_dtype)  # e^{gamma} <= 1
-            E_minus = alloc[place["e_minus_gamma"]]((C, d_k), accum_dtype)  # e^{-gamma} >= 1
-            Q_plus_s = T.alloc_shared((C, d_k), dtype)  # q ⊙ e^{gamma}, for A_qk
-            Q_inter_s = T.alloc_shared((C, d_k), dtype)  # q ⊙ e^{gamma}, for the inter-chunk term
-            K_plus_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{gamma}
-            K_end_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{gamma_C - gamma}
-            K_minus_s = T.alloc_shared((C, d_k), dtype)  # k ⊙ e^{-gamma}
-            L_s = T.alloc_shared((C, C), accum_dtype)  # every thread reads row r of L
-            X_s = T.alloc_shared((C, width), accum_dtype)  # [K ⊙ e^{gamma} | V], solved in place
-            W = alloc[place["w"]]((C, d_k), dtype)  # beta ⊙ X[:, :d_k], a GEMM operand
-            S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
-            A_qk_s = T.alloc_shared((C, C), dtype)
-            V_new_s = T.alloc_shared((C, block_dv), dtype)
+            # every product element by element on the CUDA cores, each operand read from global memory
+            # where the product needs it; the decays as ratios e^{gamma_c - gamma_i}, exact at any gate
+            gamma = T.alloc_shared((C, d_k), accum_dtype)  # the chunk's cumulative log gates
+            inverse = T.alloc_shared((C, C), accum_dtype)  # (I + L)^{-1}, column by column
+            scores = T.alloc_shared((C, C), accum_dtype)  # L, then A_qk
+            pseudo_keys = T.alloc_shared((C, d_k), accum_dtype)  # W = diag(beta) T (K ⊙ e^gamma)
+            pseudo_values = T.alloc_shared((C, block_dv), accum_dtype)  # U = diag(beta) T V, then V_new
+            state = T.alloc_shared((d_k, block_dv), accum_dtype)  # S^T across the chunks
 
-            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state: lives across chunks
-            M_f = T.alloc_fragment((C, C), accum_dtype)
-            A_qk_f = T.alloc_fragment((C, C), accum_dtype)
-            V_new_f = T.alloc_fragment((C, block_dv), accum_dtype)
-            acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
-            correction = T.alloc_var(accum_dtype)
-
-            T.clear(S_f)  # constraint 7: once, outside the chunk loop
-            for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
+            for d, j in T.Parallel(d_k, block_dv):
+                state[d, j] = 0
+            for i_c in T.serial(num_chunks):
                 t0 = i_c * C
-                T.copy(Q[b, t0:t0 + C, h, :], Q_s)
-                T.copy(K[b, t0:t0 + C, h, :], K_s)
-                T.copy(V[b, t0:t0 + C, h, v0:v0 + block_dv], V_s)
-                # the gates are read by the threads that use them, outside the copy pipeline, so
-                # that no prefetch of the next chunk can overwrite them while this chunk reads them
-                for r in T.Parallel(C):
-                    beta_s[r] = Beta[b, t0 + r, h]
-                # per-channel cumulative log decay: channels in parallel, positions in order
                 for d in T.Parallel(d_k):
-                    gamma_s[0, d] = G[b, t0, h, d]
-                    for r in T.serial(1, C):
-                        gamma_s[r, d] = gamma_s[r - 1, d] + G[b, t0 + r, h, d]
+                    running = T.alloc_var(accum_dtype)
+                    running = 0
+                    for r in T.serial(C):
+                        running += G[b, t0 + r, h, d]
+                        gamma[r, d] = running
 
-                # the exponent split e^{gamma_c - gamma_i} = e^{gamma_c} e^{-gamma_i}
-                for r, d in T.Parallel(C, d_k):
-                    E_plus[r, d] = T.exp2(gamma_s[r, d] * LOG2_E)
-                    E_minus[r, d] = T.exp2(-gamma_s[r, d] * LOG2_E)
-                for r, d in T.Parallel(C, d_k):
-                    # constraint 3: q ⊙ e^{gamma} serves both GEMMs of q, so q is never needed again
-                    Q_plus_s[r, d] = Q_s[r, d] * E_plus[r, d]
-                    # constraint 5: K_s is only read; every derived key goes to its own buffer
-                    K_plus_s[r, d] = K_s[r, d] * E_plus[r, d]
-                    K_minus_s[r, d] = K_s[r, d] * E_minus[r, d]
-                    X_s[r, d] = K_s[r, d] * E_plus[r, d]
-                for r, j in T.Parallel(C, block_dv):
-                    X_s[r, d_k + j] = V_s[r, j]
-
-                # constraint 4: L strictly lower (i < c), A_qk with its diagonal (j <= c)
-                T.gemm(K_plus_s, K_minus_s, M_f, transpose_B=True, clear_accum=True)
+                # L[c, i] = beta_i sum_d k_c,d k_i,d e^{gamma_c,d - gamma_i,d}, i < c
                 for c, i in T.Parallel(C, C):
-                    L_s[c, i] = T.if_then_else(i < c, M_f[c, i] * beta_s[i], 0)
-                T.gemm(Q_plus_s, K_minus_s, A_qk_f, transpose_B=True, clear_accum=True)
-                for c, j in T.Parallel(C, C):
-                    A_qk_s[c, j] = T.if_then_else(j <= c, A_qk_f[c, j], 0)
-
-                # one forward substitution for both right-hand sides: row r needs rows j < r solved;
-                # each thread sums its column's correction in a register, one barrier per row
-                for r in T.serial(1, C):
-                    for col in T.Parallel(width):
-                        correction = 0
+                    total = T.alloc_var(accum_dtype)
+                    total = 0
+                    if i < c:
+                        for d in T.serial(d_k):
+                            total += (K[b, t0 + c, h, d] * K[b, t0 + i, h, d]
+                                      * T.exp2((gamma[c, d] - gamma[i, d]) * LOG2_E))
+                    scores[c, i] = total * Beta[b, t0 + i, h]
+                # T = (I + L)^{-1}: column col by forward substitution, T[r, col] = [r == col] - L[r, :r] T[:r, col]
+                for col in T.Parallel(C):
+                    for r in T.serial(C):
+                        entry = T.alloc_var(accum_dtype)
+                        entry = T.if_then_else(r == col, 1, 0)
                         for j in T.serial(r):
-                            correction += L_s[r, j] * X_s[j, col]
-                        X_s[r, col] -= correction
-                # constraint 6: beta only now, after the solve: diag(beta) T, not T diag(beta)
+                            entry -= scores[r, j] * inverse[j, col]
+                        inverse[r, col] = entry
+                # W and U: diag(beta) T times K ⊙ e^gamma and times V
                 for r, d in T.Parallel(C, d_k):
-                    W[r, d] = X_s[r, d] * beta_s[r]
-                T.copy(S_f, S_s)
-                T.gemm(W, S_s, V_new_f, clear_accum=True)
+                    total = T.alloc_var(accum_dtype)
+                    total = 0
+                    for c in T.serial(C):
+                        total += inverse[r, c] * K[b, t0 + c, h, d] * T.exp2(gamma[c, d] * LOG2_E)
+                    pseudo_keys[r, d] = Beta[b, t0 + r, h] * total
                 for r, j in T.Parallel(C, block_dv):
-                    V_new_f[r, j] = X_s[r, d_k + j] * beta_s[r] - V_new_f[r, j]
-                T.copy(V_new_f, V_new_s)
-
-                # the inter-chunk and intra-chunk terms into one accumulator (constraint 7: clear_accum)
-                T.copy(Q[b, t0:t0 + C, h, :], Q_inter_s)
-                for r, d in T.Parallel(C, d_k):
-                    Q_inter_s[r, d] = Q_inter_s[r, d] * E_plus[r, d]
-                T.gemm(Q_inter_s, S_s, acc_o, clear_accum=True)
-                T.gemm(A_qk_s, V_new_s, acc_o)
-                T.copy(acc_o, O[b, t0:t0 + C, h, v0:v0 + block_dv])
-
-                # the state moves past the chunk (constraints 1 and 2): its rows decay, one rate per
-                # key channel, and the GEMM adds the chunk's keys and pseudo-values
+                    total = T.alloc_var(accum_dtype)
+                    total = 0
+                    for c in T.serial(C):
+                        total += inverse[r, c] * V[b, t0 + c, h, v0 + j]
+                    pseudo_values[r, j] = Beta[b, t0 + r, h] * total
+                # V_new = U - W S^T
+                for r, j in T.Parallel(C, block_dv):
+                    total = T.alloc_var(accum_dtype)
+                    total = 0
+                    for d in T.serial(d_k):
+                        total += pseudo_keys[r, d] * state[d, j]
+                    pseudo_values[r, j] -= total
+                # A_qk[c, j] = sum_d q_c,d k_j,d e^{gamma_c,d - gamma_j,d}, j <= c
+                for c, i in T.Parallel(C, C):
+                    total = T.alloc_var(accum_dtype)
+                    total = 0
+                    if i <= c:
+                        for d in T.serial(d_k):
+                            total += (Q[b, t0 + c, h, d] * K[b, t0 + i, h, d]
+                                      * T.exp2((gamma[c, d] - gamma[i, d]) * LOG2_E))
+                    scores[c, i] = total
+                # o = (Q ⊙ e^gamma) S^T + A_qk V_new, from the state the chunk found
+                for r, j in T.Parallel(C, block_dv):
+                    total = T.alloc_var(accum_dtype)
+                    total = 0
+                    for d in T.serial(d_k):
+                        total += Q[b, t0 + r, h, d] * T.exp2(gamma[r, d] * LOG2_E) * state[d, j]
+                    for c in T.serial(C):
+                        total += scores[r, c] * pseudo_values[c, j]
+                    O[b, t0 + r, h, v0 + j] = total
+                # then S^T = Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new
                 for d, j in T.Parallel(d_k, block_dv):
-                    S_f[d, j] *= T.exp2(gamma_s[C - 1, d] * LOG2_E)
-                T.copy(K[b, t0:t0 + C, h, :], K_end_s)
-                for r, d in T.Parallel(C, d_k):
-                    K_end_s[r, d] = K_end_s[r, d] * T.exp2((gamma_s[C - 1, d] - gamma_s[r, d]) * LOG2_E)
-                T.gemm(K_end_s, V_new_s, S_f, transpose_A=True)
+                    total = T.alloc_var(accum_dtype)
+                    total = state[d, j] * T.exp2(gamma[C - 1, d] * LOG2_E)
+                    for r in T.serial(C):
+                        total += (K[b, t0 + r, h, d] * T.exp2((gamma[C - 1, d] - gamma[r, d]) * LOG2_E)
+                                  * pseudo_values[r, j])
+                    state[d, j] = total
             # EXERCISE END
 
     return kda_fwd

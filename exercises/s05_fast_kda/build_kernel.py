@@ -36,8 +36,10 @@ reference C's prepare computes from q, k, v, g, beta and compare with KDA's delt
   decays before the product adds the chunk to it (constraint 7 asks for a cleared state: here it
   starts from S_0);
 - the cost at B = 1, N = 1024, H = 4, d_k = d_v = 128, your tile defaults: at most 1.25 times the
-  course kernel's global bytes and GEMM FLOPs, as stages.common.program_cost counts them from your
-  TIR (a tile loaded from global memory twice goes over; the tune exercise asks for more);
+  course kernel's global bytes and GEMM FLOPs, and at least half its GEMM FLOPs, as
+  stages.common.program_cost counts them from your TIR (a tile loaded from global memory twice goes
+  over; products summed element by element, off the tensor cores, fall short; the tune exercise asks
+  for more);
 - the H200's budget at d_k = d_v = 128, chunk_size = 64: at most 227 KiB of shared memory per block
   (counted from your TIR); with `course check s05 --compile` (nvcc), no register spills.
 Read: stage 5 page, "s05.build_kernel".  Check: course check s05

@@ -4,8 +4,9 @@ The recurrence kernel walks the chunks of one (block of d_v columns, batch x hea
 S^T (d_k x block_dv), reading what the prepare kernel wrote: W, U, Q e^gamma, K e^{gamma_C - gamma},
 A_qk and e^{gamma_C}. The program between the markers is right: through the tile interpreter, in
 float64 it equals reference C's recurrence (stages.s05_fast_kda.reference.recurrence), output and
-final state, and in fp16 it matches it within fp16's rounding. It is also wasteful. Make it cheaper
-without changing what it computes, until each of its four counts is within 5% of the course's own
+final state, and in fp16 it matches it within fp16's rounding. It is also wasteful: every product
+is a loop of sums on the CUDA cores, every operand read from global memory where a product needs it,
+and the state kept in shared memory. Make it cheaper without changing what it computes, until each of its four counts is within 5% of the course's own
 kernel (build_recurrence_program) at the test's shape, as stages.common.program_cost counts them from
 the program (no GPU needed):
 
@@ -15,8 +16,8 @@ the program (no GPU needed):
     shared memory      the bytes of the T.alloc_shared buffers one block holds
 
 You may change anything between the markers, and the defaults of the builder's tile arguments; keep
-its signature, its inputs and outputs. The macros chunk_output and advance_state are the library's
-(stages/s05_fast_kda/kernel.py). A failing cost test says which count is over, by how much, and what
+its signature, its inputs and outputs. The macros chunk_output and advance_state, imported below,
+are the library's (stages/s05_fast_kda/kernel.py): you may use them. A failing cost test says which count is over, by how much, and what
 usually causes it.
 Read: stage 5 page, "Tuning the recurrence kernel".  Check: course check s05
 """
@@ -57,37 +58,40 @@ def build_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEF
             v0 = i_v * block_dv
 
             # EXERCISE BEGIN
-            W_s = T.alloc_shared((C, d_k), dtype)
-            U_s = T.alloc_shared((C, block_dv), dtype)
-            Q_decayed_s = T.alloc_shared((C, d_k), dtype)
-            K_to_chunk_end_s = T.alloc_shared((C, d_k), dtype)
-            A_qk_s = T.alloc_shared((C, C), dtype)
-            chunk_decay_s = T.alloc_shared((d_k,), accum_dtype)
-            S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
-            V_new_s = T.alloc_shared((C, block_dv), dtype)
-            O_s = T.alloc_shared((C, block_dv), dtype)  # o staged for a store of whole rows
+            # every product element by element on the CUDA cores, each operand read from global memory
+            # where the product needs it, and the state in shared memory
+            state = T.alloc_shared((d_k, block_dv), accum_dtype)  # S^T across the chunks
+            pseudo_values = T.alloc_shared((C, block_dv), accum_dtype)  # V_new of the current chunk
 
-            S_f = T.alloc_fragment((d_k, block_dv), accum_dtype)  # the state, while a chunk works on it
-            V_new_f = T.alloc_fragment((C, block_dv), accum_dtype)
-            acc_o = T.alloc_fragment((C, block_dv), accum_dtype)
-
-            # the state lives in Final_state: it starts as S_0 and holds S after every chunk
-            T.copy(Initial_state[b, h, :, v0:v0 + block_dv], S_f)
-            T.copy(S_f, Final_state[b, h, :, v0:v0 + block_dv])
-            for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
+            for d, j in T.Parallel(d_k, block_dv):
+                state[d, j] = Initial_state[b, h, d, v0 + j]
+            for i_c in T.serial(num_chunks):
                 t0 = i_c * C
-                T.copy(Final_state[b, h, :, v0:v0 + block_dv], S_f)
-                T.copy(W[b, t0:t0 + C, h, :], W_s)
-                T.copy(U[b, t0:t0 + C, h, v0:v0 + block_dv], U_s)
-                T.copy(Q_decayed[b, t0:t0 + C, h, :], Q_decayed_s)
-                T.copy(K_to_chunk_end[b, t0:t0 + C, h, :], K_to_chunk_end_s)
-                T.copy(A_qk[b, t0:t0 + C, h, :], A_qk_s)
-                T.copy(Chunk_decay[b, i_c, h, :], chunk_decay_s)
-
-                chunk_output(S_f, S_s, W_s, U_s, Q_decayed_s, A_qk_s, V_new_f, V_new_s, acc_o, O_s)
-                T.copy(O_s, O[b, t0:t0 + C, h, v0:v0 + block_dv])
-                advance_state(S_f, chunk_decay_s, K_to_chunk_end_s, V_new_s)
-                T.copy(S_f, Final_state[b, h, :, v0:v0 + block_dv])
+                # V_new = U - W S^T
+                for r, j in T.Parallel(C, block_dv):
+                    total = T.alloc_var(accum_dtype)
+                    total = U[b, t0 + r, h, v0 + j]
+                    for d in T.serial(d_k):
+                        total -= W[b, t0 + r, h, d] * state[d, j]
+                    pseudo_values[r, j] = total
+                # o = (Q ⊙ e^gamma) S^T + A_qk V_new, from the state the chunk found
+                for r, j in T.Parallel(C, block_dv):
+                    total = T.alloc_var(accum_dtype)
+                    total = 0
+                    for d in T.serial(d_k):
+                        total += Q_decayed[b, t0 + r, h, d] * state[d, j]
+                    for c in T.serial(C):
+                        total += A_qk[b, t0 + r, h, c] * pseudo_values[c, j]
+                    O[b, t0 + r, h, v0 + j] = total
+                # then S^T = Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new
+                for d, j in T.Parallel(d_k, block_dv):
+                    total = T.alloc_var(accum_dtype)
+                    total = state[d, j] * Chunk_decay[b, i_c, h, d]
+                    for r in T.serial(C):
+                        total += K_to_chunk_end[b, t0 + r, h, d] * pseudo_values[r, j]
+                    state[d, j] = total
+            for d, j in T.Parallel(d_k, block_dv):
+                Final_state[b, h, d, v0 + j] = state[d, j]
             # EXERCISE END
 
     return kda_recurrence

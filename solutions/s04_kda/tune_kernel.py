@@ -1,10 +1,11 @@
 """Exercise s04.tune_kernel (tune): the KDA kernel of stage 4, brought under a cost target.
 
-The program between the markers is right: it passes the kernel exercise's value tests (through the
-tile interpreter, in float64 and fp16) and keeps the seed's seven ordering constraints. It is also
-wasteful. Make it cheaper without changing what it computes, until each of its four counts is within
-5% of the course's own kernel at the test's shape, as stages.common.program_cost counts them from the
-program (no GPU needed):
+The program between the markers is right: through the tile interpreter, in float64 it equals
+reference C, in fp16 it matches reference A within fp16's rounding. It is also wasteful: it is the
+chunked algorithm written as reference B writes it, every product a loop of sums on the CUDA cores,
+every operand read from global memory where a product needs it. Make it cheaper without changing
+what it computes, until each of its four counts is within 5% of the course's own kernel at the
+test's shape, as stages.common.program_cost counts them from the program (no GPU needed):
 
     global bytes       what the program reads from and writes to global memory (HBM)
     GEMM FLOPs         the tensor cores' work, 2 M N K per T.gemm

@@ -4,8 +4,9 @@ The recurrence kernel walks the chunks of one (block of d_v columns, batch x hea
 S^T (d_k x block_dv), reading what the prepare kernel wrote: W, U, Q e^gamma, K e^{gamma_C - gamma},
 A_qk and e^{gamma_C}. The program between the markers is right: through the tile interpreter, in
 float64 it equals reference C's recurrence (stages.s05_fast_kda.reference.recurrence), output and
-final state, and in fp16 it matches it within fp16's rounding. It is also wasteful. Make it cheaper
-without changing what it computes, until each of its four counts is within 5% of the course's own
+final state, and in fp16 it matches it within fp16's rounding. It is also wasteful: every product
+is a loop of sums on the CUDA cores, every operand read from global memory where a product needs it,
+and the state kept in shared memory. Make it cheaper without changing what it computes, until each of its four counts is within 5% of the course's own
 kernel (build_recurrence_program) at the test's shape, as stages.common.program_cost counts them from
 the program (no GPU needed):
 
@@ -15,8 +16,8 @@ the program (no GPU needed):
     shared memory      the bytes of the T.alloc_shared buffers one block holds
 
 You may change anything between the markers, and the defaults of the builder's tile arguments; keep
-its signature, its inputs and outputs. The macros chunk_output and advance_state are the library's
-(stages/s05_fast_kda/kernel.py). A failing cost test says which count is over, by how much, and what
+its signature, its inputs and outputs. The macros chunk_output and advance_state, imported below,
+are the library's (stages/s05_fast_kda/kernel.py): you may use them. A failing cost test says which count is over, by how much, and what
 usually causes it.
 Read: stage 5 page, "Tuning the recurrence kernel".  Check: course check s05
 """

@@ -8,7 +8,8 @@ as calls (`tl.tileop.copy`, `tl.tileop.gemm` and `tl.tileop.wgmma_gemm`, `tl.til
 the author wrote, before any layout, pipeline or thread is chosen; this module runs it:
 
 - the grid is a loop over blocks, one block at a time;
-- every buffer is a NumPy array; `T.alloc_var` is one value per lane. Shared, fragment and local
+- every buffer is a NumPy array; `T.alloc_var` is one value per lane (or thread), and reading it
+  before anything stored into it stops the run with `ReadBeforeWrite`. Shared, fragment and local
   float buffers start filled with a NaN of a payload no arithmetic makes (UNWRITTEN_BITS): a statement
   that uses an element that nothing has written stops the run with `ReadBeforeWrite`, which names the
   buffer, the element and the statement's line in the author's file. `T.gemm` and `T.copy` into a
@@ -17,6 +18,11 @@ the author wrote, before any layout, pipeline or thread is chosen; this module r
   marked (TAINTED_BITS), and the run stops where a marked element is used, naming the first read;
 - a `T.Parallel` nest runs once, vectorized: its loop variables are index arrays that broadcast
   against each other, stores are fancy-index assignments, `if` and `T.if_then_else` are masks;
+- a block that reads its thread index (T.get_thread_binding, a loop bound to threadIdx) runs each
+  statement in all its threads at once: the index is an array over the threads, the last axis of
+  every value that depends on it, and a condition on it is a mask, as inside T.Parallel;
+- `T.atomic_add` (`T.atomic_max`, `T.atomic_min`) on an element combines every executing lane's value
+  into it in turn (np.add.at); on a region, adds a tile into it;
 - serial, pipelined and unrolled loops run in order (a pipelined loop's stages overlap on the GPU,
   not in meaning);
 - `T.copy` moves a region with bounds (reads outside the source give 0, writes outside the destination
@@ -30,10 +36,11 @@ the author wrote, before any layout, pipeline or thread is chosen; this module r
 Mistakes a GPU would not report stop the run with an error that names the author's line and the
 section of the interpreter page to read: ReadBeforeWrite, TileShapeMismatch, OutOfRange, and inside
 one T.Parallel nest CrossLaneRead (a lane reads an element another lane wrote there) and LaneRace (two
-lanes write one element). What it cannot show: races between threads beyond one T.Parallel nest,
-missing or misplaced barriers, the pipeline's overlap, layouts, registers, spills and shared-memory
-limits (the compile-only path, stages.common.tilelang_tools, reports those), and the last bits of exp2
-and of the GEMM's summation order.
+lanes, or two threads in one statement, write one element). What it cannot show: races between
+threads beyond one T.Parallel nest or one statement, races between blocks (they run one after
+another), missing or misplaced barriers, the pipeline's overlap, layouts, registers, spills and
+shared-memory limits (the compile-only path, stages.common.tilelang_tools, reports those), and the
+last bits of exp2 and of the GEMM's summation order.
 
     kernel = interpret(build_program(1, 256, 2, 64, 64), out_idx=[3])
     o = kernel(q, k, v)               # NumPy arrays in, NumPy arrays out
@@ -219,10 +226,14 @@ class _Frame:
     inside a T.Parallel nest that both writes and reads a buffer (or writes it twice), maps the slot of
     such a buffer to None until the nest stores into it, then to which lane of the nest wrote each
     element (_NO_LANE: none yet, _EVERY_LANE: several lanes, one value), so that a lane reading
-    another's element, or writing over it, is caught.
+    another's element, or writing over it, is caught. `unset` maps the slot of a `T.alloc_var` that
+    has lanes nothing wrote yet to those lanes (True: all of them). In a block that reads its thread
+    index, `threads` is the block's (x, y, z) thread counts and `thread_axes` is 1: the threads are
+    the last axis of every value that depends on them, and T.Parallel's lanes sit before it.
     """
 
-    __slots__ = ("values", "mask", "lane_depth", "filled", "origins", "lanes", "writers")
+    __slots__ = ("values", "mask", "lane_depth", "filled", "origins", "lanes", "writers", "unset", "threads",
+                 "thread_axes")
 
     def __init__(self, size):
         self.values = [None] * size
@@ -232,6 +243,9 @@ class _Frame:
         self.origins = {}
         self.lanes = []
         self.writers = {}
+        self.unset = {}
+        self.threads = (1, 1, 1)
+        self.thread_axes = 0
 
 
 _NO_LANE, _EVERY_LANE = -1, -2  # in _Frame.writers: no lane of the nest wrote the element, several did
@@ -255,6 +269,10 @@ class _Program:
         self.written = set()  # slots of the buffers the program writes (copied back when out_idx is None)
         self.poisoned = set()  # slots of the float buffers the program allocates: they start as UNWRITTEN_BITS
         self.grid_vars = []  # (name, slot) of the block indices, for messages
+        self.thread_slots = {}  # axis (0, 1, 2) -> slot of the thread index T.Kernel binds for it
+        self.thread_dependent = set()  # slots of the thread indices and of the values bound from them
+        self.uses_threads = False  # whether the program reads a thread index: then blocks run in thread mode
+        self._parallel_nesting = 0  # T.Parallel loops around the statement being compiled
         self.slots = {}  # id-independent: TIR Vars and Buffers hash by their node
         self.buffers = {}  # slot -> tirx.Buffer
         self.params = [prim_func.buffer_map[p] if p in prim_func.buffer_map else p for p in prim_func.params]
@@ -330,6 +348,19 @@ class _Program:
                         f"{used_where}")
         return ReadBeforeWrite(f"{message} (read the interpreter page, \"{ReadBeforeWrite.section}\")")
 
+    def _variable_read_before_write(self, frame, statement, buffer, hint=""):
+        """ReadBeforeWrite for a `T.alloc_var` read (by `statement`) where nothing wrote it."""
+        name = buffer.name
+        span = _span(statement)
+        line = _declaration_line(span[0], name, span[1]) if span is not None else None
+        declared = f"the variable {name} (a T.alloc_var" + (f", declared at line {line})" if line else ")")
+        blocks = ", ".join(f"{var} = {frame.values[var_slot]}" for var, var_slot in self.grid_vars)
+        return ReadBeforeWrite(
+            f"{self._where(statement)}: reads `{name}` before writing it: {declared} holds no value yet (in the "
+            f"block {blocks}){hint}. On a GPU a variable is a register that holds whatever it held before: give it "
+            f"its first value (`{name} = 0`, or T.alloc_var(dtype, init=0)) before the first read "
+            f"(read the interpreter page, \"{ReadBeforeWrite.section}\")")
+
     def _described(self, statement, slot):
         """(the buffer's name, where `statement` is, the buffer's declaration), for messages."""
         buffer = self.buffers[slot]
@@ -337,7 +368,7 @@ class _Program:
         scope = {"shared": "shared", "shared.dyn": "shared", "local.fragment": "fragment"}.get(buffer.scope(), "local")
         span = _span(statement)
         if span is not None:
-            line = _declaration_line(span[0], name)
+            line = _declaration_line(span[0], name, span[1])
             return name, self._where(statement), f"the {scope} buffer {name}" + (f", declared at line {line}" if line else "")
         # a program without spans: the buffer's declaration as TileLang parsed it
         return name, self._where(statement), f"the {scope} buffer {name} of shape {list(_static_shape(buffer))} and {buffer.dtype}"
@@ -493,12 +524,17 @@ class _Program:
         init = self._stmt(block.init) if block.init is not None else None
         body = self._stmt(block.body)
         poisoned = self.poisoned
+        launched = block.annotations.get("tl.launch_threads") if block.annotations is not None else None
+        threads = tuple(int(n) for n in launched) + (1,) * (3 - len(launched)) if launched is not None else None
 
         def run_block(frame):
+            if threads is not None and self.uses_threads:
+                self._start_threads(frame, threads)
             for slot, buffer in allocations:
                 dtype = NUMPY_DTYPES[str(buffer.dtype)]
                 if _is_var(buffer):
-                    frame.values[slot] = np.zeros((), dtype)
+                    frame.values[slot] = np.zeros((), dtype)  # its value is read only once `unset` lets it
+                    frame.unset[slot] = True
                 else:
                     shape = _static_shape(buffer)
                     frame.values[slot] = _unwritten_array(shape, dtype) if slot in poisoned else np.zeros(shape, dtype)
@@ -507,19 +543,30 @@ class _Program:
             if init is not None:
                 init(frame)
             body(frame)
+            if threads is not None:
+                frame.thread_axes = 0
 
         return run_block
+
+    def _start_threads(self, frame, threads):
+        """Thread mode for the block about to run: each thread index an array over the block's threads,
+        numbered x fastest, as CUDA numbers them."""
+        x, y, z = threads
+        thread = np.arange(x * y * z, dtype=np.int64)
+        for axis, index in enumerate((thread % x, thread // x % y, thread // (x * y))):
+            if axis in self.thread_slots:
+                frame.values[self.thread_slots[axis]] = index
+        frame.threads, frame.thread_axes = threads, 1
 
     def _bind(self, node):
         slot = self._slot(node.var)
         value = node.value
         if isinstance(value, self.tirx.Call) and str(value.op.name) == "tl.launch_thread_idx":
-            self._thread_index_slots = getattr(self, "_thread_index_slots", set()) | {slot}
-
-            def run_thread_index(frame):
-                frame.values[slot] = None
-
-            return run_thread_index
+            self.thread_slots[_as_int(value.args[0])] = slot  # set by the block that launches the threads
+            self.thread_dependent.add(slot)
+            return lambda frame: None
+        if self._reads_a_thread_index(value):
+            self.thread_dependent.add(slot)
         evaluate = self._expr(value)
 
         def run_bind(frame):
@@ -553,8 +600,10 @@ class _Program:
 
     def _grid_loop(self, node):
         tag = str(node.thread_binding.thread_tag)
+        if tag.startswith("threadIdx"):
+            return self._thread_loop(node, "xyz".index(tag[-1]))
         if not tag.startswith("blockIdx"):
-            raise self._unsupported(f"a loop bound to {tag} (the interpreter runs tile-level programs)", node)
+            raise self._unsupported(f"a loop bound to {tag}", node)
         slot, extent = self._slot(node.loop_var), self._expr(node.extent)
         self.grid_vars.append((node.loop_var.name, slot))
         body, start = self._stmt(node.body), self._expr(node.min)
@@ -566,6 +615,28 @@ class _Program:
                 body(frame)
 
         return run_grid
+
+    def _thread_loop(self, node, axis):
+        """`for t in T.thread_binding(n, "threadIdx.x")` in a kernel of n threads along x: t is the
+        thread index, as T.get_thread_binding(0) gives it."""
+        slot, extent, start = self._slot(node.loop_var), self._expr(node.extent), self._expr(node.min)
+        self.uses_threads = True
+        self.thread_dependent.add(slot)
+        self._check_thread_index_outside_parallel(node.loop_var, node)
+        body = self._stmt(node.body)
+        name = node.loop_var.name
+
+        def run_thread_loop(frame):
+            count, first = frame.threads[axis], int(start(frame))
+            if first != 0 or int(extent(frame)) != count:
+                raise InterpreterError(
+                    f"{self._where(node)}: the loop over {name} is bound to threadIdx.{'xyz'[axis]} from {first} to "
+                    f"{first + int(extent(frame))}, but the kernel launches {count} threads along that axis: a loop "
+                    f"bound to a thread index runs once in each thread, so its range is the threads' (0 to {count})")
+            frame.values[slot] = frame.values[self.thread_slots[axis]]
+            body(frame)
+
+        return run_thread_loop
 
     def _serial_loop(self, node):
         slot, body = self._slot(node.loop_var), self._stmt(node.body)
@@ -594,7 +665,12 @@ class _Program:
         return run_serial
 
     def _parallel_loop(self, node):
-        slot, body = self._slot(node.loop_var), self._stmt(node.body)
+        slot = self._slot(node.loop_var)
+        self._parallel_nesting += 1
+        try:
+            body = self._stmt(node.body)
+        finally:
+            self._parallel_nesting -= 1
         start, extent = self._expr(node.min), self._expr(node.extent)
         lane = (str(node.loop_var.name), slot)
         tracked = self._shared_between_lanes(node)
@@ -604,7 +680,14 @@ class _Program:
             if np.ndim(first) or np.ndim(count):
                 raise InterpreterError(f"T.Parallel over {node.loop_var}: its extent differs between lanes")
             depth = frame.lane_depth
-            lanes = np.arange(int(first), int(first) + int(count), dtype=np.int64).reshape((int(count),) + (1,) * depth)
+            if depth == 0 and frame.mask is not True:
+                raise InterpreterError(
+                    f"{self._where(node)}: a T.Parallel loop under a condition on the thread index: T.Parallel "
+                    f"spreads its lanes over all the block's threads, so every thread must reach it; move it out of "
+                    f"the `if` (or the loop whose range depends on the thread)")
+            # the threads, in thread mode, are the last axis: the lanes come before it
+            lanes = np.arange(int(first), int(first) + int(count), dtype=np.int64).reshape(
+                (int(count),) + (1,) * (depth + frame.thread_axes))
             frame.values[slot] = lanes
             frame.lane_depth = depth + 1
             frame.lanes.append(lane)
@@ -767,6 +850,7 @@ class _Program:
                 if frame.mask is not True:
                     new = np.where(frame.mask, new, frame.values[slot])
                 frame.values[slot] = new
+                _mark_var_written(frame, slot)
 
             return run_var_store
         indices = [self._expr(i) for i in node.indices]
@@ -798,7 +882,7 @@ class _Program:
             _check_bounds(name, target.shape, where, True)
             values = new[mask]
             if math.prod(lanes_per_element) < mask.size:  # the index leaves out a lane axis
-                _check_no_race(name, target.shape, where, values)
+                _check_no_race(name, target.shape, where, values, frame.thread_axes and not frame.lane_depth)
             target[tuple(where)] = values
 
         return run_store
@@ -820,6 +904,10 @@ class _Program:
             "tl.tileop.fill": self._fill,
             "tl.tileop.reduce": self._reduce,
             "tl.tileop.cumsum": self._cumsum,
+            "tl.tileop.atomicadd": self._atomic_add_tile,
+            "tl.atomic_add_elem_op": lambda call, node: self._atomic_element(call, node, np.add, "T.atomic_add"),
+            "tl.atomic_max_elem_op": lambda call, node: self._atomic_element(call, node, np.maximum, "T.atomic_max"),
+            "tl.atomic_min_elem_op": lambda call, node: self._atomic_element(call, node, np.minimum, "T.atomic_min"),
         }.get(op)
         if handler is None:
             raise self._unsupported(f"the operation {op}", node)
@@ -834,6 +922,9 @@ class _Program:
             raise self._unsupported(f"a tile operand of type {type(arg).__name__}", node)
         load, extents = parts
         buffer = load.buffer
+        if any(self._reads_a_thread_index(i) for i in load.indices):
+            raise self._unsupported("a tile region whose start depends on the thread index (a tile operation is "
+                                    "one operation of the whole block, the same region in every thread)", node)
         starts = [self._expr(i) for i in load.indices]
         sizes = [_as_int(e) for e in extents]
         if any(s is None for s in sizes):
@@ -886,6 +977,10 @@ class _Program:
     def _tile_guard(self, frame, what):
         if frame.lane_depth:
             raise InterpreterError(f"{what} inside T.Parallel: tile operations run once per block")
+        if frame.mask is not True:
+            raise InterpreterError(f"{what} under a condition on the thread index: a tile operation is run by all "
+                                   f"the block's threads together, so every thread must reach it; move it out of "
+                                   f"the `if`")
 
     def _copy(self, call, node):
         src_slot, src, src_starts, src_sizes = self._region(call.args[0], node)
@@ -933,11 +1028,81 @@ class _Program:
             self._tile_guard(frame, "T.fill")
             if _is_var(buffer):
                 frame.values[slot] = round_to_dtype(value(frame), dtype)
+                _mark_var_written(frame, slot)
                 return
             tile = np.full(sizes, round_to_dtype(value(frame), dtype), dtype=NUMPY_DTYPES[dtype])
             _write_window(frame.values[slot], [int(s(frame)) for s in starts], tile)
 
         return run_fill
+
+    def _atomic_element(self, call, node, combine, what):
+        """`T.atomic_add(X[i], value)` (and T.atomic_max, T.atomic_min): every lane or thread that
+        executes it combines its value into its element, one after another, so lanes that share an
+        element all count (an `X[i] = X[i] + value` keeps one of them)."""
+        pointer = call.args[0]
+        if not (isinstance(pointer, self.tirx.Call) and str(pointer.op.name) == "tl.access_ptr"
+                and isinstance(pointer.args[0], self.tirx.BufferLoad)):
+            raise self._unsupported(f"{what} on {pointer}", node)
+        load = pointer.args[0]
+        buffer = load.buffer
+        slot, name, dtype = self._slot(buffer), buffer.name, str(buffer.dtype)
+        if _is_var(buffer):
+            raise self._unsupported(f"{what} on the variable {name}", node)
+        indices, value = [self._expr(i) for i in load.indices], self._expr(call.args[1])
+        self.written.add(slot)
+
+        def run_atomic(frame):
+            target = frame.values[slot]
+            try:
+                where = _check_bounds(name, target.shape, [i(frame) for i in indices], frame.mask)
+            except OutOfRange as error:
+                raise self._locate(error, node) from None
+            *where, values, active = np.broadcast_arrays(*where, round_to_dtype(value(frame), dtype), frame.mask)
+            elements = tuple(np.asarray(i, dtype=np.int64)[active] for i in where)
+            values = values[active]
+            if target.dtype in _UNSIGNED:
+                unwritten = _unwritten(target[elements])
+                if np.any(unwritten):
+                    element = [int(i[np.argmax(unwritten)]) for i in elements]
+                    raise ReadBeforeWrite(
+                        f"{self._where(node)}: {what} combines into {name}{element}, which holds no value yet: an "
+                        f"atomic reads the element it adds into, so the element needs its start before the first "
+                        f"atomic (an output of the launch: zeros passed in, not allocated by out_idx) (read the "
+                        f"interpreter page, \"{ReadBeforeWrite.section}\")")
+            if dtype == "bfloat16":  # bf16 has no NumPy type: round after each combination, as the GPU does
+                for k in range(values.size):
+                    element = tuple(int(i[k]) for i in elements)
+                    target[element] = round_to_dtype(combine(target[element], values[k]), dtype)
+                return
+            combine.at(target, elements, values)
+
+        return run_atomic
+
+    def _atomic_add_tile(self, call, node):
+        """`T.atomic_add(X[region], tile)`: the tile added into the region, element by element."""
+        src_slot, src, src_starts, src_sizes = self._region(call.args[0], node)
+        dst_slot, dst, dst_starts, dst_sizes = self._region(call.args[1], node)
+        if [s for s in src_sizes if s != 1] != [s for s in dst_sizes if s != 1]:
+            raise self._taught(TileShapeMismatch, node, (
+                f"T.atomic_add adds {src_sizes} ({src.name}) into {dst_sizes} ({dst.name}): the two regions must "
+                f"have one shape (axes of size 1 aside)"))
+        dtype = str(dst.dtype)
+        self.written.add(dst_slot)
+
+        def run_atomic_add(frame):
+            self._tile_guard(frame, "T.atomic_add")
+            tile = self._tile(frame, src_slot, src_starts, src_sizes, node).reshape(dst_sizes)
+            starts = [int(s(frame)) for s in dst_starts]
+            before = _read_window(frame.values[dst_slot], starts, dst_sizes)
+            if before.dtype in _UNSIGNED and np.any(_unwritten(before)):
+                first = [int(i) for i in np.add(starts, np.unravel_index(int(np.argmax(_unwritten(before))), before.shape))]
+                raise ReadBeforeWrite(
+                    f"{self._where(node)}: T.atomic_add adds into {dst.name}{first}, which holds no value yet: the "
+                    f"region an atomic adds into needs its start before the first atomic (read the interpreter "
+                    f"page, \"{ReadBeforeWrite.section}\")")
+            _write_window(frame.values[dst_slot], starts, round_to_dtype(before + tile.astype(before.dtype), dtype))
+
+        return run_atomic_add
 
     def _matrix(self, frame, slot, starts, sizes, shape, statement, hint=""):
         """The operand in the window `starts + sizes` of the buffer in `slot` as a `shape` matrix, and
@@ -1032,8 +1197,12 @@ class _Program:
             reduced = reduce_all(tile.astype(np.float32 if tile.dtype == np.float16 else tile.dtype), axis=dim)
             starts = [int(s(frame)) for s in dst_starts]
             if _is_var(dst):
+                cleared = clear(frame)
+                if not cleared and _lanes_meet(frame.unset.get(dst_slot, False), frame.mask):
+                    raise self._variable_read_before_write(frame, node, dst, _ACCUMULATES)
                 old = frame.values[dst_slot]
-                frame.values[dst_slot] = round_to_dtype(reduced if clear(frame) else combine(old, reduced), dtype)
+                frame.values[dst_slot] = round_to_dtype(reduced if cleared else combine(old, reduced), dtype)
+                _mark_var_written(frame, dst_slot)
                 return
             reduced = reduced.reshape(dst_sizes)
             if not clear(frame):
@@ -1106,9 +1275,9 @@ class _Program:
 
     def _var(self, node):
         slot = self._slot(node)
-        if slot in getattr(self, "_thread_index_slots", ()):
-            raise self._unsupported(f"the thread index {node.name} (the interpreter runs tile-level programs)",
-                                    self._statement or node)
+        if slot in self.thread_dependent:
+            self.uses_threads = True
+            self._check_thread_index_outside_parallel(node, self._statement or node)
         name = node.name
 
         def read_var(frame):
@@ -1119,11 +1288,35 @@ class _Program:
 
         return read_var
 
+    def _check_thread_index_outside_parallel(self, var, node):
+        if self._parallel_nesting:
+            raise self._unsupported(
+                f"the thread index {var.name} (or a value bound from it) inside T.Parallel: T.Parallel spreads its "
+                f"lanes over the threads itself, so index by the loop's variables there, or write the loop as "
+                f"`for ... in T.serial(...)` in each thread", node)
+
+    def _reads_a_thread_index(self, expression):
+        """Whether `expression` reads a thread index, or a variable bound from one."""
+        from tvm.tirx.stmt_functor import post_order_visit
+
+        found = []
+        post_order_visit(expression, lambda e: found.append(e) if isinstance(e, self.tirx.Var)
+                         and self.slots.get(e.__chandle__()) in self.thread_dependent else None)
+        return bool(found)
+
     def _load(self, node):
         buffer = node.buffer
         slot, name = self._slot(buffer), buffer.name
         if _is_var(buffer):
-            return lambda frame: frame.values[slot]
+            statement = self._statement
+
+            def read_var(frame):
+                unset = frame.unset.get(slot)
+                if unset is not None and _lanes_meet(unset, frame.mask):
+                    raise self._variable_read_before_write(frame, statement, buffer)
+                return frame.values[slot]
+
+            return read_var
         indices = [self._expr(i) for i in node.indices]
         statement = self._statement
 
@@ -1238,6 +1431,29 @@ def _static_shape(buffer):
     return shape
 
 
+def _mark_var_written(frame, slot):
+    """A store into the variable in `slot` by the lanes of frame.mask: those lanes now hold a value."""
+    unset = frame.unset.get(slot)
+    if unset is None:
+        return
+    if frame.mask is True:
+        del frame.unset[slot]
+        return
+    remaining = np.logical_and(unset, np.logical_not(frame.mask))
+    if remaining.any():
+        frame.unset[slot] = remaining
+    else:
+        del frame.unset[slot]
+
+
+def _lanes_meet(unset, mask):
+    """Whether a lane that executes (`mask`: True, or an array over the lanes) is one of the lanes of a
+    variable that hold no value yet (`unset`: True, False or such an array)."""
+    if unset is False:
+        return False
+    return bool(np.any(unset if mask is True else np.logical_and(unset, mask)))
+
+
 def _truncating_divide(a, b):
     quotient = np.abs(a) // np.abs(b)
     return np.where((np.asarray(a) < 0) != (np.asarray(b) < 0), -quotient, quotient)
@@ -1268,9 +1484,10 @@ def _check_bounds(name, shape, where, mask):
     return safe
 
 
-def _check_no_race(name, shape, where, values):
-    """Raise if lanes of one T.Parallel store different values into one element: on a GPU which lane
-    wins is undefined. Lanes that store the same value (a flag, say) are no race."""
+def _check_no_race(name, shape, where, values, threads=False):
+    """Raise if lanes of one T.Parallel (`threads`: threads of one block) store different values into one
+    element: on a GPU which lane wins is undefined. Lanes that store the same value (a flag, say) are
+    no race."""
     flat = np.ravel_multi_index([np.asarray(i, dtype=np.int64) for i in where], shape)
     order = np.argsort(flat, kind="stable")
     flat, values = flat[order], values[order]
@@ -1282,6 +1499,11 @@ def _check_no_race(name, shape, where, values):
     clash = same_element & differ
     if np.any(clash):
         element = np.unravel_index(int(flat[1:][clash][0]), shape)
+        if threads:
+            raise LaneRace(
+                f"{name}{list(map(int, element))}: threads of the block store different values into this element in "
+                f"one statement (a race on the GPU: which thread's store lands last is undefined); give each thread "
+                f"its own element, or combine them with T.atomic_add")
         raise LaneRace(
             f"{name}{list(map(int, element))}: lanes of one T.Parallel store different values into this element "
             f"(a race on the GPU: which lane wins is undefined); give each lane its own element, or reduce "
@@ -1334,15 +1556,17 @@ def _span(stmt):
     return str(span.source_name.name), int(span.line)
 
 
-def _declaration_line(path, name):
-    """The line of `path` where `name = T.alloc_...(...)` declares a buffer, or None."""
+def _declaration_line(path, name, used_at):
+    """The line of `path` where `name = T.alloc_...(...)` declares a buffer, the last such line before
+    `used_at` (a file may hold several programs), or None."""
     import linecache
 
     declaration = re.compile(rf"^\s*{re.escape(name)}\s*=\s*T\.alloc_")
-    for number, line in enumerate(linecache.getlines(path), start=1):
+    found = None
+    for number, line in enumerate(linecache.getlines(path)[:used_at], start=1):
         if declaration.match(line):
-            return number
-    return None
+            found = number
+    return found
 
 
 class _Origin:

@@ -50,7 +50,7 @@ def build(build_program, *args, **kwargs):
         with _quiet_tilelang():
             return build_program(*args, **kwargs)
     except NotImplementedError as todo:
-        problem = f"build_program raised NotImplementedError: {todo}"
+        problem = f"{getattr(build_program, '__name__', 'build_program')} raised NotImplementedError: {todo}"
     except Exception as error:  # named by the line of the student's file that TileLang could not build
         from stages.common.tilelang_tools import build_error_message
 

@@ -2,8 +2,9 @@
 
 They check what any correct program does, never how the course's is written: its values through the
 tile interpreter (float64 against reference C, fp16 against reference A, a zero-padded length), that
-it writes only O, the ordering constraints on its TIR, and the H200's budgets (shared memory from the
-TIR; with nvcc, no spills). tests/test_build_exercises.py runs them on a second, differently tiled
+it writes only O, the ordering constraints on its TIR, its cost near the course kernel's (global bytes
+and GEMM FLOPs, tests/exercises/build_checks.py) and the H200's budgets (shared memory from the TIR;
+with nvcc, no spills). tests/test_build_exercises.py runs them on a second, differently tiled
 program too.
 """
 
@@ -11,14 +12,16 @@ import pytest
 
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
+from stages.common.program_cost import counted_cost
 from stages.s01_linear_attention.reference import kernel_mirror, recurrent
-from tests.exercises.build_checks import (BUDGET_HEAD_DIM, assert_fits_shared_memory,
+from tests.exercises.build_checks import (BUDGET_HEAD_DIM, assert_cost_near_the_course_kernel, assert_fits_shared_memory,
                                           assert_respects_ordering_constraints, assert_writes_only, padded_to_chunks)
 from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, compile_for_sm90a, run_on_cpu, run_on_gpu
 from tests.exercises.library_values import from_library
 
 STAGE = "s01_linear_attention"
 TILES = dict(chunk_size=16, block_dv=16)
+COST_SHAPE = (1, 1024, 4, 128, 128)  # B, N, H, d_k, d_v: the kernel's head dims, 16 chunks at C = 64
 
 
 @pytest.fixture
@@ -73,6 +76,17 @@ def test_respects_ordering_constraints(build_program):
 
 def test_fits_the_shared_memory_of_an_h200(build_program):
     assert_fits_shared_memory(build(build_program, 1, 256, 2, BUDGET_HEAD_DIM, BUDGET_HEAD_DIM))
+
+
+def library_cost(B, N, H, d_k, d_v):
+    """The counts of the library kernel at its default tiles: what the cost test compares with."""
+    from stages.s01_linear_attention.kernel import build_program as library_program
+
+    return counted_cost(library_program(B, N, H, d_k, d_v))
+
+
+def test_cost_near_the_course_kernel(build_program):
+    assert_cost_near_the_course_kernel(build(build_program, *COST_SHAPE), from_library(library_cost, *COST_SHAPE))
 
 
 @pytest.mark.compile

@@ -6,6 +6,7 @@ import pytest
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.oracles import causal_linear_attention, scalar_decay_attention
+from tests.exercises.strong_gates import STRONG_CHUNK, STRONG_LOG_GATE, assert_finite
 
 STAGE = "s02_scalar_decay"
 
@@ -41,3 +42,11 @@ def test_rejects_bad_chunk_size(chunkwise):
     x = make_inputs(1, 8, 1, 4, 4, gate="head", seed=4)
     with pytest.raises(ValueError, match="chunk_size"):
         chunkwise(x.q, x.k, x.v, x.g, 0)
+
+
+def test_strong_gates_at_full_chunk_length(chunkwise):
+    x = make_inputs(1, 3 * STRONG_CHUNK, 2, 4, 3, gate="head", gate_range=(0.5, 0.99), seed=50)
+    x.g[0] = STRONG_LOG_GATE  # head 0 forgets at once; head 1 keeps its gate
+    actual = chunkwise(x.q, x.k, x.v, x.g, STRONG_CHUNK)
+    assert_finite(actual, "head 0")
+    assert_close(actual, scalar_decay_attention(x.q, x.k, x.v, x.g), rel_l2=1e-12, chunk_size=STRONG_CHUNK)

@@ -8,6 +8,7 @@ import pytest
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.oracles import delta_rule
+from tests.exercises.strong_gates import STRONG_CHUNK, STRONG_LOG_GATE, assert_finite
 
 STAGE = "s03_gated_deltanet"
 
@@ -43,3 +44,11 @@ def test_rejects_bad_chunk_size(chunkwise):
     x = make_inputs(1, 8, 1, 4, 4, gate="token", beta_range=(0.1, 0.9), seed=4)
     with pytest.raises(ValueError, match="chunk_size"):
         chunkwise(x.q, x.k, x.v, x.g, x.beta, 0)
+
+
+def test_strong_gates_at_full_chunk_length(chunkwise):
+    x = make_inputs(1, 3 * STRONG_CHUNK, 2, 6, 5, gate="token", gate_range=(0.8, 0.99), beta_range=(0.1, 0.9), seed=50)
+    x.g[:, :, 0] = STRONG_LOG_GATE  # head 0 forgets at every token; head 1 keeps its gates
+    actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, STRONG_CHUNK)
+    assert_finite(actual, "head 0")
+    assert_close(actual, delta_rule(x.q, x.k, x.v, x.beta, x.g), rel_l2=1e-12, chunk_size=STRONG_CHUNK)

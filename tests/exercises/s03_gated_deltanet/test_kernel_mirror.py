@@ -8,6 +8,7 @@ import pytest
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.oracles import delta_rule
+from tests.exercises.strong_gates import STRONG_CHUNK, STRONG_LOG_GATE, assert_finite
 
 STAGE = "s03_gated_deltanet"
 
@@ -47,3 +48,11 @@ def test_rejects_block_dv_that_does_not_divide_d_v(kernel_mirror):
     x = _inputs(8, seed=6)
     with pytest.raises(ValueError, match="block_dv"):
         kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 4, 4)
+
+
+def test_strong_gates_at_full_chunk_length(kernel_mirror):
+    x = make_inputs(1, 3 * STRONG_CHUNK, 2, 4, 6, gate="token", gate_range=(0.8, 0.99), beta_range=(0.1, 0.9), seed=50)
+    x.g[:, :, 0] = STRONG_LOG_GATE  # head 0 forgets at every token; head 1 keeps its gates
+    actual = kernel_mirror(x.q, x.k, x.v, x.g, x.beta, STRONG_CHUNK, 3)
+    assert_finite(actual, "head 0")
+    assert_close(actual, delta_rule(x.q, x.k, x.v, x.beta, x.g), rel_l2=1e-12, chunk_size=STRONG_CHUNK)

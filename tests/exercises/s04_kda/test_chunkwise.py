@@ -5,6 +5,7 @@ import pytest
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.oracles import kda_delta_rule
+from tests.exercises.strong_gates import STRONG_CHUNK, STRONG_LOG_GATE, assert_finite
 
 STAGE = "s04_kda"
 
@@ -34,3 +35,11 @@ def test_rejects_bad_chunk_size(chunkwise):
     x = make_inputs(1, 8, 1, 4, 4, gate="channel", beta_range=(0.1, 0.9), seed=4)
     with pytest.raises(ValueError, match="chunk_size"):
         chunkwise(x.q, x.k, x.v, x.g, x.beta, 0)
+
+
+def test_strong_gates_at_full_chunk_length(chunkwise):
+    x = make_inputs(1, 3 * STRONG_CHUNK, 2, 6, 5, gate="channel", gate_range=(0.5, 0.999), beta_range=(0.1, 0.9), seed=50)
+    x.g[..., ::2] = STRONG_LOG_GATE  # every other key channel forgets at every token
+    actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, STRONG_CHUNK)
+    assert_finite(actual, "every other key channel")
+    assert_close(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta), rel_l2=1e-12, chunk_size=STRONG_CHUNK)

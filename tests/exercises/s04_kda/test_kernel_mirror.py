@@ -7,6 +7,7 @@ import pytest
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.oracles import kda_delta_rule
+from tests.exercises.strong_gates import STRONG_CHUNK, STRONG_LOG_GATE, assert_finite
 
 STAGE = "s04_kda"
 
@@ -53,3 +54,13 @@ def test_rejects_block_dv_that_does_not_divide_d_v(kernel_mirror):
     x = _inputs(8, seed=7)
     with pytest.raises(ValueError, match="block_dv"):
         kernel_mirror(x.q, x.k, x.v, x.g, x.beta, 4, 4)
+
+
+def test_strong_gates_at_full_chunk_length(kernel_mirror):
+    x = make_inputs(1, 3 * STRONG_CHUNK, 2, 4, 6, gate="channel", gate_range=(0.5, 0.999), beta_range=(0.1, 0.9), seed=50)
+    x.g[..., ::2] = STRONG_LOG_GATE  # every other key channel forgets at every token
+    # sub-chunks of 2 keys keep the exponent split's e^{origin - gamma} within float64 (at most e^100):
+    # a whole chunk's split would overflow by design, the reason for stage 4's gate lower bound
+    actual = kernel_mirror(x.q, x.k, x.v, x.g, x.beta, STRONG_CHUNK, 3, sub_chunk_size=2)
+    assert_finite(actual, "every other key channel")
+    assert_close(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta), rel_l2=1e-12, chunk_size=STRONG_CHUNK)

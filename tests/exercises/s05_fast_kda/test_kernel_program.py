@@ -7,15 +7,17 @@ in the handout), its output must match reference A within fp16's rounding.
 With nvcc it compiles for sm_90a without spills; on a GPU it runs.
 """
 
+import numpy as np
 import pytest
 
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.s04_kda.reference import recurrent
-from stages.s05_fast_kda.reference import prepare
+from stages.s05_fast_kda.reference import SUB_BLOCK, prepare
 from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, compile_for_sm90a, run_on_cpu, run_on_gpu
 from tests.exercises.library_values import from_library
 from tests.exercises.s05_fast_kda.oracle import chunk_recurrence
+from tests.exercises.strong_gates import STRONG_LOG_GATE
 
 STAGE = "s05_fast_kda"
 OUTPUTS = ("w", "u", "q_decayed", "k_to_chunk_end", "a_qk", "chunk_decay")  # the program's out_idx order
@@ -86,3 +88,25 @@ def test_runs_on_gpu(build_prepare_program):
     actual, _ = chunk_recurrence(*prepared)
     assert_close(actual, from_library(recurrent, x.q, x.k, x.v, x.g, x.beta), rel_l2=4 * UNIT_ROUNDOFF["float16"],
                  chunk_size=chunk_size, name="the fp16 prepare kernel on the GPU, then the recurrence")
+
+
+def test_fp16_program_takes_the_exact_path_where_a_sub_block_is_wide(build_prepare_program):
+    """Gates that flag some diagonal sub-blocks for the exact path and not others. In the fp16 program a
+    sub-block's anchored factors stay on the GEMMs up to a span of FAST_SPAN_LOG["float16"] (5.5
+    e-folds); a log gate of STRONG_LOG_GATE puts its widest factor on the sub-block's first row (the
+    gate on the row after it: e^{gamma_first - gamma_middle}) in chunk 0's first sub-block and on its
+    last row (the gate on that row: e^{gamma_middle - gamma_last}) in chunk 0's third, in half the key
+    channels; every other sub-block keeps gates of 0.9 or more (0.84 e-folds), on the fast path."""
+    B, N, H, d_k, d_v, chunk_size = 1, 128, 1, 32, 32, 64
+    x = _inputs(B, N, H, d_k, d_v, (0.9, 0.999), seed=8)
+    first_row_of_block_0, last_row_of_block_2 = 0, 2 * SUB_BLOCK + SUB_BLOCK - 1
+    x.g[0, first_row_of_block_0 + 1, 0, ::2] = STRONG_LOG_GATE
+    x.g[0, last_row_of_block_2, 0, 1::2] = STRONG_LOG_GATE
+    prepared = run_on_cpu(build(build_prepare_program, B, N, H, d_k, d_v, chunk_size, dtype="float16"),
+                          [x.q, x.k, x.v, x.g, x.beta], out_idx=PREPARE_OUT)
+    actual, _ = chunk_recurrence(*prepared)
+    assert np.isfinite(actual).all(), (
+        "the output has inf or NaN where a diagonal sub-block's gates are strong: is every wide sub-block "
+        "flagged (its span from its first row to its last), and does its exact result stay where it is written?")
+    assert_close(actual, from_library(recurrent, x.q, x.k, x.v, x.g, x.beta), rel_l2=4 * UNIT_ROUNDOFF["float16"],
+                 chunk_size=chunk_size, name="the interpreted fp16 prepare program with two wide sub-blocks, then the recurrence")

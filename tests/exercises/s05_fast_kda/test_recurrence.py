@@ -1,6 +1,8 @@
 """Tests of exercise s05.recurrence: the library's prepare, then the recurrence under test, against
 the delta-rule form of KDA token by token."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -49,3 +51,20 @@ def test_carries_the_state_across_calls(recurrence):
         o, state = recurrence(tensors, 3, initial_state=state)
         outputs.append(o)
     assert_close(np.concatenate(outputs, axis=1), expected, rel_l2=1e-12, chunk_size=16)
+
+
+def test_inputs_unchanged_and_a_second_call_agrees(recurrence):
+    """The prepared tensors and the initial state come back as they went in (a caller reuses a state,
+    as stage 7's prefill does), and a second call on them gives the same output and final state."""
+    x = _inputs(48, seed=11)
+    tensors = from_library(prepare, x.q, x.k, x.v, x.g, x.beta, 16, 4)
+    initial_state = np.random.default_rng(11).standard_normal((2, 2, 8, 6))
+    tensors_before = {field.name: getattr(tensors, field.name).copy() for field in dataclasses.fields(tensors)}
+    state_before = initial_state.copy()
+    first = recurrence(tensors, 3, initial_state=initial_state)
+    assert np.array_equal(initial_state, state_before), "the initial state changed during the call"
+    for name, before in tensors_before.items():
+        assert np.array_equal(getattr(tensors, name), before), f"tensors.{name} changed during the call"
+    second = recurrence(tensors, 3, initial_state=initial_state)
+    for name, a, b in zip(("o", "the final state"), first, second):
+        assert np.array_equal(a, b), f"{name} differs between two calls on the same inputs"

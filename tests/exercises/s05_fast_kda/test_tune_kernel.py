@@ -16,6 +16,7 @@ from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.program_cost import counted_cost
 from stages.s05_fast_kda.reference import prepare, recurrence
+from tests.exercises.build_checks import assert_writes_only
 from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, run_on_cpu
 from tests.exercises.library_values import from_library
 from tests.exercises.tune_checks import COUNTS, assert_cost_within_target, assert_time_within_target
@@ -55,6 +56,11 @@ def _check_values(build_program, dtype, rel_l2, seed):
 def test_float64_program_equals_reference_c(build_program):
     # fp32 accumulators: each entry sums O(C + d_k) products, each rounded to 2^-24, over four chunks
     _check_values(build_program, "float64", 64 * UNIT_ROUNDOFF["float64"], seed=21)
+
+
+def test_writes_only_its_outputs(build_program):
+    """The initial state comes back as it went in (a caller reuses it), as every input does."""
+    assert_writes_only(build(build_program, *SHAPE, **TILES), outputs=OUT_IDX)
 
 
 def test_fp16_program_within_rounding(build_program):

@@ -47,3 +47,17 @@ def test_inputs_unchanged_and_a_second_call_agrees(chunkwise_backward):
         assert np.array_equal(original, after), "an input changed during the call"
     for name in GRADIENTS:
         assert np.array_equal(getattr(first, name), getattr(second, name)), f"{name} differs between two calls"
+
+
+def test_strong_gates_at_full_chunk_length(chunkwise_backward):
+    """Every other key channel at g = -50 per token over chunks of 16: a decay formed above the
+    diagonal (e^{+750}) overflows, and a product with a 0/1 mask makes it NaN."""
+    from tests.exercises.strong_gates import STRONG_CHUNK, STRONG_LOG_GATE, assert_finite
+
+    x, do, S_0, dS_N = backward_inputs(1, 2 * STRONG_CHUNK, 1, 4, 3, seed=50)
+    x.g[..., ::2] = STRONG_LOG_GATE
+    result = chunkwise_backward(x.q, x.k, x.v, x.g, x.beta, do, STRONG_CHUNK, S_0, dS_N)
+    for name in GRADIENTS:
+        assert_finite(getattr(result, name), f"every other key channel ({name})")
+    assert_gradients_close(result._asdict(), gradients(x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N), GRADIENTS,
+                           chunk_size=STRONG_CHUNK)

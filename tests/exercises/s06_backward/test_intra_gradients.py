@@ -50,3 +50,17 @@ def test_inputs_unchanged(intra_gradients):
     intra_gradients(*arguments)
     for original, after in zip(before, arrays):
         assert np.array_equal(original, after), "an input changed during the call"
+
+
+def test_strong_gates_at_full_chunk_length(intra_gradients):
+    """Every other key channel at g = -50 per token over chunks of 16 (sub-blocks of 2, whose anchored
+    factors stay within e^50): every gradient finite and right."""
+    from tests.exercises.strong_gates import STRONG_CHUNK, STRONG_LOG_GATE, assert_finite
+
+    x, do, S_0, dS_N = backward_inputs(1, 2 * STRONG_CHUNK, 1, 4, 3, seed=50)
+    x.g[..., ::2] = STRONG_LOG_GATE
+    actual = dict(zip(GRADIENTS, intra_gradients(*_arguments(x, do, S_0, dS_N, STRONG_CHUNK, 2, 3))))
+    for name in GRADIENTS:
+        assert_finite(actual[name], f"every other key channel ({name})")
+    assert_gradients_close(actual, gradients(x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N), GRADIENTS,
+                           chunk_size=STRONG_CHUNK)

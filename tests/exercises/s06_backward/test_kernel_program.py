@@ -12,6 +12,7 @@ import pytest
 from stages.common.compare import assert_close
 from stages.s05_fast_kda.reference import prepare
 from stages.s06_backward.reference import state_gradients
+from tests.exercises.build_checks import assert_writes_only
 from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, compile_for_sm90a, run_on_cpu, run_on_gpu
 from tests.exercises.library_values import from_library
 from tests.exercises.s06_backward.oracle import backward_inputs
@@ -76,3 +77,9 @@ def test_runs_on_gpu(build_state_gradient_program):
     program = build(build_state_gradient_program, B, N, H, d_k, d_v, chunk_size)
     actual = run_on_gpu(program, inputs, OUT_IDX, ["float16"] * 4 + ["float32", "float16", "float32"])
     _assert_outputs_close(actual, expected, 4 * UNIT_ROUNDOFF["float16"], chunk_size, "fp16 kernel on the GPU")
+
+
+def test_writes_only_its_outputs(build_state_gradient_program):
+    """The gradient of the final state it starts from, and every other input, come back as they went in."""
+    assert_writes_only(build(build_state_gradient_program, 1, 128, 2, 32, 32, chunk_size=32, block_dv=16),
+                       outputs=OUT_IDX)

@@ -37,3 +37,14 @@ def test_steps_continue_each_sequence_from_its_slot(decode_step, slots):
     assert_close(o, expected_o, rel_l2=1e-12)
     assert_close(pool[slots], expected_states, rel_l2=1e-12, name="the states in the sequences' slots", axes=POOL_AXES)
     assert np.array_equal(pool[others], kept), "a slot that no sequence of the batch owns changed"
+
+
+def test_only_the_pool_changes(decode_step):
+    """q, k, v, g, beta and slots come back as they went in: only the pool is the step's to update."""
+    slots = np.array([2, 0])
+    x, pool = _case(len(slots), 1, 3, seed=7)
+    inputs = [np.ascontiguousarray(a[:, 0]) for a in (x.q, x.k, x.v, x.g, x.beta)] + [slots]
+    before = [a.copy() for a in inputs]
+    decode_step(*inputs[:5], pool, inputs[5])
+    for name, original, after in zip(("q", "k", "v", "g", "beta", "slots"), before, inputs):
+        assert np.array_equal(original, after), f"{name} changed during the call"

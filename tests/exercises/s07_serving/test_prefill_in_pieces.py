@@ -28,3 +28,15 @@ def test_pieces_equal_one_pass(prefill_in_pieces, pieces, d_v):
     assert_close(o, expected_o, rel_l2=1e-12)
     assert_close(state, expected_state, rel_l2=1e-12, name="the state after the last piece",
                  axes=("batch", "head", "key channel", "value channel"))
+
+
+def test_inputs_unchanged(prefill_in_pieces):
+    """The initial state and every input come back as they went in: a server keeps the prompt's state
+    of before the prefill (a retried request starts from it again)."""
+    x = make_inputs(1, 24, 2, 4, 3, gate="channel", gate_range=(0.5, 1.0), beta_range=(0.1, 0.9), seed=3)
+    S0 = np.random.default_rng(3).standard_normal((1, 2, 4, 3))
+    inputs = [x.q, x.k, x.v, x.g, x.beta, S0]
+    before = [a.copy() for a in inputs]
+    prefill_in_pieces(kda_delta_rule_from_state, *inputs[:5], [10, 14], initial_state=S0)
+    for name, original, after in zip(("q", "k", "v", "g", "beta", "initial_state"), before, inputs):
+        assert np.array_equal(original, after), f"{name} changed during the call"

@@ -1,0 +1,26 @@
+"""Puzzle s00.chunk_cumsum (fill): a cumulative sum that restarts at every chunk.
+
+G[t] = g[c * C] + g[c * C + 1] + ... + g[t] for g of shape (N,), where c = t // C is t's chunk and
+N is a multiple of C: the running sum of log gates inside each chunk, which stage 2 turns into its
+decay table. One block per chunk: load the chunk into the shared tile g_s, sum it in place with
+T.cumsum, store it into G's slice. Write the three steps.
+
+Read: stage 0 page, "s00.chunk_cumsum".  Check: course check s00.chunk_cumsum
+"""
+
+
+def chunk_cumsum(N, chunk_size=16, dtype="float32"):
+    """The TileLang program for g: (N,) -> G: (N,), the cumulative sum of g within each chunk."""
+    import tilelang.language as T
+
+    C = chunk_size
+
+    @T.prim_func
+    def chunk_cumsum_program(g: T.Tensor((N,), dtype), G: T.Tensor((N,), dtype)):
+        with T.Kernel(N // C, threads=32) as c:
+            g_s = T.alloc_shared((C,), dtype)
+            # EXERCISE BEGIN
+            raise NotImplementedError("s00.chunk_cumsum: fill this region; see the docstring and the page")
+            # EXERCISE END
+
+    return chunk_cumsum_program
