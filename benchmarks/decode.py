@@ -272,7 +272,7 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.decode times a kernel on a GPU: torch sees no CUDA device here "
-                         "(the kernel's CPU checks are in tests/test_s07_decode.py)")
+                         "(the kernel's CPU checks are in tests/kernels/test_s07_decode.py)")
     run(args)
 
 

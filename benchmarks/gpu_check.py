@@ -9,7 +9,7 @@
 (`make gpu PART=... OUT=...` runs a part.) The GPU tests are selected by their marker and folder
 (`pytest -m gpu tests`) and split by name: stages 1-4, stages 5-7 without FLA, and the comparisons
 with FLA (`-k "fla_ or as_fla or on_fla"`), forward and backward apart; together the parts run every
-GPU test once (tests/test_gpu_check.py checks that on the collected tests). The other parts run the
+GPU test once (tests/benchmarks/test_gpu_check.py checks that on the collected tests). The other parts run the
 benchmarks whose results the pages show (benchmarks/results/): bench's timings and precision study,
 the fair comparison, forward + backward, the varlen prefill, the decode step, the training demo on
 CUDA, the profiles. The results of runs kept as records of earlier kernels (the pages say which,

@@ -228,7 +228,7 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.varlen times kernels on a GPU: torch sees no CUDA device here "
-                         "(prefill's CPU checks are in tests/test_s07_prefill.py)")
+                         "(prefill's CPU checks are in tests/kernels/test_s07_prefill.py)")
     run(args)
 
 

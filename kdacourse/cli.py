@@ -61,7 +61,7 @@ def main(argv=None):
 
     test = commands.add_parser("test", help="run the test suite (what .ci/run runs)",
                                description="Lint with ruff, then run the test suite on the solutions (what .ci/run "
-                               "runs). Every argument goes to pytest, e.g. `course test tests/test_handout.py -x -q`; "
+                               "runs). Every argument goes to pytest, e.g. `course test tests/course/test_handout.py -x -q`; "
                                "pytest's own options: python -m pytest --help.")
     test.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed on to pytest")
 
@@ -147,7 +147,7 @@ def _test(pytest_args):
         os.environ["KDACOURSE_NVCC_CACHE"] = cache
     try:
         # The exercise tests check the solutions here; the student's copy is checked by `course check`,
-        # and tests/test_exercise_model.py checks that the shipped exercises fail and every bug is caught.
+        # and tests/course/test_exercise_model.py checks that the shipped exercises fail and every bug is caught.
         return int(pytest.main(["-p", "no:cacheprovider", "--target=solutions", *workers, *pytest_args]))
     finally:
         if cache:

@@ -254,7 +254,7 @@ SHARE_OF_A_BUILD_ANSWER_THAT_GIVES_IT_AWAY = 0.5
 def solution_functions():
     """{(stage, library module, function name): exercise} for every public function of an exercise's
     solution file that its stage's library also defines at the top level: the library's copy of the
-    solution (tests/test_solutions_are_library.py holds the two to the same code)."""
+    solution (tests/course/test_solutions_are_library.py holds the two to the same code)."""
     from kdacourse.catalog import exercises
 
     found = {}

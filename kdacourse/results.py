@@ -4,7 +4,7 @@ The GPU machine writes them and they are committed: benchmarks/results/ (CSV, JS
 `python -m benchmarks.<name> --out DIR`, and of the archived studies, archive/README.md) and
 tests/gpu_results/ (the GPU tests' logs). Every page generator (kdacourse/pages/) reads them here,
 and this module imports nothing from benchmarks/: a benchmark writes its files, the site reads the
-files, so a benchmark or a study can change or retire without the site (tests/test_import_rules.py).
+files, so a benchmark or a study can change or retire without the site (tests/course/test_import_rules.py).
 From the library it reads only the kernels' source, to say whether a result's kernel is the
 committed one (stages.common.program_digest, which the benchmarks record beside their results).
 

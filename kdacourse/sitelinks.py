@@ -8,7 +8,7 @@ section's heading, and its URL as `course serve` serves it.
 
 Students read the site, not docs/*.md, whose code snippets are unexpanded. The URL follows MkDocs'
 directory URLs (docs/x.md is served at /x/, docs/index.md at /) and the anchors Python-Markdown's
-toc extension gives headings; tests/test_sitelinks.py checks both against a real build.
+toc extension gives headings; tests/course/test_sitelinks.py checks both against a real build.
 """
 
 import re

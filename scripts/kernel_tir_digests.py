@@ -44,7 +44,7 @@ def _cases():
     def add(name, build, *arguments, **options):
         cases[name] = lambda: build(*arguments, **options)
 
-    exercise_shape = (1, 128, 2, 64, 64)  # tests/test_kernel_exercises.py
+    exercise_shape = (1, 128, 2, 64, 64)  # tests/course/test_kernel_exercises.py
     for dtype in DTYPES:
         for stage, module in (("s01", s01), ("s02", s02), ("s03", s03), ("s04", s04)):
             add(f"{stage}.program/{dtype}/exercise", module.build_program, *exercise_shape, chunk_size=64, dtype=dtype)

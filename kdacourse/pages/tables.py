@@ -4,7 +4,7 @@ The one place that escapes a table cell. It imports nothing of the project, so t
 generator, and kdacourse.grading, can use it without an import circle.
 
 It also says how a figure is written so that every machine agrees on the page, and when two texts
-of a generated file agree (`disagreement`, what tests/test_generated.py checks):
+of a generated file agree (`disagreement`, what tests/course/test_generated.py checks):
 
 - a figure that floating-point rounding decides (two float64 computations of the same sums in
   different orders, an fp32 solve's rounding error) is written by `rounding_level`: "≈2e-16", one

@@ -2,7 +2,7 @@
 one program per (batch, head) owns every value column (block_dv is ignored), the mask is applied
 to the fp32 scores in place, and the intra-chunk term is summed before the inter-chunk one.
 
-tests/test_build_exercises.py runs the exercise's tests on it (it is laid out like exercises/, a
+tests/course/test_build_exercises.py runs the exercise's tests on it (it is laid out like exercises/, a
 folder target): they check behaviour and budgets, so a program unlike the course's passes them.
 Kept out of tests/exercises/, which the handout ships.
 """

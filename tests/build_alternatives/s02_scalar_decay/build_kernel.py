@@ -2,7 +2,7 @@
 are swapped (batch x head first); the decays are computed in each chunk, not once; the query's decay goes on Q and the key's on K before their products, not
 on the accumulator and on V; and the mask is a separate select from the decay.
 
-tests/test_build_exercises.py runs the exercise's tests on it (a folder target laid out like
+tests/course/test_build_exercises.py runs the exercise's tests on it (a folder target laid out like
 exercises/). Kept out of tests/exercises/, which the handout ships.
 """
 

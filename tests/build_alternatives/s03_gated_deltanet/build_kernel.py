@@ -7,7 +7,7 @@ get tiles of their own.
 The pairing is right: with L = M diag(beta) the course solves (I + L) X = R and takes diag(beta) X;
 multiplying that system on the left by diag(beta) gives (I + diag(beta) M) (diag(beta) X) = diag(beta) R.
 
-tests/test_build_exercises.py runs the exercise's tests on it (a folder target laid out like
+tests/course/test_build_exercises.py runs the exercise's tests on it (a folder target laid out like
 exercises/). Kept out of tests/exercises/, which the handout ships.
 """
 

@@ -5,7 +5,7 @@ bytes, over the build exercise's cost test); the exponentials are taken where th
 e^{-gamma}; beta is paired with the system's rows, (I + diag(beta) M) Y = diag(beta) [K ⊙ e^{gamma} | V],
 so Y is [W | U]; and the intra-chunk term is summed before the inter-chunk one.
 
-tests/test_build_exercises.py runs the exercise's tests on it (a folder target laid out like
+tests/course/test_build_exercises.py runs the exercise's tests on it (a folder target laid out like
 exercises/). Kept out of tests/exercises/, which the handout ships.
 """
 

@@ -3,7 +3,7 @@ grid's axes are swapped (batch x head first); the output is stored from its frag
 shared memory; the intra-chunk term is summed before the inter-chunk one; the pseudo-values go to
 shared memory straight from a loop; and the state's decay is read from global memory where it is used.
 
-tests/test_build_exercises.py runs the exercise's tests on it (a folder target laid out like
+tests/course/test_build_exercises.py runs the exercise's tests on it (a folder target laid out like
 exercises/). Kept out of tests/exercises/, which the handout ships.
 """
 

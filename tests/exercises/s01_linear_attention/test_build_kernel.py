@@ -4,7 +4,7 @@ They check what any correct program does, never how the course's is written: its
 tile interpreter (float64 against reference C, fp16 against reference A, a zero-padded length), that
 it writes only O, the ordering constraints on its TIR, its cost near the course kernel's (global bytes
 and GEMM FLOPs, tests/exercises/build_checks.py) and the H200's budgets (shared memory from the TIR;
-with nvcc, no spills). tests/test_build_exercises.py runs them on a second, differently tiled
+with nvcc, no spills). tests/course/test_build_exercises.py runs them on a second, differently tiled
 program too.
 """
 

@@ -3,7 +3,7 @@
 They check what any correct program does, never how the course's is written: its values through the
 tile interpreter (float64 against reference C, fp16 against reference A, strong gates, a zero-padded
 length), that it writes only O, the ordering constraints on its TIR, and the H200's budgets (shared
-memory from the TIR; with nvcc, no spills). tests/test_build_exercises.py runs them on a second,
+memory from the TIR; with nvcc, no spills). tests/course/test_build_exercises.py runs them on a second,
 differently tiled program too.
 
 The gates reach down to alpha = 0.5 and the sequences span several chunks: g = 0 or a single chunk

@@ -5,7 +5,7 @@ reference C's prepare computes from q, k, v, g, beta (in float64; an fp16 progra
 it as an fp16 prepare kernel's stores would), and its output and final state are compared with KDA's delta-rule form
 (oracle.py), through the tile interpreter; then that it writes only O and Final_state, the ordering
 constraints on its TIR, and the H200's budgets (shared memory from the TIR; with nvcc, no spills).
-tests/test_build_exercises.py runs them on a second, differently tiled program too.
+tests/course/test_build_exercises.py runs them on a second, differently tiled program too.
 
 The initial state is not zero (a state cleared instead of loaded shows), the gates differ per
 channel, beta spans [0, 1] with exact zeros and ones, and the sequences span several chunks.

@@ -1,7 +1,7 @@
 """A second answer to exercise s02.tune_kernel, written apart from the course's kernel: the key decay
 scales V_s in place once the intra-chunk GEMM has read it (one shared buffer fewer), the query decay
 is Gamma's first column times alpha, and the chunk loop runs unpipelined on 256 threads. The tune
-tests pass on it as on the solution (tests/test_tune_exercises.py): any program under the target does.
+tests pass on it as on the solution (tests/course/test_tune_exercises.py): any program under the target does.
 """
 
 from stages.common.tilelang_tools import LOG2_E

@@ -1,7 +1,7 @@
 """A second answer to exercise s04.tune_kernel, written apart from the course's kernel: no e^{+-gamma}
 tables (each product takes its own exp2), beta loaded by a T.copy, V placed beside the keys by a
 T.copy, and the state's decay one exp2 per key channel. The tune tests pass on it as on the solution
-(tests/test_tune_exercises.py): any program under the target does.
+(tests/course/test_tune_exercises.py): any program under the target does.
 """
 
 from stages.common.tilelang_tools import LOG2_E

@@ -1,7 +1,7 @@
 """A second answer to exercise s05.tune_kernel, written apart from the course's kernel: no macros, the
 output stored straight from its accumulator (no staging buffer), the state's fp16 copy refreshed
 after its update instead of before the chunk's GEMMs, and one pipeline stage. The tune tests pass on
-it as on the solution (tests/test_tune_exercises.py): any program under the target does.
+it as on the solution (tests/course/test_tune_exercises.py): any program under the target does.
 """
 
 

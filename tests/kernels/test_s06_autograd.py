@@ -10,7 +10,7 @@ import torch
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.kda.autograd import CPU_CHUNK_SIZE, REFUSED, chunk_kda
-from tests.test_s06_backward import torch_recurrent
+from tests.stages.test_s06_backward import torch_recurrent
 
 INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
 

@@ -9,7 +9,7 @@ import pytest
 from stages.common.interpreter import (CrossLaneRead, InterpreterError, LaneRace, OutOfRange, ReadBeforeWrite,
                                        TileShapeMismatch, interpret)
 
-HERE = "tests/test_interpreter_errors.py"
+HERE = "tests/stages/test_interpreter_errors.py"
 
 
 def _tilelang():
@@ -19,7 +19,7 @@ def _tilelang():
 
 
 def _where(statement):
-    """'tests/test_interpreter_errors.py, line N: `statement`': how a message names the one line of this
+    """'tests/stages/test_interpreter_errors.py, line N: `statement`': how a message names the one line of this
     file that holds `statement`."""
     numbers = [n for n, line in enumerate(open(__file__).read().splitlines(), 1) if line.strip() == statement]
     assert len(numbers) == 1, f"{statement!r} is on lines {numbers}"

@@ -533,13 +533,13 @@ def test_reading_an_unwritten_element_names_the_buffer_and_the_line():
     with pytest.raises(ReadBeforeWrite) as error:
         interpret(unwritten_shared, out_idx=[0])()
     line = _line_in_this_file("T.copy(never_written, O)")
-    assert str(error.value).startswith(f"tests/test_interpreter.py, line {line}: `T.copy(never_written, O)`: "
+    assert str(error.value).startswith(f"tests/stages/test_interpreter.py, line {line}: `T.copy(never_written, O)`: "
                                        "reads `never_written` before writing it: never_written[0, 0] holds no value")
     a = np.arange(16, dtype=np.float32).reshape(4, 4)
     with pytest.raises(ReadBeforeWrite) as error:
         interpret(half_written, out_idx=[1])(a)
     line = _line_in_this_file("O[i, j] = left_half[i, j] * 2")
-    assert str(error.value).startswith(f"tests/test_interpreter.py, line {line}: `O[i, j] = left_half[i, j] * 2`: "
+    assert str(error.value).startswith(f"tests/stages/test_interpreter.py, line {line}: `O[i, j] = left_half[i, j] * 2`: "
                                        "reads `left_half` before writing it: left_half[0, 2] holds no value")
     o = interpret(idle_lanes_read, out_idx=[1])(a)
     assert np.array_equal(o[:, :2], a[:, :2]) and np.all(o[:, 2:] == 0)
@@ -576,10 +576,10 @@ def test_gemm_rows_of_unwritten_operand_rows_stop_the_run_only_where_used():
     with pytest.raises(ReadBeforeWrite) as error:
         interpret(program(rows_used=7), out_idx=[2])(a, b)
     message = str(error.value)
-    assert message.startswith(f"tests/test_interpreter.py, line {_line_in_this_file('T.gemm(A_s, B_s, C_f, clear_accum=True)')}")
+    assert message.startswith(f"tests/stages/test_interpreter.py, line {_line_in_this_file('T.gemm(A_s, B_s, C_f, clear_accum=True)')}")
     assert "reads `A_s` before writing it: A_s[0, 0] holds no value yet" in message
     use = "O[i, j] = T.if_then_else(i >= rows_used, C_f[i, j], 0)"
-    assert f"reached `C_f`[7, 0], used at tests/test_interpreter.py, line {_line_in_this_file(use)}" in message
+    assert f"reached `C_f`[7, 0], used at tests/stages/test_interpreter.py, line {_line_in_this_file(use)}" in message
 
 
 def test_a_nan_the_program_computes_is_no_unwritten_element():

@@ -3,7 +3,7 @@
 sm_90a compile (marker `compile`) and, on a GPU (marker `gpu`), the compiled kernels against
 reference A and against FLA's chunk_kda backward.
 
-Bounds, as tests/test_interpreter.py sets them: a float64 program accumulates in fp32 fragments, so
+Bounds, as tests/stages/test_interpreter.py sets them: a float64 program accumulates in fp32 fragments, so
 it meets reference C within 8u of fp32 (FP32_FLOOR); the intra kernel inverts by blocks with TF32
 merges, as stage 5's prepare does, so its bound is TF32_FLOOR. An fp16 or bf16 backward rounds every
 gradient through a handful of casts (inputs, GEMM operands, the stored states and dV_new): its rel L2
@@ -22,8 +22,8 @@ from stages.common.errors import error_report
 from stages.common.interpreter import interpret
 from stages.s05_fast_kda import reference as stage5
 from stages.s06_backward import reference
-from tests.test_interpreter import FP32_FLOOR, ROUNDING_WINDOW, TF32_FLOOR, UNIT_ROUNDOFF
-from tests.test_s06_backward import _inputs
+from tests.stages.test_interpreter import FP32_FLOOR, ROUNDING_WINDOW, TF32_FLOOR, UNIT_ROUNDOFF
+from tests.stages.test_s06_backward import _inputs
 
 GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
 STATE_AXES = ("batch", "head", "d_k", "d_v")
@@ -248,7 +248,7 @@ def test_backward_takes_any_gate(dtype, layout):
     is 0.03 of an e-fold; FLA's chunk-local sums share it): float64 within the TF32 floor, fp16 and
     bf16 within twice the rounding floor at those gates. The inputs are unchanged and a second call
     gives the same gradients."""
-    from tests.test_s05_fast_kda import _fp32_cumulative_gates
+    from tests.stages.test_s05_fast_kda import _fp32_cumulative_gates
 
     x, do, S_0, dS_N = _strong_gate_inputs(layout)
     before = [a.copy() for a in (x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N)]

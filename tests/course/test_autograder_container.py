@@ -8,7 +8,7 @@ unshare, setns, mount, umount2, pivot_root and a clone with any CLONE_NEW* flag,
 and CAP_SYS_ADMIN dropped from the bounding set. kdacourse/seccomp.py applies both and runs
 run_autograder, as root, as Gradescope runs it.
 
-The layout is tests/test_autograder.py's (source/, submission/, results/ under a root that
+The layout is tests/course/test_autograder.py's (source/, submission/, results/ under a root that
 AUTOGRADER_ROOT names), for an assignment of stage 1 alone, in a folder that other users can reach:
 the sandbox's user runs the grader's Python, as in Gradescope's image (apt's Python, the environment
 in /autograder/source/.venv). So the environment is copied there as hard links and, where other users
@@ -33,7 +33,7 @@ from kdacourse import REPO_ROOT
 from kdacourse.autograder import make_autograder, unpack_bundle
 from kdacourse.catalog import exercises
 from kdacourse.seccomp import Rule, SeccompUnavailable, architecture, program
-from tests.test_autograder import _copy_venv, results_errors
+from tests.course.test_autograder import _copy_venv, results_errors
 
 STAGE = "s01_linear_attention"
 ASSIGNMENT = [exercise for exercise in exercises() if exercise.stage == STAGE]
@@ -126,7 +126,7 @@ def _point_venv_at(venv, python_home):
 
 @pytest.fixture(scope="module")
 def container(filtered, tmp_path_factory):
-    """run(fill_upload) -> (results.json, its output): as tests/test_autograder.py's gradescope
+    """run(fill_upload) -> (results.json, its output): as tests/course/test_autograder.py's gradescope
     fixture, with run_autograder under the Docker-like filter."""
     venv, base = Path(sys.prefix), Path(sys.base_prefix)
     assert venv != base, "run the tests from the course's virtual environment (make setup)"

@@ -13,7 +13,7 @@ from stages.common.inputs import make_inputs
 from stages.common.interpreter import ReadBeforeWrite, interpret
 from tests.exercises.kernel_checks import build
 
-SOLUTION = Path(__file__).parents[1] / "solutions" / "s01_linear_attention" / "kernel_program.py"
+SOLUTION = Path(__file__).parents[2] / "solutions" / "s01_linear_attention" / "kernel_program.py"
 SHAPE = (1, 32, 2, 32, 16)  # B, N, H, d_k, d_v: two chunks; d_k != chunk size, so a missing transpose shows
 TILES = dict(chunk_size=16, block_dv=16)
 

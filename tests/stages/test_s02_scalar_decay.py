@@ -1,7 +1,7 @@
 """Stage 2 library tests: reference A against the quadratic form, the limits g = 0 and alpha near 0, the
 decay table, what the proof machinery refutes, the numerics, the kernel. The checks every stage shares
 (references B and C against A, the argument checks, the identities, the kernel's compile report and wrapper
-checks) are in tests/test_stages.py."""
+checks) are in tests/stages/test_stages.py."""
 
 import numpy as np
 import pytest
@@ -96,7 +96,7 @@ def test_chunk_reset_bounds_the_cumulative_product():
 
 @pytest.mark.compile
 def test_kernel_decays_with_exp2_only():
-    """Every decay is a power of two (exp2), none a natural exponential; tests/test_stages.py checks the
+    """Every decay is a power of two (exp2), none a natural exponential; tests/stages/test_stages.py checks the
     rest of the report."""
     from kdacourse.pages.s02_scalar_decay import COMPILE_SHAPE
     from stages.s02_scalar_decay.kernel import compile_report
@@ -135,7 +135,7 @@ def test_kernel_matches_reference_fp16(B, N, H, D, gate_range):
 
 
 def test_kernel_wrapper_rejects_bad_gate():
-    """The wrapper's checks of g; tests/test_stages.py checks those of q, k and v."""
+    """The wrapper's checks of g; tests/stages/test_stages.py checks those of q, k and v."""
     torch = pytest.importorskip("torch")
     from stages.s02_scalar_decay.kernel import forward
 

@@ -5,7 +5,7 @@ another machine adds the same matrix products in another order, and figures at r
 change. OPENBLAS_CORETYPE forces a kernel, so this machine can stand for others. Each case
 regenerates those files in a child process under one kernel and thread count, checks that OpenBLAS
 really runs that kernel (it ignores a name it does not know), and compares the files with the
-committed ones as tests/test_generated.py does.
+committed ones as tests/course/test_generated.py does.
 
 BLAS_FILES are the files that changed when every generated file was regenerated under the
 Haswell, Sandybridge, Nehalem and Prescott kernels, 1 and 2 threads, and SkylakeX (this machine's
@@ -13,7 +13,7 @@ own), plus the fp16 tables and the plot that also go through BLAS and did not ch
 whose figures go through BLAS belongs here too. A child takes about 7 s of CPU: the three cases
 cost about 20 s.
 
-Run a child alone: OPENBLAS_CORETYPE=Haswell python -m tests.test_generated_any_blas <folder>
+Run a child alone: OPENBLAS_CORETYPE=Haswell python -m tests.course.test_generated_any_blas <folder>
 """
 
 import ctypes
@@ -72,12 +72,12 @@ def write_blas_files(folder):
                     reason="the core types are x86-64's, found through /proc")
 @pytest.mark.parametrize("core_type, threads", CASES)
 def test_blas_files_are_current_under_another_kernel(core_type, threads, tmp_path):
-    from tests.test_generated import staleness  # not in the child: test_generated lists every page, torch's too
+    from tests.course.test_generated import staleness  # not in the child: test_generated lists every page, torch's too
 
     if openblas_kernel() is None:
         pytest.skip("NumPy has no OpenBLAS here")
     environment = dict(os.environ, OPENBLAS_CORETYPE=core_type, OPENBLAS_NUM_THREADS=str(threads))
-    child = subprocess.run([sys.executable, "-m", "tests.test_generated_any_blas", str(tmp_path)], cwd=REPO_ROOT,
+    child = subprocess.run([sys.executable, "-m", "tests.course.test_generated_any_blas", str(tmp_path)], cwd=REPO_ROOT,
                            env=environment, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr
     ran = json.loads(child.stdout.splitlines()[-1])

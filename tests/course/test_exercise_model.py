@@ -2,7 +2,7 @@
 
 1. every exercise test passes on the solutions (`course test` runs the suite, tests/exercises
    included, with --target=solutions);
-2. every exercise fails as shipped (tests/test_grading.py::test_shipped_exercises_score_zero grades the
+2. every exercise fails as shipped (tests/course/test_grading.py::test_shipped_exercises_score_zero grades the
    shipped files as the grader grades a submission, in the sandbox: every exercise fails a test);
 3. every catalog bug is caught by at least one test (the kill matrix).
 """

@@ -3,7 +3,7 @@ the stage's library (reference.py, numerics.py) also defines has the library's c
 trees (comments and docstrings may differ). The cases come from the catalog, by the rule the handout uses
 to decide which library functions are exercises (kdacourse.handout.solution_functions), so a new exercise
 is checked without a list to update. Kernel programs (kernel.py, and the kernel package stages/kda/) are held to the library by the program
-they build, not their text: tests/test_kernel_exercises.py."""
+they build, not their text: tests/course/test_kernel_exercises.py."""
 
 import importlib
 import re

@@ -299,7 +299,7 @@ def test_kernel_wrapper_rejects_bad_input():
 # the interpreter's shapes: three chunks of 32 (two sub-blocks each), d_k in two 16-wide channel passes
 ANY_GATE_SHAPE, ANY_GATE_C, ANY_GATE_BLOCK_DV = (1, 83, 2, 32, 32), 32, 16  # N = 83: the last chunk short
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
-TF32_FLOOR = 2.0**-13  # a float64 program: its block-inverse merges are TF32 GEMMs (tests/test_interpreter.py)
+TF32_FLOOR = 2.0**-13  # a float64 program: its block-inverse merges are TF32 GEMMs (tests/stages/test_interpreter.py)
 
 
 def _any_gate_inputs(seed=3):
@@ -595,7 +595,7 @@ def test_the_default_forward_flags_bad_values_on_the_gpu_and_captures_in_a_cuda_
     whose replays equal the eager call and flag nothing on good values (g down to -1e4, beta 0 and 1);
     a bad g or beta, eager or replayed, raises at raise_if_flagged (not at the call), and checks="off"
     flags nothing. prefill with cu_seqlens reads them to the host and cannot be captured (its GPU tests
-    are in tests/test_s07_prefill.py)."""
+    are in tests/kernels/test_s07_prefill.py)."""
     import torch
 
     from stages.common.device_checks import BAD_BETA, BAD_GATE, MESSAGES, raise_if_flagged

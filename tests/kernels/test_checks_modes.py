@@ -3,7 +3,7 @@
 On a CPU the device check comes after the value checks, so a forward given bad gate values on CPU
 tensors fails on the values with checks="host" and on the device with checks="off". Stages 2-4's
 kernels carry no value flags, so "host" is their default and "device" is refused; stage 5's default,
-checks="device", reads no value on the host (the kernel flags them: tests/test_s05_fast_kda.py).
+checks="device", reads no value on the host (the kernel flags them: tests/stages/test_s05_fast_kda.py).
 """
 
 import pytest

@@ -5,7 +5,7 @@ carried in a pool between steps, then decode steps; every token's output and the
 against one pass of stage 4's reference A, through the references and the interpreted decode kernel
 on the CPU and through the GPU kernels (`gpu`). Then stage 6's KDALayer with its kernel served the
 same way: y and the cache against one forward of the layer. Each product alone:
-tests/test_s07_decode.py and tests/test_s07_prefill.py.
+tests/kernels/test_s07_decode.py and tests/kernels/test_s07_prefill.py.
 """
 
 import numpy as np
@@ -15,7 +15,7 @@ from stages.common.compare import assert_close
 from stages.common.device_checks import FLAG_COUNT
 from stages.common.errors import error_report
 from stages.s07_serving.reference import decode_step
-from tests.s07_cases import (B, BLOCK_DV, D_K, D_V, H, P, POOL_AXES, SLOTS, UNIT_ROUNDOFF, final_state_of_reference_a,
+from tests.stages.s07_cases import (B, BLOCK_DV, D_K, D_V, H, P, POOL_AXES, SLOTS, UNIT_ROUNDOFF, final_state_of_reference_a,
                              make_sequences)
 
 

@@ -1,7 +1,7 @@
 """Stage 4 library tests: the references at a realistic size, the three degenerate checks, sub-chunks,
 the refuted forms, the numerics, the kernel. The checks every stage shares (references B and C against A,
 among them at the seed's consistency shape, the argument checks, the identities, the kernel's compile report
-and wrapper checks) are in tests/test_stages.py."""
+and wrapper checks) are in tests/stages/test_stages.py."""
 
 import importlib.util
 import math
@@ -231,7 +231,7 @@ def test_kernel_below_the_gate_bound_is_refused_and_would_be_garbage():
 
 
 def test_kernel_wrapper_rejects_bad_gate_beta_and_options():
-    """The wrapper's checks of g, beta and the options; tests/test_stages.py checks those of q, k and v."""
+    """The wrapper's checks of g, beta and the options; tests/stages/test_stages.py checks those of q, k and v."""
     torch = pytest.importorskip("torch")
     from stages.s04_kda.kernel import forward
 

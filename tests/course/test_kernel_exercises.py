@@ -3,7 +3,7 @@ solutions/<stage>/kernel_program.py (or writes whole in build_kernel.py) must bu
 builder of the same name in stages/<stage>/kernel.py, so that a change to a stage's kernel cannot leave its exercise behind.
 
 One exception, by design: the kernel_program.py exercise (fix or fill) of a stage that has a build
-exercise must not answer it (tests/test_build_answers_not_shipped.py), so it is a kernel of its own,
+exercise must not answer it (tests/course/test_build_answers_not_shipped.py), so it is a kernel of its own,
 one the library does not build (stages 1-4: the recurrence token by token, a builder the library
 lacks). Its solution is held here to build no program of the library's; its values by its own
 exercise tests against the references, as any student's program is."""

@@ -5,7 +5,7 @@ against the references that take an initial state (stage 6's reference A, stage 
 kernel through the tile interpreter against the reference, in float64 (tight) and fp16 / bf16 (a few
 units of the dtype's roundoff); pool slots not in `slots` untouched; bad inputs refused, by the
 reference and by the wrapper on any machine; the kernel compiled for sm_90a (`compile`) and run on a
-GPU (`gpu`). Prefill is tests/test_s07_prefill.py; the two serving together, tests/test_s07_serving.py.
+GPU (`gpu`). Prefill is tests/kernels/test_s07_prefill.py; the two serving together, tests/stages/test_s07_serving.py.
 """
 
 import numpy as np
@@ -15,7 +15,7 @@ from stages.common.compare import assert_close
 from stages.common.device_checks import BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT
 from stages.common.errors import error_report
 from stages.s07_serving.reference import decode_step
-from tests.s07_cases import (B, BLOCK_DV, D_K, D_V, FP32_FLOOR, H, P, POOL_AXES, SLOTS, UNIT_ROUNDOFF,
+from tests.stages.s07_cases import (B, BLOCK_DV, D_K, D_V, FP32_FLOOR, H, P, POOL_AXES, SLOTS, UNIT_ROUNDOFF,
                              final_state_of_reference_a, make_sequences)
 
 
@@ -115,7 +115,7 @@ def test_decode_step_refuses_bad_inputs_and_leaves_the_pool(change, error, messa
 
 # ------------------------------------------------------------------------------------------ kernel, interpreter
 
-# the case: B, H, D_K, D_V, BLOCK_DV, P and SLOTS of tests.s07_cases (the serving tests run it too)
+# the case: B, H, D_K, D_V, BLOCK_DV, P and SLOTS of tests.stages.s07_cases (the serving tests run it too)
 
 
 def _run_kernel(x, pool, dtype, state_dtype="float32", steps=None):

@@ -7,7 +7,7 @@ sequences, one chunk and many; the chunk table against its definition; chunked p
 any sizes against one pass; the varlen prepare and recurrence through the tile interpreter against
 reference C, alone and as `prefill` wires them, any gate included; bad inputs refused on any
 machine; the kernels compiled for run-time sizes (`compile`) and run on a GPU against float64 and
-FLA (`gpu`). Decode is tests/test_s07_decode.py; the two serving together, tests/test_s07_serving.py.
+FLA (`gpu`). Decode is tests/kernels/test_s07_decode.py; the two serving together, tests/stages/test_s07_serving.py.
 """
 
 import numpy as np
@@ -18,7 +18,7 @@ from stages.common.device_checks import FLAG_COUNT
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.s04_kda.reference import recurrent
-from tests.s07_cases import FP32_FLOOR, POOL_AXES, UNIT_ROUNDOFF, make_sequences
+from tests.stages.s07_cases import FP32_FLOOR, POOL_AXES, UNIT_ROUNDOFF, make_sequences
 
 TF32_FLOOR = 2.0**-13  # stage 5's prepare: its block-inverse merges run as TF32 GEMMs
 

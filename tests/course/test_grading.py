@@ -348,7 +348,7 @@ def test_check_lists_every_failing_test_the_first_in_full(capsys):
 def test_grading_does_not_import_the_site():
     """What grades (course grade, grade-all, the autograder) reaches no module of the site, kdacourse.pages,
     by any chain of imports (those inside functions too)."""
-    from tests.test_import_rules import import_graph
+    from tests.course.test_import_rules import import_graph
 
     graph, _ = import_graph()
     reached, chains = set(), [[module] for module in ("kdacourse.grading", "kdacourse.gradeall", "kdacourse.autograder")]
@@ -414,7 +414,7 @@ def test_grade_refuses_to_write_inside_the_graded_folder(tmp_path, capsys):
 
 
 def test_read_location_names_the_page_and_heading_of_the_anchor(tmp_path):
-    """The site's page title and section, not a docs/*.md file (tests/test_sitelinks.py: the URL)."""
+    """The site's page title and section, not a docs/*.md file (tests/course/test_sitelinks.py: the URL)."""
     (tmp_path / "page.md").write_text("# Page\n\n## Reference B: chunk by chunk\n\ntext\n")
     assert read_location("page.md#reference-b-chunk-by-chunk", tmp_path) == \
         "page 'Page', section 'Reference B: chunk by chunk'"

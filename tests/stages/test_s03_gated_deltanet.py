@@ -1,7 +1,7 @@
 """Stage 3 library tests: reference A against the prediction-error form, the independent reductions (g = 0
 is DeltaNet, small beta is gated linear attention), what the proof machinery refutes, the numerics, the
 kernel. The checks every stage shares (references B and C against A, the argument checks, the identities,
-the kernel's compile report and wrapper checks) are in tests/test_stages.py."""
+the kernel's compile report and wrapper checks) are in tests/stages/test_stages.py."""
 
 import numpy as np
 import pytest
@@ -131,7 +131,7 @@ def test_kernel_block_dv_and_bf16():
 
 
 def test_kernel_wrapper_rejects_bad_gate_and_beta():
-    """The wrapper's checks of g and beta; tests/test_stages.py checks those of q, k and v."""
+    """The wrapper's checks of g and beta; tests/stages/test_stages.py checks those of q, k and v."""
     torch = pytest.importorskip("torch")
     from stages.s03_gated_deltanet.kernel import forward
 

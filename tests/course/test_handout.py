@@ -72,8 +72,8 @@ def _library_names():
     return names
 
 
-# Second answers to the build and tune exercises, kept out of the handout (tests/test_build_exercises.py,
-# tests/test_tune_exercises.py): they hold answer lines as the solutions do.
+# Second answers to the build and tune exercises, kept out of the handout (tests/course/test_build_exercises.py,
+# tests/course/test_tune_exercises.py): they hold answer lines as the solutions do.
 SECOND_ANSWERS = {("tests", "build_alternatives"), ("tests", "tuned_programs")}
 
 
@@ -114,7 +114,7 @@ def distinctive_solution_lines():
 def test_every_fill_exercise_has_distinctive_lines():
     """Otherwise the search below would prove nothing for that exercise. No exception: a build
     exercise's answer (the stage's kernel, written whole) is held by no file the handout ships, since
-    the fix and tune exercises ship other programs (tests/test_build_answers_not_shipped.py)."""
+    the fix and tune exercises ship other programs (tests/course/test_build_answers_not_shipped.py)."""
     empty = sorted(name for name, lines in distinctive_solution_lines().items() if not lines)
     assert not empty, f"no distinctive solution line to search the handout for: {empty}"
 

@@ -1,6 +1,6 @@
 """Stage 1 library tests: what the proof machinery refutes, the kernel on the GPU. The checks every stage
 shares (references B and C against A, the argument checks, the identities, the kernel's compile report and
-wrapper checks) are in tests/test_stages.py."""
+wrapper checks) are in tests/stages/test_stages.py."""
 
 import pytest
 

@@ -5,7 +5,7 @@ A Markdown file's text and shapes must be equal, its figures equal within what r
 within a factor). An SVG plot must be equal byte for byte: matplotlib writes its coordinates to 1e-6
 of a point, and no plot shows a figure at rounding level; the one plotted figure that goes through
 BLAS (s03_numerics.svg: float64 forward substitution) moves by far less than that between kernels.
-tests/test_generated_any_blas.py regenerates the files whose figures go through BLAS under other
+tests/course/test_generated_any_blas.py regenerates the files whose figures go through BLAS under other
 OpenBLAS kernels and thread counts.
 """
 
