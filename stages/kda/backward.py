@@ -399,12 +399,12 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
             T.copy(V[b, t0:t0 + C, h, :], V_s)
             T.copy(dV_new[b, t0:t0 + C, h, :], dV_new_s)
             # five GEMMs into three accumulators, issued together and waited for once (the kernel's shared
-            # waits save 0.06 of its 4.97 ms on the H200: benchmarks.studies.s06_intra_sections)
+            # waits save 0.06 of its 4.97 ms on the H200: archive/studies/s06_intra_sections.py)
             issue_gemm(dW_s, K_decayed_s, dA_hat_f, transpose_B=True, clear_accum=True)
             issue_gemm(dV_new_s, V_s, dA_hat_f, transpose_B=True)
             # dv = A_hat^T dV_new with A_hat in two parts, its rounding and the remainder: dV_new is
             # exact in `dtype`, so rounding A_hat was most of dv's error beyond the inputs' (5% in bf16:
-            # benchmarks.studies.s06_intra_operand_precision)
+            # archive/studies/s06_intra_operand_precision.py)
             issue_gemm(A_hat_s, dV_new_s, dv_f, transpose_A=True, clear_accum=True)
             issue_gemm(A_hat_low_s, dV_new_s, dv_f, transpose_A=True)
             # d(K e^gamma) = A_hat^T dW, parked in dK until the channel passes add the rest: shared memory
@@ -475,7 +475,7 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
                 # both sides of each product in two parts, their rounding and the remainder, and three GEMMs
                 # for it (all but remainder x remainder): these GEMMs carry most of the chunk's score
                 # gradients, and with both sides in `dtype` they were an eighth of dq's error in bf16
-                # (benchmarks.studies.s06_intra_operand_precision)
+                # (archive/studies/s06_intra_operand_precision.py)
                 issue_gemm(dA_qk_T_diagonal_s, K_col_s, rows_f, transpose_A=True, clear_accum=True)
                 issue_gemm(dA_qk_T_diagonal_low_s, K_col_s, rows_f, transpose_A=True)
                 issue_gemm(dA_qk_T_diagonal_s, K_col_low_s, rows_f, transpose_A=True)
