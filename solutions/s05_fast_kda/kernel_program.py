@@ -195,6 +195,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             # diagonal blocks of T = (I + L)^{-1}: forward substitution, one lane per (block, column);
             # each lane reads back only the rows it wrote itself, and sums in a register
             T.clear(T_s)
+            T.sync_threads()  # the whole block's clear lands before the solving lanes read T_s
             for r in T.serial(sub):
                 for blk, col in T.Parallel(C // sub, sub):
                     i = blk * sub + r

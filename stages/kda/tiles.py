@@ -281,6 +281,11 @@ def block_inverse_macro(C):
         # diagonal blocks of T = (I + L)^{-1}: forward substitution, one lane per (block, column);
         # each lane reads back only the rows it wrote itself, and sums in a register
         T.clear(T_s)
+        # every thread clears a part of T_s, and only C // SUB_BLOCK * SUB_BLOCK lanes solve: without a
+        # barrier of the whole block, TileLang 0.1.15 syncs the solving lanes among themselves only, and
+        # a late clear erased solved entries (compute-sanitizer's racecheck: write-read hazards in
+        # kda_prepare; a bf16 forward 3x off when 6 processes shared the H200)
+        T.sync_threads()
         for r in T.serial(sub):
             for blk, col in T.Parallel(C // sub, sub):
                 i = blk * sub + r
