@@ -27,9 +27,11 @@ __all__ = ["BUILDERS", "DEFAULT_BLOCK_DV", "DEFAULT_CHUNK_SIZE", "KERNELS", "bac
 KERNELS = ("states", "state_gradient", "state_products", "intra")  # the backward's own; prepare is the forward's
 
 
-def compile_report(kernel="intra", **sizes):
-    """One of the backward's kernels lowered and compiled for sm_90a without a GPU (bf16 unless `dtype`)."""
-    return compiled.compile_report(kernel, **{"dtype": "bfloat16", **sizes})
+def compile_report(kernel="intra", B=1, N=4096, H=8, d_k=128, d_v=128, chunk_size=DEFAULT_CHUNK_SIZE,
+                   block_dv=DEFAULT_BLOCK_DV, dtype="bfloat16"):
+    """One of the backward's kernels lowered and compiled for sm_90a without a GPU."""
+    return compiled.compile_report(kernel, B=B, N=N, H=H, d_k=d_k, d_v=d_v, chunk_size=chunk_size,
+                                   block_dv=block_dv, dtype=dtype)
 
 
 def main():

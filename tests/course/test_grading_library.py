@@ -132,13 +132,16 @@ def test_a_stage_of_tricks_scores_zero(tmp_path):
         reach + "def chunkwise(q, k, v, chunk_size):\n    return _library('reference', 'chunkwise')(q, k, v, chunk_size)\n")
     (submission / "kernel_mirror.py").write_text(
         reach + "def kernel_mirror(*args, **kwargs):\n    return _library('reference', 'kernel_mirror')(*args, **kwargs)\n")
+    reach_kernel = ("    kernel = sys.modules['stages.s01_linear_' + 'attention.kernel']\n"
+                    "    return getattr(kernel, 'build_' + 'program')(*args, **kwargs)\n")
+    # the kernel fill (its program token by token) handed the library's chunked kernel
     (submission / "kernel_program.py").write_text(
+        "import sys\n\nfrom stages.s01_linear_attention.kernel import DEFAULT_BLOCK_DV\n\n"
+        "def build_recurrent_program(*args, **kwargs):\n" + reach_kernel)
+    # the build exercise writes the chunked program from nothing: the same reach into the library
+    (submission / "build_kernel.py").write_text(
         "import sys\n\nfrom stages.s01_linear_attention.kernel import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE\n\n"
-        "def build_program(*args, **kwargs):\n"
-        "    kernel = sys.modules['stages.s01_linear_' + 'attention.kernel']\n"
-        "    return getattr(kernel, 'build_' + 'program')(*args, **kwargs)\n")
-    # the build exercise writes the same program from nothing: the same reach into the library
-    (submission / "build_kernel.py").write_text((submission / "kernel_program.py").read_text())
+        "def build_program(*args, **kwargs):\n" + reach_kernel)
     for exercise in exercises_of_stage(STAGE):
         assert check_exercise(str(tmp_path / "submission"), exercise) == [], exercise.id
     assert grade(tmp_path / "submission", tmp_path / "out") == 0

@@ -13,7 +13,8 @@ from stages.common.inputs import make_inputs
 from stages.common.interpreter import ReadBeforeWrite, interpret
 from tests.exercises.kernel_checks import build
 
-SOLUTION = Path(__file__).parents[2] / "solutions" / "s01_linear_attention" / "kernel_program.py"
+# stage 1's chunked kernel as its build exercise's solution writes it
+SOLUTION = Path(__file__).parents[2] / "solutions" / "s01_linear_attention" / "build_kernel.py"
 SHAPE = (1, 32, 2, 32, 16)  # B, N, H, d_k, d_v: two chunks; d_k != chunk size, so a missing transpose shows
 TILES = dict(chunk_size=16, block_dv=16)
 
@@ -22,7 +23,7 @@ def _student_program(tmp_path, old, new):
     """(build_program, the file, its text) of the solution with `old` replaced by `new` once."""
     source = SOLUTION.read_text()
     assert source.count(old) == 1, f"{SOLUTION.name} no longer holds {old!r}"
-    path = tmp_path / "kernel_program.py"
+    path = tmp_path / SOLUTION.name
     path.write_text(source.replace(old, new))
     spec = importlib.util.spec_from_file_location(f"student_{tmp_path.name}", path)
     module = importlib.util.module_from_spec(spec)
@@ -106,11 +107,11 @@ def test_a_program_that_does_not_build_in_the_grading_sandbox_names_the_line(tmp
     stage.mkdir(parents=True)
     shutil.copytree(SOLUTION.parent, stage, dirs_exist_ok=True)
     source = SOLUTION.read_text().replace("T.gemm(K_s, V_s, S_f, transpose_A=True)", "T.gemm(K_s, V_s, S_f)")
-    (stage / "kernel_program.py").write_text(source)
+    (stage / SOLUTION.name).write_text(source)
     grade(str(tmp_path / "submission"), str(tmp_path / "report"), timeout_per_test=60, trust=False)
     report = json.loads((tmp_path / "report" / "report.json").read_text())
-    [entry] = [entry for entry in report["exercises"] if entry["id"] == "s01.kernel_program"]
+    [entry] = [entry for entry in report["exercises"] if entry["id"] == "s01.build_kernel"]
     line = _line_of(source, "T.gemm(K_s, V_s, S_f)")
     assert not entry["passed"]
-    assert any(f"(at s01_linear_attention/kernel_program.py, line {line}: `T.gemm(K_s, V_s, S_f)`)" in failure
+    assert any(f"(at s01_linear_attention/{SOLUTION.name}, line {line}: `T.gemm(K_s, V_s, S_f)`)" in failure
                for failure in entry["failures"]), entry["failures"]
