@@ -208,8 +208,8 @@ def varlen_index(cu_seqlens: "torch.Tensor", T: int, chunk_size: int,
 
 
 def varlen_forward(q, k, v, g, beta, index, initial_state, chunk_size, kernels, flags=None):
-    """kernels = (packed prepare, packed recurrence: compiled.compiled_prefill_kernels) on the packed batch (1, T, ...) as the caller gave
-    it; index: `varlen_index` on the inputs' device; flags: the Flags tensor a prepare built with
+    """kernels = (packed prepare, packed recurrence: compiled.compiled_prefill_kernels) on the packed
+    batch (1, T, ...) as the caller gave it; index: `varlen_index` on the inputs' device; flags: the Flags tensor a prepare built with
     value_flags takes, None for one built without: the kernels' outputs allocated (the chunk-aligned
     ones for most_chunks), their two launches (no host sync). Returns (o (1, T, H, d_v), final states
     (N_seq, H, d_k, d_v) fp32)."""
