@@ -61,12 +61,12 @@ def bad_gate(g, dtype="float32"):
     return T.Or(T.isnan(g), T.Or(g > 0, g < -T.max_value(dtype)))
 
 
-def bad_beta(beta):
-    """The TIR condition, in a kernel, that a beta it loaded is NaN or lies outside [0, 1] (NaN by
-    name, as in bad_gate)."""
+def bad_beta(beta, bound=1):
+    """The TIR condition, in a kernel, that a beta it loaded is NaN or lies outside [0, bound] (NaN by
+    name, as in bad_gate): bound 1, or 2 where FLA's allow_neg_eigval takes beta to [0, 2)."""
     import tilelang.language as T
 
-    return T.Or(T.isnan(beta), T.Or(beta < 0, beta > 1))
+    return T.Or(T.isnan(beta), T.Or(beta < 0, beta > bound))
 
 
 def flags_for(device):

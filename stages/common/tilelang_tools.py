@@ -22,6 +22,24 @@ from dataclasses import dataclass
 # TileLang 0.1.15 takes the target as a dict; the string form "cuda -arch=sm_90a" is rejected.
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
+
+
+@functools.cache
+def gpu_target() -> dict:
+    """The target the fast path compiles for: the arch of the GPU torch sees ("sm_90a" on an H100 or
+    H200, Hopper's wgmma needing the "a"), or sm_90a where there is none, to compile ahead of time.
+
+    Named in full rather than as "cuda" (which TileLang resolves from the GPU), so that a program
+    compiled on a machine without a GPU has the key of its TileLang cache entry on the GPU machine:
+    a cache carried there (TILELANG_CACHE_DIR) spares its compiles."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return SM90A
+    major, minor = torch.cuda.get_device_capability()
+    return {"kind": "cuda", "arch": f"sm_{major}{minor}{'a' if major == 9 else ''}"}
+
+
 # exp(x) = exp2(x * log2(e)): kernels call the hardware exp2, references call exp.
 LOG2_E = 1.4426950408889634
 

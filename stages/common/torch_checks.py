@@ -95,7 +95,7 @@ def check_gate(name, x, shape, axes):
 # --8<-- [start:gate_values]
 def check_gate_values(g, beta=None):
     """g = log(a) finite and <= 0 (a decay, never a growth), beta (if given) in [0, 1]: one read of
-    both to the host, one device sync. Returns g's smallest entry (0.0 for an empty g), which the
+    both to the host, one device sync (g None: beta alone). Returns g's smallest entry (0.0 for an empty g), which the
     kernels' range checks read.
 
     g > 0 is a growth, not a decay: a^(r - j) > 1 grows without bound along the sequence.
@@ -109,7 +109,10 @@ def check_gate_values(g, beta=None):
     # tensor's min and max NaN, and NaN fails every comparison below
     extremes = [torch.aminmax(x.detach()) if x.numel() else (x.new_zeros(()), x.new_zeros(())) for x in (g, beta)
                 if x is not None]
-    g_min, g_max, *beta_span = torch.stack([value.float() for pair in extremes for value in pair]).tolist()
+    if not extremes:
+        return 0.0
+    spans = torch.stack([value.float() for pair in extremes for value in pair]).tolist()
+    g_min, g_max, *beta_span = spans if g is not None else [0.0, 0.0, *spans]
     bad_gate = not (g_max <= 0 and g_min > -math.inf)
     bad_beta = bool(beta_span) and not (beta_span[0] >= 0 and beta_span[1] <= 1)
     if bad_gate:

@@ -6,7 +6,13 @@
     decode(q, k, v, g, beta, state_pool, slots)    -> (o, state_pool)              one token, the pool in place
 
 Tensors are (B, N, H, D) (decode: (B, H, D)); q, k, v in fp16 or bf16, g and beta in fp32, states S^T
-(d_k x d_v, the kernel layout) in fp32. The sizes each call runs with are one KernelConfig
+(d_k x d_v, the kernel layout) in fp32. H counts the value heads: q and k may have fewer, H_qk, with H
+a multiple of it (FLA's grouped value heads: value head h reads q's and k's head h // (H / H_qk)).
+
+Every call takes the tensors as a model hands them too: `form` (stages.kda.inputs.InputForm) says what
+the kernels compute from q, k, g and beta as they load them (the q/k norms and q's scale, the gate from
+the raw projection with A_log (H,) and dt_bias (H * d_k,) fp32, beta's sigmoid), so that no pass runs
+in front of the kernels; g and beta may then come in q's dtype. The sizes each call runs with are one KernelConfig
 (stages.kda.config.resolve: from the shape and the GPU where not given). Shapes, dtypes and devices
 are checked on the host (stages.kda.checks); g's and beta's values by `checks`: "device" (the
 default) leaves them to the kernels, which flag a bad one as they load it (stages.common.device_checks:
@@ -19,6 +25,8 @@ for them, and the kernels run without the flags.
 import functools
 from typing import TYPE_CHECKING
 
+from typing import NamedTuple
+
 from stages.common.checks import padded_length
 from stages.common.device_checks import BAD_CU_SEQLENS, flags_for
 from stages.common.torch_checks import dtype_name, pad_tokens
@@ -27,6 +35,9 @@ from stages.kda.checks import (check_backward_inputs, check_decode_inputs, check
 from stages.kda.compiled import (compiled_backward_kernels, compiled_decode, compiled_prefill_kernels,
                                  compiled_prepare, compiled_recurrence)
 from stages.kda.config import KernelConfig, decode_block_dv, most_chunks, resolve_for
+from stages.kda.inputs import InputForm, activate
+
+PLAIN = InputForm()  # q, k, g and beta as the recurrence takes them
 
 if TYPE_CHECKING:
     import torch
@@ -35,65 +46,141 @@ if TYPE_CHECKING:
 # --8<-- [start:forward]
 def forward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
             initial_state: "torch.Tensor | None" = None, output_final_state: bool = False, checks: str = "device",
-            config: KernelConfig | None = None) -> "tuple[torch.Tensor, torch.Tensor | None]":
-    """Both kernels on q, k: (B, N, H, d_k), v: (B, N, H, d_v) (fp16 or bf16), g: (B, N, H, d_k) fp32
+            config: KernelConfig | None = None, form: InputForm = PLAIN, A_log: "torch.Tensor | None" = None,
+            dt_bias: "torch.Tensor | None" = None) -> "tuple[torch.Tensor, torch.Tensor | None]":
+    """Both kernels on q, k: (B, N, H_qk, d_k), v: (B, N, H, d_v) (fp16 or bf16), g: (B, N, H, d_k) fp32
     log gates (<= 0), beta: (B, N, H) fp32 in [0, 1]; initial_state: S_0^T (B, H, d_k, d_v) fp32 or
     None (zeros). Returns (o (B, N, H, d_v) in the input dtype, the final state S^T (B, H, d_k, d_v) fp32
     if output_final_state else None). N need not be a multiple of the chunk size: the sequence is
     zero-padded, which is exact (see stages.s05_fast_kda.reference.kernel_mirror). config=None resolves
-    the sizes for this shape and GPU.
+    the sizes for this shape and GPU. form, A_log, dt_bias: the tensors as a model passes them (the
+    module's docstring); the prepare kernel then reads the N tokens as they are, no copy padded.
     """
-    o, final_state, _ = forward_and_prepared(q, k, v, g, beta, initial_state, checks, config, keep_prepared=False)
+    o, final_state, _ = forward_and_prepared(q, k, v, g, beta, initial_state, checks, config, keep_prepared=False,
+                                             form=form, A_log=A_log, dt_bias=dt_bias)
     return o, final_state if output_final_state else None
 
 
-def forward_and_prepared(q, k, v, g, beta, initial_state=None, checks="device", config=None, keep_prepared=True):
+def forward_and_prepared(q, k, v, g, beta, initial_state=None, checks="device", config=None, keep_prepared=True,
+                         form=PLAIN, A_log=None, dt_bias=None):
     """`forward`, returning (o, final state, prepared): with keep_prepared, the prepare kernel's eight
     outputs with solve_outputs (W, U, Q e^gamma, K e^{gamma_C - gamma}, A_qk, e^{gamma_C}, A_kk, T, on the
     tokens padded to a multiple of the chunk size), which the backward would otherwise compute again
     (chunk_kda's disable_recompute); else None. The recurrence reads the first six."""
-    B, N, H, d_k, d_v = check_forward_inputs(q, k, v, g, beta, initial_state, config, checks)
+    B, N, H, d_k, d_v = check_forward_inputs(q, k, v, g, beta, initial_state, config, checks, form, A_log, dt_bias)
     config = config or resolve_for(q.device, B, H, d_k, d_v)
     C = config.chunk_size
     N_padded = padded_length(N, C)
-    q, k, v, g, beta = pad_tokens(N_padded, q, k, v, g, beta)
+    if form.is_plain:
+        q, k, v, g, beta = pad_tokens(N_padded, q, k, v, g, beta)
     if initial_state is None:
         initial_state = zero_state(B, H, d_k, d_v, q.device)
     value_flags = checks == "device"
     # solve_outputs only when asked: the other calls share the cache entry (and compile) of the benchmarks'
     prepare = compiled_prepare(B, N_padded, H, d_k, d_v, C, dtype_name(q), config.prepare_threads, value_flags,
-                               solve_outputs=keep_prepared)
+                               keep_prepared, **form_options(form, q, g, beta, tokens=N))
     recurrence = compiled_recurrence(B, N_padded, H, d_k, d_v, C, config.block_dv, dtype_name(q), config.num_stages,
                                      config.threads)
     flags = (flags_for(q.device),) if value_flags else ()
-    prepared = prepare(q, k, v, g, beta, *flags)
+    prepared = prepare(q, k, v, g, beta, *gate_parameters(form, A_log, dt_bias, H, d_k, q.device), *flags)
     o, final_state = recurrence(*prepared[:6], initial_state)
     return o[:, :N], final_state, prepared if keep_prepared else None
+
+
+def form_options(form, q, g, beta, tokens=None):
+    """The prepare's (and decode's) build options for the tensors as given in `form`: {} for the plain
+    form (its programs stay as they were), else the form, the grouped heads, g's and beta's dtypes and
+    (a dense batch, tokens) the token count the kernel reads unpadded."""
+    if form.is_plain and q.shape[-2] == g.shape[-2]:
+        return {}
+    options = {"form": form, "group": g.shape[-2] // q.shape[-2], "gate_dtype": dtype_name(g),
+               "beta_dtype": dtype_name(beta)}
+    return options if tokens is None or form.is_plain else {**options, "tokens": tokens}
+
+
+def gate_parameters(form, A_log, dt_bias, H, d_k, device):
+    """(A_log (H,), dt_bias (H, d_k)) fp32 for a raw gate, zeros for one not given (exp(0) = 1 and
+    x + 0 = x: exact), else ()."""
+    if not form.raw_gate:
+        return ()
+    A_log = zeros((H,), device) if A_log is None else A_log
+    dt_bias = zeros((H, d_k), device) if dt_bias is None else dt_bias.view(H, d_k)
+    return A_log, dt_bias
 # --8<-- [end:forward]
+
+
+class Gradients(NamedTuple):
+    """`backward`'s gradients: of q, k, v, g, beta and the initial state, and of A_log and dt_bias (None
+    unless the form takes a raw gate and the caller gave them). dg and dbeta are of g and beta as the
+    caller gave them: the raw gate and the logits where the form activates them."""
+
+    dq: "torch.Tensor"
+    dk: "torch.Tensor"
+    dv: "torch.Tensor"
+    dg: "torch.Tensor"
+    dbeta: "torch.Tensor"
+    d_initial_state: "torch.Tensor"
+    dA_log: "torch.Tensor | None" = None
+    ddt_bias: "torch.Tensor | None" = None
 
 
 # --8<-- [start:backward]
 def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
              do: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
              d_final_state: "torch.Tensor | None" = None, checks: str = "device", config: KernelConfig | None = None,
-             prepared: "tuple[torch.Tensor, ...] | None" = None) -> tuple["torch.Tensor", ...]:
+             prepared: "tuple[torch.Tensor, ...] | None" = None, form: InputForm = PLAIN,
+             A_log: "torch.Tensor | None" = None, dt_bias: "torch.Tensor | None" = None) -> Gradients:
     """The gradients of KDA's output (and final state), on `forward`'s inputs: do = dLoss/do (B, N, H, d_v)
     in q's dtype; initial_state S_0^T and d_final_state = dLoss/dS_N^T: (B, H, d_k, d_v) fp32 or None
     (zeros).
 
-    Returns (dq, dk, dv, dg, dbeta, d_initial_state): dv (B, N, H, d_v) in q's dtype; dq, dk, dg
-    (B, N, H, d_k), dbeta (B, N, H) and dS_0^T (B, H, d_k, d_v) in fp32 (dS_0^T computed even when
-    initial_state is None: it is then the gradient of a zero initial state). dq and dk stay in fp32, as
-    FLA's chunk_kda_bwd hands them back, so that the caller rounds them once, after its own backward
-    in front of the kernels (`chunk_kda`: the L2 norm's and the scale's). config: as the forward's
-    (the two chunk loops, states and state_gradient, take its block_dv). checks: "device" recomputes
-    the forward's prepare with the kernel that flags a bad g or beta, "host" reads them first, "off"
-    checks nothing (`chunk_kda`'s backward: its forward checked the same g and beta). prepared: the
-    forward's prepare outputs for these inputs (`forward_and_prepared`), kept by the caller so that the
-    backward skips computing them again: the same numbers, one launch fewer, and the memory of eight
-    tensors held from the forward to the backward (chunk_kda's disable_recompute).
+    Returns Gradients(dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias): dv (B, N, H, d_v) in q's
+    dtype; dq, dk (B, N, H_qk, d_k), dg (B, N, H, d_k), dbeta (B, N, H) and dS_0^T (B, H, d_k, d_v) in
+    fp32 (dS_0^T computed even when initial_state is None: it is then the gradient of a zero initial
+    state). dq and dk stay in fp32, as FLA's chunk_kda_bwd hands them back, so that the caller rounds
+    them once, after its own backward in front of the kernels. config: as the forward's (the two chunk
+    loops, states and state_gradient, take its block_dv). checks: "device" recomputes the forward's
+    prepare with the kernel that flags a bad g or beta, "host" reads them first, "off" checks nothing
+    (`chunk_kda`'s backward: its forward checked the same g and beta). prepared: the forward's prepare
+    outputs for these inputs (`forward_and_prepared`), kept by the caller so that the backward skips
+    computing them again: the same numbers, one launch fewer, and the memory of eight tensors held from
+    the forward to the backward (chunk_kda's disable_recompute).
+
+    form, A_log, dt_bias: the tensors as a model passes them. The kernels then run on the activated q,
+    k, g and beta (stages.kda.inputs.activate, in torch: the norms, the gate, the sigmoid), q and k
+    repeated over grouped value heads, and torch's autograd takes the gradients back through the
+    activation to the raw tensors and the gate's parameters (the sums over the group included).
     """
-    B, N, H, d_k, d_v = check_backward_inputs(q, k, v, g, beta, do, initial_state, d_final_state, config, checks)
+    B, N, H, d_k, d_v = check_backward_inputs(q, k, v, g, beta, do, initial_state, d_final_state, config, checks,
+                                              form, A_log, dt_bias)
+    if form.is_plain and q.shape[2] == H:
+        return Gradients(*activated_backward(q, k, v, g, beta, do, initial_state, d_final_state, checks, config,
+                                             prepared))
+    import torch
+
+    with torch.enable_grad():
+        leaves = [None if x is None else x.detach().requires_grad_() for x in (q, k, g, beta, A_log, dt_bias)]
+        group = H // q.shape[2]
+        q_a, k_a, g_a, beta_a = activate(form, *leaves)
+        q_a, k_a = (x.repeat_interleave(group, dim=2) for x in (q_a, k_a))
+    kernel_inputs = (q_a.to(q.dtype).contiguous(), k_a.to(q.dtype).contiguous(), v, g_a.contiguous(),
+                     beta_a.contiguous())
+    # the raw values were checked (host) or are flagged by the forward's kernel (device) as activated;
+    # the recomputed prepare flags them again, but for beta in [0, 2), which only the form's kernels take
+    activated_checks = "device" if checks == "device" and form.beta_bound == 1 else "off"
+    dq, dk, dv, dg, dbeta, d_initial_state = activated_backward(*kernel_inputs, do, initial_state, d_final_state,
+                                                                activated_checks, config, prepared)
+    wanted = [x for x in leaves if x is not None]
+    found = iter(torch.autograd.grad((q_a, k_a, g_a, beta_a), wanted, (dq, dk, dg, dbeta), allow_unused=True))
+    dq, dk, dg, dbeta, dA_log, ddt_bias = (None if x is None else next(found) for x in leaves)
+    return Gradients(dq, dk, dv, dg, dbeta, d_initial_state, dA_log,
+                     None if ddt_bias is None else ddt_bias.view(dt_bias.shape))
+
+
+def activated_backward(q, k, v, g, beta, do, initial_state, d_final_state, checks, config, prepared):
+    """The backward kernels on q, k, g and beta as the recurrence takes them (`backward`'s plain form);
+    returns (dq, dk, dv, dg, dbeta, d_initial_state)."""
+    B, N, H, d_k, d_v = v.shape[0], v.shape[1], v.shape[2], q.shape[3], v.shape[3]
     config = config or resolve_for(q.device, B, H, d_k, d_v)
     C = config.chunk_size
     N_padded = padded_length(N, C)
@@ -139,9 +226,11 @@ def run_kernels(kernels, q, k, v, g, beta, do, initial_state, d_final_state, fla
 # --8<-- [start:prefill]
 def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
             cu_seqlens: "torch.Tensor | None" = None, initial_state: "torch.Tensor | None" = None,
-            output_final_state: bool = False, checks: str = "device",
-            config: KernelConfig | None = None) -> "tuple[torch.Tensor, torch.Tensor | None]":
-    """The forward pass of a batch of sequences, each from its own state, in FLA's conventions.
+            output_final_state: bool = False, checks: str = "device", config: KernelConfig | None = None,
+            form: InputForm = PLAIN, A_log: "torch.Tensor | None" = None,
+            dt_bias: "torch.Tensor | None" = None) -> "tuple[torch.Tensor, torch.Tensor | None]":
+    """The forward pass of a batch of sequences, each from its own state, in FLA's conventions (form,
+    A_log, dt_bias and grouped value heads as in `forward`).
 
     q, k: (B, T, H, d_k), v: (B, T, H, d_v) in fp16 or bf16; g: (B, T, H, d_k) fp32 log gates (<= 0);
     beta: (B, T, H) fp32 in [0, 1]. With cu_seqlens (int32 or int64, (N_seq + 1,)) the batch is
@@ -160,9 +249,9 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     graph like `forward`.
     """
     if cu_seqlens is None:
-        return forward(q, k, v, g, beta, initial_state, output_final_state, checks, config)
-    check_prefill_inputs(q, k, v, g, beta, cu_seqlens, initial_state, config, checks)
-    T, H, d_k, d_v, N_seq = q.shape[1], q.shape[2], q.shape[3], v.shape[3], cu_seqlens.numel() - 1
+        return forward(q, k, v, g, beta, initial_state, output_final_state, checks, config, form, A_log, dt_bias)
+    check_prefill_inputs(q, k, v, g, beta, cu_seqlens, initial_state, config, checks, form, A_log, dt_bias)
+    T, H, d_k, d_v, N_seq = q.shape[1], v.shape[2], q.shape[3], v.shape[3], cu_seqlens.numel() - 1
     config = config or resolve_for(q.device, N_seq, H, d_k, d_v)
     if initial_state is None:
         initial_state = zero_state(N_seq, H, d_k, d_v, q.device)
@@ -170,8 +259,9 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     flags = flags_for(q.device) if checks == "device" else None
     index = varlen_index(cu_seqlens, T, config.chunk_size, flags)
     kernels = compiled_prefill_kernels(H, d_k, d_v, config.chunk_size, config.block_dv, dtype_name(q),
-                                       flags is not None)
-    o, final_state = varlen_forward(q, k, v, g, beta, index, initial_state, config.chunk_size, kernels, flags)
+                                       flags is not None, **form_options(form, q, g, beta))
+    o, final_state = varlen_forward(q, k, v, g, beta, index, initial_state, config.chunk_size, kernels, flags,
+                                    gate_parameters(form, A_log, dt_bias, H, d_k, q.device))
     return o, final_state if output_final_state else None
 # --8<-- [end:prefill]
 
@@ -207,16 +297,17 @@ def varlen_index(cu_seqlens: "torch.Tensor", T: int, chunk_size: int,
     return torch.cat([offsets, chunk_offsets, chunks.ravel()]).to(torch.int32)
 
 
-def varlen_forward(q, k, v, g, beta, index, initial_state, chunk_size, kernels, flags=None):
+def varlen_forward(q, k, v, g, beta, index, initial_state, chunk_size, kernels, flags=None, gate_parameters=()):
     """kernels = (packed prepare, packed recurrence: compiled.compiled_prefill_kernels) on the packed
     batch (1, T, ...) as the caller gave it; index: `varlen_index` on the inputs' device; flags: the Flags tensor a prepare built with
-    value_flags takes, None for one built without: the kernels' outputs allocated (the chunk-aligned
-    ones for most_chunks), their two launches (no host sync). Returns (o (1, T, H, d_v), final states
+    value_flags takes, None for one built without; gate_parameters: (A_log, dt_bias) for a prepare
+    that takes a raw gate, else (): the kernels' outputs allocated (the chunk-aligned ones for
+    most_chunks), their two launches (no host sync). Returns (o (1, T, H, d_v), final states
     (N_seq, H, d_k, d_v) fp32)."""
     import torch
 
     prepare, recurrence = kernels
-    (_, T, H, d_k), d_v, N_seq = q.shape, v.shape[3], initial_state.shape[0]
+    (_, T, H, d_v), d_k, N_seq = v.shape, q.shape[3], initial_state.shape[0]
     if T == 0:  # every sequence empty: nothing to launch, the states stay
         return torch.empty_like(v), initial_state.clone()
     n_chunks = most_chunks(T, N_seq, chunk_size)  # the table's rows: the batch's chunks, then zero chunks
@@ -231,7 +322,7 @@ def varlen_forward(q, k, v, g, beta, index, initial_state, chunk_size, kernels, 
                 empty(1, T_padded, H, d_k), empty(1, T_padded, H, chunk_size),
                 empty(1, n_chunks, H, d_k, dtype=torch.float32))
     value_flags = () if flags is None else (flags,)
-    prepare(q, k, v, g, beta, chunks.view(n_chunks, 2), cu_seqlens, *value_flags, *prepared)
+    prepare(q, k, v, g, beta, *gate_parameters, chunks.view(n_chunks, 2), cu_seqlens, *value_flags, *prepared)
     o, final_state = empty(1, T, H, d_v), torch.empty_like(initial_state)
     recurrence(*prepared, initial_state, chunk_offsets, cu_seqlens, o, final_state)
     return o, final_state
@@ -241,9 +332,10 @@ def varlen_forward(q, k, v, g, beta, index, initial_state, chunk_size, kernels, 
 # --8<-- [start:decode]
 def decode(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
            state_pool: "torch.Tensor", slots: "torch.Tensor", checks: str = "device",
-           config: KernelConfig | None = None) -> "tuple[torch.Tensor, torch.Tensor]":
-    """One decode step: q, k (B, H, d_k), v (B, H, d_v) in fp16 or bf16; g (B, H, d_k) fp32 log gates
-    (<= 0); beta (B, H) fp32 in [0, 1]; state_pool (P, H, d_k, d_v) fp32, S^T in the kernel layout;
+           config: KernelConfig | None = None, form: InputForm = PLAIN, A_log: "torch.Tensor | None" = None,
+           dt_bias: "torch.Tensor | None" = None) -> "tuple[torch.Tensor, torch.Tensor]":
+    """One decode step: q, k (B, H_qk, d_k), v (B, H, d_v) in fp16 or bf16; g (B, H, d_k) fp32 log gates
+    (<= 0); beta (B, H) fp32 in [0, 1] (or as a model passes them: form, A_log, dt_bias, as `forward`'s); state_pool (P, H, d_k, d_v) fp32, S^T in the kernel layout;
     slots (B,) int32, distinct, in [0, P).
 
     Returns (o (B, H, d_v) in the input dtype, state_pool): state_pool[slots] is advanced by one token
@@ -254,35 +346,40 @@ def decode(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Te
     slots, which make two programs write one state); "off": the kernel runs without the flags (a slot
     outside the pool still writes nothing).
     """
-    B, H, d_k, d_v = check_decode_inputs(q, k, v, g, beta, state_pool, slots, config, checks)
+    B, H, d_k, d_v = check_decode_inputs(q, k, v, g, beta, state_pool, slots, config, checks, form, A_log, dt_bias)
     config = config or KernelConfig(block_dv=decode_block_dv(d_v))
     value_flags = checks == "device"
     kernel = compiled_decode(B, state_pool.shape[0], H, d_k, d_v, config.block_dv, dtype_name(q), config.threads,
-                             value_flags)
+                             value_flags, **form_options(form, q, g, beta))
     flags = (flags_for(q.device),) if value_flags else ()
-    return kernel(q, k, v, g, beta, slots, state_pool, *flags), state_pool
+    parameters = gate_parameters(form, A_log, dt_bias, H, d_k, q.device)
+    return kernel(q, k, v, g, beta, *parameters, slots, state_pool, *flags), state_pool
 # --8<-- [end:decode]
 
 
 def zero_state(B: int, H: int, d_k: int, d_v: int, device: "torch.device") -> "torch.Tensor":
-    """S_0^T = 0 (B, H, d_k, d_v) fp32 on `device`: one tensor per shape and device, made once.
+    """S_0^T = 0 (B, H, d_k, d_v) fp32 on `device` (zeros)."""
+    return zeros((B, H, d_k, d_v), device)
 
-    Shared safely because it never leaves forward and nothing writes it: the recurrence kernel only
-    reads Initial_state. While a CUDA graph is being captured a fresh tensor is made instead (one
-    made then would live in the graph's private memory pool, not beside the others).
+
+def zeros(shape: tuple[int, ...], device: "torch.device") -> "torch.Tensor":
+    """An fp32 tensor of zeros on `device` (a zero initial state, a gate parameter not given): one tensor
+    per shape and device, made once.
+
+    Shared safely because nothing writes it: the kernels only read their initial states and gate
+    parameters. While a CUDA graph is being captured a fresh tensor is made instead (one made then
+    would live in the graph's private memory pool, not beside the others).
     """
     import torch
 
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros((B, H, d_k, d_v), dtype=torch.float32, device=device)
-    return _cached_zero_state(B, H, d_k, d_v, device)
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    return _cached_zeros(tuple(shape), device)
 
 
 @functools.lru_cache(maxsize=8)  # a few shapes: a long-lived caller with many batch sizes holds at most 8
-def _cached_zero_state(B, H, d_k, d_v, device):
+def _cached_zeros(shape, device):
     import torch
 
     with torch.inference_mode(False):  # a normal tensor even when first made under inference_mode
-        return torch.zeros((B, H, d_k, d_v), dtype=torch.float32, device=device)
-
-
+        return torch.zeros(shape, dtype=torch.float32, device=device)

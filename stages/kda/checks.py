@@ -11,10 +11,13 @@ from typing import TYPE_CHECKING
 
 from stages.common.device_checks import check_mode
 from stages.common.torch_checks import (check_cu_seqlens, check_cu_seqlens_values, check_gate, check_gate_values,
-                                        check_kernel_tensor, check_on_cuda, check_qkv, check_same, check_slot_values,
-                                        check_slots, check_tile_sizes)
+                                        check_kernel_tensor, check_on_cuda, check_same, check_slot_values,
+                                        check_slots, check_tile_sizes, dtype_name)
 from stages.kda.config import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, KernelConfig,
                                decode_block_dv, most_chunks)
+from stages.kda.inputs import InputForm
+
+PLAIN = InputForm()
 
 if TYPE_CHECKING:
     import torch
@@ -23,8 +26,11 @@ if TYPE_CHECKING:
 # --8<-- [start:checks]
 def check_forward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
                          beta: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
-                         config: KernelConfig | None = None, checks: str = "device") -> tuple[int, int, int, int, int]:
-    """Every check of `forward`'s arguments (see its docstring); returns (B, N, H, d_k, d_v).
+                         config: KernelConfig | None = None, checks: str = "device", form: InputForm = PLAIN,
+                         A_log: "torch.Tensor | None" = None,
+                         dt_bias: "torch.Tensor | None" = None) -> tuple[int, int, int, int, int]:
+    """Every check of `forward`'s arguments (see its docstring); returns (B, N, H, d_k, d_v), H the value
+    heads.
 
     In this order: the checks mode; what the tensors' types, shapes and dtypes tell (check_token_inputs,
     the initial state) and the tile sizes (check_kernel_sizes); then, with checks="host", what only
@@ -33,24 +39,85 @@ def check_forward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor"
     without a GPU. Any gate <= 0 runs: there is no range to check (anchored_scores_macro).
     """
     check_mode(checks)
-    B, N, H, d_k, d_v = check_token_inputs(q, k, v, g, beta)
+    B, N, H, d_k, d_v = check_token_inputs(q, k, v, g, beta, form=form)
+    check_gate_parameters(form, A_log, dt_bias, H, d_k)
     check_state("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     check_config(d_k, d_v, config)
     if checks == "host":
-        check_gate_values(g, beta)
-    check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state})
+        check_values(form, g, beta, A_log, dt_bias)
+    check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state, "A_log": A_log,
+                   "dt_bias": dt_bias})
     return B, N, H, d_k, d_v
 
 
 def check_token_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
-                       beta: "torch.Tensor", length: str = "N") -> tuple[int, int, int, int, int]:
-    """q, k: (B, N, H, d_k) and v: (B, N, H, d_v), of one dtype, fp16 or bf16; g: (B, N, H, d_k) and
-    beta: (B, N, H) in fp32; all contiguous tensors. Types, shapes and dtypes only: no value is read.
-    `length` names the token axis in the messages (T in stage 7's prefill). Returns (B, N, H, d_k, d_v)."""
-    B, N, H, d_k, d_v = check_qkv(q, k, v)
-    check_gate("g", g, (B, N, H, d_k), f"(B, {length}, H, d_k)")
-    check_gate("beta", beta, (B, N, H), f"(B, {length}, H)")
+                       beta: "torch.Tensor", length: str = "N", form: InputForm = PLAIN) -> tuple[int, int, int, int, int]:
+    """q, k: (B, N, H_qk, d_k) and v: (B, N, H, d_v), of one dtype, fp16 or bf16, H a multiple of H_qk
+    (grouped value heads: value head h reads q's and k's head h // (H / H_qk)); g: (B, N, H, d_k) and
+    beta: (B, N, H), fp32, or q's dtype too where the form activates them (a raw gate, beta logits);
+    all contiguous tensors. Types, shapes and dtypes only: no value is read. `length` names the token
+    axis in the messages (T in stage 7's prefill). Returns (B, N, H, d_k, d_v), H the value heads."""
+    check_kernel_tensor("q", q, rank=4)
+    check_kernel_tensor("k", k, rank=4)
+    check_kernel_tensor("v", v, rank=4)
+    check_same("k", k, "q", q, "shape")
+    B, N, H_qk, d_k = q.shape
+    H, d_v = v.shape[2], v.shape[3]
+    if tuple(v.shape[:2]) != (B, N) or H % H_qk:
+        raise ValueError(f"v must be (B, {length}, H, d_v) = ({B}, {N}, H, d_v) with H a multiple of q's and k's "
+                         f"{H_qk} heads (grouped value heads), got {tuple(v.shape)}")
+    check_same("k", k, "q", q, "dtype")
+    check_same("v", v, "q", q, "dtype")
+    gate_dtypes = ("float32", dtype_name(q)) if form.raw_gate else ("float32",)
+    beta_dtypes = ("float32", dtype_name(q)) if form.beta != "value" else ("float32",)
+    check_shaped("g", g, (B, N, H, d_k), f"(B, {length}, H, d_k)", gate_dtypes)
+    check_shaped("beta", beta, (B, N, H), f"(B, {length}, H)", beta_dtypes)
     return B, N, H, d_k, d_v
+
+
+def check_shaped(name: str, x: "torch.Tensor", shape: tuple[int, ...], axes: str, dtypes: tuple[str, ...]) -> None:
+    """x: a contiguous tensor of one of `dtypes` and of the given shape, `axes` naming its axes."""
+    check_kernel_tensor(name, x, rank=len(shape), dtypes=dtypes)
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {axes} = {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def check_gate_parameters(form: InputForm, A_log: "torch.Tensor | None", dt_bias: "torch.Tensor | None",
+                          H: int, d_k: int) -> None:
+    """A_log (H,) and dt_bias (H * d_k,) or (H, d_k), fp32, the raw gate's parameters (FLA's shapes):
+    A_log needed by the "softplus" gate, optional with "sigmoid", dt_bias optional; neither with a
+    log gate, which has no parameters."""
+    if not isinstance(form, InputForm):
+        raise TypeError(f"form must be a stages.kda.inputs.InputForm, got {type(form).__name__}")
+    if not form.raw_gate:
+        if A_log is not None or dt_bias is not None:
+            raise ValueError("A_log and dt_bias are a raw gate's parameters: give them with form.gate 'softplus' or "
+                             "'sigmoid', not with a log gate g")
+        return
+    if form.gate == "softplus" and A_log is None:
+        raise ValueError("the 'softplus' gate needs A_log (H,): g = -exp(A_log) * softplus(x + dt_bias)")
+    if A_log is not None:
+        check_shaped("A_log", A_log, (H,), "(H,)", ("float32",))
+    if dt_bias is not None:
+        shape = (H * d_k,) if dt_bias.dim() == 1 else (H, d_k)
+        check_shaped("dt_bias", dt_bias, shape, "(H * d_k,) or (H, d_k)", ("float32",))
+
+
+def check_values(form: InputForm, g: "torch.Tensor", beta: "torch.Tensor", A_log: "torch.Tensor | None",
+                 dt_bias: "torch.Tensor | None") -> None:
+    """checks="host": g and beta as the kernels will see them, read to the host. A log gate and beta
+    themselves: check_gate_values (finite g <= 0, beta in [0, 1]); a raw gate, beta logits and the
+    gate's parameters: finite, which is all the activations need (their results then lie in range)."""
+    import torch
+
+    raw = {"g": g} if form.raw_gate else {}
+    raw.update({"A_log": A_log, "dt_bias": dt_bias} if form.raw_gate else {})
+    raw.update({"beta": beta} if form.beta != "value" else {})
+    finite = [bool(torch.isfinite(x).all()) for x in raw.values() if x is not None]
+    if not all(finite):
+        names = [name for name, x in raw.items() if x is not None]
+        raise ValueError(f"{names[finite.index(False)]} must be finite: the kernels activate it as they load it")
+    check_gate_values(None if form.raw_gate else g, None if form.beta != "value" else beta)
 
 
 def check_state(name: str, state: "torch.Tensor | None", shape: tuple[int, ...], axes: str) -> None:
@@ -85,20 +152,22 @@ def check_kernel_sizes(d_k: int, d_v: int, chunk_size: int, block_dv: int) -> No
 def check_backward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
                           beta: "torch.Tensor", do: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
                           d_final_state: "torch.Tensor | None" = None, config: KernelConfig | None = None,
-                          checks: str = "device") -> tuple[int, int, int, int, int]:
+                          checks: str = "device", form: InputForm = PLAIN, A_log: "torch.Tensor | None" = None,
+                          dt_bias: "torch.Tensor | None" = None) -> tuple[int, int, int, int, int]:
     """Every check of `backward`'s arguments, in the order of stage 5's check_forward_inputs, with do
     and d_final_state beside the forward's inputs; returns (B, N, H, d_k, d_v). With checks="host", the
     values (check_gate_values): any gate <= 0 runs, as in stage 5's forward, so no range is checked."""
     check_mode(checks)
-    B, N, H, d_k, d_v = check_token_inputs(q, k, v, g, beta)
+    B, N, H, d_k, d_v = check_token_inputs(q, k, v, g, beta, form=form)
+    check_gate_parameters(form, A_log, dt_bias, H, d_k)
     check_output_gradient(do, q, v)
     check_state("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     check_state("d_final_state", d_final_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     check_config(d_k, d_v, config)
     if checks == "host":
-        check_gate_values(g, beta)
+        check_values(form, g, beta, A_log, dt_bias)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
-                   "d_final_state": d_final_state})
+                   "d_final_state": d_final_state, "A_log": A_log, "dt_bias": dt_bias})
     return B, N, H, d_k, d_v
 
 
@@ -119,14 +188,16 @@ def check_output_gradient(do: "torch.Tensor", q: "torch.Tensor", v: "torch.Tenso
 
 def check_prefill_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
                          beta: "torch.Tensor", cu_seqlens: "torch.Tensor", initial_state: "torch.Tensor | None" = None,
-                         config: KernelConfig | None = None, checks: str = "device") -> None:
+                         config: KernelConfig | None = None, checks: str = "device", form: InputForm = PLAIN,
+                         A_log: "torch.Tensor | None" = None, dt_bias: "torch.Tensor | None" = None) -> None:
     """Every check of `prefill`'s arguments with cu_seqlens (without, `forward` checks them), in the
     order of stage 5's check_forward_inputs: the checks mode, the tensors' types, shapes and dtypes,
     cu_seqlens's type and shape, the initial states, the tile sizes and the 32-bit indexing of the
     largest chunk-aligned layout; then, with checks="host", cu_seqlens's, g's and beta's values (read
     to the host); the device last."""
     check_mode(checks)
-    B, T, H, d_k, d_v = check_token_inputs(q, k, v, g, beta, length="T")
+    B, T, H, d_k, d_v = check_token_inputs(q, k, v, g, beta, length="T", form=form)
+    check_gate_parameters(form, A_log, dt_bias, H, d_k)
     check_cu_seqlens(cu_seqlens, B)
     N_seq = cu_seqlens.numel() - 1
     check_state("initial_state", initial_state, (N_seq, H, d_k, d_v), "(N_seq, H, d_k, d_v)")
@@ -135,15 +206,18 @@ def check_prefill_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor"
     check_int32_indexing(max(T, most_chunks(T, N_seq, C) * C), H, max(d_k, d_v, C))
     if checks == "host":
         check_cu_seqlens_values(cu_seqlens, T)
-        check_gate_values(g, beta)
+        check_values(form, g, beta, A_log, dt_bias)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens,
-                   "initial_state": initial_state})
+                   "initial_state": initial_state, "A_log": A_log, "dt_bias": dt_bias})
 
 
 def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor",
                         beta: "torch.Tensor", state_pool: "torch.Tensor", slots: "torch.Tensor",
-                        config: KernelConfig | None = None, checks: str = "device") -> tuple[int, int, int, int]:
-    """Every check of `decode`'s arguments (see its docstring); returns (B, H, d_k, d_v).
+                        config: KernelConfig | None = None, checks: str = "device", form: InputForm = PLAIN,
+                        A_log: "torch.Tensor | None" = None,
+                        dt_bias: "torch.Tensor | None" = None) -> tuple[int, int, int, int]:
+    """Every check of `decode`'s arguments (see its docstring); returns (B, H, d_k, d_v), H the value
+    heads (q and k may have fewer: grouped value heads).
 
     In stage 5's order (check_forward_inputs): the checks mode, what the tensors' types, shapes and
     dtypes tell, and block_dv; then, with checks="host", what only their values tell
@@ -155,14 +229,19 @@ def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
     check_kernel_tensor("k", k, rank=3)
     check_kernel_tensor("v", v, rank=3)
     check_same("k", k, "q", q, "shape")
-    B, H, d_k = q.shape
-    if tuple(v.shape[:2]) != (B, H):
-        raise ValueError(f"v must be (B, H, d_v) = ({B}, {H}, d_v), got {tuple(v.shape)}")
+    B, H_qk, d_k = q.shape
+    H = v.shape[1]
+    if v.shape[0] != B or H % H_qk:
+        raise ValueError(f"v must be (B, H, d_v) = ({B}, H, d_v) with H a multiple of q's and k's {H_qk} heads "
+                         f"(grouped value heads), got {tuple(v.shape)}")
     d_v = v.shape[2]
     check_same("k", k, "q", q, "dtype")
     check_same("v", v, "q", q, "dtype")
-    check_gate("g", g, (B, H, d_k), "(B, H, d_k)")
-    check_gate("beta", beta, (B, H), "(B, H)")
+    gate_dtypes = ("float32", dtype_name(q)) if form.raw_gate else ("float32",)
+    beta_dtypes = ("float32", dtype_name(q)) if form.beta != "value" else ("float32",)
+    check_shaped("g", g, (B, H, d_k), "(B, H, d_k)", gate_dtypes)
+    check_shaped("beta", beta, (B, H), "(B, H)", beta_dtypes)
+    check_gate_parameters(form, A_log, dt_bias, H, d_k)
     check_kernel_tensor("state_pool", state_pool, rank=4, dtypes=("float32",))
     if tuple(state_pool.shape[1:]) != (H, d_k, d_v):
         raise ValueError(f"state_pool must be (P, H, d_k, d_v) = (P, {H}, {d_k}, {d_v}), S^T in the kernel layout, "
@@ -170,8 +249,10 @@ def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
     check_slots(slots, B)
     check_block(d_v, decode_block_dv(d_v) if config is None else config.block_dv)
     if checks == "host":
-        check_decode_values(g, beta, slots, state_pool.shape[0])
-    check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_pool": state_pool, "slots": slots})
+        check_values(form, g, beta, A_log, dt_bias)
+        check_slot_values(slots, state_pool.shape[0])
+    check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_pool": state_pool, "slots": slots,
+                   "A_log": A_log, "dt_bias": dt_bias})
     return B, H, d_k, d_v
 
 

@@ -8,15 +8,18 @@ kernels, whose sizes are run-time symbols and whose outputs the caller allocates
 
 import functools
 
-from stages.common.tilelang_tools import build_in_turn, compile_in_threads
+from stages.common.tilelang_tools import build_in_turn, compile_in_threads, gpu_target
 from stages.common.tilelang_tools import compile_report as lower_and_report
 from stages.common.torch_checks import KERNEL_DTYPES
 from stages.kda.backward import BUILDERS, kernel_arguments
 from stages.kda.checks import check_block, check_kernel_sizes
 from stages.kda.config import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_THREADS, default_prepare_threads
 from stages.kda.decode import build_decode_program
+from stages.kda.inputs import InputForm
 from stages.kda.prepare import PackedBatch, build_prepare_program, prepare_outputs, run_time_sizes
 from stages.kda.recurrence import build_recurrence_program
+
+PLAIN = InputForm()
 
 
 def packed_sizes():
@@ -26,15 +29,26 @@ def packed_sizes():
     return rows, PackedBatch(tokens, chunks, sequences)
 
 
-@functools.cache
-def compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags=False, solve_outputs=False):
+def compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags=False, solve_outputs=False,
+                     form=PLAIN, group=1, gate_dtype="float32", beta_dtype="float32", tokens=None):
     """The prepare kernel (build_prepare_program, dense) compiled for the GPU: value_flags, the kernel
-    that flags bad values (checks="device"); solve_outputs, A_kk and T too (the backward)."""
+    that flags bad values (checks="device"); solve_outputs, A_kk and T too (the backward); form, group,
+    gate_dtype, beta_dtype and tokens: the inputs as a model passes them (build_prepare_program). One
+    cache entry per program, however its options are passed."""
+    return _compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags, solve_outputs, form, group,
+                             gate_dtype, beta_dtype, tokens)
+
+
+@functools.cache
+def _compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags, solve_outputs, form, group,
+                      gate_dtype, beta_dtype, tokens):
     import tilelang
 
     program = build_in_turn(build_prepare_program, B, N, H, d_k, d_v, chunk_size, dtype, threads,
-                            value_flags=value_flags, solve_outputs=solve_outputs)
-    return tilelang.compile(program, out_idx=prepare_outputs(value_flags, solve_outputs), target="cuda")
+                            value_flags=value_flags, solve_outputs=solve_outputs, form=form, group=group,
+                            gate_dtype=gate_dtype, beta_dtype=beta_dtype, tokens=tokens)
+    out_idx = prepare_outputs(value_flags, solve_outputs, raw_gate=form.raw_gate)
+    return tilelang.compile(program, out_idx=out_idx, target=gpu_target())
 
 
 @functools.cache
@@ -44,7 +58,7 @@ def compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stag
 
     program = build_in_turn(build_recurrence_program, B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages,
                             threads)
-    return tilelang.compile(program, out_idx=[7, 8], target="cuda")
+    return tilelang.compile(program, out_idx=[7, 8], target=gpu_target())
 
 
 @functools.cache
@@ -57,7 +71,7 @@ def compiled_backward_kernel(kernel, *arguments, value_flags=False):
         chunk_size = arguments[5]
         return compiled_prepare(*arguments, default_prepare_threads(chunk_size), value_flags, solve_outputs=True)
     build, outputs = BUILDERS[kernel]
-    return tilelang.compile(build_in_turn(build, *arguments), out_idx=outputs, target="cuda")
+    return tilelang.compile(build_in_turn(build, *arguments), out_idx=outputs, target=gpu_target())
 
 
 @functools.cache
@@ -71,15 +85,16 @@ def compiled_backward_kernels(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, va
 
 
 @functools.cache
-def compiled_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags):
+def compiled_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags, form=PLAIN, group=1, gate_dtype="float32",
+                            beta_dtype="float32"):
     """The prepare for a packed batch of any length. The outputs are the caller's (no out_idx):
     TileLang allocates an output only when each of its sizes is a symbol of its own."""
     import tilelang
 
     rows, packed = packed_sizes()
     program = build_in_turn(build_prepare_program, 1, rows, H, d_k, d_v, chunk_size, dtype, value_flags=value_flags,
-                            packed=packed)
-    return tilelang.compile(program, target="cuda")
+                            packed=packed, form=form, group=group, gate_dtype=gate_dtype, beta_dtype=beta_dtype)
+    return tilelang.compile(program, target=gpu_target())
 
 
 @functools.cache
@@ -90,26 +105,32 @@ def compiled_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype):
     rows, packed = packed_sizes()
     program = build_in_turn(build_recurrence_program, 1, rows, H, d_k, d_v, chunk_size, block_dv, dtype,
                             packed=packed)
-    return tilelang.compile(program, target="cuda")
+    return tilelang.compile(program, target=gpu_target())
 
 
 @functools.cache
-def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False):
-    """(packed prepare, packed recurrence) compiled once per head shape, block and dtype, both at once
-    (each in its own thread). Cached as a pair: starting the two threads again on every call cost
+def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False, **form_options):
+    """(packed prepare, packed recurrence) compiled once per head shape, block and dtype (and the
+    prepare's form_options: compiled_packed_prepare's form, group, gate_dtype, beta_dtype), both at
+    once (each in its own thread). Cached as a pair: starting the two threads again on every call cost
     260 us of host time per prefill."""
-    kernels = compile_all({"prepare": lambda: compiled_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags),
+    kernels = compile_all({"prepare": lambda: compiled_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags,
+                                                                      **form_options),
                            "recurrence": lambda: compiled_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype)})
     return kernels["prepare"], kernels["recurrence"]
 
 
 @functools.cache
-def compiled_decode(B, P, H, d_k, d_v, block_dv, dtype, threads, value_flags):
-    """The decode kernel compiled for the GPU with an fp32 pool, o allocated by the call."""
+def compiled_decode(B, P, H, d_k, d_v, block_dv, dtype, threads, value_flags, form=PLAIN, group=1, gate_dtype=None,
+                    beta_dtype=None):
+    """The decode kernel compiled for the GPU with an fp32 pool, o allocated by the call; form, group,
+    gate_dtype, beta_dtype: the inputs as a model passes them (build_decode_program)."""
     import tilelang
 
-    program = build_decode_program(B, P, H, d_k, d_v, block_dv, dtype, "float32", threads, value_flags)
-    return tilelang.compile(program, out_idx=[8 if value_flags else 7], target="cuda")
+    program = build_decode_program(B, P, H, d_k, d_v, block_dv, dtype, "float32", threads, value_flags, form, group,
+                                   gate_dtype, beta_dtype)
+    output = 7 + value_flags + 2 * form.raw_gate  # O, after the inputs, A_log and Dt_bias, and Flags
+    return tilelang.compile(program, out_idx=[output], target=gpu_target())
 
 
 def compile_all(compiles):

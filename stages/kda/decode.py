@@ -18,11 +18,15 @@ fraction of the copy bandwidth it reaches (benchmarks/decode.py).
 from stages.common.device_checks import BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT, bad_beta, bad_gate
 from stages.common.tilelang_tools import LOG2_E
 from stages.kda.config import DEFAULT_BLOCK_DV, DEFAULT_THREADS
+from stages.kda.inputs import L2_NORM_EPS, SOFTPLUS_THRESHOLD, InputForm
+
+PLAIN = InputForm()
 
 
 # --8<-- [start:program]
 def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="float16", state_dtype="float32",
-                         threads=DEFAULT_THREADS, value_flags=True):
+                         threads=DEFAULT_THREADS, value_flags=True, form: InputForm = PLAIN, group=1,
+                         gate_dtype=None, beta_dtype=None):
     """The decode program: q, k (B, H, d_k), v (B, H, d_v) in `dtype`; g (B, H, d_k), beta (B, H) and
     the pool (P, H, d_k, d_v) in `state_dtype` (fp32 on the GPU; the interpreter also runs float64);
     slots (B,) int32 -> o (B, H, d_v) in `dtype`, the pool updated in place at slots.
@@ -37,13 +41,52 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
     (out_idx=[8]); Flags (FLAG_COUNT,) int32 is only ever set to 1. value_flags=False leaves Flags
     out (O is then parameter 7) and flags nothing, for decode's checks="off"; a slot outside the
     pool still writes nothing.
+
+    form (stages.kda.inputs.InputForm): q, k, g and beta as a model passes them, activated as they are
+    read (q and k normalized, q scaled; g from the raw x with A_log (H,) and Dt_bias (H, d_k) fp32,
+    two more parameters after Beta; beta from its logits), g in gate_dtype and beta in beta_dtype
+    (None: state_dtype). H counts the value heads; with grouped value heads (`group` > 1) q and k
+    have H / group heads, value head h reading head h // group.
     """
     import tilelang.language as T
 
     accum_dtype = state_dtype
+    gate_dtype = gate_dtype or state_dtype
+    beta_dtype = beta_dtype or state_dtype
+    qk_heads = H // group
 
     @T.macro
-    def decode_step(Q, K, V, G, Beta, Slots, State_pool, Flags, O):
+    def unit_vector(x_s, factor):
+        # x <- factor x / sqrt(||x||^2 + eps): the program's own copy of q or k, normalized
+        square_f = T.alloc_fragment((d_k,), accum_dtype)
+        norm_f = T.alloc_fragment((1,), accum_dtype)
+        for d in T.Parallel(d_k):
+            square_f[d] = x_s[d] * x_s[d]
+        T.reduce_sum(square_f, norm_f, dim=0)
+        for d in T.Parallel(d_k):
+            x_s[d] = x_s[d] * (factor * T.rsqrt(norm_f[0] + L2_NORM_EPS))
+
+    def qk_head(h):
+        return h if group == 1 else h // group  # one q/k head serves `group` value heads
+
+    def log_gate(G, A_log, Dt_bias, b, h, d):
+        # the step's log gate in channel d, from the raw x where the form activates it
+        if form.gate == "log":
+            return G[b, h, d]
+        x = G[b, h, d] + Dt_bias[h, d]
+        rate = T.exp2(A_log[h] * LOG2_E)
+        if form.gate == "softplus":
+            return -rate * T.if_then_else(x > SOFTPLUS_THRESHOLD, x, T.log2(1 + T.exp2(x * LOG2_E)) / LOG2_E)
+        return form.lower_bound / (1 + T.exp2(-rate * x * LOG2_E))
+
+    def step_beta(Beta, b, h):
+        # the step's beta, from its logit where the form takes the sigmoid
+        if form.beta == "value":
+            return Beta[b, h]
+        return form.beta_bound / (1 + T.exp2(-Beta[b, h] * LOG2_E))
+
+    @T.macro
+    def decode_step(Q, K, V, G, Beta, A_log, Dt_bias, Slots, State_pool, Flags, O):
         with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
             b, h = i_bh // H, i_bh % H
             v0 = i_v * block_dv
@@ -62,16 +105,22 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
             o_f = T.alloc_fragment((block_dv,), accum_dtype)
 
             T.copy(State_pool[slot, h, :, v0:v0 + block_dv], S_f)
-            T.copy(Q[b, h, :], q_s)
-            T.copy(K[b, h, :], k_s)
+            T.copy(Q[b, qk_head(h), :], q_s)
+            T.copy(K[b, qk_head(h), :], k_s)
             T.copy(V[b, h, v0:v0 + block_dv], v_s)
+            if form.l2_normalize:
+                unit_vector(q_s, form.scale)
+                unit_vector(k_s, 1.0)
+            elif form.scale != 1.0:
+                for d in T.Parallel(d_k):
+                    q_s[d] = q_s[d] * form.scale
             for d in T.Parallel(d_k):
-                decay_s[d] = T.exp2(G[b, h, d] * LOG2_E)
+                decay_s[d] = T.exp2(log_gate(G, A_log, Dt_bias, b, h, d) * LOG2_E)
                 if value_flags:
-                    if bad_gate(G[b, h, d], accum_dtype):
+                    if bad_gate(log_gate(G, A_log, Dt_bias, b, h, d), accum_dtype):
                         Flags[BAD_GATE] = 1
             if value_flags:
-                if bad_beta(Beta[b, h]):
+                if bad_beta(step_beta(Beta, b, h), form.beta_bound):
                     Flags[BAD_BETA] = 1
                 if T.Not(slot_in_pool):
                     Flags[BAD_SLOT] = 1
@@ -82,7 +131,7 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
                 product_f[d, j] = k_s[d] * S_f[d, j]
             T.reduce_sum(product_f, recalled_f, dim=0)
             for j in T.Parallel(block_dv):
-                u_f[j] = Beta[b, h] * (v_s[j] - recalled_f[j])
+                u_f[j] = step_beta(Beta, b, h) * (v_s[j] - recalled_f[j])
 
             # the write, then the output read from the updated state
             for d, j in T.Parallel(d_k, block_dv):
@@ -96,17 +145,19 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
 
     @T.prim_func
     def kda_decode(
-        Q: T.Tensor((B, H, d_k), dtype),
-        K: T.Tensor((B, H, d_k), dtype),
+        Q: T.Tensor((B, qk_heads, d_k), dtype),
+        K: T.Tensor((B, qk_heads, d_k), dtype),
         V: T.Tensor((B, H, d_v), dtype),
-        G: T.Tensor((B, H, d_k), accum_dtype),
-        Beta: T.Tensor((B, H), accum_dtype),
+        G: T.Tensor((B, H, d_k), gate_dtype),
+        Beta: T.Tensor((B, H), beta_dtype),
+        A_log: T.Tensor((H,), "float32") if form.raw_gate else None,
+        Dt_bias: T.Tensor((H, d_k), "float32") if form.raw_gate else None,
         Slots: T.Tensor((B,), "int32"),
         State_pool: T.Tensor((P, H, d_k, d_v), accum_dtype),
         Flags: T.Tensor((FLAG_COUNT,), "int32") if value_flags else None,
         O: T.Tensor((B, H, d_v), dtype),
     ):
-        decode_step(Q, K, V, G, Beta, Slots, State_pool, Flags, O)
+        decode_step(Q, K, V, G, Beta, A_log, Dt_bias, Slots, State_pool, Flags, O)
 
     return kda_decode
 # --8<-- [end:program]

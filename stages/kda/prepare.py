@@ -20,9 +20,12 @@ from typing import NamedTuple
 from stages.common.device_checks import FLAG_COUNT
 from stages.common.tilelang_tools import LOG2_E
 from stages.kda.config import CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, default_prepare_threads
-from stages.kda.tiles import (anchored_scores_macro, block_inverse_macro, cumulative_gates_macro,
-                              flag_bad_values_macro, prepare_buffers_macro, wy_outputs_macro)
+from stages.kda.inputs import InputForm
+from stages.kda.tiles import (activate_loads_macro, anchored_scores_macro, block_inverse_macro,
+                              cumulative_gates_macro, flag_bad_values_macro, prepare_buffers_macro, wy_outputs_macro)
 from stages.s05_fast_kda.numerics import score_operand_dtypes
+
+PLAIN = InputForm()  # q, k, g and beta read as they are
 
 
 @dataclass(frozen=True)
@@ -37,13 +40,16 @@ class PackedBatch:
 
 
 class ChunkAt(NamedTuple):
-    """Where a prepare program's chunk lies: batch row b and head h of the inputs, its index among the
-    chunks and its first row t0 in the outputs, and in a packed batch its first token `start` and its
-    `rows` tokens (a sequence's last chunk may be short). A macro takes it whole: a grid index passed
-    to a macro by itself would be renamed after the macro's parameter in the program's TIR."""
+    """Where a prepare program's chunk lies: batch row b and value head h of the inputs, qk_h the head of
+    q and k it reads (h // group with grouped value heads), its index among the chunks and its first
+    row t0 in the outputs, and where its rows are read masked (a packed batch, or a dense one whose
+    length is not a multiple of C) its first token `start` in the inputs and its `rows` tokens (a
+    sequence's last chunk may be short). A macro takes it whole: a grid index passed to a macro by
+    itself would be renamed after the macro's parameter in the program's TIR."""
 
     b: object
     h: object
+    qk_h: object
     index: object
     t0: object
     start: object = None
@@ -58,25 +64,36 @@ def run_time_sizes() -> tuple:
     return T.dynamic("T_tokens"), T.dynamic("T_padded"), T.dynamic("n_chunks"), T.dynamic("N_seq")
 
 
-def prepare_outputs(value_flags=False, solve_outputs=False, packed=False):
+def prepare_outputs(value_flags=False, solve_outputs=False, packed=False, raw_gate=False):
     """The indices of build_prepare_program's outputs among its parameters (tilelang.compile's out_idx):
-    six (eight with solve_outputs) after the five inputs, the packed index (two) and Flags."""
-    first = 5 + 2 * packed + value_flags
+    six (eight with solve_outputs) after the five inputs, A_log and Dt_bias (a raw gate), the packed
+    index (two) and Flags."""
+    first = 5 + 2 * raw_gate + 2 * packed + value_flags
     return list(range(first, first + (8 if solve_outputs else 6)))
 
 
 # --8<-- [start:prepare_setup]
 def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype="float16", threads=None,
                           channel_passes=CHANNEL_PASSES, value_flags=False, solve_outputs=False,
-                          packed: PackedBatch | None = None):
-    """The prepare kernel: q, k (B, N, H, d_k), v (B, N, H, d_v) in `dtype`, g (B, N, H, d_k) and
+                          packed: PackedBatch | None = None, form: InputForm = PLAIN, group=1, gate_dtype="float32",
+                          beta_dtype="float32", tokens=None):
+    """The prepare kernel: q, k (B, N, H / group, d_k), v (B, N, H, d_v) in `dtype`, g (B, N, H, d_k) and
     beta (B, N, H) in fp32 -> W, Q e^gamma, K e^{gamma_C - gamma} (B, N, H, d_k), U (B, N, H, d_v),
-    A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) in fp32.
+    A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) in fp32. H counts the value heads, one
+    program's each; with grouped value heads (FLA's GVA, `group` > 1) value head h reads q's and k's head
+    h // group.
 
     The score GEMMs sum over d_k in `channel_passes` passes, so their operands hold d_k /
     channel_passes channels: at C = 64, d_k = 128, two passes bring shared memory to 105 KiB, two
     blocks per SM. N must be a multiple of chunk_size (the wrapper pads), chunk_size of SUB_BLOCK,
     d_k of 16 * channel_passes. threads=None takes default_prepare_threads(chunk_size).
+
+    form (stages.kda.inputs.InputForm): the inputs as a model passes them, made the recurrence's own
+    as they are loaded (activate_loads): q and k normalized and q scaled; with a raw gate, g is the raw
+    projection x in gate_dtype and two more inputs follow Beta, A_log (H,) and Dt_bias (H, d_k) fp32;
+    beta logits in beta_dtype. tokens (dense batches with a form other than the plain one): the
+    inputs' rows, N rounded up to a multiple of C in the outputs; the rows past them read as zero
+    tokens, so that the caller pads nothing.
 
     value_flags=True adds a parameter Flags (FLAG_COUNT,) int32 before the outputs and checks every g
     and beta as it is loaded (flag_bad_values): the checks="device" kernel. solve_outputs=True adds two
@@ -101,11 +118,15 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     C = chunk_size
     accum_dtype = "float32"
     num_chunks = N // C if packed is None else packed.chunks
-    tokens = N if packed is None else packed.tokens  # the inputs' rows
+    tokens = tokens or N  # the inputs' rows of a dense batch
+    input_rows = tokens if packed is None else packed.tokens
+    tail = packed is None and tokens % C != 0  # a dense batch whose last chunk is short: masked loads
+    qk_heads = H // group
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
     prepare_buffers = prepare_buffers_macro(C, d_k, d_v, channels_per_pass, dtype, diagonal_dtype, slab_dtype)
-    flag_bad_values = flag_bad_values_macro(C, d_k)
+    activate_loads = activate_loads_macro(C, d_k, form)
+    flag_bad_values = flag_bad_values_macro(C, d_k, form.beta_bound)
     cumulative_gates = cumulative_gates_macro(C, d_k)
     anchored_scores = anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype)
     block_inverse = block_inverse_macro(C)
@@ -115,9 +136,9 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     @T.macro
     def load_chunk(Q, K, G, Beta, s, at):
         # Q_s, K_s, gamma_s (the log gates, before the sum) and beta_s from one chunk's rows
-        if packed is None:
-            T.copy(Q[at.b, at.t0:at.t0 + C, at.h, :], s.Q_s)
-            T.copy(K[at.b, at.t0:at.t0 + C, at.h, :], s.K_s)
+        if at.rows is None:
+            T.copy(Q[at.b, at.t0:at.t0 + C, at.qk_h, :], s.Q_s)
+            T.copy(K[at.b, at.t0:at.t0 + C, at.qk_h, :], s.K_s)
             T.copy(Beta[at.b, at.t0:at.t0 + C, at.h], s.beta_s)
             T.copy(G[at.b, at.t0:at.t0 + C, at.h, :], s.gamma_s)  # all loads in flight at once, then the sum on chip
         else:
@@ -125,20 +146,22 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             # changes nothing of the rows before it; the next sequence's tokens are never read. The
             # 2-byte and the 4-byte loads in loops of their own: each vectorizes to 16 bytes a lane
             for r, d in T.Parallel(C, d_k):
-                s.Q_s[r, d] = T.if_then_else(r < at.rows, Q[0, at.start + r, at.h, d], 0)
-                s.K_s[r, d] = T.if_then_else(r < at.rows, K[0, at.start + r, at.h, d], 0)
+                s.Q_s[r, d] = T.if_then_else(r < at.rows, Q[at.b, at.start + r, at.qk_h, d], 0)
+                s.K_s[r, d] = T.if_then_else(r < at.rows, K[at.b, at.start + r, at.qk_h, d], 0)
             for r, d in T.Parallel(C, d_k):
-                s.gamma_s[r, d] = T.if_then_else(r < at.rows, G[0, at.start + r, at.h, d], 0)
+                s.gamma_s[r, d] = T.if_then_else(r < at.rows, G[at.b, at.start + r, at.h, d], 0)
             for r in T.Parallel(C):
-                s.beta_s[r] = T.if_then_else(r < at.rows, Beta[0, at.start + r, at.h], 0)
+                s.beta_s[r] = T.if_then_else(r < at.rows, Beta[at.b, at.start + r, at.h], 0)
 
     # --8<-- [end:packed_loads]
 
     @T.macro
-    def prepare_chunk(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk, Inverse,
-                      at):
+    def prepare_chunk(Q, K, V, G, Beta, A_log, Dt_bias, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay,
+                      A_kk, Inverse, at):
         s = prepare_buffers()
         load_chunk(Q, K, G, Beta, s, at)
+        if not form.is_plain:  # the model's tensors made the recurrence's own, on chip
+            activate_loads(s, A_log, Dt_bias, at.h, at.rows)
         if value_flags:  # the gates and betas checked as they arrive
             flag_bad_values(s.gamma_s, s.beta_s, Flags)
         cumulative_gates(s.gamma_s)
@@ -170,11 +193,11 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
         for d in T.Parallel(d_k):
             Chunk_decay[at.b, at.index, at.h, d] = T.exp2(s.gamma_s[C - 1, d] * LOG2_E)
         # loaded this late, V_s can take the bytes of Q_s (TileLang plans shared memory by lifetime)
-        if packed is None:
+        if at.rows is None:
             T.copy(V[at.b, at.t0:at.t0 + C, at.h, :], s.V_s)
         else:
             for r, d in T.Parallel(C, d_v):
-                s.V_s[r, d] = T.if_then_else(r < at.rows, V[0, at.start + r, at.h, d], 0)
+                s.V_s[r, d] = T.if_then_else(r < at.rows, V[at.b, at.start + r, at.h, d], 0)
 
         block_inverse(s.L_s, s.T_s, s.T_diag_s, s.merge_s, s.block_row_f)
         if solve_outputs:
@@ -184,33 +207,40 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
         T.copy(s.U_s, U[at.b, at.t0:at.t0 + C, at.h, :])
         # --8<-- [end:prepare_decayed]
 
+    def qk_head(h):
+        return h if group == 1 else h // group  # one q/k head serves `group` value heads
+
     @T.macro
-    def prepare(Q, K, V, G, Beta, Chunks, Cu_seqlens, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk,
-                Inverse):
+    def prepare(Q, K, V, G, Beta, A_log, Dt_bias, Chunks, Cu_seqlens, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk,
+                Chunk_decay, A_kk, Inverse):
         if packed is None:
             with T.Kernel(num_chunks, B * H, threads=threads) as (i_c, i_bh):
                 b, h = i_bh // H, i_bh % H
                 t0 = i_c * C
-                prepare_chunk(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk,
-                              Inverse, ChunkAt(b, h, i_c, t0))
+                if tail:  # the last chunk is short: every chunk's rows read masked
+                    at = ChunkAt(b, h, qk_head(h), i_c, t0, t0, T.min(C, tokens - t0))
+                else:
+                    at = ChunkAt(b, h, qk_head(h), i_c, t0)
+                prepare_chunk(Q, K, V, G, Beta, A_log, Dt_bias, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk,
+                              Chunk_decay, A_kk, Inverse, at)
         else:
             with T.Kernel(num_chunks, H, threads=threads) as (i_c, h):
                 sequence = Chunks[i_c, 0]
                 start = Cu_seqlens[sequence] + Chunks[i_c, 1] * C  # the chunk's first token in the packed batch
                 rows = T.min(C, Cu_seqlens[sequence + 1] - start)  # a sequence's last chunk may be short
                 t0 = i_c * C  # the chunk's first row in the chunk-aligned outputs
-                prepare_chunk(Q, K, V, G, Beta, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk,
-                              Inverse, ChunkAt(0, h, i_c, t0, start, rows))
-
-
+                prepare_chunk(Q, K, V, G, Beta, A_log, Dt_bias, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk,
+                              Chunk_decay, A_kk, Inverse, ChunkAt(0, h, qk_head(h), i_c, t0, start, rows))
 
     @T.prim_func
     def kda_prepare(
-        Q: T.Tensor((B, tokens, H, d_k), dtype),
-        K: T.Tensor((B, tokens, H, d_k), dtype),
-        V: T.Tensor((B, tokens, H, d_v), dtype),
-        G: T.Tensor((B, tokens, H, d_k), accum_dtype),
-        Beta: T.Tensor((B, tokens, H), accum_dtype),
+        Q: T.Tensor((B, input_rows, qk_heads, d_k), dtype),
+        K: T.Tensor((B, input_rows, qk_heads, d_k), dtype),
+        V: T.Tensor((B, input_rows, H, d_v), dtype),
+        G: T.Tensor((B, input_rows, H, d_k), gate_dtype),
+        Beta: T.Tensor((B, input_rows, H), beta_dtype),
+        A_log: T.Tensor((H,), accum_dtype) if form.raw_gate else None,
+        Dt_bias: T.Tensor((H, d_k), accum_dtype) if form.raw_gate else None,
         Chunks: T.Tensor((num_chunks, 2), "int32") if packed else None,
         Cu_seqlens: T.Tensor((packed.sequences + 1,), "int32") if packed else None,
         Flags: T.Tensor((FLAG_COUNT,), "int32") if value_flags else None,
@@ -223,7 +253,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
         A_kk: T.Tensor((B, N, H, C), accum_dtype) if solve_outputs else None,
         Inverse: T.Tensor((B, N, H, C), accum_dtype) if solve_outputs else None,
     ):
-        prepare(Q, K, V, G, Beta, Chunks, Cu_seqlens, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, A_kk,
-                Inverse)
+        prepare(Q, K, V, G, Beta, A_log, Dt_bias, Chunks, Cu_seqlens, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk,
+                Chunk_decay, A_kk, Inverse)
 
     return kda_prepare

@@ -4,6 +4,7 @@ Each `*_macro(sizes)` function returns a macro for those sizes; a kernel builder
 the macro in its program, so a fix to one piece is made once for every kernel that runs it:
 
     prepare_buffers           the prepare kernel's shared-memory and register buffers (dense and packed)
+    activate_loads            q, k, g and beta as the model passes them, made the recurrence's own on chip
     flag_bad_values           g and beta checked as they are loaded (the checks="device" kernels)
     cumulative_gates          gamma = cumsum of the log gates in a chunk
     anchored_scores           L = A_kk diag(beta) and A_qk through anchored GEMMs, any gate
@@ -23,6 +24,7 @@ import types
 from stages.common.device_checks import BAD_BETA, BAD_GATE, bad_beta, bad_gate
 from stages.common.tilelang_tools import LOG2_E
 from stages.kda.config import SUB_BLOCK
+from stages.kda.inputs import L2_NORM_EPS, SOFTPLUS_THRESHOLD, InputForm
 from stages.s05_fast_kda.numerics import FAST_SPAN_LOG
 
 
@@ -80,11 +82,70 @@ def prepare_buffers_macro(C, d_k, d_v, channels_per_pass, dtype, diagonal_dtype,
     return prepare_buffers
 
 
+# --8<-- [start:activate_loads]
+def activate_loads_macro(C, d_k, form: InputForm):
+    """The macro activate_loads(s, A_log, Dt_bias, h, rows): a chunk's q, k, gate and beta as the caller
+    passed them, loaded into s.Q_s, s.K_s (C, d_k), s.gamma_s (C, d_k) fp32 and s.beta_s (C,) fp32, made
+    the recurrence's own in place, as stages.kda.inputs.activate defines them for `form`:
+
+        q, k  <- x / sqrt(||x||^2 + eps) over d_k (form.l2_normalize), then q <- form.scale q
+        g     <- -exp(A_log[h]) softplus(x + Dt_bias[h])            (form.gate "softplus")
+                 lower_bound sigmoid(exp(A_log[h]) (x + Dt_bias[h]))  (form.gate "sigmoid")
+        beta  <- sigmoid(beta), or 2 sigmoid(beta)                   (form.beta)
+
+    A_log (H,) and Dt_bias (H, d_k) are fp32 (zeros where the caller gave none: exp(0) = 1 and x + 0 = x
+    are exact). rows: the chunk's tokens, None for a whole chunk; the rows past them were loaded as
+    zeros, and a zero raw gate or beta logit is not a zero gate or beta, so they are set to g = 0 and
+    beta = 0 again: a zero token, which leaves the state and every earlier row as they were.
+    Each pass is one T.Parallel over the chunk on chip: the inputs are read from HBM once, as loaded."""
+    import tilelang.language as T
+
+    accum_dtype = "float32"
+
+    @T.macro
+    def unit_rows(X_s, factor):
+        # x <- factor x / sqrt(||x||^2 + eps), row by row, the squares summed in fp32 registers
+        x_f = T.alloc_fragment((C, d_k), accum_dtype)
+        norm_f = T.alloc_fragment((C,), accum_dtype)
+        T.copy(X_s, x_f)
+        for r, d in T.Parallel(C, d_k):
+            x_f[r, d] = x_f[r, d] * x_f[r, d]
+        T.reduce_sum(x_f, norm_f, dim=1)
+        for r, d in T.Parallel(C, d_k):
+            X_s[r, d] = X_s[r, d] * (factor * T.rsqrt(norm_f[r] + L2_NORM_EPS))
+
+    @T.macro
+    def activate_loads(s, A_log, Dt_bias, h, rows):
+        if form.l2_normalize:
+            unit_rows(s.Q_s, form.scale)
+            unit_rows(s.K_s, 1.0)
+        elif form.scale != 1.0:
+            for r, d in T.Parallel(C, d_k):
+                s.Q_s[r, d] = s.Q_s[r, d] * form.scale
+        if form.raw_gate:
+            for r, d in T.Parallel(C, d_k):
+                x = s.gamma_s[r, d] + Dt_bias[h, d]
+                rate = T.exp2(A_log[h] * LOG2_E)
+                if form.gate == "softplus":  # log(1 + e^x) in base 2, x itself above the threshold
+                    gate = -rate * T.if_then_else(x > SOFTPLUS_THRESHOLD, x,
+                                                  T.log2(1 + T.exp2(x * LOG2_E)) / LOG2_E)
+                else:
+                    gate = form.lower_bound / (1 + T.exp2(-rate * x * LOG2_E))
+                s.gamma_s[r, d] = gate if rows is None else T.if_then_else(r < rows, gate, 0)
+        if form.beta != "value":
+            for r in T.Parallel(C):
+                beta = form.beta_bound / (1 + T.exp2(-s.beta_s[r] * LOG2_E))
+                s.beta_s[r] = beta if rows is None else T.if_then_else(r < rows, beta, 0)
+
+    return activate_loads
+# --8<-- [end:activate_loads]
+
+
 # --8<-- [start:value_flags]
-def flag_bad_values_macro(C, d_k):
+def flag_bad_values_macro(C, d_k, beta_bound=1):
     """The macro flag_bad_values(gamma_s, beta_s, Flags): a chunk's log gates (C, d_k) and betas (C,)
     fp32 in shared memory, as loaded (before cumulative_gates), checked on the device: a g that is
-    not finite and <= 0 sets Flags[BAD_GATE], a beta outside [0, 1] or NaN Flags[BAD_BETA]
+    not finite and <= 0 sets Flags[BAD_GATE], a beta outside [0, beta_bound] or NaN Flags[BAD_BETA]
     (stages.common.device_checks). Rows past a sequence's end are loaded as zeros, good values, so
     padding never sets a flag. Nothing is written but a 1 into Flags, and only by a bad value."""
     import tilelang.language as T
@@ -95,7 +156,7 @@ def flag_bad_values_macro(C, d_k):
             if bad_gate(gamma_s[r, d]):  # every lane that finds one writes the same 1
                 Flags[BAD_GATE] = 1
         for r in T.Parallel(C):
-            if bad_beta(beta_s[r]):
+            if bad_beta(beta_s[r], beta_bound):
                 Flags[BAD_BETA] = 1
 
     return flag_bad_values

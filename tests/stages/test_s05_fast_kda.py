@@ -268,7 +268,7 @@ def test_kernel_wrapper_rejects_bad_input():
         ((q[0], q, q, g, beta), {}, ValueError, "q must have rank 4"),
         ((q, np.zeros(3), q, g, beta), {}, TypeError, "k must be a torch.Tensor"),
         ((q, q[:, :32], q, g, beta), {}, ValueError, r"k must have the shape of q, \(1, 64, 2, 64\)"),
-        ((q, q, q[:, :32], g, beta), {}, ValueError, r"v must be \(B, N, H, d_v\) = \(1, 64, 2, d_v\)"),
+        ((q, q, q[:, :32], g, beta), {}, ValueError, r"v must be \(B, N, H, d_v\) = \(1, 64, H, d_v\) with H a multiple"),
         ((q, q, q.half(), g, beta), {}, ValueError, "v must have the dtype of q"),
         ((q, q, q, g.bfloat16(), beta), {}, TypeError, "g must have dtype float32"),
         ((q, q, q, g[..., :32].contiguous(), beta), {}, ValueError, r"g must have shape \(B, N, H, d_k\) = \(1, 64, 2, 64\)"),
