@@ -71,6 +71,7 @@ from stages.s06_backward import reference as backward_reference
 # and their gradients): short chunks are faster there, and in float64 the answer does not depend on C.
 CPU_CHUNK_SIZE = 16
 KERNEL_MULTIPLE = 32  # the kernels take K and V in multiples of 32
+CHECK_MODES = ("device", "host", "off")
 SQRT2 = math.sqrt(2.0)
 
 
@@ -84,6 +85,19 @@ class Run:
     checks: str
     keep_prepared: bool
     intermediate: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked chunk_kda call: its tensors (the gate's parameters None without the gate in the kernel,
+    the initial state in the kernel layout), how it runs, and what it returns."""
+
+    inputs: tuple  # (q, k, v, g, beta, A_log, dt_bias, initial_state S^T)
+    run: Run
+    route: str  # "dense", "prefill" (CUDA inference on packed sequences) or "packed" (through a dense batch)
+    layout: PackedLayout | None
+    state_v_first: bool
+    output_final_state: bool
 
 
 # --8<-- [start:chunk_kda]
@@ -111,6 +125,35 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     (the default: flagged by the kernels, reported by stages.common.device_checks.raise_if_flagged
     where the caller syncs), "host" (refused before the kernels, a sync per call) or "off".
     """
+    plan = plan_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                          use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                          disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                          cp_context, use_graph, max_num_seqs, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
+                          transpose_state_layout=transpose_state_layout, checks=checks)
+    if plan.route == "dense":
+        o, final_state, states = dense(*plan.inputs, plan.run)
+    elif plan.route == "prefill":
+        o, final_state, states = *kernel_prefill(*plan.inputs, cu_seqlens, plan.run), None
+    else:
+        o, final_state, states = packed_through_dense(*plan.inputs, plan.layout, plan.run)
+    final_state = to_kernel_layout(final_state, plan.state_v_first).contiguous() if output_final_state else None
+    if return_intermediate_states:
+        return o, final_state, to_kernel_layout(states, plan.state_v_first).contiguous()
+    return o, final_state
+# --8<-- [end:chunk_kda]
+
+
+# --8<-- [start:plan_chunk_kda]
+def plan_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                   allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+                   return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                   cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, chunk_size=64,
+                   transpose_state_layout=None, checks="device") -> Plan:
+    """chunk_kda's arguments checked, in FLA's order with FLA's messages where FLA has a rule, and the
+    call planned: which route runs it and how. Reads no tensor's values (no device sync), except the
+    offsets of a packed batch that trains (PackedLayout: cu_seqlens_cpu when given). The FLA backend's
+    verifier (stages.kda.fla_backend) runs it too: what it refuses falls back to FLA's kernels."""
     state_v_first = state_v_first_of(state_v_first, transpose_state_layout)
     if cp_context is not None:
         raise NotImplementedError("chunk_kda does not support cp_context: context parallelism across devices is "
@@ -126,25 +169,22 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     if not use_gate_in_kernel:  # FLA drops them: g is the log gate itself
         A_log = dt_bias = None
     check_gate_parameters(A_log, dt_bias, HV, K)
+    if checks not in CHECK_MODES:
+        raise ValueError(f"checks must be one of {', '.join(map(repr, CHECK_MODES))}, got {checks!r}")
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias, initial_state))
     check_call_options(return_intermediate_states, disable_recompute, use_graph, max_num_seqs, cu_seqlens, needs_grad)
     form = input_form(K, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                       allow_neg_eigval, lower_bound)
     run = Run(form, chunk_size, checks, disable_recompute, return_intermediate_states)
-
     inputs = (q, k, v, g, beta, A_log, dt_bias, to_kernel_layout(initial_state, state_v_first))
     if cu_seqlens is None:
-        o, final_state, states = dense(*inputs, run)
-    elif q.is_cuda and not needs_grad and not return_intermediate_states:
-        o, final_state, states = kernel_prefill(*inputs, cu_seqlens, run), None
-    else:
-        o, final_state, states = packed_through_dense(*inputs, PackedLayout.of(cu_seqlens, T, cu_seqlens_cpu), run)
-    final_state = to_kernel_layout(final_state, state_v_first).contiguous() if output_final_state else None
-    if return_intermediate_states:
-        return o, final_state, to_kernel_layout(states, state_v_first).contiguous()
-    return o, final_state
-# --8<-- [end:chunk_kda]
+        return Plan(inputs, run, "dense", None, state_v_first, output_final_state)
+    if q.is_cuda and not needs_grad and not return_intermediate_states:
+        return Plan(inputs, run, "prefill", None, state_v_first, output_final_state)
+    return Plan(inputs, run, "packed", PackedLayout.of(cu_seqlens, T, cu_seqlens_cpu), state_v_first,
+                output_final_state)
+# --8<-- [end:plan_chunk_kda]
 
 
 def check_call_options(return_intermediate_states: bool, disable_recompute: bool, use_graph: bool,

@@ -45,9 +45,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stages.kda.autograd import KERNEL_MULTIPLE, Run, dense, kernel_operands, kernel_prefill, reference_inputs
+from stages.kda.autograd import CHECK_MODES, KERNEL_MULTIPLE, Run, dense, kernel_operands, kernel_prefill, reference_inputs
 from stages.kda.fla_options import (check_beta_options, check_gate_options, check_gate_parameters, check_packing,
                                     check_shapes, check_tensors, input_form, state_v_first_of, to_kernel_layout)
+from stages.kda.inputs import InputForm
 from stages.s07_serving.reference import decode_step
 
 DEFAULT_CHUNK_SIZE = 64  # the chunked kernels' chunk, where more than one token a sequence runs on CUDA
@@ -99,23 +100,12 @@ def fused_recurrent_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """FLA's fused_recurrent_kda_fwd: (o, final_state), o written into `out` when given. final_state is
     initial_state itself with inplace_final_state (the pool, written in place: see the module's
     docstring), a new float32 tensor with output_final_state, else None."""
-    check_tensors({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
-                   "A_log": A_log if use_gate_in_kernel else None, "dt_bias": dt_bias if use_gate_in_kernel else None})
-    if beta.dim() == v.dim():
-        raise NotImplementedError("fused_recurrent_kda does not support beta of shape (B, T, HV, V), one per value "
-                                  "column: the course's beta is one scalar per token and value head")
-    check_gate_options(use_gate_in_kernel, A_log, lower_bound, safe_gate=False)
-    B, T, H, K, HV, V = check_shapes(q, k, v, g, beta)
-    if not use_gate_in_kernel:
-        A_log = dt_bias = None
-    check_gate_parameters(A_log, dt_bias, HV, K)
-    if inplace_final_state and initial_state is None:
-        raise ValueError("inplace_final_state writes the final states into initial_state: give it")
-    sequences = token_rows(B, T, cu_seqlens)
-    slots = state_slots(ssm_state_indices, num_accepted_tokens, sequences, inplace_final_state)
-    check_state_rows(initial_state, slots, len(sequences), HV, K, V, state_v_first)
-    form = input_form(K, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                      allow_neg_eigval, lower_bound)
+    plan = plan_fused_recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+                                        inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices,
+                                        num_accepted_tokens, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                                        use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, checks=checks)
+    sequences, slots, form = plan.sequences, plan.slots, plan.form
+    A_log, dt_bias = plan.A_log, plan.dt_bias
     with torch.no_grad():  # FLA's fused recurrence has no backward either
         step = kernel_steps if q.is_cuda else reference_steps
         o, final_state = step(q, k, v, g, beta, A_log, dt_bias, initial_state, state_v_first, sequences, slots, form,
@@ -132,6 +122,51 @@ def fused_recurrent_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         return out.copy_(o), final_state
     return o, final_state
 # --8<-- [end:fused_recurrent_kda]
+
+
+@dataclass(frozen=True)
+class RecurrentPlan:
+    """A checked fused_recurrent_kda_fwd call: its sequences (batch row, first token, end), the state
+    slots, the form, and the gate's parameters (None without the gate in the kernel)."""
+
+    sequences: list
+    slots: StateSlots
+    form: InputForm
+    A_log: "torch.Tensor | None"
+    dt_bias: "torch.Tensor | None"
+
+
+def plan_fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
+                                 output_final_state=False, inplace_final_state=True, state_v_first=False,
+                                 cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
+                                 use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                 use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, out=None,
+                                 *, checks="device") -> RecurrentPlan:
+    """fused_recurrent_kda_fwd's arguments checked (FLA's rules where FLA has them, and what the course
+    refuses, with why) and planned; reads cu_seqlens and the slot indices on the host. The FLA backend's
+    verifier runs it too."""
+    check_tensors({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
+                   "A_log": A_log if use_gate_in_kernel else None, "dt_bias": dt_bias if use_gate_in_kernel else None})
+    if beta.dim() == v.dim():
+        raise NotImplementedError("fused_recurrent_kda does not support beta of shape (B, T, HV, V), one per value "
+                                  "column: the course's beta is one scalar per token and value head")
+    check_gate_options(use_gate_in_kernel, A_log, lower_bound, safe_gate=False)
+    B, T, H, K, HV, V = check_shapes(q, k, v, g, beta)
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
+    check_gate_parameters(A_log, dt_bias, HV, K)
+    if inplace_final_state and initial_state is None:
+        raise ValueError("inplace_final_state writes the final states into initial_state: give it")
+    if checks not in CHECK_MODES:
+        raise ValueError(f"checks must be one of {', '.join(map(repr, CHECK_MODES))}, got {checks!r}")
+    if out is not None and out.shape != v.shape:
+        raise ValueError(f"out must have v's shape {tuple(v.shape)}, got {tuple(out.shape)}")
+    sequences = token_rows(B, T, cu_seqlens)
+    slots = state_slots(ssm_state_indices, num_accepted_tokens, sequences, inplace_final_state)
+    check_state_rows(initial_state, slots, len(sequences), HV, K, V, state_v_first)
+    form = input_form(K, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                      allow_neg_eigval, lower_bound)
+    return RecurrentPlan(sequences, slots, form, A_log, dt_bias)
 
 
 def token_rows(B: int, T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
