@@ -62,25 +62,25 @@ def recurrence(q, k, v, g, beta, state):
         outputs.append(torch.einsum("hkv,hk->hv", state, q[t]))
         states.append(state)
     if not outputs:
-        return v.new_zeros(v.shape, dtype=torch.float64), state.new_zeros((0, *state.shape))
+        return state.new_zeros((0, *v.shape[1:])), state.new_zeros((0, *state.shape))
     return torch.stack(outputs), torch.stack(states)
 
 
 def kda(q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None, options=Options()):
-    """FLA's call in float64: (o (B, T, HV, V), final states (N, HV, K, V), the states after every token
-    (a list over sequences of (T_n, HV, K, V))), states S^T in the kernel layout."""
+    """FLA's call in float64 on the inputs' device: (o (B, T, HV, V), final states (N, HV, K, V), the states
+    after every token (a list over sequences of (T_n, HV, K, V))), states S^T in the kernel layout."""
     q, k, g, beta = activated(q, k, g, beta, A_log, dt_bias, options)
     B, T, HV, K = g.shape
     V = v.shape[-1]
     rows = ([(b, 0, T) for b in range(B)] if cu_seqlens is None else
             [(0, int(s), int(e)) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])])
-    o = torch.zeros(B, T, HV, V, dtype=torch.float64)
+    o = q.new_zeros(B, T, HV, V)
     finals, every = [], []
     for n, (b, start, end) in enumerate(rows):
-        state = torch.zeros(HV, K, V, dtype=torch.float64) if initial_state is None else initial_state[n].double()
+        state = q.new_zeros(HV, K, V) if initial_state is None else initial_state[n].double()
         o_n, states = recurrence(*(x[b, start:end] for x in (q, k, v, g, beta)), state)
         if end > start:
-            o = o.index_put((torch.tensor(b), torch.arange(start, end)), o_n)
+            o = o.index_put((torch.tensor(b, device=q.device), torch.arange(start, end, device=q.device)), o_n)
             state = states[-1]
         finals.append(state)
         every.append(states)
