@@ -40,8 +40,9 @@ What else a call can carry, and how each is served:
   the kernel is computed in front there, since a zero raw gate is not a zero log gate;
 - head dims that are not a multiple of 32 (FLA's tests use 60 and 100) are zero-padded for the kernels
   and cut back; the CPU references take any size;
-- `allow_neg_eigval` (beta = 2 sigmoid(x) in (0, 2)) on the CPU: the references take beta in [0, 1],
-  and the recurrence with (beta, k, v) is the one with (beta / 2, sqrt(2) k, sqrt(2) v), term for term;
+- beta in (1, 2] on the CPU (`allow_neg_eigval`'s 2 sigmoid(x), or beta given so: FLA's kernels take
+  it in either form): the references take beta in [0, 1], and the recurrence with (beta, k, v) is the
+  one with (beta / 2, sqrt(2) k, sqrt(2) v), term for term;
 - `chunk_size` 32 or 64 (FLA's rule) is the kernels' chunk; the CPU computes in chunks of
   CPU_CHUNK_SIZE, since in float64 the answer does not depend on the chunk and the references' cost per
   chunk grows as C^2, and uses chunk_size only for the intermediate states' layout;
@@ -251,12 +252,15 @@ def reference_dense(q, k, v, g, beta, A_log, dt_bias, initial_state, run: Run):
 
 def reference_inputs(q, k, v, g, beta, A_log, dt_bias, form: InputForm):
     """(q, k, v, g, beta) in float64 as the references take them: the form computed (`activate`), q and
-    k repeated over the value heads, and with beta = 2 sigmoid(x) in (0, 2) the same recurrence with
-    beta / 2 in [0, 1] and k, v times sqrt(2) (beta k k^T and beta v k^T are unchanged)."""
+    k repeated over the value heads, and with beta in (1, 2] (2 sigmoid(x) with allow_neg_eigval, or a
+    value FLA's kernels take as it is) the same recurrence with beta / 2 in [0, 1] and k, v times sqrt(2)
+    (beta k k^T and beta v k^T are unchanged)."""
     q, k, g, beta = activate(form, q.double(), k.double(), g.double(), beta.double(), A_log, dt_bias)
     HV = v.shape[2]
     q, k, v = expand_heads(q, HV), expand_heads(k, HV), v.double()
-    if form.beta_bound == 2.0:
+    if form.beta_bound == 2.0 or (beta.numel() and beta.max() > 1):  # FLA takes beta up to 2 in either form
+        if beta.numel() and not beta.max() <= 2:
+            raise ValueError(f"beta must lie in [0, 2] (FLA's range with allow_neg_eigval), got up to {beta.max():.6g}")
         k, v, beta = k * SQRT2, v * SQRT2, beta / 2
     return q, k, v, g, beta
 

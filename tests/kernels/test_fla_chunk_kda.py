@@ -43,6 +43,7 @@ class Case:
     with_initial_state: bool = True
     state_v_first: bool = False
     exact_betas: bool = True  # some betas exactly 0 and 1 (the value form)
+    beta_scale: float = 1.0  # 2: betas in [0, 2], as FLA's test of allow_neg_eigval hands its reference
 
 
 def make_leaves(case: Case, seed: int, N: int | None = None, dtype=torch.float64) -> dict:
@@ -72,7 +73,7 @@ def make_leaves(case: Case, seed: int, N: int | None = None, dtype=torch.float64
         if case.exact_betas:
             picked = draw(B, T, HV, normal=False)
             beta = torch.where(picked < 0.1, 0.0, torch.where(picked > 0.9, 1.0, beta))
-        leaves["beta"] = beta
+        leaves["beta"] = case.beta_scale * beta
     shape = (N or B, HV, V, K) if case.state_v_first else (N or B, HV, K, V)
     leaves["initial_state"] = draw(*shape) if case.with_initial_state else None
     for name in ("q", "k", "v"):
@@ -139,6 +140,7 @@ GRID = {  # FLA's test_chunk, test_chunk_state_v_first and test_chunk_use_beta_s
                                     chunk_size=32),
     "beta_sigmoid": Case(1, 40, 2, 2, 8, 8, SIGMOID_BETA),
     "allow_neg_eigval": Case(1, 40, 2, 2, 8, 8, TWICE_SIGMOID_BETA),
+    "beta_up_to_2_as_values": Case(1, 40, 2, 2, 8, 8, LOG, beta_scale=2.0),
     "state_v_first": Case(2, 37, 2, 2, 8, 6, replace(LOG, scale=0.1), state_v_first=True),
     "everything": Case(1, 45, 2, 4, 12, 10, Options(scale=0.3, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True),

@@ -228,7 +228,7 @@ def test_bad_inputs_are_refused_with_clear_errors():
         ((q, k, v, g, beta), {"initial_state": initial_state.half()}, TypeError,
          "initial_state must have dtype float32 or float64"),
         ((q, k, v, -g, beta), {}, ValueError, "log gates must be <= 0"),
-        ((q, k, v, g, beta + 1), {}, ValueError, r"beta must lie in \[0, 1\]"),
+        ((q, k, v, g, beta + 2), {}, ValueError, r"beta must lie in \[0, 2\]"),
         ((q, k[:, :4], v, g, beta), {}, ValueError, "k must have q's shape"),
         ((q, k, v, g, beta), {"initial_state": initial_state[..., :2]}, ValueError,
          r"initial_state must have shape \(N, HV, K, V\) = \(1, 2, 4, 3\)"),
