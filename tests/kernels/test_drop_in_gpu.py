@@ -4,7 +4,7 @@ measures it (rms of the difference over rms of the reference: rel L2), against F
 the GPU (tests/kernels/fla_recurrence.py, differentiated by torch.autograd); then FLA's
 KimiDeltaAttention through the backend against the same layer on FLA's kernels.
 
-    source .gpu/env.sh && python -m pytest tests/kernels/test_fla_gpu.py -m gpu -v -s
+    source .gpu/env.sh && python -m pytest tests/kernels/test_drop_in_gpu.py -m gpu -v -s
 
 FLA's own calls run with FLA_KDACOURSE=0 (the backend, once imported in the process, would otherwise
 serve them too). The layer tests need flash-linear-attention 0.6.0's fla.layers, with transformers
