@@ -55,6 +55,7 @@ RESULTS = "benchmarks/results"
 FLA_TESTS = "fla_ or as_fla or on_fla"  # the tests that compare with FLA (its autotuning: minutes a process)
 EARLY_STAGES = "s01 or s02 or s03 or s04"
 TIMED_TESTS = "tune"  # the tune exercises time kernels against a target: alone on the GPU
+DROP_IN_TESTS = "drop_in"  # FLA's grid and layer against the course's FLA drop-in: a step of their own
 
 
 @dataclass(frozen=True)
@@ -102,12 +103,13 @@ def gpu_test_steps():
         "gpu_tests_s02_s04": (f"({EARLY_STAGES}) and not s01 and not {TIMED_TESTS}",
                               ("-n", "4", "--timeout", "240"), 250),
         "gpu_tests_tune": (TIMED_TESTS, ("-s", "--timeout", "100"), 110),
-        "gpu_tests_s05_s07": (f"not ({EARLY_STAGES}) and not ({FLA_TESTS}) and not {TIMED_TESTS}",
-                              ("-n", "6", "--timeout", "480"), 520),
-        "gpu_tests_fla_forward": (f"({FLA_TESTS}) and not s06 and not ({EARLY_STAGES}) and not {TIMED_TESTS}",
-                                  ("-n", "5", "--timeout", "480"), 520),
-        "gpu_tests_fla_backward": (f"({FLA_TESTS}) and s06 and not ({EARLY_STAGES}) and not {TIMED_TESTS}",
-                                   ("-n", "6", "--timeout", "480"), 520),
+        "gpu_tests_s05_s07": (f"not ({EARLY_STAGES}) and not ({FLA_TESTS}) and not {TIMED_TESTS} "
+                              f"and not {DROP_IN_TESTS}", ("-n", "6", "--timeout", "480"), 520),
+        "gpu_tests_fla_forward": (f"({FLA_TESTS}) and not s06 and not ({EARLY_STAGES}) and not {TIMED_TESTS} "
+                                  f"and not {DROP_IN_TESTS}", ("-n", "5", "--timeout", "480"), 520),
+        "gpu_tests_fla_backward": (f"({FLA_TESTS}) and s06 and not ({EARLY_STAGES}) and not {TIMED_TESTS} "
+                                   f"and not {DROP_IN_TESTS}", ("-n", "6", "--timeout", "480"), 520),
+        "gpu_tests_drop_in": (DROP_IN_TESTS, ("-n", "4", "--timeout", "480"), 520),
     }
 
 
@@ -149,6 +151,8 @@ def parts() -> dict[str, Part]:
              (_tests("gpu_tests_fla_forward"),)),
         Part("tests-fla-backward", "stage 6's comparisons with FLA (the backward, the layer), a test a worker",
              (_tests("gpu_tests_fla_backward"),)),
+        Part("tests-drop-in", "the FLA drop-in against FLA's kernels at FLA's sizes, and FLA's layer through the backend "
+             "(its layer tests need scripts/pack_fla_models.sh's pack)", (_tests("gpu_tests_drop_in"),)),
         Part("bench-s01-s02", "bench's timings of stages 1 and 2 beside FLA and plain torch",
              (_bench("bench_s01", "s01", "--no-precision", "--deadline", "300", limit=350),
               _bench("bench_s02", "s02", "--no-precision", "--deadline", "120", limit=170))),

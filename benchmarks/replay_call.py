@@ -72,7 +72,7 @@ def replay_on_cuda(saved):
 def replay_on_cpu(saved, chunk_size=DEFAULT_CHUNK_SIZE):
     """The seven kernels through the tile interpreter, on the inputs chunk_kda gives its kernels."""
     from stages.common.interpreter import interpret
-    from stages.kda.autograd import l2_normalize, scaled_queries
+    from stages.kda.inputs import InputForm, activate
     from stages.kda.backward import BUILDERS, kernel_arguments
     from stages.kda.calls import run_kernels
     from stages.kda.config import resolve
@@ -81,10 +81,9 @@ def replay_on_cpu(saved, chunk_size=DEFAULT_CHUNK_SIZE):
 
     q, k, v, g, beta = (x.float() for x in saved["inputs"])
     options = saved["options"]
-    l2norm = bool(options.get("use_qk_l2norm_in_kernel"))
-    if l2norm:
-        k = l2_normalize(k)
-    q = scaled_queries(q, options.get("scale") or 1.0 / math.sqrt(q.shape[-1]), l2norm)
+    form = InputForm(l2_normalize=bool(options.get("use_qk_l2norm_in_kernel")),
+                     scale=options.get("scale") or 1.0 / math.sqrt(q.shape[-1]))
+    q, k, g, beta = activate(form, q, k, g, beta)
     B, N, H, d_k = q.shape
     d_v = v.shape[3]
     N_padded = padded_length(N, chunk_size)

@@ -3,6 +3,7 @@
 One module per page that has generated content: kdacourse/pages/<stage>.py for each stage's page,
 benchmarks.py for the benchmarks page (fair.py for its section on stage 5 measured fairly,
 serving_benchmarks.py for its sections on stage 6's backward and stage 7's prefill and decode),
+fla_backend.py for the page on the course's kernels in a model,
 course.py for the course machinery's tables (exercises, bugs, the kill matrix, the `course`
 commands, the Reference page's sections). Each defines
 `generated_files()` -> {path relative to the repository: function(path) that writes it}.
@@ -26,7 +27,7 @@ PAGES = Path(__file__).parent
 
 def generators():
     """{relative path: writer}, from every page module."""
-    from kdacourse.pages import benchmarks, course, fair, interpreter, layouts, serving_benchmarks
+    from kdacourse.pages import benchmarks, course, fair, fla_backend, interpreter, layouts, serving_benchmarks
 
     table = {}
     for page in sorted(PAGES.glob("s[0-9][0-9]_*.py")):
@@ -34,6 +35,7 @@ def generators():
     table.update(benchmarks.generated_files())
     table.update(fair.generated_files())
     table.update(serving_benchmarks.generated_files())
+    table.update(fla_backend.generated_files())
     table.update(course.generated_files())
     table.update(layouts.generated_files())
     table.update(interpreter.generated_files())

@@ -9,7 +9,11 @@
     compiled    the programs compiled for the GPU, once per shape; compile-only reports
     checks      the calls' input checks
     calls       the public calls: forward, backward, prefill, decode
-    autograd    chunk_kda, FLA's calling convention, as a torch.autograd.Function
+    fla_options FLA's options of chunk_kda and fused_recurrent_kda: the InputForm they make, FLA's rules
+    packing     shapes the kernels do not take (packed batches, head dims, grouped heads) made dense, exactly
+    autograd    chunk_kda, FLA 0.6.0's whole signature, as a torch.autograd.Function
+    fused_recurrent  fused_recurrent_kda and fused_recurrent_kda_fwd: token by token, pools of states
+    fla_backend the kernels registered as a backend of FLA (one import)
     layer       a KDA layer that trains
 
 Stages 5-7 teach it (their references mirror it, their pages carve its code).

@@ -216,8 +216,7 @@ class KDALayer(nn.Module):
 
         cu_seqlens (N_seq + 1,): x is FLA's packed batch (B = 1) of N_seq sequences of any lengths, the
         cache one row per sequence; the short convolutions stop at each sequence's boundary and the
-        kernel is called with cu_seqlens (it must take them: FLA's chunk_kda does, the course's
-        chunk_kda leaves packed batches to stage 7)."""
+        kernel is called with cu_seqlens (FLA's chunk_kda and the course's take them, with autograd)."""
         past = KDACache(None, None, None, None) if cache is None else cache
         q, conv_q = self.q_conv(self.q_proj(x), past.conv_q, cu_seqlens)
         k, conv_k = self.k_conv(self.k_proj(x), past.conv_k, cu_seqlens)

@@ -1,5 +1,7 @@
 """Stage 6 chunk_kda: the autograd function on the CPU (gradcheck, and against torch.autograd of a
-float64 torch recurrence), its FLA-style arguments and refusals, and on a GPU against FLA's chunk_kda."""
+float64 torch recurrence), its arguments and refusals, and on a GPU against FLA's chunk_kda. FLA's
+options beyond these (the in-kernel gate, grouped value heads, packed sequences, ...):
+tests/kernels/test_fla_chunk_kda.py."""
 
 import math
 
@@ -9,7 +11,8 @@ import torch
 
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
-from stages.kda.autograd import CPU_CHUNK_SIZE, REFUSED, chunk_kda
+from stages.kda import autograd
+from stages.kda.autograd import CPU_CHUNK_SIZE, chunk_kda
 from tests.stages.test_s06_backward import torch_recurrent
 
 INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
@@ -46,14 +49,16 @@ def _loss_and_gradients(o, final_state, leaves, do, d_final_state):
     (1, 6, 2, 3, 2, 4),  # T not a multiple of the chunk
     (2, 7, 1, 2, 3, 2),  # many chunks, the last one short; d_v > d_k
 ])
-def test_gradcheck_on_the_cpu(B, T, H, d_k, d_v, chunk_size, with_l2norm):
+def test_gradcheck_on_the_cpu(B, T, H, d_k, d_v, chunk_size, with_l2norm, monkeypatch):
     """Finite differences against the backward, through o and the final state, with an initial state,
-    gates down to 0.5 and the default scale 1 / sqrt(K) (and FLA's L2 norm in front)."""
+    gates down to 0.5 and the default scale 1 / sqrt(K) (and FLA's L2 norm in front); the CPU's chunk
+    made small (CPU_CHUNK_SIZE), so that a few tokens span several chunks."""
+    monkeypatch.setattr(autograd, "CPU_CHUNK_SIZE", chunk_size)
     leaves = _leaves(B, T, H, d_k, d_v, seed=T + chunk_size)
 
     def kda(q, k, v, g, beta, initial_state):
         return chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                         use_qk_l2norm_in_kernel=with_l2norm, chunk_size=chunk_size)
+                         use_qk_l2norm_in_kernel=with_l2norm)
 
     assert torch.autograd.gradcheck(kda, tuple(leaves.values()))
 
@@ -64,9 +69,10 @@ def test_gradcheck_on_the_cpu(B, T, H, d_k, d_v, chunk_size, with_l2norm):
     (2, 21, 2, 5, 3, 8),  # three chunks, the last one short
     (1, 40, 1, 4, 6, CPU_CHUNK_SIZE),  # the CPU path's default chunk, T not a multiple of it
 ])
-def test_gradients_equal_autograd_of_the_recurrence(B, T, H, d_k, d_v, chunk_size, with_initial_state):
+def test_gradients_equal_autograd_of_the_recurrence(B, T, H, d_k, d_v, chunk_size, with_initial_state, monkeypatch):
     """o, S_T^T and every gradient against torch.autograd of a float64 torch transcription of reference
     A, with gates down to 0.3 and beta exactly 0 and 1 in places (where finite differences cannot go)."""
+    monkeypatch.setattr(autograd, "CPU_CHUNK_SIZE", chunk_size)
     leaves = _with_exact_betas(_leaves(B, T, H, d_k, d_v, seed=T, gate_range=(0.3, 0.999)), seed=T)
     if not with_initial_state:
         leaves["initial_state"] = None
@@ -75,7 +81,7 @@ def test_gradients_equal_autograd_of_the_recurrence(B, T, H, d_k, d_v, chunk_siz
     d_final_state = torch.tensor(rng.standard_normal((B, H, d_k, d_v)))
 
     o, final_state = chunk_kda(*[leaves[name] for name in INPUTS[:5]], scale=1.0, output_final_state=True,
-                               initial_state=leaves["initial_state"], chunk_size=chunk_size)
+                               initial_state=leaves["initial_state"])
     ours = _loss_and_gradients(o, final_state, leaves, do, d_final_state)
     zeros = torch.zeros(B, H, d_k, d_v, dtype=torch.float64)
     expected_o, expected_state = torch_recurrent(*[leaves[name] for name in INPUTS[:5]],
@@ -135,8 +141,7 @@ def test_a_loss_on_the_final_state_alone():
     leaves = _leaves(1, 10, 2, 4, 3, seed=3)
     args = [leaves[name] for name in INPUTS[:5]]
     d_final_state = torch.tensor(np.random.default_rng(3).standard_normal((1, 2, 4, 3)))
-    _, final_state = chunk_kda(*args, scale=1.0, initial_state=leaves["initial_state"], output_final_state=True,
-                               chunk_size=4)
+    _, final_state = chunk_kda(*args, scale=1.0, initial_state=leaves["initial_state"], output_final_state=True)
     ours = torch.autograd.grad((final_state * d_final_state).sum(), list(leaves.values()))
     _, expected_state = torch_recurrent(*args, leaves["initial_state"])
     expected = torch.autograd.grad((expected_state * d_final_state).sum(), list(leaves.values()), allow_unused=True)
@@ -150,7 +155,7 @@ def test_scale_and_l2_norm_are_fla_s():
     leaves = _leaves(1, 9, 2, 4, 3, seed=5)
     q, k, v, g, beta = (leaves[name] for name in INPUTS[:5])
     q_raw, k_raw = 3 * q.detach(), 0.5 * k.detach()  # not unit norm
-    o, _ = chunk_kda(q_raw, k_raw, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=4)
+    o, _ = chunk_kda(q_raw, k_raw, v, g, beta, use_qk_l2norm_in_kernel=True)
 
     def fla_l2norm(x):
         return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
@@ -158,67 +163,6 @@ def test_scale_and_l2_norm_are_fla_s():
     expected, _ = torch_recurrent(fla_l2norm(q_raw) / math.sqrt(4), fla_l2norm(k_raw), v, g, beta,
                                   torch.zeros(1, 2, 4, 3, dtype=torch.float64))
     assert error_report(o, expected).rel_l2 <= 1e-12
-
-
-class _Captured(Exception):
-    """Raised by a stand-in for ChunkKDAFunction.apply once it has the tensors the kernels would take."""
-
-
-@pytest.mark.parametrize("with_l2norm", [False, True])
-def test_the_kernels_take_q_scaled_and_normalized_with_one_rounding(monkeypatch, with_l2norm):
-    """bf16 q: the q the kernels take (here the CPU path's forward) is the exact scale * q (divided by
-    FLA's norm with use_qk_l2norm_in_kernel) rounded to bf16 once, within half a unit in bf16's last
-    place everywhere, and k likewise with the norm. The scale taken in bf16 after the norm's own
-    rounding put about a quarter of q's entries past it, up to 2.4 half units (and more roundings on dq
-    on the way back: 1.19 times FLA's error in dq on the H200)."""
-    from stages.kda import autograd
-
-    captured = {}
-
-    def capture(q, k, *rest):
-        captured.update(q=q, k=k)
-        raise _Captured
-
-    monkeypatch.setattr(autograd, "_cpu_forward", capture)
-    leaves = _leaves(2, 64, 2, 128, 8, seed=21)
-    q_raw, k_raw = ((3 * leaves[name].detach()).to(torch.bfloat16) for name in ("q", "k"))  # not unit norm
-    with pytest.raises(_Captured):
-        chunk_kda(q_raw, k_raw, leaves["v"].detach().to(torch.bfloat16), leaves["g"].detach(),
-                  leaves["beta"].detach(), use_qk_l2norm_in_kernel=with_l2norm)
-
-    def fla_l2norm(x):
-        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) if with_l2norm else x
-
-    expected = {"q": fla_l2norm(q_raw.double()) / math.sqrt(128), "k": fla_l2norm(k_raw.double())}
-    for name, exact in expected.items():
-        half_unit = 2.0 ** (torch.floor(torch.log2(exact.abs())) - 8)  # bf16 keeps 8 significant bits
-        assert captured[name].dtype == torch.bfloat16, name
-        worst = ((captured[name].double() - exact).abs() / half_unit).max().item()
-        assert worst <= 1.001, f"{name} is {worst:.2f} half units from the exact value: rounded more than once"
-
-
-def test_gradients_of_q_and_k_reach_the_caller_in_float32_through_the_norm(monkeypatch):
-    """With the norm and the scale in front, the function's q and k are float32 (not yet rounded) and the
-    gradients it returns for them are float32 too: the norm's backward then runs on unrounded dq and
-    dk, and the caller's bf16 q and k receive one rounding."""
-    from stages.kda import autograd
-
-    seen = {}
-    original_backward = autograd.ChunkKDAFunction.backward
-
-    def recording_backward(ctx, do, d_final_state):
-        gradients = original_backward(ctx, do, d_final_state)
-        seen["dtypes"] = [None if grad is None else grad.dtype for grad in gradients[:6]]
-        return gradients
-
-    monkeypatch.setattr(autograd.ChunkKDAFunction, "backward", staticmethod(recording_backward))
-    leaves = _leaves(1, 8, 1, 4, 3, seed=22)
-    q, k, v = (leaves[name].detach().to(torch.bfloat16).requires_grad_() for name in ("q", "k", "v"))
-    o, _ = chunk_kda(q, k, v, leaves["g"].detach(), leaves["beta"].detach(), use_qk_l2norm_in_kernel=True,
-                     chunk_size=4)
-    o.float().sum().backward()
-    assert seen["dtypes"][:3] == [torch.float32, torch.float32, torch.bfloat16]
-    assert q.grad.dtype == k.grad.dtype == torch.bfloat16
 
 
 def test_float32_in_float32_out_and_inputs_unchanged():
@@ -248,14 +192,13 @@ def test_output_final_state_false_returns_none():
     assert final_state is None and o.shape == (1, 5, 1, 2)
 
 
-def test_fla_options_at_their_defaults_pass_and_others_are_refused():
+def test_fla_options_at_their_defaults_pass_and_an_unknown_one_is_a_type_error():
     leaves = _leaves(1, 5, 1, 2, 2, seed=9)
     args = [leaves[name].detach() for name in INPUTS[:5]]
-    chunk_kda(*args, cu_seqlens=None, use_gate_in_kernel=False, safe_gate=False, state_v_first=False)
-    for name, refused in REFUSED.items():
-        value = True if refused.default is False else torch.tensor([0, 5])
-        with pytest.raises(NotImplementedError, match=f"chunk_kda does not support {name}="):
-            chunk_kda(*args, **{name: value})
+    chunk_kda(*args, cu_seqlens=None, use_gate_in_kernel=False, safe_gate=False, state_v_first=False, cp_context=None,
+              use_graph=False, max_num_seqs=None, return_intermediate_states=False)
+    with pytest.raises(NotImplementedError, match="chunk_kda does not support cp_context"):
+        chunk_kda(*args, cp_context=object())
     with pytest.raises(TypeError, match="unexpected keyword argument 'head_first'"):
         chunk_kda(*args, head_first=True)
 
@@ -285,10 +228,10 @@ def test_bad_inputs_are_refused_with_clear_errors():
         ((q, k, v, g, beta), {"initial_state": initial_state.half()}, TypeError,
          "initial_state must have dtype float32 or float64"),
         ((q, k, v, -g, beta), {}, ValueError, "log gates must be <= 0"),
-        ((q, k, v, g, beta + 1), {}, ValueError, r"beta must lie in \[0, 1\]"),
+        ((q, k, v, g, beta + 2), {}, ValueError, r"beta must lie in \[0, 2\]"),
         ((q, k[:, :4], v, g, beta), {}, ValueError, "k must have q's shape"),
         ((q, k, v, g, beta), {"initial_state": initial_state[..., :2]}, ValueError,
-         r"initial_state must have shape \(B, H, d_k, d_v\) = \(1, 2, 4, 3\)"),
+         r"initial_state must have shape \(N, HV, K, V\) = \(1, 2, 4, 3\)"),
         ((q, k, v, g, beta.to("meta")), {}, ValueError, "all inputs must be on one device"),
         ((q, k, v, g, beta, initial_state), {}, TypeError, "scale must be a real number or None, got Tensor"),
     ]
@@ -297,18 +240,22 @@ def test_bad_inputs_are_refused_with_clear_errors():
             chunk_kda(*args, **kwargs)
 
 
-def test_the_checks_mode_reaches_stage_5s_forward(monkeypatch):
-    """The CUDA path hands chunk_kda's checks to the forward, which checks the values as it says;
-    checked on the CPU with the forward stubbed, since the path itself needs a GPU."""
-    from stages.kda import autograd
+def test_the_checks_mode_and_the_form_reach_the_kernels_forward(monkeypatch):
+    """The CUDA path hands chunk_kda's checks, its form and the gate's parameters to the forward, which
+    computes and checks as they say; checked on the CPU with the forward stubbed, since the path itself
+    needs a GPU."""
+    from stages.kda.inputs import InputForm
 
     seen = []
     monkeypatch.setattr(autograd, "resolve_for", lambda device, *shape, **sizes: None)
-    monkeypatch.setattr(autograd, "forward_and_prepared", lambda q, k, v, g, beta, state, checks, *rest: seen.append(checks))
-    q = torch.zeros(1, 64, 1, 32)
+    monkeypatch.setattr(autograd, "forward_and_prepared",
+                        lambda *args, form, A_log, dt_bias: seen.append((args[6], form, A_log)))
+    q, A_log = torch.zeros(1, 64, 1, 32), torch.ones(1)
+    form = InputForm(gate="softplus", l2_normalize=True)
     for checks in ("device", "host", "off"):
-        autograd._cuda_forward(q, q, q, None, None, None, 64, checks)
-    assert seen == ["device", "host", "off"]
+        autograd._cuda_forward(q, q, q, None, None, A_log, None, None, form, 64, checks)
+    assert [(checks, form_seen) for checks, form_seen, _ in seen] == [(c, form) for c in ("device", "host", "off")]
+    assert all(a is A_log for _, _, a in seen)
 
 
 def test_non_contiguous_inputs_are_accepted():
@@ -361,7 +308,8 @@ def test_cuda_backward_takes_strong_gates_as_accurately_as_fla():
     stretch down to -1e4. No value-range refusal; o, S_T and the six gradients finite and within
     twice FLA's error (or 1e-2) from torch.autograd of the float64 token-by-token recurrence (the CPU
     path's anchored reference overflows float64 at these gates); prints both errors."""
-    from stages.kda.autograd import l2_normalize
+    def l2_normalize(x):
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
     fla_ops = pytest.importorskip("fla.ops")
     B, T, H, D = 2, 300, 2, 128

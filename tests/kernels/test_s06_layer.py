@@ -48,12 +48,11 @@ def _served_by_stage_7(q, k, v, g, beta, initial_state=None, output_final_state=
     packed batch in one pass, one state per sequence."""
     import numpy as np
 
-    from stages.kda.autograd import l2_normalize, scaled_queries
+    from stages.kda.inputs import InputForm, activate
     from stages.s07_serving.reference import kernel_mirror
 
-    if use_qk_l2norm_in_kernel:
-        k = l2_normalize(k)
-    q = scaled_queries(q, q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel)
+    form = InputForm(l2_normalize=use_qk_l2norm_in_kernel, scale=q.shape[-1] ** -0.5)
+    q, k, g, beta = activate(form, q, k, g, beta)
     o, states = kernel_mirror(*(t.numpy() for t in (q, k, v, g, beta)), C, 4, np.asarray(cu_seqlens),
                               None if initial_state is None else initial_state.numpy(), output_final_state=True,
                               sub_block=4)

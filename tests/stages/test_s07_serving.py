@@ -155,12 +155,12 @@ class _ServedKernel:
                  use_qk_l2norm_in_kernel=False, scale=None):
         import torch
 
-        from stages.kda.autograd import l2_normalize, scaled_queries
+        from stages.kda.inputs import InputForm, activate
 
         B, T, H, d_k = q.shape
-        if use_qk_l2norm_in_kernel:
-            k = l2_normalize(k).to(v.dtype)
-        q = scaled_queries(q, d_k**-0.5 if scale is None else scale, use_qk_l2norm_in_kernel).to(v.dtype)
+        form = InputForm(l2_normalize=use_qk_l2norm_in_kernel, scale=d_k**-0.5 if scale is None else scale)
+        q, k, _, _ = activate(form, q, k, g, beta)  # q and k as the kernels take them, rounded once
+        q, k = q.to(v.dtype), k.to(v.dtype)
         states = (torch.zeros(B, H, d_k, v.shape[3], dtype=self.pool.dtype, device=q.device) if initial_state is None
                   else initial_state.to(self.pool.dtype))
         if T == 1:

@@ -1,0 +1,86 @@
+"""The page on the course's kernels in a model (docs/fla_backend.md): FLA's test grid against the course,
+the training run through the backend, and the speed of the call as Kimi Linear makes it.
+
+Reads, from benchmarks/results/:
+- fla_test_grid/fla_test_grid.json: `python scripts/fla_test_grid.py --test-file FILE --out DIR` (FLA's
+  own tests/ops/test_kda.py against the course's chunk_kda, case by case);
+- fla_backend_train/fla_backend_train.csv and _meta.json: `python -m benchmarks.fla_backend_train --out DIR`;
+- kimi_call/kimi_call.csv and _meta.json: the benchmark of issue 40 that times the call as Kimi Linear
+  makes it, FLA's (FLA_FLASH_KDA=0), FlashKDA's and the course's, in one process; its rows: `shape` (the
+  row's words, e.g. "8192, 64"), `impl` ("fla", "flashkda" or "course"), `ms` (the median of its rounds);
+and writes docs/generated/fla_backend_{grid,training,speed}.md. Without a run's file its section says
+which command writes it.
+"""
+
+from collections import Counter
+
+from kdacourse import results
+from kdacourse.pages.tables import markdown_table
+
+RESULTS = results.RESULTS
+GRID = RESULTS / "fla_test_grid" / "fla_test_grid.json"
+TRAINING = RESULTS / "fla_backend_train"
+SPEED = RESULTS / "kimi_call"
+IMPLEMENTATIONS = (("fla", "FLA's call"), ("flashkda", "FlashKDA"), ("course", "the course's call"))
+
+
+def write_grid(path):
+    """The count of FLA's cases by outcome, and every case that did not pass with its reason."""
+    if not GRID.exists():
+        path.write_text("FLA's test grid has not been run against the course yet: `python scripts/fla_test_grid.py "
+                        "--test-file FILE --out DIR`, its JSON copied to benchmarks/results/fla_test_grid/.\n")
+        return
+    run = results.read_json(GRID)
+    counts = Counter(case["outcome"] for case in run["cases"])
+    rows = [[case["case"].replace("|", "/"), case["outcome"], case["reason"].replace("|", "/")]
+            for case in run["cases"] if case["outcome"] != "passed"]
+    text = (f"{run['summary']}: {counts['passed']} passed, {counts['failed']} failed, {counts['refused']} refused, "
+            f"{counts['skipped']} skipped.\n\n")
+    if rows:
+        text += markdown_table(["FLA's case", "outcome", "why"], rows)
+    path.write_text(text)
+
+
+def write_training(path):
+    """The loss of both runs every 20 steps, and the mean of their last 10 steps."""
+    rows, meta = results.committed_run("fla_backend_train.csv", "fla_backend_train_meta.json", TRAINING)
+    if rows is None:
+        path.write_text("The training run has not been committed yet: `python -m benchmarks.fla_backend_train --out "
+                        "DIR` on the GPU machine, copied to benchmarks/results/fla_backend_train/.\n")
+        return
+    shown = [row for row in rows if int(row["step"]) % 20 == 0 or row is rows[-1]]
+    table = markdown_table(["step", "loss, FLA's kernels", "loss, the course's backend"],
+                           [[row["step"], row["loss_fla"], row["loss_course"]] for row in shown])
+    last = {name: sum(float(row[f"loss_{name}"]) for row in rows[-10:]) / len(rows[-10:]) for name in ("fla", "course")}
+    path.write_text(f"`{results.shown_command(meta.get('command', ''))}` on {meta.get('device', 'the GPU')}; the mean "
+                    f"loss of the last 10 steps: FLA's kernels {last['fla']:.4f}, the course's {last['course']:.4f}.\n\n"
+                    + table)
+
+
+def write_speed(path):
+    """Each shape's time per implementation and the course's ratios to the other two."""
+    rows, meta = results.committed_run("kimi_call.csv", "kimi_call_meta.json", SPEED)
+    if rows is None:
+        path.write_text("Not measured yet: the benchmark of the call as Kimi Linear makes it (issue 40) writes "
+                        "benchmarks/results/kimi_call/kimi_call.csv (`shape`, `impl` fla, flashkda or course, `ms`) "
+                        "and kimi_call_meta.json; `course regenerate` puts its table here.\n")
+        return
+    times = {}
+    for row in rows:
+        times.setdefault(row["shape"], {})[row["impl"]] = float(row["ms"]) if row["ms"] else None
+    table_rows = []
+    for shape, measured in times.items():
+        cells = [f"{measured[impl]:.2f} ms" if measured.get(impl) else "–" for impl, _ in IMPLEMENTATIONS]
+        course = measured.get("course")
+        ratios = [f"{measured[other] / course:.2f}x" if course and measured.get(other) else "–"
+                  for other in ("fla", "flashkda")]
+        table_rows.append([shape, *cells, *ratios])
+    header = ["T, H", *(label for _, label in IMPLEMENTATIONS), "course's speed-up on FLA", "on FlashKDA"]
+    path.write_text(f"`{results.shown_command(meta.get('command', ''))}` on {meta.get('device', 'the GPU')}:\n\n"
+                    + markdown_table(header, table_rows))
+
+
+def generated_files():
+    return {"docs/generated/fla_backend_grid.md": write_grid,
+            "docs/generated/fla_backend_training.md": write_training,
+            "docs/generated/fla_backend_speed.md": write_speed}
