@@ -222,3 +222,122 @@ def test_input_form_refuses_what_it_cannot_mean():
         InputForm(gate="exp")
     with pytest.raises(ValueError, match="beta must be one of"):
         InputForm(beta="tanh")
+
+
+# ------------------------------------------------------------------------------------------ on the GPU
+
+
+def torch_recurrence(q, k, v, g, beta, state=None):
+    """`recurrence` in torch (any device, float64, differentiable), batched over (B, H): (o, final states)."""
+    import torch
+
+    B, N, H, d_k = q.shape
+    S = q.new_zeros(B, H, d_k, v.shape[3]) if state is None else state
+    outputs = []
+    for t in range(N):
+        k_t = k[:, t]
+        S = torch.exp(g[:, t])[..., None] * S
+        S = S + beta[:, t, :, None, None] * k_t[..., None] * (v[:, t] - (k_t[..., None] * S).sum(-2))[:, :, None, :]
+        outputs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outputs, dim=1), S
+
+
+def _gpu_raw_inputs(B, N, H_qk, H, D, seed):
+    """Raw bf16 q, k, v, gate x, beta logits and fp32 A_log, dt_bias on the GPU, as Kimi Linear's layer
+    passes them; float64 leaves of the same values for the exact reference's autograd."""
+    import torch
+
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    def normal(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=generator).to(dtype)
+
+    raw = [normal(B, N, H_qk, D), normal(B, N, H_qk, D), normal(B, N, H, D), normal(B, N, H, D), normal(B, N, H),
+           normal(H, dtype=torch.float32), normal(H * D, dtype=torch.float32)]
+    return raw, [x.double().requires_grad_() for x in raw]
+
+
+def _exact(form, exact_leaves, group, initial_state):
+    q, k, v, x, beta, A_log, dt_bias = exact_leaves
+    q_a, k_a, g_a, beta_a = activate(form, q, k, x, beta, A_log, dt_bias)
+    q_a, k_a = (t.repeat_interleave(group, dim=2) for t in (q_a, k_a))
+    return torch_recurrence(q_a, k_a, v, g_a, beta_a, initial_state.double())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softplus", "sigmoid"])
+def test_fused_forward_and_backward_on_gpu_match_float64(name):
+    """bf16 on the H200, the tensors as Kimi Linear passes them (raw gate, raw q and k, beta logits),
+    T = 300 (not a multiple of 64), grouped value heads (4 on 2), an initial state: o, the final state
+    and the gradients of every raw tensor (q, k, v, the gate, beta's logits, A_log, dt_bias, the initial
+    state) within bf16's reach of float64 autograd through activate and the recurrence. The inputs are
+    unchanged by the calls."""
+    import torch
+
+    from stages.common.errors import error_report
+    from stages.kda.calls import backward, forward
+
+    form, group = FORMS[name], 2
+    raw, exact_leaves = _gpu_raw_inputs(1, 300, 2, 4, 64, seed=7)
+    form = InputForm(gate=form.gate, lower_bound=form.lower_bound, l2_normalize=True, beta=form.beta, scale=0.125)
+    initial_state = torch.randn(1, 4, 64, 64, device="cuda")
+    before = [x.clone() for x in raw]
+    q, k, v, x, beta, A_log, dt_bias = raw
+    o, final_state = forward(q, k, v, x, beta, initial_state, True, "device", None, form, A_log, dt_bias)
+    do = torch.randn_like(o)
+    d_state = torch.randn_like(final_state)
+    gradients = backward(q, k, v, x, beta, do, initial_state, d_state, "device", None, None, form, A_log, dt_bias)
+    exact_initial = initial_state.double().requires_grad_()
+    exact_o, exact_state = _exact(form, exact_leaves, group, exact_initial)
+    expected = torch.autograd.grad((exact_o, exact_state), [*exact_leaves, exact_initial], (do.double(), d_state.double()))
+    for name_, mine, exact in (("o", o, exact_o), ("final_state", final_state, exact_state)):
+        report = error_report(mine.double(), exact.detach())
+        print(f"{name} {name_}: {report}")
+        assert report.rel_l2 <= 2e-2, name_
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "d_initial_state")
+    ours = (gradients.dq, gradients.dk, gradients.dv, gradients.dg, gradients.dbeta, gradients.dA_log,
+            gradients.ddt_bias, gradients.d_initial_state)
+    for name_, mine, exact in zip(names, ours, expected):
+        report = error_report(mine.double(), exact)
+        print(f"{name} {name_}: {report}")
+        assert report.rel_l2 <= 3e-2, name_
+    assert all(torch.equal(a, b) for a, b in zip(raw, before))
+
+
+@pytest.mark.gpu
+def test_fused_prefill_and_decode_on_gpu_match_float64():
+    """The packed prefill (sequences of 130, 0, 77 and 64 tokens, each from its own state) and then one
+    decode step of each sequence from its prefilled state, in the bounded gate's form with grouped value
+    heads, bf16: o and the states within bf16's reach of the float64 recurrence run on each sequence."""
+    import torch
+
+    from stages.common.errors import error_report
+    from stages.kda.calls import decode, prefill
+
+    form, group, lengths = FORMS["sigmoid"], 2, (130, 0, 77, 64)
+    raw, exact_leaves = _gpu_raw_inputs(1, sum(lengths), 2, 4, 64, seed=8)
+    q, k, v, x, beta, A_log, dt_bias = raw
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    initial = torch.randn(len(lengths), 4, 64, 64, device="cuda")
+    o, states = prefill(q, k, v, x, beta, cu_seqlens, initial, True, "device", None, form, A_log, dt_bias)
+    step, step_exact = _gpu_raw_inputs(len(lengths), 1, 2, 4, 64, seed=9)
+    pool = states.clone()
+    slots = torch.arange(len(lengths), dtype=torch.int32, device="cuda")
+    o_step, _ = decode(*(t[:, 0] for t in step[:5]), pool, slots, "device", None, form, step[5], step[6])
+    with torch.no_grad():
+        q_a, k_a, g_a, beta_a = activate(form, *exact_leaves[:2], exact_leaves[3], exact_leaves[4], *exact_leaves[5:])
+        q_a, k_a = (t.repeat_interleave(group, dim=2) for t in (q_a, k_a))
+        v64 = exact_leaves[2]
+        for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+            part = slice(start, end)
+            exact_o, exact_state = torch_recurrence(q_a[:, part], k_a[:, part], v64[:, part], g_a[:, part],
+                                                    beta_a[:, part], initial[i:i + 1].double())
+            if end > start:
+                assert error_report(o[:, part].double(), exact_o).rel_l2 <= 2e-2
+            assert error_report(states[i:i + 1].double(), exact_state).rel_l2 <= 2e-2
+            s_q, s_k, s_g, s_beta = activate(form, step_exact[0][i:i + 1], step_exact[1][i:i + 1],
+                                             step_exact[3][i:i + 1], step_exact[4][i:i + 1], *step_exact[5:])
+            s_q, s_k = (t.repeat_interleave(group, dim=2) for t in (s_q, s_k))
+            exact_step, exact_next = torch_recurrence(s_q, s_k, step_exact[2][i:i + 1], s_g, s_beta, exact_state)
+            assert error_report(o_step[i:i + 1].double(), exact_step[:, 0]).rel_l2 <= 2e-2
+            assert error_report(pool[i:i + 1].double(), exact_next).rel_l2 <= 2e-2
