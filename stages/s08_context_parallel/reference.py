@@ -232,9 +232,11 @@ def rank_alone(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Arra
     receives from zero. q, k, g: (1, n, H, d_k), v: (1, n, H, d_v), beta: (1, n, H), its tokens."""
     H, d_k, d_v = q.shape[2], q.shape[3], v.shape[3]
     o, finals, tensors = np.zeros(v.shape), np.zeros((len(part.sequences), H, d_k, d_v)), []
+    # sub_block=1: every key a slab of its own, so no exponent spans more than one token's gate and any
+    # gate <= 0 runs in float64 (chunk_kda's CPU path does the same)
     for i, (start, end) in enumerate(zip(part.cu_seqlens[:-1], part.cu_seqlens[1:])):
         rows = slice(start, end)
-        tensors.append(prepare(*(x[:, rows] for x in (q, k, v, g, beta)), chunk_size, sub_block=chunk_size))
+        tensors.append(prepare(*(x[:, rows] for x in (q, k, v, g, beta)), chunk_size, sub_block=1))
         start_state = np.zeros((1, H, d_k, d_v)) if i == 0 and part.receives else initial_states[i:i + 1]
         o_padded, final = recurrence(tensors[i], d_v, initial_state=start_state)
         o[:, rows], finals[i] = o_padded[:, :end - start], final[0]
