@@ -289,19 +289,28 @@ def _peer(context, rank):
 
 
 def _send(tensor, context, rank):
-    dist.send(tensor.contiguous(), dst=_peer(context, rank), group=context.group)
+    dist.send(_on_the_wire(tensor, context), dst=_peer(context, rank), group=context.group)
 
 
 def _receive(like, context, rank):
-    buffer = torch.empty_like(like)
+    buffer = torch.empty_like(_on_the_wire(like, context))
     dist.recv(buffer, src=_peer(context, rank), group=context.group)
-    return buffer
+    return buffer.to(like.device)
+
+
+def _on_the_wire(tensor, context):
+    """The tensor as the backend sends it: gloo sends CPU tensors only, so a CUDA state goes through the
+    host there (one GPU shared by the ranks' processes, a test's set-up); NCCL sends it from the device."""
+    if tensor.is_cuda and dist.get_backend(context.group) == "gloo":
+        return tensor.cpu()
+    return tensor.contiguous()
 
 
 def _all_gather(tensor, context):
-    gathered = [torch.empty_like(tensor) for _ in range(context.world_size)]
-    dist.all_gather(gathered, tensor.contiguous(), group=context.group)
-    return gathered
+    wire = _on_the_wire(tensor, context)
+    gathered = [torch.empty_like(wire) for _ in range(context.world_size)]
+    dist.all_gather(gathered, wire, group=context.group)
+    return [x.to(tensor.device) for x in gathered]
 
 
 def check_cp_inputs(q, k, v, g, beta, cp_context, initial_state=None) -> None:
