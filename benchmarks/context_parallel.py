@@ -14,6 +14,8 @@ stage 8's chunk_kda_cp runs them (stages.kda.calls with checks="off", one sequen
     pass_step             A S_in + Z for H heads in fp32 (reference.pass_states, step 2), without the message
     forward_from_state    the forward from S_in: outputs and final state (step 3); one device's work on
                           these tokens, and the last rank's whole forward
+    recurrence_from_state step 3 had the rank kept its prepare kernel's outputs from step 1: the
+                          recurrence kernel alone from S_in (what chunk_kda_cp does not do yet)
     backward_alone        the backward from S_in with no gradient on the state handed on: the gradient of
                           S_in through the rank's outputs (step 1 backwards)
     pass_step_backward    A^T dS_out + dS_in (reference.pass_state_gradients, step 2 backwards)
@@ -48,7 +50,7 @@ from benchmarks.decode import relative_l2, spread
 
 FIELDS = ["ranks", "tokens", "tokens_per_rank", "H", "D", "dtype", "round", "what", "time_ms", "time_ms_p20",
           "time_ms_p80", "error"]
-PIECES = {"forward": ["forward_from_zero", "forward_map", "pass_step", "forward_from_state"],
+PIECES = {"forward": ["forward_from_zero", "forward_map", "pass_step", "forward_from_state", "recurrence_from_state"],
           "backward": ["backward_alone", "pass_step_backward", "backward_with_state"]}
 GATE_RANGE = (0.9, 0.999)
 BETA_RANGE = (0.1, 0.9)
@@ -118,11 +120,13 @@ def pieces(inputs, do, incoming, d_outgoing, direction):
     transition = forward(q, k, no_values, g, beta, identity, True, checks="off")[1][0]
     zero_state = forward(*inputs, None, True, checks="off")[1][0]
     if direction == "forward":
+        recurrence, prepared = _recurrence_alone(inputs)
         table = {
             "forward_from_zero": lambda: forward(*inputs, None, True, checks="off"),
             "forward_map": lambda: forward(q, k, no_values, g, beta, identity, True, checks="off"),
             "pass_step": lambda: pass_states([transition], [zero_state], incoming[0]),
             "forward_from_state": lambda: forward(*inputs, incoming, True, checks="off"),
+            "recurrence_from_state": lambda: recurrence(*prepared[:6], incoming),
         }
     else:
         zero_gradient = torch.zeros_like(d_outgoing)
@@ -133,6 +137,24 @@ def pieces(inputs, do, incoming, d_outgoing, direction):
             "backward_with_state": lambda: kernels_backward(*inputs, do, incoming, d_outgoing, checks="off"),
         }
     return table, transition, zero_state
+
+
+def _recurrence_alone(inputs):
+    """(the compiled recurrence kernel, the prepare kernel's outputs) for these inputs, as stage 5's
+    forward_and_prepared runs and keeps them: the recurrence reads the first six."""
+    from stages.common.checks import padded_length
+    from stages.common.torch_checks import dtype_name
+    from stages.kda.calls import forward_and_prepared
+    from stages.kda.compiled import compiled_recurrence
+    from stages.kda.config import resolve_for
+
+    q, v = inputs[0], inputs[2]
+    B, N, H, d_k = q.shape
+    config = resolve_for(q.device, B, H, d_k, v.shape[3])
+    _, _, prepared = forward_and_prepared(*inputs, None, "off", config, keep_prepared=True)
+    recurrence = compiled_recurrence(B, padded_length(N, config.chunk_size), H, d_k, v.shape[3], config.chunk_size,
+                                     config.block_dv, dtype_name(q), config.num_stages, config.threads)
+    return recurrence, prepared
 
 
 def map_error(inputs, incoming, transition, zero_state):

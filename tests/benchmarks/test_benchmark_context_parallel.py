@@ -89,3 +89,30 @@ def test_two_ranks_sharing_the_gpu_equal_the_references(tmp_path):
                                 "--no-fla", "--limit", "400"])
     _, meta = _rows_and_meta(tmp_path)
     assert max(meta["check"].values()) < BF16_BOUND, meta["check"]
+
+
+def test_the_page_reads_a_committed_run(tmp_path, monkeypatch):
+    """Stage 8's page from a run written here: the medians over rounds, the critical paths worked out by
+    hand (R = 4: the chain's start 1 ms, two middle ranks at max(1 + 0, 1 + 1) + 0.01 and then + 0.01,
+    the end's 1 ms: 3.02 ms against 4 x 1 ms; the prepare kept: max(1, 1 + 0.4) + 0.01 + 0.01 + 0.4 =
+    1.82 ms), and no messages' share without a multi-GPU run."""
+    from kdacourse import results
+    from kdacourse.pages import s08_context_parallel as page
+
+    times = {"forward_from_zero": (1.0, 1.0, 3.0), "forward_map": (1.0, 0.5, 1.0), "pass_step": (0.01, 0.01, 0.02),
+             "forward_from_state": (1.0, 2.0, 1.0), "recurrence_from_state": (0.4, 0.4, 0.3)}
+    with open(tmp_path / "context_parallel_forward.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=context_parallel.FIELDS)
+        writer.writeheader()
+        writer.writerows(dict(ranks=4, tokens=64, tokens_per_rank=16, H=1, D=8, dtype="bfloat16", round=r + 1, what=what,
+                              time_ms=t) for what, by_round in times.items() for r, t in enumerate(by_round))
+    (tmp_path / "context_parallel_forward_meta.json").write_text(json.dumps(
+        dict(command="python -m benchmarks.context_parallel --out x", device="a GPU", H=1, D=8, dtype="bfloat16",
+             tokens=64)))
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    assert results.context_parallel_times(results.read_rows(tmp_path / "context_parallel_forward.csv"))[4][
+        "forward_map"] == {1: 1.0, 2: 0.5, 3: 1.0}
+    page.write_rank_times(tmp_path / "out.md")
+    text = (tmp_path / "out.md").read_text()
+    assert "| 4 | 16 | 1.000 | 1.000 | 0.010 | 1.000 | 0.400 | 3.02 (1.32x) | 1.82 (2.20x) | 4.00 | - |" in text, text
+    assert "No backward run committed" in text and "none is committed" in text
