@@ -20,7 +20,7 @@ ERROR_LENGTHS, ERROR_RANKS, ERROR_CHUNK = (13, 40, 5, 0, 39), (1, 2, 4, 7), 16
 H_ERRORS, D_K_ERRORS, D_V_ERRORS = 2, 8, 6
 # the benchmark's shape: one sequence of about a million tokens, Kimi Linear's KDA heads
 LONG_TOKENS, LONG_H, LONG_D = 2**20, 32, 128
-COMMUNICATION_RANKS = (2, 4, 8, 16)
+COMMUNICATION_RANKS = (1, 2, 4, 8, 16)  # 1: one device
 
 
 def _offsets(lengths):
