@@ -26,7 +26,7 @@ def _rank_map(K, gates, betas, tokens):
     """F_t ... F_1 over the given token indices: the later token on the left."""
     A = sp.eye(d_k)
     for t in tokens:
-        A = stage4._householder(K[t, :], betas[t]) * sp.diag(*gates[t, :]) * A
+        A = stage4.householder(K[t, :], betas[t]) * sp.diag(*gates[t, :]) * A
     return A
 
 
@@ -36,53 +36,53 @@ def _zero():
 
 # --8<-- [start:identities]
 def rank_is_an_affine_map():
-    Q, K, V, gates, betas, S_in = stage4._symbols()
+    Q, K, V, gates, betas, S_in = stage4.chunk_symbols()
     return Identity(
         "a rank is an affine map",
         "The state after a rank's tokens from S_in^T is A S_in^T + (the state after them from zero), "
         "A = F_C ... F_1: the incoming state enters through one d_k x d_k map.",
-        stage4._recurrence(Q, K, V, gates, betas, S_in)[1],
-        _rank_map(K, gates, betas, range(C)) * S_in + stage4._recurrence(Q, K, V, gates, betas, _zero())[1],
+        stage4.recurrence_form(Q, K, V, gates, betas, S_in)[1],
+        _rank_map(K, gates, betas, range(C)) * S_in + stage4.recurrence_form(Q, K, V, gates, betas, _zero())[1],
     )
 
 
 def output_correction():
-    Q, K, V, gates, betas, S_in = stage4._symbols()
+    Q, K, V, gates, betas, S_in = stage4.chunk_symbols()
     carried = sp.Matrix.vstack(*[Q[t, :] * _rank_map(K, gates, betas, range(t + 1)) * S_in for t in range(C)])
     return Identity(
         "the output correction",
         "o_t from S_in^T minus o_t from zero is q_t (F_t ... F_1) S_in^T: the incoming state carried to "
         "token t, read by q_t.",
-        stage4._recurrence(Q, K, V, gates, betas, S_in)[0] - stage4._recurrence(Q, K, V, gates, betas, _zero())[0],
+        stage4.recurrence_form(Q, K, V, gates, betas, S_in)[0] - stage4.recurrence_form(Q, K, V, gates, betas, _zero())[0],
         carried,
     )
 
 
 def correction_in_chunk_form():
-    Q, K, _, gates, betas, S_in = stage4._symbols()
+    Q, K, _, gates, betas, S_in = stage4.chunk_symbols()
     carried = sp.Matrix.vstack(*[Q[t, :] * _rank_map(K, gates, betas, range(t + 1)) * S_in for t in range(C)])
     return Identity(
         "the correction in chunk form",
         "Stage 5's chunk step with the values removed (U = 0), (Q ⊙ e^{gamma}) S_in^T + A_qk (-W S_in^T), "
         "is the carried state read by each query: the correction needs the rank's per-token tensors, "
         "no d_k x d_k map.",
-        stage4._chunked(Q, K, sp.zeros(C, d_v), gates, betas, S_in)[0],
+        stage4.chunked_form(Q, K, sp.zeros(C, d_v), gates, betas, S_in)[0],
         carried,
     )
 
 
 def ranks_compose():
-    Q, K, V, gates, betas, S_in = stage4._symbols()
+    Q, K, V, gates, betas, S_in = stage4.chunk_symbols()
     earlier, later = range(2), range(2, C)
     A_e, A_l = _rank_map(K, gates, betas, earlier), _rank_map(K, gates, betas, later)
-    Z_e = stage4._recurrence(Q[:2, :], K[:2, :], V[:2, :], gates[:2, :], betas[:2], _zero())[1]
-    Z_l = stage4._recurrence(Q[2:, :], K[2:, :], V[2:, :], gates[2:, :], betas[2:], _zero())[1]
+    Z_e = stage4.recurrence_form(Q[:2, :], K[:2, :], V[:2, :], gates[:2, :], betas[:2], _zero())[1]
+    Z_l = stage4.recurrence_form(Q[2:, :], K[2:, :], V[2:, :], gates[2:, :], betas[2:], _zero())[1]
     return Identity(
         "two ranks compose into one",
         "Tokens 1-2 on one rank and token 3 on the next: the composed map (A_l A_e, A_l Z_e + Z_l) carries "
         "S_in^T to the state one rank holding all three tokens reaches.",
         (A_l * A_e) * S_in + (A_l * Z_e + Z_l),
-        stage4._recurrence(Q, K, V, gates, betas, S_in)[1],
+        stage4.recurrence_form(Q, K, V, gates, betas, S_in)[1],
     )
 
 
@@ -98,9 +98,9 @@ def composition_is_associative():
 
 
 def incoming_state_gradient():
-    Q, K, V, gates, betas, S_in = stage4._symbols()
+    Q, K, V, gates, betas, S_in = stage4.chunk_symbols()
     dO, dS_out = matrix("do", C, d_v), matrix("dsout", d_k, d_v)
-    O, S_out = stage4._recurrence(Q, K, V, gates, betas, S_in)
+    O, S_out = stage4.recurrence_form(Q, K, V, gates, betas, S_in)
     loss = sum(dO.multiply_elementwise(O)) + sum(dS_out.multiply_elementwise(S_out))
     through_outputs = sum((_rank_map(K, gates, betas, range(t + 1)).T * Q[t, :].T * dO[t, :] for t in range(C)),
                           _zero())
@@ -126,19 +126,19 @@ def _flat(*matrices):
 # --8<-- [start:refuted]
 def handed_on_without_the_map(identity_map=False):
     """S_in^T + Z: the incoming state added, not carried. a = 1 and beta = 0 (A = I) hide it."""
-    Q, K, V, gates, betas, S_in = stage4._symbols()
+    Q, K, V, gates, betas, S_in = stage4.chunk_symbols()
     return _where(Identity(
         "handed on without the map",
         "S_in^T + Z differs from the state after the rank unless A = I (every a = 1, every beta = 0).",
-        S_in + stage4._recurrence(Q, K, V, gates, betas, _zero())[1],
-        stage4._recurrence(Q, K, V, gates, betas, S_in)[1],
+        S_in + stage4.recurrence_form(Q, K, V, gates, betas, _zero())[1],
+        stage4.recurrence_form(Q, K, V, gates, betas, S_in)[1],
     ), (gates, 1), (sp.Matrix(betas), 0), hidden=identity_map)
 
 
 def map_of_the_paper_layout(symmetric=False):
     """A^T S_in^T + Z: the paper layout's map in the kernel layout. One token with one gate for every
     channel (a symmetric F) hides it."""
-    Q, K, V, gates, betas, S_in = stage4._symbols()
+    Q, K, V, gates, betas, S_in = stage4.chunk_symbols()
     tokens = 1 if symmetric else C
     Q, K, V, gates, betas = Q[:tokens, :], K[:tokens, :], V[:tokens, :], gates[:tokens, :], betas[:tokens]
     if symmetric:
@@ -147,37 +147,37 @@ def map_of_the_paper_layout(symmetric=False):
         "the map of the paper layout",
         "A^T S_in^T + Z differs from the state after the rank unless A is symmetric (one token, one gate "
         "for every channel).",
-        _rank_map(K, gates, betas, range(tokens)).T * S_in + stage4._recurrence(Q, K, V, gates, betas, _zero())[1],
-        stage4._recurrence(Q, K, V, gates, betas, S_in)[1],
+        _rank_map(K, gates, betas, range(tokens)).T * S_in + stage4.recurrence_form(Q, K, V, gates, betas, _zero())[1],
+        stage4.recurrence_form(Q, K, V, gates, betas, S_in)[1],
     )
 
 
 def correction_without_the_carry(unchanged=False):
     """q_t S_in^T: the incoming state read as it came, not carried to t. a = 1, beta = 0 hide it."""
-    Q, K, V, gates, betas, S_in = stage4._symbols()
+    Q, K, V, gates, betas, S_in = stage4.chunk_symbols()
     return _where(Identity(
         "correction without the carry",
         "q_t S_in^T differs from what S_in^T adds to o_t unless the tokens leave the state as it was.",
         Q * S_in,
-        stage4._recurrence(Q, K, V, gates, betas, S_in)[0] - stage4._recurrence(Q, K, V, gates, betas, _zero())[0],
+        stage4.recurrence_form(Q, K, V, gates, betas, S_in)[0] - stage4.recurrence_form(Q, K, V, gates, betas, _zero())[0],
     ), (gates, 1), (sp.Matrix(betas), 0), hidden=unchanged)
 
 
 def maps_composed_in_the_wrong_order(commuting=False):
     """(A_e A_l, A_e Z_l + Z_e): the later rank's map applied first. beta = 0 (diagonal maps) and no
     values hide it."""
-    Q, K, V, gates, betas, S_in = stage4._symbols()
+    Q, K, V, gates, betas, S_in = stage4.chunk_symbols()
     if commuting:
         betas, V = [0] * C, sp.zeros(C, d_v)
     A_e, A_l = _rank_map(K, gates, betas, range(2)), _rank_map(K, gates, betas, range(2, C))
-    Z_e = stage4._recurrence(Q[:2, :], K[:2, :], V[:2, :], gates[:2, :], betas[:2], _zero())[1]
-    Z_l = stage4._recurrence(Q[2:, :], K[2:, :], V[2:, :], gates[2:, :], betas[2:], _zero())[1]
+    Z_e = stage4.recurrence_form(Q[:2, :], K[:2, :], V[:2, :], gates[:2, :], betas[:2], _zero())[1]
+    Z_l = stage4.recurrence_form(Q[2:, :], K[2:, :], V[2:, :], gates[2:, :], betas[2:], _zero())[1]
     return Identity(
         "maps composed in the wrong order",
         "(A_e A_l) S_in^T + A_e Z_l + Z_e differs from the state after both ranks unless the maps commute "
         "and nothing is written (beta = 0).",
         (A_e * A_l) * S_in + (A_e * Z_l + Z_e),
-        stage4._recurrence(Q, K, V, gates, betas, S_in)[1],
+        stage4.recurrence_form(Q, K, V, gates, betas, S_in)[1],
     )
 
 
