@@ -174,7 +174,9 @@ class _Sequences:
         self.part, self.num_sequences, self.incoming = context.part, context.num_sequences, incoming
         self.count = len(self.part.sequences)
         self.H, self.d_k, self.d_v = q.shape[2], q.shape[3], v.shape[3]
-        self.state_dtype = torch.float32 if q.is_cuda else torch.promote_types(q.dtype, torch.float32)
+        # the kernels' states are fp32; the CPU's as chunk_kda's CPU path keeps them: float64 for float64 inputs
+        self.state_dtype = torch.float32 if q.is_cuda else torch.promote_types(
+            torch.promote_types(q.dtype, torch.float32), torch.float32 if initial_state is None else initial_state.dtype)
         self.sent = self.count - 1 if self.part.sends else None  # the sequence it hands on
         self.relayed = self.part.receives and self.part.sends and self.count == 1  # received and handed on
         self.known_start = [i for i in range(self.count) if not (i == 0 and self.part.receives)]
