@@ -85,9 +85,9 @@ def message_bytes(H: int, d_k: int, d_v: int) -> int:
     return H * d_k * d_v * 4
 
 
-def make_part(tokens, H, d, seed):
-    """One rank's inputs on the GPU: q, k (L2-normalized), v bf16; g, beta fp32; do bf16; S_in and the
-    gradient of the state handed on (0.1 * standard normal, fp32)."""
+def make_part(tokens, H, d, seed, gradients=False):
+    """One rank's inputs on the GPU: q, k (L2-normalized), v bf16; g, beta fp32; do bf16 with `gradients`,
+    else None; S_in and the gradient of the state handed on (0.1 * standard normal, fp32)."""
     import torch
 
     generator = torch.Generator(device="cuda").manual_seed(seed)
@@ -99,8 +99,9 @@ def make_part(tokens, H, d, seed):
         return low + (high - low) * torch.rand(shape, generator=generator, device="cuda")
 
     q, k = (torch.nn.functional.normalize(normal(1, tokens, H, d), dim=-1).bfloat16() for _ in range(2))
-    v, do = normal(1, tokens, H, d).bfloat16(), normal(1, tokens, H, d).bfloat16()
+    v = normal(1, tokens, H, d).bfloat16()
     g, beta = uniform((1, tokens, H, d), *GATE_RANGE).log(), uniform((1, tokens, H), *BETA_RANGE)
+    do = normal(1, tokens, H, d).bfloat16() if gradients else None
     return (q, k, v, g, beta), do, 0.1 * normal(1, H, d, d), 0.1 * normal(1, H, d, d)
 
 
@@ -195,7 +196,8 @@ def run(args, log=print):
     for ranks in args.ranks:
         part = args.tokens // ranks
         base = dict(ranks=ranks, tokens=args.tokens, tokens_per_rank=part, H=args.H, D=args.d, dtype="bfloat16")
-        inputs, do, incoming, d_outgoing = make_part(part, args.H, args.d, args.seed + ranks)
+        inputs, do, incoming, d_outgoing = make_part(part, args.H, args.d, args.seed + ranks,
+                                                     gradients=args.direction == "backward")
         table, transition, zero_state = pieces(inputs, do, incoming, d_outgoing, args.direction)
         error = map_error(inputs, incoming, transition, zero_state)
         meta["ranks"][str(ranks)] = dict(tokens_per_rank=part, rel_l2_map=error)
