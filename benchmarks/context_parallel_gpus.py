@@ -149,24 +149,26 @@ def _launch_argv():
 
 
 def make_batch(lengths, H, d, seed, device, dtype):
-    """A packed batch (1, T, ...) from one seed on the CPU (the same on every rank): q, k L2-normalized,
-    v, g = log a, beta, do; and cu_seqlens."""
+    """A packed batch (1, T, ...) drawn on `device` from one seed: q, k L2-normalized, v and do in dtype;
+    g = log a and beta in fp32 on CUDA (the kernels' gate dtype), in dtype on the CPU; and cu_seqlens."""
     import torch
 
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     T = sum(lengths)
+    drawn = torch.float32 if device.type == "cuda" else torch.float64  # what the draws are made in
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=generator, device=device, dtype=drawn)
 
     def uniform(shape, low, high):
-        return low + (high - low) * torch.rand(shape, generator=generator, dtype=torch.float64)
+        return low + (high - low) * torch.rand(shape, generator=generator, device=device, dtype=drawn)
 
-    q, k = (torch.nn.functional.normalize(torch.randn(1, T, H, d, generator=generator, dtype=torch.float64), dim=-1)
-            for _ in range(2))
-    v, do = (torch.randn(1, T, H, d, generator=generator, dtype=torch.float64) for _ in range(2))
-    g, beta = uniform((1, T, H, d), *GATE_RANGE).log(), uniform((1, T, H), *BETA_RANGE)
+    q, k = (torch.nn.functional.normalize(normal(1, T, H, d), dim=-1).to(dtype) for _ in range(2))
+    v, do = (normal(1, T, H, d).to(dtype) for _ in range(2))
     gate_dtype = torch.float32 if device.type == "cuda" else dtype
-    tensors = [x.to(device, dtype) for x in (q, k, v)] + [x.to(device, gate_dtype) for x in (g, beta)]
+    g, beta = uniform((1, T, H, d), *GATE_RANGE).log().to(gate_dtype), uniform((1, T, H), *BETA_RANGE).to(gate_dtype)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    return tensors, do.to(device, dtype), cu_seqlens
+    return [q, k, v, g, beta], do, cu_seqlens
 
 
 def check(args, device, dtype):
