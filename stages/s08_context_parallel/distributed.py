@@ -219,7 +219,7 @@ class _Sequences:
             return calls.forward(q, k, v, g.float(), beta.float(), initial_state.float().contiguous(),
                                  output_final_state=True, checks=self.checks, config=self._config(v))
         return one_device.chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=initial_state,
-                                    output_final_state=True, chunk_size=self.chunk_size)
+                                    output_final_state=True, **self._chunk())
 
     def backward(self, i, do, d_final):
         """(dq, dk, dv, dg, dbeta, dS_0^T) of local sequence i from the state it started from."""
@@ -228,17 +228,22 @@ class _Sequences:
         if q.shape[1] == 0:
             return *(x.new_zeros(x.shape) for x in (q, k, v, g, beta)), d_final
         if q.is_cuda:
-            return calls.backward(q, k, v, g.float(), beta.float(), do.contiguous(), self.start(i).float().contiguous(),
-                                  d_final.float().contiguous(), checks="off", config=self._config(v))
+            gradients = calls.backward(q, k, v, g.float(), beta.float(), do.contiguous(),
+                                       self.start(i).float().contiguous(), d_final.float().contiguous(), checks="off",
+                                       config=self._config(v))
+            return tuple(gradients[:6])  # dq, dk, dv, dg, dbeta, dS_0^T (a raw gate's parameters have none here)
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta, self.start(i))]
             o, final_state = one_device.chunk_kda(*leaves[:5], scale=1.0, initial_state=leaves[5],
-                                                  output_final_state=True, chunk_size=self.chunk_size)
+                                                  output_final_state=True, **self._chunk())
             return torch.autograd.grad((o, final_state), leaves, (do, d_final))
 
+    def _chunk(self):
+        """chunk_size as a keyword, if the caller chose one (else the course's KDA takes its device's default)."""
+        return {} if self.chunk_size is None else {"chunk_size": self.chunk_size}
+
     def _config(self, v):
-        sizes = {} if self.chunk_size is None else {"chunk_size": self.chunk_size}
-        return resolve_for(v.device, 1, self.H, self.d_k, v.shape[3], **sizes)
+        return resolve_for(v.device, 1, self.H, self.d_k, v.shape[3], **self._chunk())
 
     def final_states(self, finals):
         """(N_seq, H, d_k, d_v): the rows of the sequences that end on this rank, zeros elsewhere."""

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from stages.s08_context_parallel.distributed import build_cp_context, chunk_kda_cp
-from tests.stages.s08_cases import AT_STARTS, CHUNK_SIZE, PACKED, make_case
+from tests.stages.s08_cases import AT_STARTS, PACKED, make_case
 
 TIMEOUT_S = 30
 # name: (lengths, with initial states, combine)
@@ -43,8 +43,7 @@ def run_case(lengths, with_initial_state, combine, seed):
     for prefix in ("", "again_"):
         leaves = [x.clone().requires_grad_() for x in inputs]
         state = None if initial_state is None else initial_state.clone().requires_grad_()
-        o, final_states = chunk_kda_cp(*leaves, context, initial_state=state, output_final_state=True,
-                                       chunk_size=CHUNK_SIZE)
+        o, final_states = chunk_kda_cp(*leaves, context, initial_state=state, output_final_state=True)
         loss = (torch.tensor(case.do[:, tokens]) * o).sum() + (torch.tensor(case.d_final_state) * final_states).sum()
         loss.backward()
         gradients = [x.grad for x in leaves] + [torch.zeros(0) if state is None else state.grad]
