@@ -241,6 +241,18 @@ def varlen_mix_lengths(meta: dict) -> dict:
     return {mix: list(values["lengths"]) for mix, values in meta.get("mixes", {}).items()}
 
 
+# ------------------------------------------------------------------ benchmarks.context_parallel
+
+def context_parallel_times(rows: list[dict]) -> dict:
+    """{ranks: {piece: {round: ms}}} from the rows of context_parallel_<direction>.csv (rows without a time
+    left out), the form Spread reads."""
+    table = {}
+    for row in rows:
+        if row.get("time_ms"):
+            table.setdefault(int(row["ranks"]), {}).setdefault(row["what"], {})[int(row["round"])] = float(row["time_ms"])
+    return table
+
+
 # ------------------------------------------------------------------ benchmarks.train_kda
 
 def training_run(folder: Path) -> tuple[list[dict], int]:
