@@ -48,7 +48,7 @@ What else a call can carry, and how each is served:
   chunk grows as C^2, and uses chunk_size only for the intermediate states' layout;
 - `use_graph` is taken where the call can be captured (inference: the packed prefill builds its chunk
   table on the device) and refused with autograd on packed sequences (the dense batch is sized on the
-  host); `cp_context` (context parallelism) is refused.
+  host); `cp_context` (context parallelism) runs stage 8's split over ranks (context_parallel).
 """
 
 import math
@@ -126,6 +126,12 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     (the default: flagged by the kernels, reported by stages.common.device_checks.raise_if_flagged
     where the caller syncs), "host" (refused before the kernels, a sync per call) or "off".
     """
+    if cp_context is not None:
+        return context_parallel(q, k, v, g, beta, cp_context, scale, initial_state, output_final_state,
+                                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                                allow_neg_eigval, safe_gate, lower_bound, return_intermediate_states,
+                                state_v_first_of(state_v_first, transpose_state_layout), cu_seqlens, A_log, dt_bias,
+                                chunk_size, checks)
     plan = plan_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                           use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
                           disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
@@ -157,8 +163,7 @@ def plan_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     verifier (stages.kda.fla_backend) runs it too: what it refuses falls back to FLA's kernels."""
     state_v_first = state_v_first_of(state_v_first, transpose_state_layout)
     if cp_context is not None:
-        raise NotImplementedError("chunk_kda does not support cp_context: context parallelism across devices is "
-                                  "not wired to the course's kernels")
+        raise ValueError("a call with cp_context is stage 8's (context_parallel), not planned here")
     check_tensors({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
                    "A_log": A_log if use_gate_in_kernel else None, "dt_bias": dt_bias if use_gate_in_kernel else None})
     check_packing(q, initial_state, cu_seqlens)
@@ -186,6 +191,39 @@ def plan_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     return Plan(inputs, run, "packed", PackedLayout.of(cu_seqlens, T, cu_seqlens_cpu), state_v_first,
                 output_final_state)
 # --8<-- [end:plan_chunk_kda]
+
+
+# --8<-- [start:context_parallel]
+def context_parallel(q, k, v, g, beta, cp_context, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                     return_intermediate_states, state_v_first, cu_seqlens, A_log, dt_bias, chunk_size, checks):
+    """chunk_kda with cp_context (stage 8's, stages.s08_context_parallel.distributed.build_cp_context): this
+    rank's part of a packed batch, (1, n, H, K) and so on, the states passed between the ranks. The form
+    (FLA's flags) is activated in torch in front of the rank's calls, under autograd, and grouped value
+    heads are expanded, so that stage 8's function takes q, k, g and beta as the recurrence does; the
+    states (N_seq, HV, K, V) are indexed by the whole batch's sequences (zeros for those that end on
+    another rank). FLA's rule: the context's offsets replace cu_seqlens."""
+    from stages.s08_context_parallel.distributed import chunk_kda_cp
+
+    if cu_seqlens is not None:
+        raise ValueError("with cp_context the packed batch's offsets are the context's: pass cu_seqlens to "
+                         "build_cp_context, not to chunk_kda")
+    if return_intermediate_states or allow_neg_eigval:
+        raise ValueError("cp_context takes neither return_intermediate_states nor allow_neg_eigval")
+    check_gate_options(use_gate_in_kernel, A_log, lower_bound, safe_gate)
+    check_chunk_size(chunk_size)
+    check_beta_options(use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    form = input_form(q.shape[3], scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                      allow_neg_eigval, lower_bound)
+    q, k, g, beta = activate(form, q, k, g, beta, A_log if use_gate_in_kernel else None,
+                             dt_bias if use_gate_in_kernel else None)
+    q, k = expand_heads(q, v.shape[2]), expand_heads(k, v.shape[2])
+    if q.is_cuda:  # the kernels' operands: q and k in v's dtype, g and beta in float32
+        q, k = q.to(v.dtype), k.to(v.dtype)
+    o, final_state = chunk_kda_cp(q, k, v, g, beta, cp_context, to_kernel_layout(initial_state, state_v_first),
+                                  output_final_state, chunk_size, checks)
+    return o, None if final_state is None else to_kernel_layout(final_state, state_v_first).contiguous()
+# --8<-- [end:context_parallel]
 
 
 def check_call_options(return_intermediate_states: bool, disable_recompute: bool, use_graph: bool,

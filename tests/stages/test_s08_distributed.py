@@ -144,3 +144,42 @@ def test_context_needs_a_process_group_and_a_known_combine():
     if not torch.distributed.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             build_cp_context(torch.tensor([0, 4]))
+
+
+def test_chunk_kda_takes_cp_context_as_fla_does(tmp_path):
+    """chunk_kda(..., cp_context=...) in FLA's convention, on one gloo rank in this process (a group of
+    one: the wiring, not the pass): the raw gate, the norms, beta's logits and grouped value heads
+    activated in front of stage 8's split, and the result o, the final states and every gradient equal
+    to chunk_kda on the same packed batch without a context, in float64. A context with cu_seqlens
+    given as well is refused."""
+    import torch.distributed as dist
+
+    from stages.kda.autograd import chunk_kda
+    from stages.s08_context_parallel.distributed import build_cp_context
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        generator = torch.Generator().manual_seed(5)
+        lengths, H, HV, K = (9, 0, 14), 1, 2, 8
+        T = sum(lengths)
+        cu_seqlens = torch.tensor([0, 9, 9, 23])
+        q, k = (torch.randn(1, T, H, K, generator=generator, dtype=torch.float64) for _ in range(2))
+        v, x = (torch.randn(1, T, HV, K, generator=generator, dtype=torch.float64) for _ in range(2))
+        beta = torch.randn(1, T, HV, generator=generator, dtype=torch.float64)
+        A_log, dt_bias = torch.rand(HV, dtype=torch.float64), torch.randn(HV * K, dtype=torch.float64)
+        state = torch.randn(3, HV, K, K, generator=generator, dtype=torch.float64)
+        flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                     safe_gate=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias, output_final_state=True)
+        results = []
+        for context in (build_cp_context(cu_seqlens), None):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, x, beta, state)]
+            o, final = chunk_kda(*leaves[:5], initial_state=leaves[5], cp_context=context,
+                                 cu_seqlens=None if context is not None else cu_seqlens, **flags)
+            (o.sum() + (final * final).sum()).backward()
+            results.append([o, final, *(t.grad for t in leaves)])
+        for ours, theirs in zip(*results):
+            assert torch.allclose(ours, theirs, rtol=1e-10, atol=1e-12)
+        with pytest.raises(ValueError, match="offsets are the context's"):
+            chunk_kda(q, k, v, x, beta, cp_context=build_cp_context(cu_seqlens), cu_seqlens=cu_seqlens, **flags)
+    finally:
+        dist.destroy_process_group()
