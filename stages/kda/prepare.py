@@ -22,7 +22,8 @@ from stages.common.tilelang_tools import LOG2_E
 from stages.kda.config import CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, default_prepare_threads
 from stages.kda.inputs import InputForm
 from stages.kda.tiles import (activate_loads_macro, anchored_scores_macro, block_inverse_macro,
-                              cumulative_gates_macro, flag_bad_values_macro, prepare_buffers_macro, wy_outputs_macro)
+                              cumulative_gates_macro, flag_bad_values_macro, prepare_buffers_macro, scaled,
+                              wy_outputs_macro)
 from stages.s05_fast_kda.numerics import score_operand_dtypes
 
 PLAIN = InputForm()  # q, k, g and beta read as they are
@@ -160,8 +161,10 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                       A_kk, Inverse, at):
         s = prepare_buffers()
         load_chunk(Q, K, G, Beta, s, at)
-        if not form.is_plain:  # the model's tensors made the recurrence's own, on chip
-            activate_loads(s, A_log, Dt_bias, at.h, at.rows)
+        if form.is_plain:
+            q_factor, k_factor = None, None
+        else:  # the model's tensors made the recurrence's own, on chip; q's and k's norms as row factors
+            q_factor, k_factor = activate_loads(s, A_log, Dt_bias, at.h, at.rows)
         if value_flags:  # the gates and betas checked as they arrive
             flag_bad_values(s.gamma_s, s.beta_s, Flags)
         cumulative_gates(s.gamma_s)
@@ -171,13 +174,15 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             for r in T.Parallel(C):
                 unit_betas_s[r] = 1
             anchored_scores(s.Q_s, s.K_s, s.gamma_s, unit_betas_s, s.Q_row_s, s.K_row_s, s.K_col_s, s.Q_slab_s,
-                            s.K_slab_row_s, s.K_slab_col_s, s.kk_f, s.qk_f, s.kk_slab_f, s.qk_slab_f, s.L_s, s.A_qk_s)
+                            s.K_slab_row_s, s.K_slab_col_s, s.kk_f, s.qk_f, s.kk_slab_f, s.qk_slab_f, s.L_s, s.A_qk_s,
+                            q_factor, k_factor)
             T.copy(s.L_s, A_kk[at.b, at.t0:at.t0 + C, at.h, :])
             for r, j in T.Parallel(C, C):
                 s.L_s[r, j] = s.L_s[r, j] * s.beta_s[j]  # the product the scores form with beta: the same bits
         else:
             anchored_scores(s.Q_s, s.K_s, s.gamma_s, s.beta_s, s.Q_row_s, s.K_row_s, s.K_col_s, s.Q_slab_s,
-                            s.K_slab_row_s, s.K_slab_col_s, s.kk_f, s.qk_f, s.kk_slab_f, s.qk_slab_f, s.L_s, s.A_qk_s)
+                            s.K_slab_row_s, s.K_slab_col_s, s.kk_f, s.qk_f, s.kk_slab_f, s.qk_slab_f, s.L_s, s.A_qk_s,
+                            q_factor, k_factor)
         # one store of whole rows (TMA), where writing from the fragments scattered 2-byte stores
         T.copy(s.A_qk_s, A_qk[at.b, at.t0:at.t0 + C, at.h, :])
         # --8<-- [end:prepare_setup]
@@ -187,9 +192,10 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
         # own buffer: written in place, K_s cost a barrier per unrolled step)
         for r, d in T.Parallel(C, d_k):
             decay_from_start = T.exp2(s.gamma_s[r, d] * LOG2_E)
-            Q_decayed[at.b, at.t0 + r, at.h, d] = s.Q_s[r, d] * decay_from_start
-            K_to_chunk_end[at.b, at.t0 + r, at.h, d] = s.K_s[r, d] * T.exp2((s.gamma_s[C - 1, d] - s.gamma_s[r, d]) * LOG2_E)
-            s.Kg_s[r, d] = s.K_s[r, d] * decay_from_start
+            Q_decayed[at.b, at.t0 + r, at.h, d] = scaled(s.Q_s, q_factor, r, d) * decay_from_start
+            K_to_chunk_end[at.b, at.t0 + r, at.h, d] = scaled(s.K_s, k_factor, r, d) * T.exp2(
+                (s.gamma_s[C - 1, d] - s.gamma_s[r, d]) * LOG2_E)
+            s.Kg_s[r, d] = scaled(s.K_s, k_factor, r, d) * decay_from_start
         for d in T.Parallel(d_k):
             Chunk_decay[at.b, at.index, at.h, d] = T.exp2(s.gamma_s[C - 1, d] * LOG2_E)
         # loaded this late, V_s can take the bytes of Q_s (TileLang plans shared memory by lifetime)

@@ -83,15 +83,36 @@ def prepare_buffers_macro(C, d_k, d_v, channels_per_pass, dtype, diagonal_dtype,
 
 
 # --8<-- [start:activate_loads]
+def scaled(X_s, factor, r, d):
+    """X_s[r, d] times row r's factor, as an expression inside a kernel: factor None (no factor), a
+    number (every row's), or a (C,) buffer (row r's: the q/k norms of activate_loads)."""
+    if factor is None:
+        return X_s[r, d]
+    if isinstance(factor, (int, float)):
+        return X_s[r, d] * factor
+    return X_s[r, d] * factor[r]
+
+
+def scaled_factor(factor, j):
+    """Row j's factor itself (`scaled`'s factor: a number or a (C,) buffer)."""
+    return factor if isinstance(factor, (int, float)) else factor[j]
+
+
 def activate_loads_macro(C, d_k, form: InputForm):
-    """The macro activate_loads(s, A_log, Dt_bias, h, rows): a chunk's q, k, gate and beta as the caller
-    passed them, loaded into s.Q_s, s.K_s (C, d_k), s.gamma_s (C, d_k) fp32 and s.beta_s (C,) fp32, made
-    the recurrence's own in place, as stages.kda.inputs.activate defines them for `form`:
+    """The macro activate(s, A_log, Dt_bias, h, rows) -> (q_factor, k_factor): a chunk's q, k,
+    gate and beta as the caller passed them, loaded into s.Q_s, s.K_s (C, d_k), s.gamma_s (C, d_k) fp32
+    and s.beta_s (C,) fp32, made the recurrence's own, as stages.kda.inputs.activate defines them for
+    `form`:
 
         q, k  <- x / sqrt(||x||^2 + eps) over d_k (form.l2_normalize), then q <- form.scale q
         g     <- -exp(A_log[h]) softplus(x + Dt_bias[h])            (form.gate "softplus")
                  lower_bound sigmoid(exp(A_log[h]) (x + Dt_bias[h]))  (form.gate "sigmoid")
         beta  <- sigmoid(beta), or 2 sigmoid(beta)                   (form.beta)
+
+    g and beta in place. q and k stay as loaded: their rows' factors are returned instead, (C,) fp32
+    buffers of 1 / sqrt(||x||^2 + eps) (q's times the scale), or the scale alone, or None, for the
+    kernel to fold into the operands it forms from q and k (`scaled`): the normalized q and k are then
+    rounded once, in those operands, not first into Q_s and K_s as well.
 
     A_log (H,) and Dt_bias (H, d_k) are fp32 (zeros where the caller gave none: exp(0) = 1 and x + 0 = x
     are exact). rows: the chunk's tokens, None for a whole chunk; the rows past them were loaded as
@@ -103,29 +124,40 @@ def activate_loads_macro(C, d_k, form: InputForm):
     accum_dtype = "float32"
 
     @T.macro
-    def unit_rows(X_s, factor):
-        # x <- factor x / sqrt(||x||^2 + eps), row by row, the squares summed in fp32 registers
+    def inverse_norms(X_s, factor):
+        # factor / sqrt(||x||^2 + eps) for every row, the squares summed in fp32 registers
         x_f = T.alloc_fragment((C, d_k), accum_dtype)
         norm_f = T.alloc_fragment((C,), accum_dtype)
+        factor_s = T.alloc_shared((C,), accum_dtype)
         T.copy(X_s, x_f)
         for r, d in T.Parallel(C, d_k):
             x_f[r, d] = x_f[r, d] * x_f[r, d]
         T.reduce_sum(x_f, norm_f, dim=1)
-        for r, d in T.Parallel(C, d_k):
-            X_s[r, d] = X_s[r, d] * (factor * T.rsqrt(norm_f[r] + L2_NORM_EPS))
+        for r in T.Parallel(C):
+            factor_s[r] = factor * T.rsqrt(norm_f[r] + L2_NORM_EPS)
+        return factor_s
+
+    @T.macro
+    def row_factors(s):
+        # q's and k's row factors (see above), from the rows as loaded
+        if form.l2_normalize:
+            q_factor = inverse_norms(s.Q_s, form.scale)
+            k_factor = inverse_norms(s.K_s, 1.0)
+        else:
+            q_factor = None if form.scale == 1.0 else form.scale
+            k_factor = None
+        return q_factor, k_factor
 
     @T.macro
     def activate_loads(s, A_log, Dt_bias, h, rows):
-        if form.l2_normalize:
-            unit_rows(s.Q_s, form.scale)
-            unit_rows(s.K_s, 1.0)
-        elif form.scale != 1.0:
-            for r, d in T.Parallel(C, d_k):
-                s.Q_s[r, d] = s.Q_s[r, d] * form.scale
         if form.raw_gate:
+            # the head's parameters read once a chunk: dt_bias's channels on chip, exp(A_log) in a register
+            bias_s = T.alloc_shared((d_k,), accum_dtype)
+            for d in T.Parallel(d_k):
+                bias_s[d] = Dt_bias[h, d]
+            rate = T.exp2(A_log[h] * LOG2_E)
             for r, d in T.Parallel(C, d_k):
-                x = s.gamma_s[r, d] + Dt_bias[h, d]
-                rate = T.exp2(A_log[h] * LOG2_E)
+                x = s.gamma_s[r, d] + bias_s[d]
                 if form.gate == "softplus":  # log(1 + e^x) in base 2, x itself above the threshold
                     gate = -rate * T.if_then_else(x > SOFTPLUS_THRESHOLD, x,
                                                   T.log2(1 + T.exp2(x * LOG2_E)) / LOG2_E)
@@ -137,7 +169,12 @@ def activate_loads_macro(C, d_k, form: InputForm):
                 beta = form.beta_bound / (1 + T.exp2(-s.beta_s[r] * LOG2_E))
                 s.beta_s[r] = beta if rows is None else T.if_then_else(r < rows, beta, 0)
 
-    return activate_loads
+    @T.macro
+    def activate(s, A_log, Dt_bias, h, rows):
+        activate_loads(s, A_log, Dt_bias, h, rows)
+        return row_factors(s)
+
+    return activate
 # --8<-- [end:activate_loads]
 
 
@@ -188,7 +225,8 @@ def cumulative_gates_macro(C, d_k):
 def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
     """The macro anchored_scores(...): from a chunk's Q_s, K_s (C, d_k), gamma_s (cumulative) and
     beta_s, L = A_kk diag(beta) (strictly lower) into L_s and A_qk (lower, with its diagonal) into
-    A_qk_s, through GEMMs of anchored operands (the row, column and slab buffers, of channels_per_pass
+    A_qk_s, q's and k's rows taken times q_factor and k_factor (`scaled`: None, a number, or a (C,)
+    buffer of row factors; activate_loads's norms), through GEMMs of anchored operands (the row, column and slab buffers, of channels_per_pass
     channels, and their fp32 accumulators kk_f, qk_f (C, C), kk_slab_f, qk_slab_f (C, SUB_BLOCK)).
 
     Any gate: a diagonal sub-block whose gates span more than FAST_SPAN_LOG[diagonal_dtype] (its
@@ -203,8 +241,17 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
     exact_diagonal_block = exact_diagonal_block_macro(d_k)
 
     @T.macro
+    def factors_on_block(L_s, A_qk_s, q_factor, k_factor, first):
+        # a score is bilinear in its rows: the factors of q_r (or k_r) and of k_j multiply it whole
+        for r, j in T.Parallel(sub, sub):
+            row, col = first + r, first + j
+            L_s[row, col] = scaled(L_s, k_factor, row, col) * (1 if k_factor is None else scaled_factor(k_factor, col))
+            A_qk_s[row, col] = scaled(A_qk_s, q_factor, row, col) * (
+                1 if k_factor is None else scaled_factor(k_factor, col))
+
+    @T.macro
     def anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s, K_slab_col_s,
-                        kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s):
+                        kk_f, qk_f, kk_slab_f, qk_slab_f, L_s, A_qk_s, q_factor, k_factor):
         # a flag per sub-block in shared memory, so that every thread takes one branch below
         exact_s = T.alloc_shared((blocks,), "int32")
         flag_wide_spans(gamma_s, exact_s)
@@ -215,9 +262,9 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
             d0 = channel_pass * channels_per_pass
             for r, d in T.Parallel(C, channels_per_pass):
                 from_anchor = (gamma_s[r, d0 + d] - gamma_s[(r // sub) * sub + sub // 2, d0 + d]) * LOG2_E
-                key = K_s[r, d0 + d]
+                key = scaled(K_s, k_factor, r, d0 + d)
                 to_row = T.exp2(from_anchor)
-                Q_row_s[r, d] = Q_s[r, d0 + d] * to_row
+                Q_row_s[r, d] = scaled(Q_s, q_factor, r, d0 + d) * to_row
                 K_row_s[r, d] = key * to_row
                 K_col_s[r, d] = key * T.exp2(-from_anchor)
             T.gemm(K_row_s, K_col_s, kk_f, transpose_B=True, clear_accum=channel_pass == 0)
@@ -233,6 +280,8 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
         for blk in T.serial(blocks):
             if exact_s[blk] == 1:
                 exact_diagonal_block(Q_s, K_s, gamma_s, beta_s, L_s, A_qk_s, blk * sub)
+                if q_factor is not None or k_factor is not None:  # on the rows as loaded: their factors now
+                    factors_on_block(L_s, A_qk_s, q_factor, k_factor, blk * sub)
 
         # off-diagonal: one slab of sub columns at a time, anchored at the first row below it;
         # rows above the slab keep stale operands: their GEMM rows are computed and never stored.
@@ -245,10 +294,10 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
                 for r, d in T.Parallel(C - s0 + sub, channels_per_pass):
                     row = s0 - sub + r
                     from_anchor = (gamma_s[row, d0 + d] - gamma_s[s0, d0 + d]) * LOG2_E
-                    key = K_s[row, d0 + d]
+                    key = scaled(K_s, k_factor, row, d0 + d)
                     if r >= sub:
                         to_row = T.exp2(from_anchor)  # <= 1
-                        Q_slab_s[row, d] = Q_s[row, d0 + d] * to_row
+                        Q_slab_s[row, d] = scaled(Q_s, q_factor, row, d0 + d) * to_row
                         K_slab_row_s[row, d] = key * to_row
                     else:
                         K_slab_col_s[r, d] = key * T.exp2(-from_anchor)  # to the anchor: <= 1
