@@ -243,3 +243,15 @@ def test_the_parallelism_table_counts_each_kernels_programs():
         "course prepare": 8192, "course recurrence": 256, "FlashKDA K1": 32768, "FlashKDA K2": 64}
     packed = s05_fast_kda.kernel_programs((1300, 547, 2048, 963, 271, 3063), 96)
     assert packed["course prepare"] == 131 * 96 and packed["course recurrence"] == 6 * 96 * 2
+
+
+def test_the_fla_backend_page_reads_the_same_run(tmp_path, monkeypatch):
+    from kdacourse.pages import fla_backend
+
+    monkeypatch.setattr(fla_backend, "SPEED", tmp_path)
+    out = tmp_path / "speed.md"
+    fla_backend.write_speed(out)
+    assert out.read_text().startswith("Not measured yet") and "|" not in out.read_text()
+    _kimi_call_run(tmp_path, _kimi_call(monkeypatch), accuracy=False)
+    fla_backend.write_speed(out)
+    assert "| 8192 in 6, 96 | 3.00 ms | – | 2.50 ms | 1.50 (1.00 to 2.00)x | – |" in out.read_text()
