@@ -94,6 +94,7 @@ def fused_loads(B, N, H, d_k, chunk_size=DEFAULT_CHUNK_SIZE, form=KIMI_FORM, dty
                 beta_s[r] = T.if_then_else(r < rows, Beta[b, t0 + r, h], 0)
 
             # EXERCISE BEGIN
+            # --8<-- [start:answer]
             # the head's gate parameters on chip, once: its d_k biases and the rate exp(A_log)
             bias_s = T.alloc_shared((d_k,), accum_dtype)
             for d in T.Parallel(d_k):
@@ -128,6 +129,7 @@ def fused_loads(B, N, H, d_k, chunk_size=DEFAULT_CHUNK_SIZE, form=KIMI_FORM, dty
                 for r in T.Parallel(C):
                     beta = form.beta_bound / (1 + T.exp2(-beta_s[r] * LOG2_E))
                     beta_s[r] = T.if_then_else(r < rows, beta, 0)
+            # --8<-- [end:answer]
             # EXERCISE END
 
             T.copy(Q_s, Q_out[b, t0:t0 + C, h, :])
