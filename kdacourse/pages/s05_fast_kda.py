@@ -601,15 +601,18 @@ def write_kimi_call_table(path, folder=None):
 
 
 STORED_IN = {"float32": "fp32", "bfloat16": "bf16"}
+# N, d_k = d_v, the window of tokens each error is taken over: head dims of 64 keep the study about a
+# second of a CPU (it is regenerated with every check of the site)
+STORED_STATE_SHAPE = (2048, 64, 256)
 
 
 def write_stored_state_table(path):
     """stored_state_study's errors of o, in three windows of 256 tokens, and of the final state."""
     from stages.s05_fast_kda.numerics import STATE_STUDY_GATES, STATE_STUDY_STORES, stored_state_study
 
-    N, window = 4096, 256
-    found = stored_state_study(N=N, d=KIMI_D, window=window)
-    shown = [0, 1024 // window - 1, N // window - 1]  # the windows that end at tokens 256, 1024 and 4096
+    N, d, window = STORED_STATE_SHAPE
+    found = stored_state_study(N=N, d=d, window=window)
+    shown = [0, 1024 // window - 1, N // window - 1]  # the windows that end at tokens 256, 1024 and N
     rows = []
     for gates in STATE_STUDY_GATES:
         for chunk_size, dtype in STATE_STUDY_STORES:
@@ -619,7 +622,7 @@ def write_stored_state_table(path):
     headers = [f"o, tokens {i * window + 1}-{(i + 1) * window}" for i in shown]
     path.write_text(
         banner(SOURCE) + f"`forward_with_stored_state` (stages/s05_fast_kda/numerics.py): one head per gate range, "
-        f"d_k = d_v = {KIMI_D}, N = {N}, unit q and k, v ~ N(0, 1), beta in [0.1, 0.9]; relative L2 against the same "
+        f"d_k = d_v = {d}, N = {N}, unit q and k, v ~ N(0, 1), beta in [0.1, 0.9]; relative L2 against the same "
         "loop with the state stored exactly.\n\n"
         + markdown_table(["gates", "chunk", "state stored in", *headers, "final state"], rows))
 
