@@ -135,6 +135,12 @@ def _train(name, folder, *options):
                 log_to=f"{RESULTS}/{folder}/train_kda.log", files_to=f"{RESULTS}/{folder}")
 
 
+def _context_parallel(direction, limit):
+    return Step(f"context_parallel_{direction}", python("-m", "benchmarks.context_parallel", "--direction", direction,
+                                                        "--out", FILES), limit,
+                log_to=f"{RESULTS}/context_parallel_{direction}.log", files_to=RESULTS)
+
+
 def _ncu(module):
     """The Nsight Compute command of a profile module (its NCU_COMMAND), as an argv."""
     return tuple(shlex.split(importlib.import_module(module).NCU_COMMAND))
@@ -186,6 +192,11 @@ def parts() -> dict[str, Part]:
                       "--threads", "256", limit=170),
               _decode("decode_b64_t64", "decode_b64_t64.csv", "--B", "64", "--block-dv", "16,32,64",
                       "--threads", "64", limit=170))),
+        Part("context-parallel-forward", "stage 8's forward pieces at 1M tokens over 2, 4 and 8 ranks, one rank's "
+             "part at a time on the one GPU, and one device's forward over all the tokens",
+             (_context_parallel("forward", 500),)),
+        Part("context-parallel-backward", "stage 8's backward pieces at 1M tokens over 2, 4 and 8 ranks",
+             (_context_parallel("backward", 520),)),
         Part("train", "the training demo on CUDA beside FLA: the bounded gate, and Kimi Linear's unbounded one "
              "with the NaN trap (nothing timed)",
              (_train("train_cuda", "train_kda_cuda"),

@@ -158,23 +158,6 @@ def peer_calls(inputs):
     return calls, missing
 
 
-def capture(function):
-    """A CUDA graph of one call (warmed on a side stream first, as torch asks)."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            function()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        function()
-    torch.cuda.synchronize()
-    return graph
-
-
 def float64_reference(inputs):
     """o and the final states in float64 from the same raw tensors, activated exactly, sequence by
     sequence, the recurrence token by token on the GPU (stages.kda.inputs.activate)."""
@@ -220,6 +203,8 @@ def accuracy(log):
 
 def run_case(name, args, writer, log, timer, deadline):
     import torch
+
+    from benchmarks.fair import capture
 
     lengths, H = CASES[name]
     inputs = make_inputs(lengths, H)

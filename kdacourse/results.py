@@ -310,6 +310,18 @@ def kimi_call_run(folder: Path = KIMI_CALL) -> KimiCallRun | None:
     return KimiCallRun(cases, meta, accuracy)
 
 
+# ------------------------------------------------------------------ benchmarks.context_parallel
+
+def context_parallel_times(rows: list[dict]) -> dict:
+    """{ranks: {piece: {round: ms}}} from the rows of context_parallel_<direction>.csv (rows without a time
+    left out), the form Spread reads."""
+    table = {}
+    for row in rows:
+        if row.get("time_ms"):
+            table.setdefault(int(row["ranks"]), {}).setdefault(row["what"], {})[int(row["round"])] = float(row["time_ms"])
+    return table
+
+
 # ------------------------------------------------------------------ benchmarks.train_kda
 
 def training_run(folder: Path) -> tuple[list[dict], int]:

@@ -278,7 +278,7 @@ def reference_chunk_states(q, k, v, g, beta, initial_state, chunk_size: int) -> 
 def kernel_dense(q, k, v, g, beta, A_log, dt_bias, initial_state, run: Run):
     """CUDA: the kernels, on head dims padded to a multiple of 32 and cut back (see stages.kda.packing)."""
     K, V = q.shape[3], v.shape[3]
-    operands = kernel_operands(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    operands = kernel_operands(q, k, v, g, beta, A_log, dt_bias, initial_state, run.form)
     if run.intermediate:  # inference only: the forward's prepare outputs feed the backward's states kernel
         o, final_state, states = kernel_forward_with_states(*operands, run)
         return o[..., :V], final_state[..., :K, :V], states[..., :K, :V]
@@ -290,16 +290,19 @@ def kernel_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, 
     """CUDA inference on a packed batch: stage 7's prefill, the form computed as it loads the tokens.
     Returns (o (1, T, HV, V), final states (N_seq, HV, K, V))."""
     K, V, HV, N_seq = q.shape[3], v.shape[3], v.shape[2], len(cu_seqlens) - 1
-    q, k, v, g, beta, A_log, dt_bias, initial_state = kernel_operands(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    q, k, v, g, beta, A_log, dt_bias, initial_state = kernel_operands(q, k, v, g, beta, A_log, dt_bias, initial_state,
+                                                                      run.form)
     config = resolve_for(q.device, N_seq, HV, q.shape[3], v.shape[3], chunk_size=run.chunk_size)
     o, final_state = prefill(q, k, v, g, beta, cu_seqlens, initial_state, True, run.checks, config, form=run.form,
                              A_log=A_log, dt_bias=dt_bias)
     return o[..., :V], final_state[..., :K, :V]
 
 
-def kernel_operands(q, k, v, g, beta, A_log, dt_bias, initial_state):
-    """The kernels' operands: K and V zero-padded to multiples of 32 (q, k, g, dt_bias, v, the state), g,
-    beta, A_log and dt_bias in float32, every tensor contiguous."""
+def kernel_operands(q, k, v, g, beta, A_log, dt_bias, initial_state, form: InputForm):
+    """The kernels' operands: K and V zero-padded to multiples of 32 (q, k, g, dt_bias, v, the state),
+    A_log and dt_bias in float32, every tensor contiguous; g and beta in float32, unless the form
+    activates them in the kernels, which read them in q's dtype as the model passes them (no cast in
+    front)."""
     K, V, HV = q.shape[3], v.shape[3], v.shape[2]
     d_k, d_v = padded_length(K, KERNEL_MULTIPLE), padded_length(V, KERNEL_MULTIPLE)
     q, k, g = (pad_channels(x, d_k) for x in (q, k, g))
@@ -309,7 +312,9 @@ def kernel_operands(q, k, v, g, beta, A_log, dt_bias, initial_state):
     if initial_state is not None:
         initial_state = pad_state(initial_state, d_k, d_v)
     A_log = None if A_log is None else A_log.reshape(HV).float()
-    operands = (q, k, v, g.float(), beta.float(), A_log, dt_bias, initial_state)
+    g = g if form.raw_gate and g.dtype in (q.dtype, torch.float32) else g.float()
+    beta = beta if form.beta != "value" and beta.dtype in (q.dtype, torch.float32) else beta.float()
+    operands = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     return tuple(None if x is None else x.contiguous() for x in operands)
 
 

@@ -34,7 +34,7 @@ from stages.kda.checks import (check_backward_inputs, check_decode_inputs, check
                                check_prepared)
 from stages.kda.compiled import (compiled_backward_kernels, compiled_decode, compiled_prefill_kernels,
                                  compiled_prepare, compiled_recurrence)
-from stages.kda.config import KernelConfig, decode_block_dv, most_chunks, resolve_for
+from stages.kda.config import DEFAULT_CHUNK_SIZE, KernelConfig, decode_block_dv, most_chunks, resolve_for
 from stages.kda.inputs import InputForm, activate
 
 PLAIN = InputForm()  # q, k, g and beta as the recurrence takes them
@@ -68,7 +68,8 @@ def forward_and_prepared(q, k, v, g, beta, initial_state=None, checks="device", 
     tokens padded to a multiple of the chunk size), which the backward would otherwise compute again
     (chunk_kda's disable_recompute); else None. The recurrence reads the first six."""
     B, N, H, d_k, d_v = check_forward_inputs(q, k, v, g, beta, initial_state, config, checks, form, A_log, dt_bias)
-    config = config or resolve_for(q.device, B, H, d_k, d_v)
+    # kept for the backward: its chunk, the one its kernels run at
+    config = config or resolve_for(q.device, B, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE if keep_prepared else None)
     C = config.chunk_size
     N_padded = padded_length(N, C)
     if form.is_plain:
@@ -181,7 +182,7 @@ def activated_backward(q, k, v, g, beta, do, initial_state, d_final_state, check
     """The backward kernels on q, k, g and beta as the recurrence takes them (`backward`'s plain form);
     returns (dq, dk, dv, dg, dbeta, d_initial_state)."""
     B, N, H, d_k, d_v = v.shape[0], v.shape[1], v.shape[2], q.shape[3], v.shape[3]
-    config = config or resolve_for(q.device, B, H, d_k, d_v)
+    config = config or resolve_for(q.device, B, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE)
     C = config.chunk_size
     N_padded = padded_length(N, C)
     check_prepared(prepared, (B, N_padded, H, d_k))

@@ -25,6 +25,7 @@ DEFAULT_NUM_STAGES = 2  # the recurrence's chunk loop: loads of chunk i + 1 in f
 # decode's value columns per program where d_v allows: at B >= 8 on the H200, 64 moved the states 3-7%
 # faster than 32, and 128 was slower still (benchmarks/results/decode_b64_blocks.csv; decode*.csv)
 DECODE_BLOCK_DV = 64
+MANY_SEQUENCE_HEADS = 64  # sequences x heads from which the forward runs at C = 32 (default_chunk_size)
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,14 @@ class KernelConfig:
     intra_threads: int = 256
 
 
-def resolve(B: int, H: int, d_k: int, d_v: int, num_sms: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
+def resolve(B: int, H: int, d_k: int, d_v: int, num_sms: int, chunk_size: int | None = None,
             block_dv: int | None = None, threads: int = DEFAULT_THREADS, num_stages: int = DEFAULT_NUM_STAGES,
             prepare_threads: int | None = None) -> KernelConfig:
     """The configuration for B sequences (rows of a batch, or packed sequences) of H heads on a GPU of
-    num_sms SMs: every size not given takes its default (default_block_dv, default_prepare_threads,
-    default_intra_threads). Sizes are not checked here (stages.kda.checks does)."""
+    num_sms SMs: every size not given takes its default (default_chunk_size, default_block_dv,
+    default_prepare_threads, default_intra_threads). Sizes are not checked here (stages.kda.checks does).
+    The backward's kernels run at DEFAULT_CHUNK_SIZE: its callers pass it."""
+    chunk_size = chunk_size or default_chunk_size(B, H)
     return KernelConfig(chunk_size=chunk_size,
                         block_dv=default_block_dv(B, H, d_v, num_sms) if block_dv is None else block_dv,
                         threads=threads, num_stages=num_stages,
@@ -59,16 +62,32 @@ def resolve_for(device: "torch.device", B: int, H: int, d_k: int, d_v: int, **si
 
 
 # --8<-- [start:default_block_dv]
+def default_chunk_size(B: int, H: int) -> int:
+    """The forward's chunk: 32 where B * H sequence-heads are many (at least MANY_SEQUENCE_HEADS), else
+    DEFAULT_CHUNK_SIZE (64).
+
+    The prepare's work per token grows with C (the score sub-blocks, the inverse's merges) and it is
+    most of the forward's time; the recurrence walks N / C chunks in a row, one program per value
+    block and sequence-head. Where there are many sequence-heads the prepare's share is the larger and
+    C = 32 wins; with few, the recurrence's longer walk loses it (measured on an H100 with 8192
+    tokens, kernels alone: H = 64, 1.03 ms at C = 32 against 1.14 at 64; H = 96, 1.68 against 1.78;
+    benchmarks/results/kda_chunk_sizes_h100/).
+    """
+    return 32 if B * H >= MANY_SEQUENCE_HEADS else DEFAULT_CHUNK_SIZE
+
+
 def default_block_dv(B: int, H: int, d_v: int, num_sms: int) -> int:
-    """The recurrence's columns a program: 64 where B * H * d_v / 64 programs still give each of the
-    GPU's num_sms SMs one, else DEFAULT_BLOCK_DV (32).
+    """The recurrence's columns a program: 64 where B * H * d_v / 64 programs still give nine SMs in
+    ten one (a few idle SMs cost less than reading everything twice), else DEFAULT_BLOCK_DV (32).
 
     Every program of one (batch, head) reads the same W, Q e^gamma, K e^{gamma_C - gamma} and A_qk, so
     64 columns halve what the recurrence reads; but each program walks all N / C chunks in a row, so
-    fewer programs than SMs leave SMs idle for the whole kernel (the stage 5 page times both sides).
+    fewer programs than SMs leave SMs idle for the whole kernel (the stage 5 page times both sides; on
+    an H100's 132 SMs, 128 programs of 64 columns took 0.265 ms where 256 of 32 took 0.309:
+    benchmarks/results/kda_chunk_sizes_h100/).
     """
     wide = 2 * DEFAULT_BLOCK_DV
-    return wide if d_v % wide == 0 and B * H * (d_v // wide) >= num_sms else DEFAULT_BLOCK_DV
+    return wide if d_v % wide == 0 and 10 * B * H * (d_v // wide) >= 9 * num_sms else DEFAULT_BLOCK_DV
 # --8<-- [end:default_block_dv]
 
 

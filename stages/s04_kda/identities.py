@@ -19,7 +19,7 @@ from stages.common.symbolic import Identity, causal_mask, matrix, print_identiti
 C, d_k, d_v = 3, 2, 2
 
 
-def _symbols():
+def chunk_symbols():
     """Q, K, V, the gates A (C x d_k, positive), betas (C), S0^T (d_k x d_v)."""
     gates = sp.Matrix(C, d_k, lambda t, d: sp.Symbol(f"a_{t}{d}", positive=True))
     betas = [sp.Symbol(f"beta_{t}", positive=True) for t in range(C)]
@@ -39,15 +39,16 @@ def _decay(gates, r, s, d):
     return 1 / _decay(gates, s, r, d)
 
 
-def _householder(k_row, beta):
+def householder(k_row, beta):
+    """I - beta k^T k for a row vector k (1 x d_k): the delete term of one token, kernel layout."""
     return sp.eye(k_row.cols) - beta * k_row.T * k_row
 
 
-def _recurrence(Q, K, V, gates, betas, S0_T):
+def recurrence_form(Q, K, V, gates, betas, S0_T):
     """Outputs (C x d_v) and final state of the token-by-token recurrence, kernel layout."""
     S_T, outputs = S0_T, []
     for t in range(Q.rows):
-        S_T = _householder(K[t, :], betas[t]) * sp.diag(*gates[t, :]) * S_T + betas[t] * K[t, :].T * V[t, :]
+        S_T = householder(K[t, :], betas[t]) * sp.diag(*gates[t, :]) * S_T + betas[t] * K[t, :].T * V[t, :]
         outputs.append(Q[t, :] * S_T)
     return sp.Matrix.vstack(*outputs), S_T
 
@@ -59,7 +60,7 @@ def _ut_transform(K, E_plus, betas):
     return sp.diag(*betas) * (sp.eye(K.rows) + M * sp.diag(*betas)).inv()
 
 
-def _chunked(Q, K, V, gates, betas, S0_T):
+def chunked_form(Q, K, V, gates, betas, S0_T):
     """Outputs and final state of the chunkwise form: exponent split, UT transform, pseudo-values."""
     E_plus = _decay_from_start(gates)
     E_minus = E_plus.applyfunc(lambda x: 1 / x)
@@ -76,7 +77,7 @@ def _chunked(Q, K, V, gates, betas, S0_T):
 
 # --8<-- [start:identities]
 def exponent_split():
-    _, K, _, gates, _, _ = _symbols()
+    _, K, _, gates, _, _ = chunk_symbols()
     E_plus = _decay_from_start(gates)
     direct = sp.Matrix(C, C, lambda c, i: sum(K[c, d] * _decay(gates, c, i, d) * K[i, d] for d in range(d_k)))
     K_plus = K.multiply_elementwise(E_plus)
@@ -97,7 +98,7 @@ def dplr_form():
         "DPLR form",
         "(I - beta k k^T) Diag(alpha) = D - a b^T with D = Diag(alpha), a = beta k, b = k ⊙ alpha: "
         "KDA's transition is a diagonal-plus-low-rank matrix whose two vectors are both tied to k.",
-        _householder(k, beta) * D,
+        householder(k, beta) * D,
         D - a.T * b,
     )
 
@@ -108,16 +109,16 @@ def diag_placement_transposes():
         "Diag placement, paper vs kernel layout",
         "(S Diag(a) (I - beta k k^T))^T = (I - beta k k^T) Diag(a) S^T: the paper layout's Diag(a) "
         "between S and the Householder factor is the kernel layout's Diag(a) between the factor and S^T.",
-        (S_paper * sp.diag(*alpha) * _householder(k, beta)).T,
-        _householder(k, beta) * sp.diag(*alpha) * S_paper.T,
+        (S_paper * sp.diag(*alpha) * householder(k, beta)).T,
+        householder(k, beta) * sp.diag(*alpha) * S_paper.T,
     )
 
 
 def householder_product_equals_wy_form():
-    _, K, _, gates, betas, _ = _symbols()
+    _, K, _, gates, betas, _ = chunk_symbols()
     transitions = sp.eye(d_k)
     for t in range(C):
-        transitions = _householder(K[t, :], betas[t]) * sp.diag(*gates[t, :]) * transitions
+        transitions = householder(K[t, :], betas[t]) * sp.diag(*gates[t, :]) * transitions
     E_plus = _decay_from_start(gates)
     W = _ut_transform(K, E_plus, betas) * K.multiply_elementwise(E_plus)
     decay_to_end = sp.Matrix(C, d_k, lambda r, d: E_plus[C - 1, d] / E_plus[r, d])
@@ -132,24 +133,24 @@ def householder_product_equals_wy_form():
 
 
 def chunk_output_equals_recurrence():
-    Q, K, V, gates, betas, S0_T = _symbols()
+    Q, K, V, gates, betas, S0_T = chunk_symbols()
     return Identity(
         "chunked output = recurrence",
         "(Q ⊙ e^{gamma}) S0^T + A_qk V_new with V_new = U - W S0^T, W = diag(beta) T (K ⊙ e^{gamma}), "
         "U = diag(beta) T V, T = (I + L)^{-1}, L[c, i] = beta_i M[c, i], equals q_t S_t^T of the recurrence.",
-        _chunked(Q, K, V, gates, betas, S0_T)[0],
-        _recurrence(Q, K, V, gates, betas, S0_T)[0],
+        chunked_form(Q, K, V, gates, betas, S0_T)[0],
+        recurrence_form(Q, K, V, gates, betas, S0_T)[0],
     )
 
 
 def chunk_state_update_equals_recurrence():
-    Q, K, V, gates, betas, S0_T = _symbols()
+    Q, K, V, gates, betas, S0_T = chunk_symbols()
     return Identity(
         "state across a chunk",
         "Diag(e^{gamma_C}) S0^T + (K ⊙ e^{gamma_C - gamma})^T V_new equals the state the recurrence "
         "reaches after the chunk.",
-        _chunked(Q, K, V, gates, betas, S0_T)[1],
-        _recurrence(Q, K, V, gates, betas, S0_T)[1],
+        chunked_form(Q, K, V, gates, betas, S0_T)[1],
+        recurrence_form(Q, K, V, gates, betas, S0_T)[1],
     )
 
 
@@ -174,8 +175,8 @@ def diag_after_householder(equal_channels=False):
     return Identity(
         "Diag(a) after the Householder factor",
         "S (I - beta k k^T) Diag(a) differs from S Diag(a) (I - beta k k^T) unless all alpha_d are equal.",
-        S_paper * _householder(k, beta) * sp.diag(*alpha),
-        S_paper * sp.diag(*alpha) * _householder(k, beta),
+        S_paper * householder(k, beta) * sp.diag(*alpha),
+        S_paper * sp.diag(*alpha) * householder(k, beta),
     )
 
 
@@ -187,8 +188,8 @@ def diag_before_state(equal_channels=False):
         "Diag(a) before S",
         "Diag(a) S (I - beta k k^T) decays the rows of S (value channels), not its columns (key "
         "channels); with d_v = d_k it runs, and differs unless all alpha_d are equal.",
-        sp.diag(*alpha) * S_paper * _householder(k, beta),
-        S_paper * sp.diag(*alpha) * _householder(k, beta),
+        sp.diag(*alpha) * S_paper * householder(k, beta),
+        S_paper * sp.diag(*alpha) * householder(k, beta),
     )
 
 

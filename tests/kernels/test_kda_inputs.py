@@ -239,7 +239,7 @@ def torch_recurrence(q, k, v, g, beta, state=None):
         S = torch.exp(g[:, t])[..., None] * S
         S = S + beta[:, t, :, None, None] * k_t[..., None] * (v[:, t] - (k_t[..., None] * S).sum(-2))[:, :, None, :]
         outputs.append((q[:, t, :, :, None] * S).sum(-2))
-    return torch.stack(outputs, dim=1), S
+    return (torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)), S
 
 
 def _gpu_raw_inputs(B, N, H_qk, H, D, seed):

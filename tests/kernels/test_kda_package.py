@@ -85,6 +85,18 @@ def test_resolve_fills_what_is_not_given():
     assert KernelConfig() == resolve(1, 1, 128, 128, num_sms=132)
 
 
+def test_resolve_takes_chunk_32_and_wide_blocks_with_many_sequence_heads():
+    """The forward's chunk by sequences x heads (default_chunk_size: 32 from 64 of them, the H100
+    timings of kda_chunk_sizes_h100), and 64 value columns once they give nine SMs in ten a program."""
+    from stages.kda.config import resolve
+
+    assert [resolve(B, H, 128, 128, num_sms=132).chunk_size for B, H in ((1, 32), (1, 63), (1, 64), (8, 16))] == [
+        64, 64, 32, 32]
+    assert resolve(1, 64, 128, 128, num_sms=132).block_dv == 64  # 128 programs on 132 SMs
+    assert resolve(1, 59, 128, 128, num_sms=132).block_dv == 32  # 118 programs: fewer than 9 in 10
+    assert resolve(1, 64, 128, 128, num_sms=132, chunk_size=64).chunk_size == 64  # the backward's, when asked
+
+
 @pytest.fixture
 def stubbed_kernels(monkeypatch):
     """stages.kda.calls on CPU tensors with every compiled kernel replaced by a stub that returns zeros
