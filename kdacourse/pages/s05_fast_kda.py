@@ -429,7 +429,7 @@ def torch_passes(d=KIMI_D, element=2):
 # --8<-- [end:torch_passes]
 
 
-def prepare_bytes_per_token(form_options, d=KIMI_D, chunk_size=64):
+def prepare_bytes_per_token(form_options, chunk_size, d=KIMI_D):
     """{global buffer: bytes read and written per token and head} of the prepare kernel as
     stages.common.program_cost counts it, built for bf16 inputs with `form_options` (two chunks of two
     heads: every count grows with chunks x heads)."""
@@ -447,9 +447,13 @@ def write_fusion_bytes_table(path):
     Kimi shapes, and their time at DESIGN.md's copy bandwidth."""
     from kdacourse import results
 
+    from stages.kda.config import default_chunk_size
+
+    lengths, H = KIMI_TABLE_SHAPE
+    C = default_chunk_size(len(lengths), H)  # the forward's chunk at that shape
     passes = torch_passes()
-    plain = prepare_bytes_per_token({})
-    fused = prepare_bytes_per_token(dict(form=KIMI_FORM, gate_dtype="bfloat16", beta_dtype="bfloat16"))
+    plain = prepare_bytes_per_token({}, C)
+    fused = prepare_bytes_per_token(dict(form=KIMI_FORM, gate_dtype="bfloat16", beta_dtype="bfloat16"), C)
     pass_rows = [(name, f"{read:.0f}", f"{written:.0f}", f"{read + written:.0f}") for name, (read, written) in passes.items()]
     passes_total = sum(read + written for read, written in passes.values())
     pass_rows.append(("**the five passes**", "", "", f"**{passes_total:.0f}**"))
@@ -458,7 +462,6 @@ def write_fusion_bytes_table(path):
     plain_total, fused_total = sum(plain.values()), sum(fused.values())
     prepare_rows.append(("**the prepare kernel**", f"**{plain_total:.0f}**", f"**{fused_total:.0f}**"))
     before, after = passes_total + plain_total, fused_total
-    lengths, H = KIMI_TABLE_SHAPE
     tokens = sum(lengths) * H
     bandwidth = results.DESIGN_COPY_BANDWIDTH
 
@@ -477,7 +480,8 @@ def write_fusion_bytes_table(path):
             "read; the L1 cache serves the repeats): read once per chunk into shared memory, as exercise "
             "s05.fused_loads asks, the rows would count d_k * 4 + 4 bytes a chunk.\n" if per_lane else "")
     path.write_text(
-        banner(SOURCE) + f"d_k = d_v = {KIMI_D}, bf16 q, k, v, C = 64. The passes a caller runs in front of "
+        banner(SOURCE) + f"d_k = d_v = {KIMI_D}, bf16 q, k, v, C = {C} (the forward's chunk at T = {sum(lengths)}, "
+        f"H = {H}). The passes a caller runs in front of "
         "kernels that take q, k, g and beta as the recurrence does (`torch_passes`), per token and head:\n\n"
         + markdown_table(["pass", "bytes read", "bytes written", "both"], pass_rows)
         + "\nThe prepare kernel's global traffic per token and head, read and written, by buffer "
@@ -497,9 +501,10 @@ FLASHKDA_CHUNK = 16
 def write_design_table(path):
     """The course's forward beside FlashKDA's, choice by choice; the course's column from its own
     constants."""
-    from stages.kda.config import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK, default_prepare_threads
+    from stages.kda.config import (DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, MANY_SEQUENCE_HEADS, SUB_BLOCK,
+                                   default_chunk_size, default_prepare_threads)
 
-    C = DEFAULT_CHUNK_SIZE
+    C, small_C = DEFAULT_CHUNK_SIZE, default_chunk_size(MANY_SEQUENCE_HEADS, 1)
     rows = [
         ("kernels", "two: the prepare (token-parallel, one program per chunk and head) and the recurrence "
          "(one per value block, head and sequence)",
@@ -507,19 +512,20 @@ def write_design_table(path):
         ("what the first kernel does", "the gate, the norms and beta's sigmoid as it loads a chunk, the "
          "cumulative gates, the anchored scores, the block inverse, W and U",
          "the gate's activation, the L2 norms, the decays, L and M_qk, the inverse"),
-        ("chunk", f"{C} tokens, in sub-blocks of {SUB_BLOCK}", f"{FLASHKDA_CHUNK} tokens"),
+        ("chunk", f"{C} tokens, {small_C} from {MANY_SEQUENCE_HEADS} sequence-heads on (the forward), in "
+         f"sub-blocks of {SUB_BLOCK}", f"{FLASHKDA_CHUNK} tokens"),
         ("exponents in range", "anchored at each sub-block's middle row and below each slab; a sub-block past "
          "the operands' range taken term by term: any gate <= 0",
          "a chunk of 16 keeps exp(cumsum(g)) within bf16 at lower_bound = -5: the gate must be bounded"),
-        ("the triangular inverse", f"{C} x {C} in fp32, by {SUB_BLOCK} x {SUB_BLOCK} blocks (substitution, then "
+        ("the triangular inverse", f"C x C in fp32, by {SUB_BLOCK} x {SUB_BLOCK} blocks (substitution, then "
          "TF32 merges)", f"{FLASHKDA_CHUNK} x {FLASHKDA_CHUNK} by a Neumann series, in fp16"),
         ("the state on chip", f"fp32 registers, {DEFAULT_BLOCK_DV} or {2 * DEFAULT_BLOCK_DV} value columns a "
          "program", "bf16, updated with fp32 FMAs, all 128 value columns a program"),
         ("gates taken", "the log gate itself, or either of FLA's raw forms (softplus, unbounded; sigmoid, bounded)",
          "the bounded form only, lower_bound in [-5, 0]"),
         ("exp, sigmoid", "exp2 of fp32, sigmoid as 1 / (1 + exp2(-x log2 e))", "ex2.approx, sigmoid from tanh.approx"),
-        ("threads", f"prepare {default_prepare_threads(C)}, two blocks an SM", "K1 256, launch bounds for 8 "
-         "blocks an SM (some spills accepted)"),
+        ("threads", f"prepare {default_prepare_threads(C)} at C = {C}, {default_prepare_threads(small_C)} at "
+         f"{small_C}", "K1 256, launch bounds for 8 blocks an SM (some spills accepted)"),
         ("backward", "yes (stage 6)", "no: a forward"),
         ("dtypes, sizes", "fp16 or bf16; d_k, d_v multiples of 32; grouped value heads",
          "bf16; d_k = d_v = 128; q, k and v with the same heads"),
@@ -529,17 +535,19 @@ def write_design_table(path):
 
 
 def kernel_programs(lengths, H, d=KIMI_D, num_sms=H200_SMS):
-    """{kernel: programs in its grid} at one shape, sequences of `lengths` tokens and H heads: the
-    course's prepare (chunks of 64 x heads) and recurrence (sequences x heads x value blocks, the width
-    default_block_dv picks), FlashKDA's K1 (chunks of 16 x heads) and K2 (sequences x heads)."""
-    from stages.kda.config import DEFAULT_CHUNK_SIZE, default_block_dv
+    """{kernel: programs in its grid} at one shape, sequences of `lengths` tokens and H heads, and the
+    course's chunk and value columns there: the course's prepare (chunks x heads) and recurrence
+    (sequences x heads x value blocks), at the chunk and width the forward resolves for the shape
+    (stages.kda.config.resolve), FlashKDA's K1 (chunks of 16 x heads) and K2 (sequences x heads)."""
+    from stages.kda.config import resolve
 
     def chunks(size):
         return sum(-(-n // size) for n in lengths)
 
-    block_dv = default_block_dv(len(lengths), H, d, num_sms)
-    return {"course prepare": chunks(DEFAULT_CHUNK_SIZE) * H,
-            "course recurrence": len(lengths) * H * (d // block_dv),
+    config = resolve(len(lengths), H, d, d, num_sms)
+    return {"course chunk": config.chunk_size, "course value columns": config.block_dv,
+            "course prepare": chunks(config.chunk_size) * H,
+            "course recurrence": len(lengths) * H * (d // config.block_dv),
             "FlashKDA K1": chunks(FLASHKDA_CHUNK) * H,
             "FlashKDA K2": len(lengths) * H}
 
@@ -551,11 +559,13 @@ def write_parallelism_table(path):
         programs = kernel_programs(lengths, H)
         rows.append([name, *(f"{count}" for count in programs.values()),
                      *(f"{programs[kernel] / H200_SMS:.2f}" for kernel in ("course recurrence", "FlashKDA K2"))])
-    path.write_text(banner(SOURCE) + f"Programs in each kernel's grid, d = {KIMI_D}; the last two columns: the "
+    path.write_text(banner(SOURCE) + f"Programs in each kernel's grid, d = {KIMI_D}, the course's chunk and value "
+                    "columns a program as its forward resolves them for the shape; the last two columns: the "
                     f"sequential kernels' programs per SM of an H200 ({H200_SMS} SMs; below 1, SMs idle for the whole "
                     "kernel).\n\n"
-                    + markdown_table(["shape", "course prepare", "course recurrence", "FlashKDA K1", "FlashKDA K2",
-                                      "course recurrence / SMs", "FlashKDA K2 / SMs"], rows))
+                    + markdown_table(["shape", "course chunk", "course value columns", "course prepare",
+                                      "course recurrence", "FlashKDA K1", "FlashKDA K2", "course recurrence / SMs",
+                                      "FlashKDA K2 / SMs"], rows))
 
 
 def write_kimi_call_table(path, folder=None):

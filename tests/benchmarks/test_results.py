@@ -235,14 +235,18 @@ def test_the_kimi_call_table_says_not_yet_run_or_shows_the_run(tmp_path, monkeyp
 
 
 def test_the_parallelism_table_counts_each_kernels_programs():
-    """T = 8192 at H = 64: 128 chunks of 64 (8192 prepare programs) and 512 of 16 (32768 of FlashKDA's
-    K1); B H d_v / 64 = 128 programs would leave 4 of 132 SMs idle, so the recurrence takes 32 columns
-    (4 blocks, 256 programs); FlashKDA's K2 one per head (64). The packed sequences take ceil(n / 64)
-    chunks each: 21 + 9 + 32 + 16 + 5 + 48 = 131."""
+    """T = 8192 at H = 64: 64 sequence-heads, so the forward's chunk is 32: 256 chunks (16384 prepare
+    programs) against FlashKDA's 512 of 16 (32768 programs of its K1); 64 value columns give 128
+    recurrence programs, nine SMs in ten of 132 or more; FlashKDA's K2 one a head (64). At T = 16384,
+    H = 32 the chunk stays 64 (256 chunks) and 64 columns would give 64 programs, too few: 32 columns,
+    128 programs. The packed sequences take ceil(n / 32) chunks each: 41 + 18 + 64 + 31 + 9 + 96 = 259."""
     assert s05_fast_kda.kernel_programs((8192,), 64) == {
-        "course prepare": 8192, "course recurrence": 256, "FlashKDA K1": 32768, "FlashKDA K2": 64}
+        "course chunk": 32, "course value columns": 64, "course prepare": 16384, "course recurrence": 128,
+        "FlashKDA K1": 32768, "FlashKDA K2": 64}
+    few_heads = s05_fast_kda.kernel_programs((16384,), 32)
+    assert (few_heads["course chunk"], few_heads["course prepare"], few_heads["course recurrence"]) == (64, 8192, 128)
     packed = s05_fast_kda.kernel_programs((1300, 547, 2048, 963, 271, 3063), 96)
-    assert packed["course prepare"] == 131 * 96 and packed["course recurrence"] == 6 * 96 * 2
+    assert packed["course prepare"] == 259 * 96 and packed["course recurrence"] == 6 * 96 * 2
 
 
 def test_the_fla_backend_page_reads_the_same_run(tmp_path, monkeypatch):
