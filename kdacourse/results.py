@@ -241,6 +241,75 @@ def varlen_mix_lengths(meta: dict) -> dict:
     return {mix: list(values["lengths"]) for mix, values in meta.get("mixes", {}).items()}
 
 
+# ------------------------------------------------------------------ benchmarks.kimi_call: the call as Kimi Linear makes it
+
+KIMI_CALL = RESULTS / "kimi_call"
+KIMI_CALL_CSV, KIMI_CALL_META, KIMI_CALL_ACCURACY = "kimi_call.csv", "kimi_call_meta.json", "kimi_call_accuracy.csv"
+KIMI_CALL_PEERS = ("fla", "flashkda", "course")
+KIMI_CALL_RATIOS = {  # name: (numerator, denominator), each (impl, what): the course's speed-up on each peer
+    "FLA call / course call": (("fla", "call"), ("course", "call")),
+    "FlashKDA call / course call": (("flashkda", "call"), ("course", "call")),
+    "FLA graph / course graph": (("fla", "kernels"), ("course", "kernels")),
+    "FlashKDA graph / course graph": (("flashkda", "kernels"), ("course", "kernels")),
+}
+
+
+@dataclass(frozen=True)
+class KimiCallCase:
+    """One case of a kimi_call run: its tokens, sequences and heads, the Spread of each (impl, what)'s
+    time over the rounds, each ratio of KIMI_CALL_RATIOS taken round by round (None where a side was
+    not measured), and why a measurement has no time ({(impl, what): the run's words})."""
+
+    tokens: int
+    sequences: int
+    H: int
+    times: dict
+    ratios: dict
+    missing: dict
+
+
+@dataclass(frozen=True)
+class KimiCallRun:
+    """A committed run of `python -m benchmarks.kimi_call`: {case name: KimiCallCase} in the run's
+    order, its meta (machine, versions, command) and {impl: (o rel L2, final state rel L2)} against
+    float64 ({} where the run made no accuracy check)."""
+
+    cases: dict
+    meta: dict
+    accuracy: dict
+
+
+def kimi_call_run(folder: Path = KIMI_CALL) -> KimiCallRun | None:
+    """The run committed in `folder` (benchmarks/results/kimi_call/), or None where its CSV or meta is
+    absent or has no row. The CSV has a row per case, round, impl and measurement: time_ms, or error."""
+    rows, meta = committed_run(KIMI_CALL_CSV, KIMI_CALL_META, folder)
+    if rows is None:
+        return None
+    by_case = {}
+    for row in rows:
+        by_case.setdefault(row["case"], []).append(row)
+    cases = {}
+    for name, case_rows in by_case.items():
+        measured, missing = {}, {}
+        for row in case_rows:
+            key = (row["impl"], row["what"])
+            if row.get("time_ms"):
+                measured.setdefault(key, {})[int(row["round"])] = float(row["time_ms"])
+            elif row.get("error"):
+                missing.setdefault(key, row["error"])
+        first = case_rows[0]
+        cases[name] = KimiCallCase(
+            tokens=int(first["tokens"]), sequences=int(first["sequences"]), H=int(first["H"]),
+            times={key: Spread.of(by_round.values()) for key, by_round in measured.items()},
+            ratios={ratio_name: paired(measured, top, bottom, ratio)
+                    for ratio_name, (top, bottom) in KIMI_CALL_RATIOS.items()},
+            missing={key: why for key, why in missing.items() if key not in measured})
+    accuracy_path = Path(folder) / KIMI_CALL_ACCURACY
+    accuracy = {row["impl"]: (float(row["o_rel_l2"]), float(row["state_rel_l2"]))
+                for row in read_rows(accuracy_path)} if accuracy_path.exists() else {}
+    return KimiCallRun(cases, meta, accuracy)
+
+
 # ------------------------------------------------------------------ benchmarks.context_parallel
 
 def context_parallel_times(rows: list[dict]) -> dict:

@@ -5,9 +5,8 @@ Reads, from benchmarks/results/:
 - fla_test_grid/fla_test_grid.json: `python scripts/fla_test_grid.py --test-file FILE --out DIR` (FLA's
   own tests/ops/test_kda.py against the course's chunk_kda, case by case);
 - fla_backend_train/fla_backend_train.csv and _meta.json: `python -m benchmarks.fla_backend_train --out DIR`;
-- kimi_call/kimi_call.csv and _meta.json: the benchmark of issue 40 that times the call as Kimi Linear
-  makes it, FLA's (FLA_FLASH_KDA=0), FlashKDA's and the course's, in one process; its rows: `shape` (the
-  row's words, e.g. "8192, 64"), `impl` ("fla", "flashkda" or "course"), `ms` (the median of its rounds);
+- kimi_call/: `python -m benchmarks.kimi_call --out DIR`, the call as Kimi Linear makes it, FLA's
+  (FLA_FLASH_KDA=0), FlashKDA's and the course's, in one process (read by kdacourse.results.kimi_call_run);
 and writes docs/generated/fla_backend_{grid,training,speed}.md. Without a run's file its section says
 which command writes it.
 """
@@ -58,25 +57,24 @@ def write_training(path):
 
 
 def write_speed(path):
-    """Each shape's time per implementation and the course's ratios to the other two."""
-    rows, meta = results.committed_run("kimi_call.csv", "kimi_call_meta.json", SPEED)
-    if rows is None:
-        path.write_text("Not measured yet: the benchmark of the call as Kimi Linear makes it (issue 40) writes "
-                        "benchmarks/results/kimi_call/kimi_call.csv (`shape`, `impl` fla, flashkda or course, `ms`) "
-                        "and kimi_call_meta.json; `course regenerate` puts its table here.\n")
+    """Each case's call per implementation (medians over the rounds) and the course's speed-up on the
+    other two, taken round by round."""
+    run = results.kimi_call_run(SPEED)
+    if run is None:
+        path.write_text("Not measured yet: `python -m benchmarks.kimi_call --out DIR` on the GPU machine writes "
+                        f"{results.KIMI_CALL_CSV} and {results.KIMI_CALL_META}; committed in "
+                        "benchmarks/results/kimi_call/, `course regenerate` puts its table here.\n")
         return
-    times = {}
-    for row in rows:
-        times.setdefault(row["shape"], {})[row["impl"]] = float(row["ms"]) if row["ms"] else None
     table_rows = []
-    for shape, measured in times.items():
-        cells = [f"{measured[impl]:.2f} ms" if measured.get(impl) else "–" for impl, _ in IMPLEMENTATIONS]
-        course = measured.get("course")
-        ratios = [f"{measured[other] / course:.2f}x" if course and measured.get(other) else "–"
-                  for other in ("fla", "flashkda")]
+    for case in run.cases.values():
+        shape = f"{case.tokens} in {case.sequences}, {case.H}" if case.sequences > 1 else f"{case.tokens}, {case.H}"
+        cells = [f"{case.times[impl, 'call'].median:.2f} ms" if (impl, "call") in case.times else "–"
+                 for impl, _ in IMPLEMENTATIONS]
+        ratios = [case.ratios[name].text("{:.2f}") + "x" if case.ratios[name] else "–"
+                  for name in ("FLA call / course call", "FlashKDA call / course call")]
         table_rows.append([shape, *cells, *ratios])
     header = ["T, H", *(label for _, label in IMPLEMENTATIONS), "course's speed-up on FLA", "on FlashKDA"]
-    path.write_text(f"`{results.shown_command(meta.get('command', ''))}` on {meta.get('device', 'the GPU')}:\n\n"
+    path.write_text(f"`{results.shown_command(run.meta.get('command', ''))}` on {run.meta.get('device', 'the GPU')}:\n\n"
                     + markdown_table(header, table_rows))
 
 

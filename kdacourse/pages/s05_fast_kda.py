@@ -1,6 +1,9 @@
 """Stage 5's generated files: the error table of references B and C against A, the identities, the
 two kernels' compile-only reports, the range of the anchored exponents (table and plot), the fp16
-mirror of the prepare kernel, and the bytes each kernel moves."""
+mirror of the prepare kernel, the bytes each kernel moves; and, on the tensors as a model passes them,
+what computing the gate, the norms and beta's sigmoid in the prepare saves, the course's design beside
+FlashKDA's, the programs each kernel runs at the benchmark's shapes, the call as Kimi Linear makes it
+timed (benchmarks/results/kimi_call/), and what a state stored in bf16 would cost."""
 
 
 import numpy as np
@@ -9,6 +12,7 @@ from kdacourse.pages.stage_tables import compile_report_table, identities_table
 from kdacourse.pages.tables import ROUNDING_NOTE, banner, markdown_table, rounding_level, save_svg
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
+from stages.kda.inputs import InputForm
 from stages.s05_fast_kda.reference import (SUB_BLOCK, chunkwise, intra_chunk_scores, kernel_mirror, prepare,
                                            recurrence, recurrent)
 
@@ -389,6 +393,250 @@ def write_any_gate_table(path):
     path.write_text(banner(SOURCE) + markdown_table(headers, rows))
 
 
+# ---------------------------------------------------------------- the tensors as a model passes them
+
+KIMI_D = 128  # Kimi Linear's head dims, d_k = d_v
+# the layer's default call: the softplus gate, both norms, beta's sigmoid, q scaled by 1 / sqrt(d_k)
+KIMI_FORM = InputForm(gate="softplus", l2_normalize=True, beta="sigmoid", scale=KIMI_D ** -0.5)
+H200_SMS = 132  # the streaming multiprocessors of an H200 (and of an H100 SXM)
+# DESIGN.md's shapes "as Kimi Linear calls it": name: (sequence lengths, H)
+KIMI_SHAPES = {
+    "T 8192, H 64": ((8192,), 64),
+    "T 8192, H 96": ((8192,), 96),
+    "6 sequences, 8192 tokens, H 96": ((1300, 547, 2048, 963, 271, 3063), 96),
+    "8 x 1024, H 96": ((1024,) * 8, 96),
+    "T 16384, H 32": ((16384,), 32),
+    "T 65536, H 32": ((65536,), 32),
+    "8 x 4096, H 16": ((4096,) * 8, 16),
+}
+KIMI_TABLE_SHAPE = KIMI_SHAPES["T 8192, H 96"]  # where the bytes table gives whole megabytes
+
+
+# --8<-- [start:torch_passes]
+def torch_passes(d=KIMI_D, element=2):
+    """{pass: (bytes read, bytes written) per token and head} of the five elementwise passes a caller
+    runs in front of kernels that take the recurrence's own q, k, g and beta, from bf16 tensors (an
+    element of `element` bytes) with g and beta out in fp32, each pass one kernel that reads its input
+    once and writes its output once (eager torch takes more than one kernel for most of them: a floor).
+    A_log and dt_bias are read once a head for the whole call, nothing per token."""
+    return {
+        "q's L2 norm: q in, q out": (d * element, d * element),
+        "k's L2 norm: k in, k out": (d * element, d * element),
+        "q's scale: q in, q out": (d * element, d * element),
+        "the gate: x in, g out (fp32)": (d * element, 4 * d),
+        "beta's sigmoid: the logit in, beta out (fp32)": (element, 4),
+    }
+# --8<-- [end:torch_passes]
+
+
+def prepare_bytes_per_token(form_options, chunk_size, d=KIMI_D):
+    """{global buffer: bytes read and written per token and head} of the prepare kernel as
+    stages.common.program_cost counts it, built for bf16 inputs with `form_options` (two chunks of two
+    heads: every count grows with chunks x heads)."""
+    from stages.common.program_cost import program_cost
+    from stages.s05_fast_kda.kernel import build_prepare_program
+
+    N, H = 2 * chunk_size, 2
+    cost = program_cost(build_prepare_program(1, N, H, d, d, chunk_size, dtype="bfloat16", **form_options))
+    return {name: moved / (N * H) for name, moved in cost.bytes_by_buffer.items()}
+
+
+def write_fusion_bytes_table(path):
+    """Bytes per token and head of the forward's prepare on the recurrence's tensors (after the five
+    passes) and on the model's (the form inside), counted from the programs; the totals at one of the
+    Kimi shapes, and their time at DESIGN.md's copy bandwidth."""
+    from kdacourse import results
+
+    from stages.kda.config import default_chunk_size
+
+    lengths, H = KIMI_TABLE_SHAPE
+    C = default_chunk_size(len(lengths), H)  # the forward's chunk at that shape
+    passes = torch_passes()
+    plain = prepare_bytes_per_token({}, C)
+    fused = prepare_bytes_per_token(dict(form=KIMI_FORM, gate_dtype="bfloat16", beta_dtype="bfloat16"), C)
+    pass_rows = [(name, f"{read:.0f}", f"{written:.0f}", f"{read + written:.0f}") for name, (read, written) in passes.items()]
+    passes_total = sum(read + written for read, written in passes.values())
+    pass_rows.append(("**the five passes**", "", "", f"**{passes_total:.0f}**"))
+    inputs = [name for name in fused if name not in plain] + [name for name in plain]
+    prepare_rows = [(name, f"{plain.get(name, 0):.0f}", f"{fused.get(name, 0):.0f}") for name in inputs]
+    plain_total, fused_total = sum(plain.values()), sum(fused.values())
+    prepare_rows.append(("**the prepare kernel**", f"**{plain_total:.0f}**", f"**{fused_total:.0f}**"))
+    before, after = passes_total + plain_total, fused_total
+    tokens = sum(lengths) * H
+    bandwidth = results.DESIGN_COPY_BANDWIDTH
+
+    def at_the_shape(per_token):
+        return f"{per_token * tokens / 1e6:.0f} MB, {per_token * tokens / bandwidth * 1e6:.0f} µs"
+
+    totals = markdown_table(["", "bytes per token and head", f"T = {sum(lengths)}, H = {H}"],
+                            [("five passes, then the prepare", f"{before:.0f}", at_the_shape(before)),
+                             ("the prepare on the model's tensors", f"{after:.0f}", at_the_shape(after)),
+                             ("saved", f"{before - after:.0f}", at_the_shape(before - after))])
+    # A_log (H,) and dt_bias (H, d_k) are a few hundred bytes: a count of more than a byte a token
+    # means the program reads them from global memory once per lane that uses them
+    per_lane = [name for name in ("A_log", "Dt_bias") if fused.get(name, 0) > 1]
+    note = (f"\n{' and '.join(per_lane)} {'are' if len(per_lane) > 1 else 'is'} read from global memory once for "
+            "every element of the gate's loop that uses it, as the program is written (the count charges every "
+            "read; the L1 cache serves the repeats): read once per chunk into shared memory, as exercise "
+            "s05.fused_loads asks, the rows would count d_k * 4 + 4 bytes a chunk.\n" if per_lane else "")
+    path.write_text(
+        banner(SOURCE) + f"d_k = d_v = {KIMI_D}, bf16 q, k, v, C = {C} (the forward's chunk at T = {sum(lengths)}, "
+        f"H = {H}). The passes a caller runs in front of "
+        "kernels that take q, k, g and beta as the recurrence does (`torch_passes`), per token and head:\n\n"
+        + markdown_table(["pass", "bytes read", "bytes written", "both"], pass_rows)
+        + "\nThe prepare kernel's global traffic per token and head, read and written, by buffer "
+        "(stages.common.program_cost on the program built without a form and with Kimi Linear's: the "
+        "softplus gate from a bf16 x, both norms, beta's sigmoid from a bf16 logit):\n\n"
+        + markdown_table(["buffer", "on the recurrence's tensors (g, beta fp32)", "on the model's tensors"],
+                         prepare_rows)
+        + note + f"\nIn all, and at DESIGN.md's copy bandwidth ({bandwidth / 1e12:.2f} TB/s):\n\n" + totals)
+
+
+# FlashKDA's design, as MoonshotAI/FlashKDA's docs/20260420-flashkda-v1-deep-dive.md and its
+# flash_kda.fwd (csrc/flash_kda.cpp, csrc/smxx/fwd_launch.cu) give it
+FLASHKDA_SOURCE = "MoonshotAI/FlashKDA: docs/20260420-flashkda-v1-deep-dive.md, flash_kda/__init__.py, csrc/smxx/fwd_launch.cu"
+FLASHKDA_CHUNK = 16
+
+
+def write_design_table(path):
+    """The course's forward beside FlashKDA's, choice by choice; the course's column from its own
+    constants."""
+    from stages.kda.config import (DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, MANY_SEQUENCE_HEADS, SUB_BLOCK,
+                                   default_chunk_size, default_prepare_threads)
+
+    C, small_C = DEFAULT_CHUNK_SIZE, default_chunk_size(MANY_SEQUENCE_HEADS, 1)
+    rows = [
+        ("kernels", "two: the prepare (token-parallel, one program per chunk and head) and the recurrence "
+         "(one per value block, head and sequence)",
+         "two: K1 (token-parallel, one program per chunk and head) and K2 (one per head and sequence)"),
+        ("what the first kernel does", "the gate, the norms and beta's sigmoid as it loads a chunk, the "
+         "cumulative gates, the anchored scores, the block inverse, W and U",
+         "the gate's activation, the L2 norms, the decays, L and M_qk, the inverse"),
+        ("chunk", f"{C} tokens, {small_C} from {MANY_SEQUENCE_HEADS} sequence-heads on (the forward), in "
+         f"sub-blocks of {SUB_BLOCK}", f"{FLASHKDA_CHUNK} tokens"),
+        ("exponents in range", "anchored at each sub-block's middle row and below each slab; a sub-block past "
+         "the operands' range taken term by term: any gate <= 0",
+         "a chunk of 16 keeps exp(cumsum(g)) within bf16 at lower_bound = -5: the gate must be bounded"),
+        ("the triangular inverse", f"C x C in fp32, by {SUB_BLOCK} x {SUB_BLOCK} blocks (substitution, then "
+         "TF32 merges)", f"{FLASHKDA_CHUNK} x {FLASHKDA_CHUNK} by a Neumann series, in fp16"),
+        ("the state on chip", f"fp32 registers, {DEFAULT_BLOCK_DV} or {2 * DEFAULT_BLOCK_DV} value columns a "
+         "program", "bf16, updated with fp32 FMAs, all 128 value columns a program"),
+        ("gates taken", "the log gate itself, or either of FLA's raw forms (softplus, unbounded; sigmoid, bounded)",
+         "the bounded form only, lower_bound in [-5, 0]"),
+        ("exp, sigmoid", "exp2 of fp32, sigmoid as 1 / (1 + exp2(-x log2 e))", "ex2.approx, sigmoid from tanh.approx"),
+        ("threads", f"prepare {default_prepare_threads(C)} at C = {C}, {default_prepare_threads(small_C)} at "
+         f"{small_C}", "K1 256, launch bounds for 8 blocks an SM (some spills accepted)"),
+        ("backward", "yes (stage 6)", "no: a forward"),
+        ("dtypes, sizes", "fp16 or bf16; d_k, d_v multiples of 32; grouped value heads",
+         "bf16; d_k = d_v = 128; q, k and v with the same heads"),
+    ]
+    path.write_text(banner(SOURCE) + f"FlashKDA's column from {FLASHKDA_SOURCE}.\n\n"
+                    + markdown_table(["", "the course", "FlashKDA"], rows))
+
+
+def kernel_programs(lengths, H, d=KIMI_D, num_sms=H200_SMS):
+    """{kernel: programs in its grid} at one shape, sequences of `lengths` tokens and H heads, and the
+    course's chunk and value columns there: the course's prepare (chunks x heads) and recurrence
+    (sequences x heads x value blocks), at the chunk and width the forward resolves for the shape
+    (stages.kda.config.resolve), FlashKDA's K1 (chunks of 16 x heads) and K2 (sequences x heads)."""
+    from stages.kda.config import resolve
+
+    def chunks(size):
+        return sum(-(-n // size) for n in lengths)
+
+    config = resolve(len(lengths), H, d, d, num_sms)
+    return {"course chunk": config.chunk_size, "course value columns": config.block_dv,
+            "course prepare": chunks(config.chunk_size) * H,
+            "course recurrence": len(lengths) * H * (d // config.block_dv),
+            "FlashKDA K1": chunks(FLASHKDA_CHUNK) * H,
+            "FlashKDA K2": len(lengths) * H}
+
+
+def write_parallelism_table(path):
+    """Programs per kernel at DESIGN.md's Kimi shapes, and each sequential kernel's against the SMs."""
+    rows = []
+    for name, (lengths, H) in KIMI_SHAPES.items():
+        programs = kernel_programs(lengths, H)
+        rows.append([name, *(f"{count}" for count in programs.values()),
+                     *(f"{programs[kernel] / H200_SMS:.2f}" for kernel in ("course recurrence", "FlashKDA K2"))])
+    path.write_text(banner(SOURCE) + f"Programs in each kernel's grid, d = {KIMI_D}, the course's chunk and value "
+                    "columns a program as its forward resolves them for the shape; the last two columns: the "
+                    f"sequential kernels' programs per SM of an H200 ({H200_SMS} SMs; below 1, SMs idle for the whole "
+                    "kernel).\n\n"
+                    + markdown_table(["shape", "course chunk", "course value columns", "course prepare",
+                                      "course recurrence", "FlashKDA K1", "FlashKDA K2", "course recurrence / SMs",
+                                      "FlashKDA K2 / SMs"], rows))
+
+
+def write_kimi_call_table(path, folder=None):
+    """The call as Kimi Linear makes it, FLA's, FlashKDA's and the course's, from the committed run of
+    `python -m benchmarks.kimi_call` (benchmarks/results/kimi_call/ unless `folder`)."""
+    from kdacourse import results
+
+    run = results.kimi_call_run(results.KIMI_CALL if folder is None else folder)
+    if run is None:
+        path.write_text("Not yet run: `python -m benchmarks.kimi_call --out DIR` on the GPU machine writes "
+                        f"DIR/{results.KIMI_CALL_CSV}, {results.KIMI_CALL_META} and {results.KIMI_CALL_ACCURACY}; "
+                        "committed in benchmarks/results/kimi_call/, `course regenerate` puts their tables here.\n")
+        return
+
+    def cell(spread, form="{:.3f}"):
+        return spread.text(form) if spread is not None else "–"
+
+    measured = [("fla", "call"), ("flashkda", "call"), ("course", "call"), ("course", "call_unchecked"),
+                ("fla", "kernels"), ("flashkda", "kernels"), ("course", "kernels")]
+    labels = {"call": "call", "call_unchecked": "call, checks off", "kernels": "graph"}
+    names = {"fla": "FLA", "flashkda": "FlashKDA", "course": "course"}
+    shape = [f"{case.tokens} tokens in {case.sequences}, H {case.H}" if case.sequences > 1 else
+             f"T {case.tokens}, H {case.H}" for case in run.cases.values()]
+    times = markdown_table(["shape", *(f"{names[impl]} {labels[what]} (ms)" for impl, what in measured)],
+                           [[label, *(cell(case.times.get(key)) for key in measured)]
+                            for label, case in zip(shape, run.cases.values())])
+    ratios = markdown_table(["shape", *results.KIMI_CALL_RATIOS],
+                            [[label, *(cell(case.ratios[name], "{:.2f}") for name in results.KIMI_CALL_RATIOS)]
+                             for label, case in zip(shape, run.cases.values())])
+    missing = sorted({f"{names[impl]} {labels.get(what, what)}: {why}" for case in run.cases.values()
+                      for (impl, what), why in case.missing.items()})
+    accuracy = ""
+    if run.accuracy:
+        accuracy = ("\nAgainst a float64 recurrence on the same tensors activated exactly (relative L2):\n\n"
+                    + markdown_table(["", "o", "final state"], [(names.get(impl, impl), f"{o:.2e}", f"{state:.2e}")
+                                                                for impl, (o, state) in run.accuracy.items()]))
+    meta = run.meta
+    path.write_text(
+        banner(SOURCE) + f"`{results.shown_command(meta.get('command', ''))}` on {meta.get('device', 'the GPU')} "
+        f"({meta.get('date', 'no date')}); medians over the rounds (min to max):\n\n" + times
+        + "\nThe course's speed-up on each peer, round by round (above 1: the course is faster):\n\n" + ratios
+        + ("\nNot measured: " + "; ".join(missing) + ".\n" if missing else "") + accuracy)
+
+
+STORED_IN = {"float32": "fp32", "bfloat16": "bf16"}
+# N, d_k = d_v, the window of tokens each error is taken over: head dims of 64 keep the study about a
+# second of a CPU (it is regenerated with every check of the site)
+STORED_STATE_SHAPE = (2048, 64, 256)
+
+
+def write_stored_state_table(path):
+    """stored_state_study's errors of o, in three windows of 256 tokens, and of the final state."""
+    from stages.s05_fast_kda.numerics import STATE_STUDY_GATES, STATE_STUDY_STORES, stored_state_study
+
+    N, d, window = STORED_STATE_SHAPE
+    found = stored_state_study(N=N, d=d, window=window)
+    shown = [0, 1024 // window - 1, N // window - 1]  # the windows that end at tokens 256, 1024 and N
+    rows = []
+    for gates in STATE_STUDY_GATES:
+        for chunk_size, dtype in STATE_STUDY_STORES:
+            windows, state = found[gates, chunk_size, dtype]
+            rows.append([gates, f"{chunk_size}", STORED_IN[dtype],
+                         *(f"{windows[i]:.1e}" for i in shown), f"{state:.1e}"])
+    headers = [f"o, tokens {i * window + 1}-{(i + 1) * window}" for i in shown]
+    path.write_text(
+        banner(SOURCE) + f"`forward_with_stored_state` (stages/s05_fast_kda/numerics.py): one head per gate range, "
+        f"d_k = d_v = {d}, N = {N}, unit q and k, v ~ N(0, 1), beta in [0.1, 0.9]; relative L2 against the same "
+        "loop with the state stored exactly.\n\n"
+        + markdown_table(["gates", "chunk", "state stored in", *headers, "final state"], rows))
+
+
 def generated_files():
     return {
         "docs/generated/s05_errors.md": write_error_table,
@@ -402,4 +650,9 @@ def generated_files():
         "docs/generated/s05_later_variants.md": write_later_variants_table,
         "docs/generated/s05_accuracy.md": write_accuracy_table,
         "docs/generated/s05_any_gate.md": write_any_gate_table,
+        "docs/generated/s05_fusion_bytes.md": write_fusion_bytes_table,
+        "docs/generated/s05_flashkda_design.md": write_design_table,
+        "docs/generated/s05_parallelism.md": write_parallelism_table,
+        "docs/generated/s05_kimi_call.md": write_kimi_call_table,
+        "docs/generated/s05_stored_state.md": write_stored_state_table,
     }

@@ -164,3 +164,98 @@ def test_the_kernel_digest_changes_with_the_program_only(tmp_path, monkeypatch):
     assert results.current_kernel_digest("s99") == before
     write("return n + 2", "return 2 * x")
     assert results.current_kernel_digest("s99") != before
+
+
+# ------------------------------------------------------------------ the call as Kimi Linear makes it
+
+def _kimi_call(monkeypatch):
+    """benchmarks.kimi_call, the module that writes the files read here; it sets FLA_FLASH_KDA when
+    imported, which the test's environment gets back as it was."""
+    import importlib
+    import os
+
+    monkeypatch.setenv("FLA_FLASH_KDA", os.environ.get("FLA_FLASH_KDA", "0"))
+    return importlib.import_module("benchmarks.kimi_call")
+
+
+def _kimi_call_run(folder, kimi_call, accuracy=True):
+    """A run of two rounds of two cases written as the benchmark writes it: FLA 2 and 4 ms, the course
+    1 and 4 ms (round by round 2x and 1x, median 1.5x; the medians' ratio would be 1.2x), FlashKDA absent."""
+    rows = []
+    for case, lengths in (("T8192_H64", (8192,)), ("packed6_H96", (1300, 547, 2048, 963, 271, 3063))):
+        for round_number, (fla_ms, course_ms) in enumerate(((2.0, 1.0), (4.0, 4.0)), 1):
+            for impl, what, ms in (("fla", "call", fla_ms), ("course", "call", course_ms), ("flashkda", "call", None),
+                                   ("course", "kernels", course_ms / 2)):
+                rows.append(dict(case=case, round=round_number, impl=impl, what=what, method="events", tokens=sum(lengths),
+                                 sequences=len(lengths), H=kimi_call.CASES[case][1],
+                                 time_ms="" if ms is None else f"{ms:.4f}",
+                                 error="flashkda not importable: No module named 'flash_kda'" if ms is None else ""))
+    with open(folder / kimi_call.CSV_NAME, "w", newline="") as f:
+        writer = csv.DictWriter(f, kimi_call.FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (folder / kimi_call.META_NAME).write_text(
+        '{"device": "NVIDIA H200", "date": "2027-01-01", "command": "python -m benchmarks.kimi_call --out /x/y"}')
+    if accuracy:
+        _write_csv(folder / kimi_call.ACCURACY_NAME, [dict(impl="fla", o_rel_l2="4.010e-03", state_rel_l2="2.000e-03"),
+                                                      dict(impl="course", o_rel_l2="3.390e-03", state_rel_l2="1.500e-03")])
+
+
+def test_a_kimi_call_run_reads_its_cases_ratios_round_by_round_and_why_a_peer_is_missing(tmp_path, monkeypatch):
+    kimi_call = _kimi_call(monkeypatch)
+    assert results.kimi_call_run(tmp_path) is None
+    _kimi_call_run(tmp_path, kimi_call)
+    run = results.kimi_call_run(tmp_path)
+    assert list(run.cases) == ["T8192_H64", "packed6_H96"]
+    case = run.cases["packed6_H96"]
+    assert (case.tokens, case.sequences, case.H) == (8192, 6, 96)
+    assert case.times[("fla", "call")].median == 3.0 and case.times[("course", "kernels")].median == 1.25
+    spread = case.ratios["FLA call / course call"]
+    assert (spread.median, spread.low, spread.high) == (1.5, 1.0, 2.0)
+    assert case.ratios["FlashKDA call / course call"] is None and ("flashkda", "call") not in case.times
+    assert case.missing == {("flashkda", "call"): "flashkda not importable: No module named 'flash_kda'"}
+    assert run.accuracy == {"fla": (4.01e-3, 2e-3), "course": (3.39e-3, 1.5e-3)}
+    (tmp_path / kimi_call.ACCURACY_NAME).unlink()
+    assert results.kimi_call_run(tmp_path).accuracy == {}
+
+
+def test_the_kimi_call_table_says_not_yet_run_or_shows_the_run(tmp_path, monkeypatch):
+    kimi_call = _kimi_call(monkeypatch)
+    out = tmp_path / "table.md"
+    s05_fast_kda.write_kimi_call_table(out, folder=tmp_path)
+    assert out.read_text().startswith("Not yet run: `python -m benchmarks.kimi_call --out DIR`") and "|" not in out.read_text()
+    _kimi_call_run(tmp_path, kimi_call)
+    s05_fast_kda.write_kimi_call_table(out, folder=tmp_path)
+    text = out.read_text()
+    assert "`python -m benchmarks.kimi_call --out DIR` on NVIDIA H200 (2027-01-01)" in text
+    assert "| T 8192, H 64 | 3.000 (2.000 to 4.000) | – | 2.500 (1.000 to 4.000) | – | – | – | 1.250 (0.500 to 2.000) |" in text
+    assert "| 8192 tokens in 6, H 96 | 1.50 (1.00 to 2.00) | – | – | – |" in text
+    assert "Not measured: FlashKDA call: flashkda not importable" in text
+    assert "| course | 3.39e-03 | 1.50e-03 |" in text
+
+
+def test_the_parallelism_table_counts_each_kernels_programs():
+    """T = 8192 at H = 64: 64 sequence-heads, so the forward's chunk is 32: 256 chunks (16384 prepare
+    programs) against FlashKDA's 512 of 16 (32768 programs of its K1); 64 value columns give 128
+    recurrence programs, nine SMs in ten of 132 or more; FlashKDA's K2 one a head (64). At T = 16384,
+    H = 32 the chunk stays 64 (256 chunks) and 64 columns would give 64 programs, too few: 32 columns,
+    128 programs. The packed sequences take ceil(n / 32) chunks each: 41 + 18 + 64 + 31 + 9 + 96 = 259."""
+    assert s05_fast_kda.kernel_programs((8192,), 64) == {
+        "course chunk": 32, "course value columns": 64, "course prepare": 16384, "course recurrence": 128,
+        "FlashKDA K1": 32768, "FlashKDA K2": 64}
+    few_heads = s05_fast_kda.kernel_programs((16384,), 32)
+    assert (few_heads["course chunk"], few_heads["course prepare"], few_heads["course recurrence"]) == (64, 8192, 128)
+    packed = s05_fast_kda.kernel_programs((1300, 547, 2048, 963, 271, 3063), 96)
+    assert packed["course prepare"] == 259 * 96 and packed["course recurrence"] == 6 * 96 * 2
+
+
+def test_the_fla_backend_page_reads_the_same_run(tmp_path, monkeypatch):
+    from kdacourse.pages import fla_backend
+
+    monkeypatch.setattr(fla_backend, "SPEED", tmp_path)
+    out = tmp_path / "speed.md"
+    fla_backend.write_speed(out)
+    assert out.read_text().startswith("Not measured yet") and "|" not in out.read_text()
+    _kimi_call_run(tmp_path, _kimi_call(monkeypatch), accuracy=False)
+    fla_backend.write_speed(out)
+    assert "| 8192 in 6, 96 | 3.00 ms | – | 2.50 ms | 1.50 (1.00 to 2.00)x | – |" in out.read_text()

@@ -375,6 +375,41 @@ def test_fast_span_keeps_the_anchored_factors_in_range():
         assert np.exp(span) < info.max and np.exp(-span) > info.smallest_normal
 
 
+def test_a_state_stored_exactly_is_the_recurrence_and_a_stored_one_lies_on_its_types_grid():
+    """forward_with_stored_state: stored in float64 it is reference A (N = 83 in chunks of 32, the last
+    short; sub-blocks as wide as the chunk allows); stored in bf16 its final state is bf16 values."""
+    from stages.common.interpreter import round_to_dtype
+    from stages.s05_fast_kda.numerics import forward_with_stored_state
+
+    x = make_inputs(1, 83, 2, 16, 8, gate="channel", gate_range=(0.3, 0.999), beta_range=(0.0, 1.0), seed=6)
+    o, _ = forward_with_stored_state(x.q, x.k, x.v, x.g, x.beta, 32, "float64")
+    assert error_report(o, reference.recurrent(x.q, x.k, x.v, x.g, x.beta)).rel_l2 <= 1e-12
+    o_bf16, state = forward_with_stored_state(x.q, x.k, x.v, x.g, x.beta, 32, "bfloat16")
+    assert np.array_equal(round_to_dtype(state, "bfloat16"), state) and error_report(o_bf16, o).rel_l2 > 1e-5
+
+
+def test_a_bf16_state_costs_what_the_state_remembers_and_more_with_more_stores():
+    """The stage 5 page's claims on a state stored in bf16 between chunks (FlashKDA's), at d = 32,
+    N = 1024: its error is far above an fp32 state's at every gate and chunk size; where the state
+    remembers long it grows over the first windows of tokens, it is larger with four times the stores
+    (chunks of 16 against 64), and much larger than where the gates forget within a few tokens."""
+    from stages.s05_fast_kda.numerics import stored_state_study
+
+    found = stored_state_study(N=1024, d=32, window=128)
+    long_memory, strong = "a in [0.999, 1]: long memory", "g in [-20, 0]: stronger"
+
+    def mean(gates, chunk_size, dtype):
+        return np.mean(found[gates, chunk_size, dtype][0])
+
+    for gates in {gates for gates, _, _ in found}:
+        assert mean(gates, 64, "float32") < 2.0**-20
+        assert min(mean(gates, 64, "bfloat16"), mean(gates, 16, "bfloat16")) > 100 * mean(gates, 64, "float32")
+    windows = found[long_memory, 64, "bfloat16"][0]
+    assert windows[-1] > 1.3 * windows[0]
+    assert mean(long_memory, 16, "bfloat16") > 1.5 * mean(long_memory, 64, "bfloat16")
+    assert mean(long_memory, 16, "bfloat16") > 10 * mean(strong, 16, "bfloat16")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 def test_kernels_take_any_gate_as_accurately_as_fla(dtype_name):
