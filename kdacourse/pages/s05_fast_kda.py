@@ -472,9 +472,9 @@ def write_fusion_bytes_table(path):
                             [("five passes, then the prepare", f"{before:.0f}", at_the_shape(before)),
                              ("the prepare on the model's tensors", f"{after:.0f}", at_the_shape(after)),
                              ("saved", f"{before - after:.0f}", at_the_shape(before - after))])
-    # A_log (H,) and dt_bias (H, d_k) are a few hundred bytes: a count of more than a byte a token
-    # means the program reads them from global memory once per lane that uses them
-    per_lane = [name for name in ("A_log", "Dt_bias") if fused.get(name, 0) > 1]
+    # A_log (H,) and dt_bias (H, d_k) are a few hundred bytes: a count past one read of both a chunk
+    # ((d_k + 1) * 4 bytes over C tokens) means the program reads them once per lane that uses them
+    per_lane = [name for name in ("A_log", "Dt_bias") if fused.get(name, 0) > (KIMI_D + 1) * 4 / C]
     note = (f"\n{' and '.join(per_lane)} {'are' if len(per_lane) > 1 else 'is'} read from global memory once for "
             "every element of the gate's loop that uses it, as the program is written (the count charges every "
             "read; the L1 cache serves the repeats): read once per chunk into shared memory, as exercise "
