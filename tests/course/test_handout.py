@@ -72,9 +72,9 @@ def _library_names():
     return names
 
 
-# Second answers to the build and tune exercises, kept out of the handout (tests/course/test_build_exercises.py,
-# tests/course/test_tune_exercises.py): they hold answer lines as the solutions do.
-SECOND_ANSWERS = {("tests", "build_alternatives"), ("tests", "tuned_programs")}
+# Second answers to the build, tune and chunkwise exercises, kept out of the handout (tests/course/test_build_exercises.py,
+# tests/course/test_tune_exercises.py, tests/course/test_chunked_answers.py): they hold answer lines as the solutions do.
+SECOND_ANSWERS = {("tests", "build_alternatives"), ("tests", "tuned_programs"), ("tests", "chunkwise_alternatives")}
 
 
 def distinctive_solution_lines():

@@ -70,7 +70,7 @@ def test_strong_gates_at_full_chunk_length(chunkwise_backward):
     (1, 5, 1, 3, 2, 8),  # a chunk longer than the sequence
     (1, 6, 2, 4, 3, 1),  # chunks of one token: M = 0
 ])
-def test_returns_the_score_gradients_only_a_chunked_backward_has(chunkwise_backward, B, N, H, d_k, d_v, chunk_size):
+def test_returns_what_only_a_chunked_form_has(chunkwise_backward, B, N, H, d_k, d_v, chunk_size):
     """dLoss/dA_qk and dLoss/dM of every chunk, a row per token, against the complex step through the
     chunk's forward (oracle.score_gradients): a token-by-token backward forms neither."""
     x, do, S_0, dS_N = backward_inputs(B, N, H, d_k, d_v, seed=N + chunk_size)
