@@ -282,11 +282,15 @@ def library_paths(stage):
 
 def exercise_functions():
     """{(stage, library module, function name): exercise} for every function of solution_functions(),
-    and for every other library function (of any stage) that holds lines of a fill exercise's answer: a
-    later stage's kernel may reuse an earlier stage's code, and would give that exercise away."""
+    every function an exercise names as a form of its answer (its catalog entry's `library_forms`), and
+    every other library function (of any stage) that holds lines of a fill exercise's answer: a later
+    stage's kernel may reuse an earlier stage's code, and would give that exercise away."""
     from kdacourse.catalog import exercises
 
     found = solution_functions()
+    for exercise in exercises():
+        for form in exercise.library_forms:
+            found[library_form(form)] = exercise
     for exercise in exercises():
         if exercise.kind != "fill":
             continue
@@ -306,6 +310,20 @@ def exercise_functions():
                 if len(answer & lines) >= given_away:
                     found[key] = exercise
     return found
+
+
+def library_form(form):
+    """"<folder>/<module>.py:<function>" (a catalog entry's `library_forms`) -> (folder, module, function);
+    HandoutError unless stages/<folder>/<module>.py defines that function at its top level."""
+    path, _, name = form.partition(":")
+    folder, _, module = path.partition("/")
+    source = REPO_ROOT / "stages" / folder / module
+    defined = source.is_file() and any(isinstance(node, ast.FunctionDef) and node.name == name
+                                       for node in ast.parse(source.read_text()).body)
+    if not defined:
+        raise HandoutError(f"the catalog names {form!r} as a form of an exercise's answer, and stages/{path} "
+                           f"defines no function {name!r} at its top level")
+    return folder, module, name
 
 
 def answer_lines(exercise):
