@@ -88,16 +88,8 @@ def lower(prim_func, target=SM90A):
     from tvm.target import Target
 
     target = Target(target)
-    import hashlib, time as _t
-    _s = _t.time()
     with target:  # some lowering passes ask for the current target
-        _r = tilelang.lower(prim_func, target=target)
-    if os.environ.get("LOWER_LOG"):
-        from tilelang.transform import PassContext
-        cfg = str(PassContext.current().config)
-        with open(os.environ["LOWER_LOG"], "a") as f:
-            f.write(f"{hashlib.sha256((prim_func.script() + cfg).encode()).hexdigest()[:12]} {_t.time()-_s:.2f} {os.environ.get('PYTEST_CURRENT_TEST','?')}\n")
-    return _r
+        return tilelang.lower(prim_func, target=target)
 
 
 def compile_report(prim_func, pass_configs=None):
