@@ -282,30 +282,48 @@ def library_paths(stage):
 
 def exercise_functions():
     """{(stage, library module, function name): exercise} for every function of solution_functions(),
-    and for every other library function (of any stage) that holds lines of a fill exercise's answer: a
-    later stage's kernel may reuse an earlier stage's code, and would give that exercise away."""
+    every function an exercise names as a form of its answer (its catalog entry's `library_forms`), and
+    every other library function (of any stage) that holds lines of a fill exercise's answer: a later
+    stage's kernel may reuse an earlier stage's code, and would give that exercise away (the first such
+    exercise in catalog order)."""
     from kdacourse.catalog import exercises
 
     found = solution_functions()
     for exercise in exercises():
-        if exercise.kind != "fill":
+        for form in exercise.library_forms:
+            found[library_form(form)] = exercise
+    fills = [(exercise, answer, SHARE_OF_A_BUILD_ANSWER_THAT_GIVES_IT_AWAY * len(answer)
+              if exercise.file == BUILD_FILE else ANSWER_LINES_THAT_GIVE_IT_AWAY)
+             for exercise in exercises() if exercise.kind == "fill" for answer in [answer_lines(exercise)]]
+    for path in sorted((REPO_ROOT / "stages").glob("s[0-9][0-9]_*/*.py")) + sorted(
+            (REPO_ROOT / "stages" / KERNEL_PACKAGE).glob("*.py")):
+        if path.name not in LIBRARY_MODULES and path.parent.name != KERNEL_PACKAGE:
             continue
-        answer = answer_lines(exercise)
-        given_away = (SHARE_OF_A_BUILD_ANSWER_THAT_GIVES_IT_AWAY * len(answer) if exercise.file == BUILD_FILE
-                      else ANSWER_LINES_THAT_GIVE_IT_AWAY)
-        for path in sorted((REPO_ROOT / "stages").glob("s[0-9][0-9]_*/*.py")) + sorted(
-                (REPO_ROOT / "stages" / KERNEL_PACKAGE).glob("*.py")):
-            if path.name not in LIBRARY_MODULES and path.parent.name != KERNEL_PACKAGE:
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.parse(source).body:
+            key = (path.parent.name, path.name, node.name) if isinstance(node, ast.FunctionDef) else None
+            if key is None or key in found:
                 continue
-            source = path.read_text()
-            for node in ast.parse(source).body:
-                key = (path.parent.name, path.name, node.name) if isinstance(node, ast.FunctionDef) else None
-                if key is None or key in found:
-                    continue
-                lines = {line.strip() for line in ast.get_source_segment(source, node).splitlines()}
-                if len(answer & lines) >= given_away:
-                    found[key] = exercise
+            held = {line.strip() for line in lines[node.lineno - 1:node.end_lineno]}
+            given_to = next((exercise for exercise, answer, given_away in fills if len(answer & held) >= given_away), None)
+            if given_to is not None:
+                found[key] = given_to
     return found
+
+
+def library_form(form):
+    """"<folder>/<module>.py:<function>" (a catalog entry's `library_forms`) -> (folder, module, function);
+    HandoutError unless stages/<folder>/<module>.py defines that function at its top level."""
+    path, _, name = form.partition(":")
+    folder, _, module = path.partition("/")
+    source = REPO_ROOT / "stages" / folder / module
+    defined = source.is_file() and any(isinstance(node, ast.FunctionDef) and node.name == name
+                                       for node in ast.parse(source.read_text()).body)
+    if not defined:
+        raise HandoutError(f"the catalog names {form!r} as a form of an exercise's answer, and stages/{path} "
+                           f"defines no function {name!r} at its top level")
+    return folder, module, name
 
 
 def answer_lines(exercise):

@@ -36,6 +36,15 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_configure(config):
+    """A pytest-xdist worker (`course test` runs one per core) computes on one thread: torch would
+    otherwise start a thread per core in each worker, and its threads spin waiting for each other while
+    the other worker holds a core (tests/kernels/test_s06_layer.py on 2 cores: 80 s, 52 s of CPU; on
+    one thread 9 s, 6 s). Set before any test imports torch, which reads it once."""
+    if hasattr(config, "workerinput"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 # Tests that read one computation made once per process: under pytest-xdist (`course test` runs a
 # worker per core) each group runs on one worker, so the computation is made once, not per worker.
 KILL_MATRIX_GROUP = "kill_matrix"  # kdacourse.killmatrix.compute: a pytest run per catalog bug

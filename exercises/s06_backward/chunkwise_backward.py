@@ -5,7 +5,9 @@ The forward of chunk [t] (stage 4's reference B; S^T the state at the chunk star
     T = (I + M diag(beta))^{-1},  A_hat = diag(beta) T,  W = A_hat (K ⊙ e^{gamma}),  U = A_hat V,
     V_new = U - W S^T,  O = (Q ⊙ e^{gamma}) S^T + A_qk V_new,
     S'^T = Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new,   gamma = cumsum(g) in the chunk.
-The backward takes these lines back from the last to the first, given dO and dS'^T.
+The backward takes these lines back from the last to the first, given dO and dS'^T. Besides the
+gradients of the inputs it returns those of every chunk's two score matrices, dA_qk and dM, a row per
+token: what only a chunked backward forms.
 
 This function runs and looks right, and carries one known bug. Find it and fix it.
 Read: stage 6 page, "Reference B: chunk by chunk".  Check: course check s06
@@ -14,17 +16,18 @@ Read: stage 6 page, "Reference B: chunk by chunk".  Check: course check s06
 import numpy as np
 
 from stages.common.checks import Float64Array, check_chunking
-from stages.s06_backward.reference import Gradients, check_gradient_inputs, chunk_forward  # one chunk's forward
+from stages.s06_backward.reference import ChunkwiseGradients, check_gradient_inputs, chunk_forward  # one chunk's forward
 
 
 def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
                        do: Float64Array, chunk_size: int, initial_state: Float64Array | None = None,
-                       d_final_state: Float64Array | None = None) -> Gradients:
+                       d_final_state: Float64Array | None = None) -> ChunkwiseGradients:
     """Reference B: chunk by chunk, in reverse. State S^T: (d_k, d_v), the kernel layout; dS^T likewise.
 
     Arguments as `recurrent_backward`'s, and chunk_size C (the last chunk may be shorter). The forward
     keeps S^T at every chunk start; the backward recomputes the rest of a chunk and takes each of its
-    forward lines back, last line first.
+    forward lines back, last line first. Returns the gradients with dA_qk and dM of every chunk
+    (ChunkwiseGradients).
     """
     B, N, H, d_k, d_v = check_gradient_inputs(q, k, v, g, beta, do, initial_state, d_final_state)
     check_chunking(N, d_v, chunk_size)
@@ -32,6 +35,7 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
     dv, o = np.zeros((B, N, H, d_v)), np.zeros((B, N, H, d_v))
     dbeta = np.zeros((B, N, H))
     d_initial_state, final_state = np.zeros((B, H, d_k, d_v)), np.zeros((B, H, d_k, d_v))
+    dA_qk_rows, dM_rows = np.zeros((B, N, H, chunk_size)), np.zeros((B, N, H, chunk_size))  # each token's row
     chunks = [slice(start, min(start + chunk_size, N)) for start in range(0, N, chunk_size)]
     for b in range(B):
         for h in range(H):
@@ -91,6 +95,7 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
                 dL = np.tril(-f.T @ dT @ f.T, -1)  # strict: i < c
                 dbeta_c += np.sum(dL * f.M, axis=0)  # beta by columns, inside the solve
                 dM = dL * beta_c[None, :]
+                dA_qk_rows[b, rows, h, :C], dM_rows[b, rows, h, :C] = dA_qk, dM
 
                 # M[c, i] and A_qk[c, j]: plain loops, as the forward computes them
                 for c in range(C):
@@ -116,4 +121,4 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
                 # EXERCISE END
                 dS_T = dS_T_before
             d_initial_state[b, h] = dS_T
-    return Gradients(dq, dk, dv, dg, dbeta, d_initial_state, o, final_state)
+    return ChunkwiseGradients(dq, dk, dv, dg, dbeta, d_initial_state, o, final_state, dA_qk_rows, dM_rows)

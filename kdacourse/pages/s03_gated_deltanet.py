@@ -37,7 +37,7 @@ def write_error_table(path):
         x = _inputs(B, N, H, d_k, d_v)
         expected = recurrent(x.q, x.k, x.v, x.g, x.beta)
         shape = f"B={B}, N={N}, H={H}, d_k={d_k}, d_v={d_v}, C={C}, block_dv={block_dv}"
-        for name, actual in (("B chunkwise", chunkwise(x.q, x.k, x.v, x.g, x.beta, C)),
+        for name, actual in (("B chunkwise", chunkwise(x.q, x.k, x.v, x.g, x.beta, C).o),
                              ("C kernel mirror", kernel_mirror(x.q, x.k, x.v, x.g, x.beta, C, block_dv))):
             error = error_report(actual, expected)
             rows.append((shape, f"{name} vs A", rounding_level(error.max_abs), rounding_level(error.rel_l2)))
@@ -54,7 +54,7 @@ def write_degenerate_checks(path):
     zero_gate = np.zeros_like(x.g)
     rows = []
     for name, actual in (("A recurrent", recurrent(x.q, x.k, x.v, zero_gate, x.beta)),
-                         ("B chunkwise", chunkwise(x.q, x.k, x.v, zero_gate, x.beta, 4)),
+                         ("B chunkwise", chunkwise(x.q, x.k, x.v, zero_gate, x.beta, 4).o),
                          ("C kernel mirror", kernel_mirror(x.q, x.k, x.v, zero_gate, x.beta, 4, 2))):
         error = error_report(actual, deltanet)
         rows.append(("g = 0", f"{name} vs DeltaNet (stages/common/oracles.py: delta_rule)",
@@ -96,7 +96,7 @@ def write_beta_bugs(path):
     x = _inputs(2, 12, 2, 4, 4)
     equal_beta = np.full_like(x.beta, 0.5)
     bugs = [("s03-beta-before-solve", "kernel_mirror.py", lambda f, beta: f(x.q, x.k, x.v, x.g, beta, 4, 2)),
-            ("s03-mixed-beta-pairing", "chunkwise.py", lambda f, beta: f(x.q, x.k, x.v, x.g, beta, 4))]
+            ("s03-mixed-beta-pairing", "chunkwise.py", lambda f, beta: f(x.q, x.k, x.v, x.g, beta, 4).o)]
     rows = []
     for bug, file, run in bugs:
         function = getattr(load_module(f"bug:{bug}", STAGE, file), file.removesuffix(".py"))

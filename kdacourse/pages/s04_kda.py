@@ -57,7 +57,7 @@ def write_error_table(path):
         shape = f"B={B}, N={N}, H={H}, d_k={d_k}, d_v={d_v}, C={C}, block_dv={block_dv}"
         mirror = ("C kernel mirror" if sub is None else f"C kernel mirror, sub-chunks of {sub}",
                   kernel_mirror(x.q, x.k, x.v, x.g, x.beta, C, block_dv, sub_chunk_size=sub))
-        for name, actual in (("B chunkwise", chunkwise(x.q, x.k, x.v, x.g, x.beta, C)), mirror):
+        for name, actual in (("B chunkwise", chunkwise(x.q, x.k, x.v, x.g, x.beta, C).o), mirror):
             seed = SEED_ERRORS.get(name, ("", "")) if (B, N, H, d_k, d_v, C) == (*SEED_SHAPE, 4) else ("", "")
             rows.append((shape, f"{name} vs A", *_rounding_cells(error_report(actual, expected)), *seed))
     path.write_text(banner(SOURCE) + markdown_table(
@@ -97,7 +97,7 @@ def write_degenerate_checks(path):
 
     x = _inputs(*SEED_SHAPE)
     run = {"A recurrent": lambda g: recurrent(x.q, x.k, x.v, g, x.beta),
-           "B chunkwise": lambda g: chunkwise(x.q, x.k, x.v, g, x.beta, 4),
+           "B chunkwise": lambda g: chunkwise(x.q, x.k, x.v, g, x.beta, 4).o,
            "C kernel mirror": lambda g: kernel_mirror(x.q, x.k, x.v, g, x.beta, 4, 2)}
     scalar_gate = x.g[..., 0]
     rows = []
@@ -163,8 +163,9 @@ def write_bug_costs(path):
         for label, change in [("random", {})] + ([(hides_under[bug.id], hiding[hides_under[bug.id]])]
                                                  if bug.id in hides_under else []):
             inputs = dict(g=x.g, beta=x.beta) | change
-            error = error_report(function(x.q, x.k, x.v, inputs["g"], inputs["beta"], *extra[bug.file]),
-                                 recurrent(x.q, x.k, x.v, inputs["g"], inputs["beta"]))
+            output = function(x.q, x.k, x.v, inputs["g"], inputs["beta"], *extra[bug.file])
+            output = getattr(output, "o", output)  # reference B returns o in its ChunkwiseOutput
+            error = error_report(output, recurrent(x.q, x.k, x.v, inputs["g"], inputs["beta"]))
             seed = SEED_BUG_COSTS.get(bug.id, "") if label == "random" else ""
             # where the bug hides it changes nothing: what is left is rounding
             cells = _error_cells(error) if label == "random" else _rounding_cells(error)

@@ -11,26 +11,33 @@ before it:
     O          = (Q ⊙ e^{gamma}) S^T + A_qk V_new
     S^T       <- Diag(e^{gamma_C}) S^T + (K ⊙ e^{gamma_C - gamma})^T V_new
 
-Fill the region. The last chunk may be shorter.
+Fill the region. Besides o, record what only the chunked form has: the state as each chunk starts
+(chunk_start_states) and each chunk's A_qk, W and U, a row per token. The last chunk may be shorter.
 Read: stage 4 page, "Reference B: chunk by chunk".  Check: course check s04
 """
 
 import numpy as np
 
-from stages.common.checks import Float64Array, check_chunking, check_gate_and_beta, check_qkv
+from stages.common.checks import (Float64Array, check_chunking, check_gate_and_beta, check_qkv,
+                                  padded_length)
+from stages.s04_kda.reference import ChunkwiseOutput
 
 
 def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
-              chunk_size: int) -> Float64Array:
+              chunk_size: int) -> ChunkwiseOutput:
     """Reference B: chunk by chunk, plain loops for M and A_qk, the UT transform by inversion.
     State S^T: (d_k, d_v).
 
+    Returns o with the state at every chunk start, every chunk's A_qk, W and U (ChunkwiseOutput).
     The last chunk may be shorter than chunk_size: nothing in the math needs equal chunks.
     """
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate_and_beta(g, beta, B, N, H, d_k, gate="channel")
     check_chunking(N, d_v, chunk_size)
     o = np.zeros((B, N, H, d_v))
+    chunk_start_states = np.zeros((B, padded_length(N, chunk_size) // chunk_size, H, d_k, d_v))
+    A_qk_rows = np.zeros((B, N, H, chunk_size))  # each token's row of its chunk's A_qk
+    W_rows, U_rows = np.zeros((B, N, H, d_k)), np.zeros((B, N, H, d_v))
     # EXERCISE BEGIN
     for b in range(B):
         for h in range(H):
@@ -56,7 +63,9 @@ def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array
                     for j in range(c + 1):  # j <= c: a token sees itself, undecayed
                         A_qk[c, j] = (Q[c] * np.exp(gamma[c] - gamma[j])) @ K[j]
                 o[b, rows, h] = (Q * np.exp(gamma)) @ S_T + A_qk @ V_new
+                chunk_start_states[b, start // chunk_size, h] = S_T
+                A_qk_rows[b, rows, h, :C], W_rows[b, rows, h], U_rows[b, rows, h] = A_qk, W, U
                 decay_to_chunk_end = np.exp(gamma[-1] - gamma)  # (C, d_k), every entry <= 1
                 S_T = np.exp(gamma[-1])[:, None] * S_T + (K * decay_to_chunk_end).T @ V_new
     # EXERCISE END
-    return o
+    return ChunkwiseOutput(o, chunk_start_states, A_qk_rows, W_rows, U_rows)

@@ -2,21 +2,35 @@
 
     S_t = S_{t-1} + v_t k_t^T        o_t = S_t q_t        (paper layout: S is d_v x d_k)
 
-All three functions take q, k: (B, N, H, d_k) and v: (B, N, H, d_v) and return o: (B, N, H, d_v).
+All three functions take q, k: (B, N, H, d_k) and v: (B, N, H, d_v) and return o: (B, N, H, d_v);
+reference B returns it in a ChunkwiseOutput, beside what only the chunked form has: the state at
+every chunk start and every chunk's scores.
 
 - `recurrent` (A) is the recurrence token by token, in the paper layout.
 - `chunkwise` (B) splits the sequence into chunks of C tokens and keeps the state transposed,
   S^T (d_k x d_v), the kernel layout. For chunk [t] with rows Q, K, V (C x d):
-      O = Q S^T  +  (Q K^T ⊙ M) V          inter-chunk term + causally masked intra-chunk term
+      A_qk = Q K^T ⊙ M                     the chunk's scores, causally masked
+      O = Q S^T  +  A_qk V                 inter-chunk term + intra-chunk term
       S^T <- S^T + K^T V                   the state after the chunk, used by the next one
   with M[r, j] = 1 if j <= r (the diagonal is included: a token sees itself).
 - `kernel_mirror` (C) is the TileLang kernel's control flow in NumPy: the same grid, chunk loop,
   buffers and GEMM-shaped products, so the kernel's logic can be stepped through on a CPU.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 
 from stages.common.checks import Float64Array, check_chunking, check_qkv, padded_length
+
+
+class ChunkwiseOutput(NamedTuple):
+    """What reference B returns: o, and the chunk quantities that a token-by-token loop never forms
+    (in FLA's layouts: its h and Aqk)."""
+
+    o: Float64Array  # (B, N, H, d_v)
+    chunk_start_states: Float64Array  # (B, number of chunks, H, d_k, d_v): S^T as each chunk starts
+    A_qk: Float64Array  # (B, N, H, C): token t's row of its chunk's A_qk, zero past the chunk's end
 
 
 # --8<-- [start:recurrent]
@@ -35,26 +49,35 @@ def recurrent(q: Float64Array, k: Float64Array, v: Float64Array) -> Float64Array
 
 
 # --8<-- [start:chunkwise]
-def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, chunk_size: int) -> Float64Array:
-    """Reference B: chunk by chunk with plain loops for the sums. State S^T: (d_k, d_v).
+def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, chunk_size: int) -> ChunkwiseOutput:
+    """Reference B: chunk by chunk with plain loops for the scores. State S^T: (d_k, d_v).
 
+    Returns o with the state at every chunk start and every chunk's scores A_qk (ChunkwiseOutput).
     The last chunk may be shorter than chunk_size: nothing in the math needs equal chunks.
     """
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_chunking(N, d_v, chunk_size)
     o = np.zeros((B, N, H, d_v))
+    chunk_start_states = np.zeros((B, padded_length(N, chunk_size) // chunk_size, H, d_k, d_v))
+    A_qk_rows = np.zeros((B, N, H, chunk_size))  # each token's row of its chunk's A_qk
     for b in range(B):
         for h in range(H):
             S_T = np.zeros((d_k, d_v))
             for start in range(0, N, chunk_size):
                 rows = slice(start, min(start + chunk_size, N))
                 Q, K, V = q[b, rows, h], k[b, rows, h], v[b, rows, h]
-                for r in range(len(Q)):
-                    inter_chunk = Q[r] @ S_T  # what the earlier chunks left in the state
-                    intra_chunk = sum((Q[r] @ K[j]) * V[j] for j in range(r + 1))  # j <= r
-                    o[b, start + r, h] = inter_chunk + intra_chunk
+                C = len(Q)
+                A_qk = np.zeros((C, C))
+                for r in range(C):
+                    for j in range(r + 1):  # j <= r: a token sees itself
+                        A_qk[r, j] = Q[r] @ K[j]
+                inter_chunk = Q @ S_T  # what the earlier chunks left in the state
+                intra_chunk = A_qk @ V  # the chunk's own rows, masked
+                o[b, rows, h] = inter_chunk + intra_chunk
+                chunk_start_states[b, start // chunk_size, h] = S_T
+                A_qk_rows[b, rows, h, :C] = A_qk
                 S_T = S_T + K.T @ V  # only after every row of the chunk has read the old state
-    return o
+    return ChunkwiseOutput(o, chunk_start_states, A_qk_rows)
 # --8<-- [end:chunkwise]
 
 

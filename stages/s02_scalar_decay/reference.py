@@ -3,13 +3,15 @@
     S_t = alpha S_{t-1} + v_t k_t^T        o_t = S_t q_t        (paper layout: S is d_v x d_k)
 
 All three functions take q, k: (B, N, H, d_k), v: (B, N, H, d_v) and g = log(alpha): (H,), one
-decay per head, and return o: (B, N, H, d_v).
+decay per head, and return o: (B, N, H, d_v); reference B returns it in a ChunkwiseOutput, beside
+what only the chunked form has: the state at every chunk start and every chunk's scores.
 
 - `recurrent` (A) is the recurrence token by token, in the paper layout.
 - `chunkwise` (B) splits the sequence into chunks of C tokens and keeps the state transposed,
   S^T (d_k x d_v), the kernel layout. With rows r = 1..C counted from the chunk start and
   gamma_r = r g = log(alpha^r), the cumulative decay restarted at every chunk:
-      O[r] = alpha^r Q[r] S^T  +  sum_{j <= r} Gamma[r, j] (Q[r] . K[j]) V[j]
+      A_qk[r, j] = Gamma[r, j] (Q[r] . K[j])  for j <= r
+      O[r] = alpha^r Q[r] S^T  +  sum_{j <= r} A_qk[r, j] V[j]
       S^T <- alpha^C S^T + sum_j alpha^(C - j) K[j]^T V[j]
   with the decay table Gamma[r, j] = e^{gamma_r - gamma_j} = alpha^(r - j) (the ratio form).
   Decay enters in three places: the query (alpha^r), the key (alpha^(C - r)) and the state (alpha^C).
@@ -18,11 +20,22 @@ decay per head, and return o: (B, N, H, d_v).
 - `decay_table` builds Gamma for one head, in the ratio form, in any dtype.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 from numpy.typing import DTypeLike
 
 from stages.common.checks import (Float64Array, check_chunking, check_gate, check_log_gates, check_positive_integer, check_qkv,
                                   padded_length)
+
+
+class ChunkwiseOutput(NamedTuple):
+    """What reference B returns: o, and the chunk quantities that a token-by-token loop never forms
+    (in FLA's layouts: its h and Aqk)."""
+
+    o: Float64Array  # (B, N, H, d_v)
+    chunk_start_states: Float64Array  # (B, number of chunks, H, d_k, d_v): S^T as each chunk starts
+    A_qk: Float64Array  # (B, N, H, C): token t's row of its chunk's A_qk, zero past the chunk's end
 
 
 # --8<-- [start:recurrent]
@@ -43,30 +56,38 @@ def recurrent(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array
 
 
 # --8<-- [start:chunkwise]
-def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, chunk_size: int) -> Float64Array:
-    """Reference B: chunk by chunk with plain loops for the sums. State S^T: (d_k, d_v).
+def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, chunk_size: int) -> ChunkwiseOutput:
+    """Reference B: chunk by chunk with plain loops for the scores. State S^T: (d_k, d_v).
 
+    Returns o with the state at every chunk start and every chunk's scores A_qk (ChunkwiseOutput).
     The last chunk may be shorter than chunk_size: its decays run to its own last row.
     """
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate(g, B, N, H, d_k, gate="head")
     check_chunking(N, d_v, chunk_size)
     o = np.zeros((B, N, H, d_v))
+    chunk_start_states = np.zeros((B, padded_length(N, chunk_size) // chunk_size, H, d_k, d_v))
+    A_qk_rows = np.zeros((B, N, H, chunk_size))  # each token's row of its chunk's A_qk
     for b in range(B):
         for h in range(H):
             S_T = np.zeros((d_k, d_v))
             for start in range(0, N, chunk_size):
                 rows = slice(start, min(start + chunk_size, N))
                 Q, K, V = q[b, rows, h], k[b, rows, h], v[b, rows, h]
-                gamma = g[h] * np.arange(1, len(Q) + 1)  # log alpha^r, r counted from the chunk start
-                for r in range(len(Q)):
-                    inter_chunk = np.exp(gamma[r]) * (Q[r] @ S_T)  # the state, r more steps faded
-                    intra_chunk = sum(np.exp(gamma[r] - gamma[j]) * (Q[r] @ K[j]) * V[j]  # Gamma[r, j]
-                                      for j in range(r + 1))  # j <= r
-                    o[b, start + r, h] = inter_chunk + intra_chunk
+                C = len(Q)
+                gamma = g[h] * np.arange(1, C + 1)  # log alpha^r, r counted from the chunk start
+                A_qk = np.zeros((C, C))
+                for r in range(C):
+                    for j in range(r + 1):  # j <= r: the decay is formed only where it is defined
+                        A_qk[r, j] = np.exp(gamma[r] - gamma[j]) * (Q[r] @ K[j])  # Gamma[r, j] (q_r . k_j)
+                inter_chunk = np.exp(gamma)[:, None] * (Q @ S_T)  # the state, r more steps faded
+                intra_chunk = A_qk @ V  # the chunk's own rows, masked and decayed
+                o[b, rows, h] = inter_chunk + intra_chunk
+                chunk_start_states[b, start // chunk_size, h] = S_T
+                A_qk_rows[b, rows, h, :C] = A_qk
                 decay_to_chunk_end = np.exp(gamma[-1] - gamma)  # alpha^(C - r), every entry <= 1
                 S_T = np.exp(gamma[-1]) * S_T + (K * decay_to_chunk_end[:, None]).T @ V
-    return o
+    return ChunkwiseOutput(o, chunk_start_states, A_qk_rows)
 # --8<-- [end:chunkwise]
 
 

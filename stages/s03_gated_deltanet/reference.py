@@ -4,7 +4,9 @@
                                                              (paper layout: S is d_v x d_k)
 
 q, k: (B, N, H, d_k); v: (B, N, H, d_v); g = log(alpha): (B, N, H), one gate per token and head;
-beta: (B, N, H), the write strength in [0, 1]. Every function returns o: (B, N, H, d_v).
+beta: (B, N, H), the write strength in [0, 1]. Every function returns o: (B, N, H, d_v); reference B
+returns it in a ChunkwiseOutput, beside what only the chunked form has: the state at every chunk
+start, every chunk's scores A_qk and its WY factors W and U.
 
 - `recurrent` (A) is the recurrence token by token, in the paper layout.
 - `chunkwise` (B) keeps the state transposed, S^T (d_k x d_v), the kernel layout. For chunk [t]
@@ -22,9 +24,22 @@ beta: (B, N, H), the write strength in [0, 1]. Every function returns o: (B, N, 
   state is decayed by one scalar per chunk.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 
 from stages.common.checks import Float64Array, check_chunking, check_gate_and_beta, check_qkv, padded_length
+
+
+class ChunkwiseOutput(NamedTuple):
+    """What reference B returns: o, and the chunk quantities that a token-by-token loop never forms
+    (in FLA's layouts: its h, Aqk, w and u)."""
+
+    o: Float64Array  # (B, N, H, d_v)
+    chunk_start_states: Float64Array  # (B, number of chunks, H, d_k, d_v): S^T as each chunk starts
+    A_qk: Float64Array  # (B, N, H, C): token t's row of its chunk's A_qk, zero past the chunk's end
+    W: Float64Array  # (B, N, H, d_k): token t's row of its chunk's W
+    U: Float64Array  # (B, N, H, d_v): token t's row of its chunk's U
 
 
 # --8<-- [start:recurrent]
@@ -49,16 +64,20 @@ def recurrent(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array
 
 # --8<-- [start:chunkwise]
 def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
-              chunk_size: int) -> Float64Array:
+              chunk_size: int) -> ChunkwiseOutput:
     """Reference B: chunk by chunk, plain loops for M and A_qk, the UT transform by inversion.
     State S^T: (d_k, d_v).
 
+    Returns o with the state at every chunk start, every chunk's A_qk, W and U (ChunkwiseOutput).
     The last chunk may be shorter than chunk_size: nothing in the math needs equal chunks.
     """
     B, N, H, d_k, d_v = check_qkv(q, k, v)
     check_gate_and_beta(g, beta, B, N, H, d_k, gate="token")
     check_chunking(N, d_v, chunk_size)
     o = np.zeros((B, N, H, d_v))
+    chunk_start_states = np.zeros((B, padded_length(N, chunk_size) // chunk_size, H, d_k, d_v))
+    A_qk_rows = np.zeros((B, N, H, chunk_size))  # each token's row of its chunk's A_qk
+    W_rows, U_rows = np.zeros((B, N, H, d_k)), np.zeros((B, N, H, d_v))
     for b in range(B):
         for h in range(H):
             S_T = np.zeros((d_k, d_v))
@@ -83,9 +102,11 @@ def chunkwise(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array
                     for j in range(c + 1):  # j <= c: a token sees itself, undecayed
                         A_qk[c, j] = np.exp(gamma[c] - gamma[j]) * (Q[c] @ K[j])
                 o[b, rows, h] = (Q * np.exp(gamma)[:, None]) @ S_T + A_qk @ V_new
+                chunk_start_states[b, start // chunk_size, h] = S_T
+                A_qk_rows[b, rows, h, :C], W_rows[b, rows, h], U_rows[b, rows, h] = A_qk, W, U
                 decay_to_chunk_end = np.exp(gamma[-1] - gamma)  # (C,), every entry <= 1
                 S_T = np.exp(gamma[-1]) * S_T + (K * decay_to_chunk_end[:, None]).T @ V_new
-    return o
+    return ChunkwiseOutput(o, chunk_start_states, A_qk_rows, W_rows, U_rows)
 # --8<-- [end:chunkwise]
 
 

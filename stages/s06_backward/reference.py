@@ -14,7 +14,9 @@ kernel layout, (B, H, d_k, d_v), the layout of stage 5's `initial_state` and FLA
 - `chunkwise_backward` (B) runs stage 4's reference B forward, keeping the state at every chunk
   start (S^T, the kernel layout), then walks back over the chunks carrying dS^T, and inside a chunk
   takes every forward step of reference B backwards: the state update, the output, V_new, the WY
-  factors, the UT transform, the scores M and A_qk, and last the cumulative gate gamma.
+  factors, the UT transform, the scores M and A_qk, and last the cumulative gate gamma. Beside the
+  gradients it returns those of every chunk's scores A_qk and M (ChunkwiseGradients), which only a
+  chunked backward forms.
 - `kernel_mirror_backward` (C) is the backward kernels' control flow (stages/kda/backward.py),
   split as stage 5's forward is: stage 5's `prepare` again, then `chunk_states` (the forward's state
   loop, writing S^T at every chunk start and V_new), `state_gradients` (the reverse chunk loop
@@ -118,6 +120,23 @@ def recurrent_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
 # --8<-- [end:recurrent_backward]
 
 
+class ChunkwiseGradients(NamedTuple):
+    """What reference B's backward returns: the fields of Gradients, then the gradients of every
+    chunk's two score matrices, which a token-by-token backward never forms (FLA's dAqk and dAkk), a
+    row per token: token t's row of its chunk's matrix, zero past the chunk's end."""
+
+    dq: Float64Array  # (B, N, H, d_k)
+    dk: Float64Array  # (B, N, H, d_k)
+    dv: Float64Array  # (B, N, H, d_v)
+    dg: Float64Array  # (B, N, H, d_k)
+    dbeta: Float64Array  # (B, N, H)
+    d_initial_state: Float64Array  # (B, H, d_k, d_v), S^T layout
+    o: Float64Array  # (B, N, H, d_v), the forward's output
+    final_state: Float64Array  # (B, H, d_k, d_v), S_N^T
+    dA_qk: Float64Array  # (B, N, H, C): dLoss/dA_qk, lower with the diagonal
+    dM: Float64Array  # (B, N, H, C): dLoss/dM, strictly lower
+
+
 class _Chunk(NamedTuple):
     """Reference B's forward tensors of one chunk (stage 4's names), recomputed by the backward."""
 
@@ -148,7 +167,7 @@ def chunk_forward(Q, K, V, G, beta_c):
 # --8<-- [start:chunkwise_backward]
 def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Float64Array, beta: Float64Array,
                        do: Float64Array, chunk_size: int, initial_state: Float64Array | None = None,
-                       d_final_state: Float64Array | None = None) -> Gradients:
+                       d_final_state: Float64Array | None = None) -> ChunkwiseGradients:
     """Reference B: chunk by chunk, in reverse. State S^T: (d_k, d_v), the kernel layout; dS^T likewise.
 
     The forward of chunk [t] (stage 4's reference B; S^T the state at the chunk start, S'^T after it):
@@ -173,8 +192,9 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
     gamma[r] = g[0] + ... + g[r], the gate gradient is its reverse cumulative sum:
         dg[s] = dgamma[s] + dgamma[s + 1] + ... + dgamma[C - 1].
 
-    The forward keeps the state at every chunk start; the rest of a chunk is recomputed. The last
-    chunk may be shorter than chunk_size.
+    The forward keeps the state at every chunk start; the rest of a chunk is recomputed. Returns the
+    gradients with dA_qk and dM of every chunk (ChunkwiseGradients). The last chunk may be shorter
+    than chunk_size.
     """
     B, N, H, d_k, d_v = check_gradient_inputs(q, k, v, g, beta, do, initial_state, d_final_state)
     check_chunking(N, d_v, chunk_size)
@@ -182,6 +202,7 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
     dv, o = np.zeros((B, N, H, d_v)), np.zeros((B, N, H, d_v))
     dbeta = np.zeros((B, N, H))
     d_initial_state, final_state = np.zeros((B, H, d_k, d_v)), np.zeros((B, H, d_k, d_v))
+    dA_qk_rows, dM_rows = np.zeros((B, N, H, chunk_size)), np.zeros((B, N, H, chunk_size))  # each token's row
     chunks = [slice(start, min(start + chunk_size, N)) for start in range(0, N, chunk_size)]
     for b in range(B):
         for h in range(H):
@@ -240,6 +261,7 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
                 dL = np.tril(-f.T.T @ dT @ f.T.T, -1)  # strict: i < c
                 dbeta_c += np.sum(dL * f.M, axis=0)  # beta by columns, inside the solve
                 dM = dL * beta_c[None, :]
+                dA_qk_rows[b, rows, h, :C], dM_rows[b, rows, h, :C] = dA_qk, dM
 
                 # M[c, i] and A_qk[c, j]: plain loops, as the forward computes them
                 for c in range(C):
@@ -264,7 +286,7 @@ def chunkwise_backward(q: Float64Array, k: Float64Array, v: Float64Array, g: Flo
                 dq[b, rows, h], dk[b, rows, h], dg[b, rows, h], dbeta[b, rows, h] = dQ, dK, dG, dbeta_c
                 dS_T = dS_T_before
             d_initial_state[b, h] = dS_T
-    return Gradients(dq, dk, dv, dg, dbeta, d_initial_state, o, final_state)
+    return ChunkwiseGradients(dq, dk, dv, dg, dbeta, d_initial_state, o, final_state, dA_qk_rows, dM_rows)
 # --8<-- [end:chunkwise_backward]
 
 

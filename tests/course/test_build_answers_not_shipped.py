@@ -16,14 +16,12 @@ lacks (the answer, as `course handout` reads it: kdacourse.handout.answer_lines)
 stage, as shipped or (a fix exercise) repaired, may hold more than SHARED_ANSWER_BOUND of them.
 """
 
-import subprocess
-import sys
-
 import pytest
 
 from kdacourse import REPO_ROOT
 from kdacourse.catalog import exercises
 from kdacourse.handout import answer_lines
+from kdacourse.prefork import run_many
 
 BUILD_FILE = "build_kernel.py"
 BUILD_EXERCISES = {e.stage: e for e in exercises() if e.file == BUILD_FILE}
@@ -62,26 +60,55 @@ def shipped_programs():
 PROGRAMS = shipped_programs()
 
 
-@pytest.mark.parametrize("stage, description, path", PROGRAMS, ids=[d.split(",")[0].split(" ")[0] for _, d, _ in PROGRAMS])
-def test_a_shipped_program_fails_the_build_exercise(stage, description, path, tmp_path):
-    """The shipped program, called as the build exercise's builder (the tile arguments it lacks
-    dropped), fails the build exercise's cost test. Only that test runs (a few seconds, not the whole file's interpreter runs):
-    the value tests pass on these programs, which are right; their cost is what gives them away."""
-    exercise = BUILD_EXERCISES[stage]
+def _in_the_build_answers_place(stage, path):
+    """The program of `path` as the build exercise's file: its builder called by the build exercise's name,
+    the tile arguments it lacks dropped, when it is another kernel's."""
     wanted = _builder_name((REPO_ROOT / "solutions" / stage / BUILD_FILE).read_text())
     source = path.read_text()
-    if (given := _builder_name(source)) != wanted:  # another kernel's builder: the tile arguments it lacks are dropped
+    if (given := _builder_name(source)) != wanted:
         source += (f"\n\ndef {wanted}(*args, **kwargs):\n    import inspect\n\n"
                    f"    accepted = inspect.signature({given}).parameters\n"
                    f"    return {given}(*args, **{{key: value for key, value in kwargs.items() if key in accepted}})\n")
-    (tmp_path / stage).mkdir()
-    (tmp_path / stage / BUILD_FILE).write_text(source)
-    run = subprocess.run([sys.executable, "-m", "pytest", str(exercise.test_path), "-q", "-p", "no:cacheprovider",
-                          f"--target={tmp_path}", "-k", COST_TEST, "-rf"],
-                         cwd=REPO_ROOT, capture_output=True, text=True)
-    assert run.returncode == 1, f"{description} passes the tests of {exercise.id}:\n{run.stdout[-3000:]}"
-    assert f"::{COST_TEST}" in run.stdout, (
-        f"{description} fails {exercise.id}, but not by its cost test:\n{run.stdout[-3000:]}")
+    return source
+
+
+def _test_file(stage):
+    return BUILD_EXERCISES[stage].test_path.relative_to(REPO_ROOT).as_posix()
+
+
+@pytest.fixture(scope="module")
+def cost_runs(tmp_path_factory):
+    """{(stage, description): the build exercise's cost test with that shipped program in the build
+    answer's place}. The programs are dealt into folders, at most one of a stage in each, and each
+    folder's cost tests run in one pytest process, forked from one that imported TileLang once
+    (kdacourse.prefork): a few seconds a program, not a fresh interpreter's start for each."""
+    folders = []  # [{stage: description}]
+    root = tmp_path_factory.mktemp("shipped_programs")
+    for stage, description, path in PROGRAMS:
+        folder = next((f for f in folders if stage not in f), None)
+        if folder is None:
+            folders.append(folder := {})
+        folder[stage] = description
+        (root / str(folders.index(folder)) / stage).mkdir(parents=True)
+        (root / str(folders.index(folder)) / stage / BUILD_FILE).write_text(_in_the_build_answers_place(stage, path))
+    runs = [{"target": str(root / str(number)), "test_paths": [_test_file(stage) for stage in folder],
+             "extra_args": ("-k", COST_TEST), "timeout_per_test": 600, "timeout_total": 1800}
+            for number, folder in enumerate(folders)]
+    return {(stage, description): result.of_file(_test_file(stage))
+            for folder, result in zip(folders, run_many(runs, workers=1)) for stage, description in folder.items()}
+
+
+@pytest.mark.parametrize("stage, description, path", PROGRAMS, ids=[d.split(",")[0].split(" ")[0] for _, d, _ in PROGRAMS])
+def test_a_shipped_program_fails_the_build_exercise(stage, description, path, cost_runs):
+    """The shipped program, called as the build exercise's builder (the tile arguments it lacks
+    dropped), fails the build exercise's cost test. Only that test runs (a few seconds, not the whole
+    file's interpreter runs): the value tests pass on these programs, which are right; their cost is
+    what gives them away."""
+    exercise = BUILD_EXERCISES[stage]
+    run = cost_runs[(stage, description)]
+    assert run.outcomes, f"the cost test of {exercise.id} did not run on {description}:\n{run.output[-3000:]}"
+    assert any(test.endswith(f"::{COST_TEST}") for test in run.failed()), (
+        f"{description} passes the cost test of {exercise.id}:\n{run.output[-3000:]}")
 
 
 # A program of the same kernel written apart from the course's, from the signature, the layout and the

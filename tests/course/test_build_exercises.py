@@ -4,13 +4,12 @@ kernel (tests/build_alternatives/<stage>/build_kernel.py, a folder laid out like
 that program is not the course's."""
 
 import importlib
-import subprocess
-import sys
 
 import pytest
 
 from kdacourse import REPO_ROOT
 from kdacourse.catalog import exercises
+from kdacourse.runner import run_tests
 from kdacourse.targets import load_module
 
 BUILD_FILE = "build_kernel.py"
@@ -23,14 +22,25 @@ def _builder_names(module):
     return sorted(name for name in dir(module) if name.startswith("build_") and name.endswith("program"))
 
 
+def _test_file(exercise):
+    return exercise.test_path.relative_to(REPO_ROOT).as_posix()
+
+
+@pytest.fixture(scope="module")
+def alternatives_run():
+    """Every build exercise's tests on tests/build_alternatives/, GPU tests aside: one pytest process
+    (each test file loads only its own stage's program), which imports TileLang once."""
+    return run_tests(str(ALTERNATIVES), [_test_file(e) for e in BUILD_EXERCISES], timeout_per_test=600,
+                     timeout_total=3600, extra_args=("-m", "not gpu"))
+
+
 @pytest.mark.parametrize("exercise", BUILD_EXERCISES, ids=[e.id for e in BUILD_EXERCISES])
-def test_a_second_program_passes_the_exercise_tests(exercise):
+def test_a_second_program_passes_the_exercise_tests(exercise, alternatives_run):
     assert (ALTERNATIVES / exercise.stage / BUILD_FILE).is_file(), f"{exercise.id} has no second program"
-    run = subprocess.run([sys.executable, "-m", "pytest", str(exercise.test_path), "-q", "-p", "no:cacheprovider",
-                          f"--target={ALTERNATIVES}", "-m", "not gpu"],
-                         cwd=REPO_ROOT, capture_output=True, text=True)
-    assert run.returncode == 0, f"the tests of {exercise.id} fail on {ALTERNATIVES.name}/{exercise.stage}/{BUILD_FILE}:\n" \
-                                f"{run.stdout[-3000:]}"
+    run = alternatives_run.of_file(_test_file(exercise))
+    assert run.returncode == 0 and run.all_passed(), (
+        f"the tests of {exercise.id} fail on {ALTERNATIVES.name}/{exercise.stage}/{BUILD_FILE}: "
+        f"{run.failed() or 'none ran'}\n{run.output[-3000:]}")
 
 
 @pytest.mark.parametrize("exercise", BUILD_EXERCISES, ids=[e.id for e in BUILD_EXERCISES])

@@ -72,9 +72,9 @@ def _library_names():
     return names
 
 
-# Second answers to the build and tune exercises, kept out of the handout (tests/course/test_build_exercises.py,
-# tests/course/test_tune_exercises.py): they hold answer lines as the solutions do.
-SECOND_ANSWERS = {("tests", "build_alternatives"), ("tests", "tuned_programs")}
+# Second answers to the build, tune and chunkwise exercises, kept out of the handout (tests/course/test_build_exercises.py,
+# tests/course/test_tune_exercises.py, tests/course/test_chunked_answers.py): they hold answer lines as the solutions do.
+SECOND_ANSWERS = {("tests", "build_alternatives"), ("tests", "tuned_programs"), ("tests", "chunkwise_alternatives")}
 
 
 def distinctive_solution_lines():
@@ -135,7 +135,8 @@ def test_no_solutions_and_no_bug_catalog(handout):
 def test_exercise_functions_are_stubs(handout):
     stubbed = exercise_functions()
     assert {name for _, _, name in stubbed} >= {"recurrent", "chunkwise", "kernel_mirror", "build_program",
-                                                "decay_table", "chunk_system", "block_inverse", "build_prepare_program"}
+                                                "decay_table", "chunk_system", "block_inverse", "build_prepare_program",
+                                                "anchored_scores_macro"}  # a library form of s05.intra_chunk_scores
     for (stage, module, name), exercise in stubbed.items():
         tree = ast.parse((handout / "stages" / stage / module).read_text())
         function = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name)
@@ -146,6 +147,19 @@ def test_exercise_functions_are_stubs(handout):
         assert raises or delegates, f"{stage}/{module}: {name} is not a stub:\n{code}"
         if raises:
             assert exercise.id in code
+
+
+def test_a_library_form_names_a_function_the_library_defines():
+    """A catalog entry's `library_forms` (functions holding the answer in another form, which the handout
+    stubs) resolve to top-level functions; a name the library lacks is refused, not skipped."""
+    from kdacourse.handout import HandoutError, library_form
+
+    forms = [form for exercise in exercises() for form in exercise.library_forms]
+    assert "kda/tiles.py:anchored_scores_macro" in forms
+    for form in forms:
+        library_form(form)
+    with pytest.raises(HandoutError, match="defines no function 'no_such_macro'"):
+        library_form("kda/tiles.py:no_such_macro")
 
 
 def _site_text(site):
@@ -250,6 +264,24 @@ def test_readme_and_pages_describe_the_handout(handout):
         assert full_course not in page, f"the handout's exercises page says {full_course!r}"
     for path in (handout / "docs").rglob("*.md"):
         assert "<!-- full course" not in path.read_text(), f"{path.name} keeps the full course's text"
+
+
+def test_pages_give_no_command_the_handout_cannot_run(handout):
+    """No page but the instructors' (their commands run in the instructor's copy) names a solutions or
+    bug target, and no code block of one runs pytest on tests the handout leaves out (tests/stages,
+    tests/kernels, ...). A command cited in the text as the source of a number stays: it says how the
+    course made it."""
+    for path in sorted((handout / "docs").glob("*.md")):
+        if path.name == "instructors.md":
+            continue
+        text = path.read_text()
+        for target in ("--target=solutions", "--target=bug:"):
+            assert target not in text, f"the handout's {path.name} gives a command with {target}, which a handout lacks"
+        code_blocks = "\n".join(re.findall(r"^```.*?^```", text, re.S | re.M))
+        for command in re.findall(r"pytest((?: +tests/\S+)+)", code_blocks):
+            for test_path in command.split():
+                assert (handout / test_path.split("::")[0]).exists(), (
+                    f"the handout's {path.name} runs pytest on {test_path}, which the handout leaves out")
 
 
 def test_handout_is_made_from_the_commit_not_the_working_tree(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.oracles import delta_rule
+from tests.exercises.chunk_checks import assert_chunk_quantities
 from tests.exercises.strong_gates import STRONG_CHUNK, STRONG_LOG_GATE, assert_finite
 
 STAGE = "s03_gated_deltanet"
@@ -30,13 +31,13 @@ def chunkwise(target_module):
 )
 def test_matches_delta_rule(chunkwise, N, chunk_size):
     x = make_inputs(2, N, 2, 6, 5, gate="token", gate_range=(0.8, 0.99), beta_range=(0.1, 0.9), seed=N)
-    actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, chunk_size)
+    actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, chunk_size).o
     assert_close(actual, delta_rule(x.q, x.k, x.v, x.beta, x.g), rel_l2=1e-12, chunk_size=chunk_size)
 
 
 def test_g_zero_is_deltanet(chunkwise):
     x = make_inputs(1, 24, 2, 4, 3, gate="token", beta_range=(0.1, 0.9), seed=7)
-    actual = chunkwise(x.q, x.k, x.v, np.zeros_like(x.g), x.beta, 8)
+    actual = chunkwise(x.q, x.k, x.v, np.zeros_like(x.g), x.beta, 8).o
     assert_close(actual, delta_rule(x.q, x.k, x.v, x.beta), rel_l2=1e-12)
 
 
@@ -49,6 +50,14 @@ def test_rejects_bad_chunk_size(chunkwise):
 def test_strong_gates_at_full_chunk_length(chunkwise):
     x = make_inputs(1, 3 * STRONG_CHUNK, 2, 6, 5, gate="token", gate_range=(0.8, 0.99), beta_range=(0.1, 0.9), seed=50)
     x.g[:, :, 0] = STRONG_LOG_GATE  # head 0 forgets at every token; head 1 keeps its gates
-    actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, STRONG_CHUNK)
+    actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, STRONG_CHUNK).o
     assert_finite(actual, "head 0")
     assert_close(actual, delta_rule(x.q, x.k, x.v, x.beta, x.g), rel_l2=1e-12, chunk_size=STRONG_CHUNK)
+
+
+@pytest.mark.parametrize("N, chunk_size", [(19, 4), (6, 1), (5, 16)])
+def test_returns_what_only_a_chunked_form_has(chunkwise, N, chunk_size):
+    """The state as each chunk starts, each chunk's scores and WY factors, a row per token: the chunked
+    algorithm's own quantities, which a token-by-token loop never forms (tests/exercises/chunk_checks.py)."""
+    x = make_inputs(2, N, 2, 6, 5, gate="token", gate_range=(0.8, 0.99), beta_range=(0.1, 0.9), seed=N)
+    assert_chunk_quantities(chunkwise(x.q, x.k, x.v, x.g, x.beta, chunk_size), x, chunk_size)

@@ -5,6 +5,7 @@ import pytest
 from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.oracles import kda_delta_rule
+from tests.exercises.chunk_checks import assert_chunk_quantities
 from tests.exercises.strong_gates import STRONG_CHUNK, STRONG_LOG_GATE, assert_finite
 
 STAGE = "s04_kda"
@@ -27,7 +28,7 @@ def chunkwise(target_module):
 )
 def test_matches_delta_rule_form(chunkwise, N, chunk_size):
     x = make_inputs(2, N, 2, 6, 5, gate="channel", gate_range=(0.5, 0.999), beta_range=(0.1, 0.9), seed=N)
-    actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, chunk_size)
+    actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, chunk_size).o
     assert_close(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta), rel_l2=1e-12, chunk_size=chunk_size)
 
 
@@ -40,6 +41,14 @@ def test_rejects_bad_chunk_size(chunkwise):
 def test_strong_gates_at_full_chunk_length(chunkwise):
     x = make_inputs(1, 3 * STRONG_CHUNK, 2, 6, 5, gate="channel", gate_range=(0.5, 0.999), beta_range=(0.1, 0.9), seed=50)
     x.g[..., ::2] = STRONG_LOG_GATE  # every other key channel forgets at every token
-    actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, STRONG_CHUNK)
+    actual = chunkwise(x.q, x.k, x.v, x.g, x.beta, STRONG_CHUNK).o
     assert_finite(actual, "every other key channel")
     assert_close(actual, kda_delta_rule(x.q, x.k, x.v, x.g, x.beta), rel_l2=1e-12, chunk_size=STRONG_CHUNK)
+
+
+@pytest.mark.parametrize("N, chunk_size", [(19, 4), (6, 1), (5, 16)])
+def test_returns_what_only_a_chunked_form_has(chunkwise, N, chunk_size):
+    """The state as each chunk starts, each chunk's scores and WY factors, a row per token: the chunked
+    algorithm's own quantities, which a token-by-token loop never forms (tests/exercises/chunk_checks.py)."""
+    x = make_inputs(2, N, 2, 6, 5, gate="channel", gate_range=(0.5, 0.999), beta_range=(0.1, 0.9), seed=N)
+    assert_chunk_quantities(chunkwise(x.q, x.k, x.v, x.g, x.beta, chunk_size), x, chunk_size)

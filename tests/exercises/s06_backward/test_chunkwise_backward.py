@@ -5,10 +5,12 @@ token, gates down to 0.5 and beta at 0 and 1."""
 import numpy as np
 import pytest
 
-from tests.exercises.s06_backward.oracle import assert_gradients_close, backward_inputs, gradients
+from stages.common.compare import assert_close
+from tests.exercises.s06_backward.oracle import assert_gradients_close, backward_inputs, gradients, score_gradients
 
 STAGE = "s06_backward"
 GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
+SCORE_GRADIENTS = ("dA_qk", "dM")
 
 
 @pytest.fixture
@@ -61,3 +63,23 @@ def test_strong_gates_at_full_chunk_length(chunkwise_backward):
         assert_finite(getattr(result, name), f"every other key channel ({name})")
     assert_gradients_close(result._asdict(), gradients(x.q, x.k, x.v, x.g, x.beta, do, S_0, dS_N), GRADIENTS,
                            chunk_size=STRONG_CHUNK)
+
+
+@pytest.mark.parametrize("B, N, H, d_k, d_v, chunk_size", [
+    (2, 11, 2, 5, 3, 4),  # three chunks, the last one short
+    (1, 5, 1, 3, 2, 8),  # a chunk longer than the sequence
+    (1, 6, 2, 4, 3, 1),  # chunks of one token: M = 0
+])
+def test_returns_what_only_a_chunked_form_has(chunkwise_backward, B, N, H, d_k, d_v, chunk_size):
+    """dLoss/dA_qk and dLoss/dM of every chunk, a row per token, against the complex step through the
+    chunk's forward (oracle.score_gradients): a token-by-token backward forms neither."""
+    x, do, S_0, dS_N = backward_inputs(B, N, H, d_k, d_v, seed=N + chunk_size)
+    result = chunkwise_backward(x.q, x.k, x.v, x.g, x.beta, do, chunk_size, S_0, dS_N)
+    missing = [name for name in SCORE_GRADIENTS if not hasattr(result, name)]
+    assert not missing, (f"chunkwise_backward returned a {type(result).__name__} without {', '.join(missing)}: it "
+                         "returns a ChunkwiseGradients, the gradients with those of every chunk's scores")
+    expected = score_gradients(x.q, x.k, x.v, x.g, x.beta, do, chunk_size, S_0, dS_N)
+    for name in SCORE_GRADIENTS:
+        assert_close(getattr(result, name), expected[name], rel_l2=1e-12, chunk_size=chunk_size,
+                     name=f"{name} (a token-by-token backward never forms it: reference B is the chunked algorithm)",
+                     axes=("batch", "token", "head", "column of the chunk"))
