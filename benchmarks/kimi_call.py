@@ -256,6 +256,17 @@ def summary(rows):
             for case, measured in table.items()}
 
 
+def git_commit():
+    """The commit the run's tree was checked out at (its kernels), or None outside a git checkout."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -284,7 +295,7 @@ def main(argv=None):
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
                 python=platform.python_version(), versions=versions, date=time.strftime("%Y-%m-%d"),
                 command="python -m benchmarks.kimi_call " + " ".join(sys.argv[1:] if argv is None else argv),
-                lower_bound=LOWER_BOUND, rounds=args.rounds, cases={})
+                lower_bound=LOWER_BOUND, rounds=args.rounds, cases={}, commit=git_commit())
     if not args.no_accuracy:
         rows = accuracy(log)
         with open(args.out / ACCURACY_NAME, "w", newline="") as f:
