@@ -4,30 +4,12 @@ shown to hide where the catalog says it does."""
 import inspect
 
 import pytest
-import sympy as sp
 
-from stages.common.symbolic import Identity, counterexample
+from tests.stages.identity_checks import identity_tests
 from stages.s06_backward import identities
 
 
-@pytest.mark.parametrize("build", identities.IDENTITIES, ids=lambda build: build.__name__)
-def test_identity_holds(build):
-    assert build().holds()
-
-
-@pytest.mark.parametrize("build", identities.IDENTITIES, ids=lambda build: build.__name__)
-def test_identity_is_not_vacuous(build):
-    """The derivative side is not all zero, and changing one entry of the formula breaks the proof."""
-    identity = build()
-    assert not identity.lhs.applyfunc(sp.expand).is_zero_matrix
-    changed = identity.rhs.copy()
-    changed[0] = changed[0] + sp.Symbol("epsilon")
-    assert not Identity(identity.name, identity.statement, identity.lhs, changed).holds()
-
-
-@pytest.mark.parametrize("build", identities.REFUTED, ids=lambda build: build.__name__)
-def test_refuted_form_differs(build):
-    assert counterexample(build()) is not None
+test_identity_holds, test_identity_is_not_vacuous, test_refuted_form_differs = identity_tests(identities)
 
 
 HIDING = [build for build in identities.REFUTED if inspect.signature(build).parameters]

@@ -11,11 +11,10 @@ import inspect
 
 import numpy as np
 import pytest
-import sympy as sp
 import torch
 
 from stages.common.compare import assert_close
-from stages.common.symbolic import Identity, counterexample
+from tests.stages.identity_checks import identity_tests
 from stages.s05_fast_kda.reference import prepare, recurrence
 from stages.s08_context_parallel import identities
 from stages.s08_context_parallel.reference import (RankPart, chunkwise, chunkwise_backward, pass_state_gradients,
@@ -205,24 +204,7 @@ def test_reference_inputs_are_checked():
 # ------------------------------------------------------------------------------------------ the identities
 
 
-@pytest.mark.parametrize("build", identities.IDENTITIES, ids=lambda build: build.__name__)
-def test_identity_holds(build):
-    assert build().holds()
-
-
-@pytest.mark.parametrize("build", identities.IDENTITIES, ids=lambda build: build.__name__)
-def test_identity_is_not_vacuous(build):
-    """Both sides are not all zero, and changing one entry of the formula breaks the proof."""
-    identity = build()
-    assert not identity.lhs.applyfunc(sp.expand).is_zero_matrix
-    changed = identity.rhs.copy()
-    changed[0] = changed[0] + sp.Symbol("epsilon")
-    assert not Identity(identity.name, identity.statement, identity.lhs, changed).holds()
-
-
-@pytest.mark.parametrize("build", identities.REFUTED, ids=lambda build: build.__name__)
-def test_refuted_form_differs(build):
-    assert counterexample(build()) is not None
+test_identity_holds, test_identity_is_not_vacuous, test_refuted_form_differs = identity_tests(identities)
 
 
 @pytest.mark.parametrize("build", identities.REFUTED, ids=lambda build: build.__name__)
