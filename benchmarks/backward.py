@@ -144,11 +144,13 @@ def open_writer(path):
 # ------------------------------------------------------------------ on the GPU
 
 def configs(B, H, D, num_sms, backward_block_dv=None):
-    """(the forward's KernelConfig, the backward's) at this shape on a GPU of num_sms SMs: what forward
-    and backward resolve, the backward's block_dv set by --block-dv if given."""
-    from stages.kda.config import resolve
+    """(the forward's KernelConfig, the backward's) at this shape on a GPU of num_sms SMs: what a training
+    step's forward and backward resolve (both at the backward's chunk, DEFAULT_CHUNK_SIZE), the backward's
+    block_dv set by --block-dv if given."""
+    from stages.kda.config import DEFAULT_CHUNK_SIZE, resolve
 
-    return resolve(B, H, D, D, num_sms), resolve(B, H, D, D, num_sms, block_dv=backward_block_dv)
+    return (resolve(B, H, D, D, num_sms, chunk_size=DEFAULT_CHUNK_SIZE),
+            resolve(B, H, D, D, num_sms, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=backward_block_dv))
 
 
 def compile_all(shapes, backward_block_dv, num_sms, log):

@@ -34,7 +34,7 @@ def gpu_target() -> dict:
     a cache carried there (TILELANG_CACHE_DIR) spares its compiles."""
     import torch
 
-    if not torch.cuda.is_available():
+    if torch.cuda.device_count() == 0:
         return SM90A
     major, minor = torch.cuda.get_device_capability()
     return {"kind": "cuda", "arch": f"sm_{major}{minor}{'a' if major == 9 else ''}"}

@@ -163,7 +163,8 @@ def plan_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     verifier (stages.kda.fla_backend) runs it too: what it refuses falls back to FLA's kernels."""
     state_v_first = state_v_first_of(state_v_first, transpose_state_layout)
     if cp_context is not None:
-        raise ValueError("a call with cp_context is stage 8's (context_parallel), not planned here")
+        raise ValueError("cp_context: the course's split over ranks runs through chunk_kda with stage 8's "
+                         "CPContext; FLA's context parallelism (its FLACPContext) stays with FLA's kernels")
     check_tensors({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
                    "A_log": A_log if use_gate_in_kernel else None, "dt_bias": dt_bias if use_gate_in_kernel else None})
     check_packing(q, initial_state, cu_seqlens)
@@ -198,13 +199,15 @@ def context_parallel(q, k, v, g, beta, cp_context, scale, initial_state, output_
                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
                      return_intermediate_states, state_v_first, cu_seqlens, A_log, dt_bias, chunk_size, checks):
     """chunk_kda with cp_context (stage 8's, stages.s08_context_parallel.distributed.build_cp_context): this
-    rank's part of a packed batch, (1, n, H, K) and so on, the states passed between the ranks. The form
+    rank's part of a packed batch, (1, n, H, K) and so on, the states passed between the ranks by the
+    context's own chunk_kda (stage 8 builds on this package, not the other way round). The form
     (FLA's flags) is activated in torch in front of the rank's calls, under autograd, and grouped value
     heads are expanded, so that stage 8's function takes q, k, g and beta as the recurrence does; the
     states (N_seq, HV, K, V) are indexed by the whole batch's sequences (zeros for those that end on
     another rank). FLA's rule: the context's offsets replace cu_seqlens."""
-    from stages.s08_context_parallel.distributed import chunk_kda_cp
-
+    if not callable(getattr(cp_context, "chunk_kda", None)):
+        raise TypeError(f"cp_context must be stage 8's CPContext (stages.s08_context_parallel.distributed."
+                        f"build_cp_context), got {type(cp_context).__name__}")
     if cu_seqlens is not None:
         raise ValueError("with cp_context the packed batch's offsets are the context's: pass cu_seqlens to "
                          "build_cp_context, not to chunk_kda")
@@ -220,8 +223,8 @@ def context_parallel(q, k, v, g, beta, cp_context, scale, initial_state, output_
     q, k = expand_heads(q, v.shape[2]), expand_heads(k, v.shape[2])
     if q.is_cuda:  # the kernels' operands: q and k in v's dtype, g and beta in float32
         q, k = q.to(v.dtype), k.to(v.dtype)
-    o, final_state = chunk_kda_cp(q, k, v, g, beta, cp_context, to_kernel_layout(initial_state, state_v_first),
-                                  output_final_state, chunk_size, checks)
+    o, final_state = cp_context.chunk_kda(q, k, v, g, beta, to_kernel_layout(initial_state, state_v_first),
+                                         output_final_state, chunk_size, checks)
     return o, None if final_state is None else to_kernel_layout(final_state, state_v_first).contiguous()
 # --8<-- [end:context_parallel]
 

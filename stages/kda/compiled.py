@@ -51,6 +51,9 @@ def _compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags
     return tilelang.compile(program, out_idx=out_idx, target=gpu_target())
 
 
+compiled_prepare.cache_clear = _compiled_prepare.cache_clear  # as the other caches: tests empty them
+
+
 @functools.cache
 def compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads):
     """The recurrence kernel (dense) compiled for the GPU, o and the final state allocated by the call."""

@@ -69,6 +69,12 @@ class CPContext:
     def cu_seqlens(self) -> np.ndarray:
         return self.part.cu_seqlens
 
+    def chunk_kda(self, q, k, v, g, beta, initial_state=None, output_final_state=False, chunk_size=None,
+                  checks="device"):
+        """chunk_kda_cp on this context: what stages.kda.autograd.chunk_kda(..., cp_context=self) runs
+        once it has made q, k, g and beta the recurrence's own."""
+        return chunk_kda_cp(q, k, v, g, beta, self, initial_state, output_final_state, chunk_size, checks)
+
 
 def build_cp_context(cu_seqlens, group: "dist.ProcessGroup | None" = None, combine: str = "pass") -> CPContext:
     """The context of this process's rank for the packed batch `cu_seqlens` (N_seq + 1,) of the whole

@@ -41,7 +41,7 @@ def test_the_verifier_takes_what_chunk_kda_runs_and_says_why_not():
     positional = [arguments.pop(name) for name in ("q", "k", "v", "g", "beta")]  # as FLA's callers may pass them
     assert fla_backend.chunk_kda_verifier(*positional, **arguments) == (True, None)
     refusals = {
-        "cp_context": (dict(cp_context=object()), "chunk_kda does not support cp_context"),
+        "cp_context": (dict(cp_context=object()), "cp_context: the course's split over ranks runs through"),
         "chunk_size": (dict(chunk_size=16), "`chunk_size` must be either 32 or 64 for KDA, got 16."),
         "A_log": (dict(A_log=None, lower_bound=None, safe_gate=False), "`A_log` must be provided"),
         "device": (dict(q=leaves["q"].to("meta")), "all inputs must be on one device"),

@@ -288,7 +288,7 @@ def _call(B=1, T=8, H=1, HV=1, K=4, V=4, **options):
     ({"K": 257}, ValueError, "Currently we only support key headdim <=256 for KDA, got 257."),
     ({"use_graph": True, "cu_seqlens": torch.tensor([0, 3, 8]), "max_num_seqs": 4}, ValueError,
      "cu_seqlens must be padded with zero-length tail sequences to exactly max_num_seqs + 1 entries"),
-    ({"cp_context": object()}, NotImplementedError, "chunk_kda does not support cp_context"),
+    ({"cp_context": object()}, TypeError, "cp_context must be stage 8's CPContext"),
     ({"use_gate_in_kernel": True, "A_log": torch.zeros(2)}, ValueError, "A_log must have HV = 1 entries"),
 ])
 def test_fla_s_rules_with_fla_s_messages(options, error, message):

@@ -197,7 +197,7 @@ def test_fla_options_at_their_defaults_pass_and_an_unknown_one_is_a_type_error()
     args = [leaves[name].detach() for name in INPUTS[:5]]
     chunk_kda(*args, cu_seqlens=None, use_gate_in_kernel=False, safe_gate=False, state_v_first=False, cp_context=None,
               use_graph=False, max_num_seqs=None, return_intermediate_states=False)
-    with pytest.raises(NotImplementedError, match="chunk_kda does not support cp_context"):
+    with pytest.raises(TypeError, match="cp_context must be stage 8's CPContext"):
         chunk_kda(*args, cp_context=object())
     with pytest.raises(TypeError, match="unexpected keyword argument 'head_first'"):
         chunk_kda(*args, head_first=True)
