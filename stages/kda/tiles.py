@@ -93,9 +93,11 @@ def scaled(X_s, factor, r, d):
     return X_s[r, d] * factor[r]
 
 
-def scaled_factor(factor, j):
-    """Row j's factor itself (`scaled`'s factor: a number or a (C,) buffer)."""
-    return factor if isinstance(factor, (int, float)) else factor[j]
+def row_factor(factor, r):
+    """Row r's factor itself (`scaled`'s factor): 1 for None, the number, or the buffer's entry r."""
+    if factor is None:
+        return 1
+    return factor if isinstance(factor, (int, float)) else factor[r]
 
 
 def activate_loads_macro(C, d_k, form: InputForm):
@@ -149,7 +151,7 @@ def activate_loads_macro(C, d_k, form: InputForm):
         return q_factor, k_factor
 
     @T.macro
-    def activate_loads(s, A_log, Dt_bias, h, rows):
+    def gate_and_beta(s, A_log, Dt_bias, h, rows):
         if form.raw_gate:
             # the head's parameters read once a chunk: dt_bias's channels on chip, exp(A_log) in a register
             bias_s = T.alloc_shared((d_k,), accum_dtype)
@@ -171,7 +173,7 @@ def activate_loads_macro(C, d_k, form: InputForm):
 
     @T.macro
     def activate(s, A_log, Dt_bias, h, rows):
-        activate_loads(s, A_log, Dt_bias, h, rows)
+        gate_and_beta(s, A_log, Dt_bias, h, rows)
         return row_factors(s)
 
     return activate
@@ -245,9 +247,8 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
         # a score is bilinear in its rows: the factors of q_r (or k_r) and of k_j multiply it whole
         for r, j in T.Parallel(sub, sub):
             row, col = first + r, first + j
-            L_s[row, col] = scaled(L_s, k_factor, row, col) * (1 if k_factor is None else scaled_factor(k_factor, col))
-            A_qk_s[row, col] = scaled(A_qk_s, q_factor, row, col) * (
-                1 if k_factor is None else scaled_factor(k_factor, col))
+            L_s[row, col] = L_s[row, col] * row_factor(k_factor, row) * row_factor(k_factor, col)
+            A_qk_s[row, col] = A_qk_s[row, col] * row_factor(q_factor, row) * row_factor(k_factor, col)
 
     @T.macro
     def anchored_scores(Q_s, K_s, gamma_s, beta_s, Q_row_s, K_row_s, K_col_s, Q_slab_s, K_slab_row_s, K_slab_col_s,
