@@ -220,8 +220,8 @@ def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
     heads (q and k may have fewer: grouped value heads).
 
     In stage 5's order (check_forward_inputs): the checks mode, what the tensors' types, shapes and
-    dtypes tell, and block_dv; then, with checks="host", what only their values tell
-    (check_decode_values); the device last, so that every other mistake shows, and is tested, on a
+    dtypes tell, and block_dv; then, with checks="host", what only their values tell (check_values,
+    then check_slot_values); the device last, so that every other mistake shows, and is tested, on a
     machine without a GPU.
     """
     check_mode(checks)
@@ -254,14 +254,6 @@ def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_pool": state_pool, "slots": slots,
                    "A_log": A_log, "dt_bias": dt_bias})
     return B, H, d_k, d_v
-
-
-def check_decode_values(g: "torch.Tensor", beta: "torch.Tensor", slots: "torch.Tensor", P: int) -> None:
-    """What only the values tell: g finite and <= 0, beta in [0, 1] (check_gate_values), and the slots
-    distinct and in [0, P) (check_slot_values). Two passes, two device syncs: decode's checks="host";
-    by default the kernel checks them itself (build_decode_program)."""
-    check_gate_values(g, beta)
-    check_slot_values(slots, P)
 
 
 def check_int32_indexing(rows: int, H: int, width: int) -> None:
