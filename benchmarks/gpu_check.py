@@ -197,6 +197,16 @@ def parts() -> dict[str, Part]:
              (_context_parallel("forward", 500),)),
         Part("context-parallel-backward", "stage 8's backward pieces at 1M tokens over 2, 4 and 8 ranks",
              (_context_parallel("backward", 520),)),
+        Part("kimi-call", "KDA as Kimi Linear calls it (raw gate, norms and beta's sigmoid in the kernels) beside "
+             "FLA's own path and FlashKDA, calls and CUDA graphs, and the error against float64",
+             (Step("kimi_call", python("-m", "benchmarks.kimi_call", "--out", FILES, "--rounds", "3", "--deadline",
+                                       "440"), 520, log_to=f"{RESULTS}/kimi_call/kimi_call.log",
+                   files_to=f"{RESULTS}/kimi_call"),)),
+        Part("fla-backend-train", "a small KDA model from fla.models trained 200 steps on FLA's kernels and through "
+             "the course's backend (needs scripts/pack_fla_models.sh's pack)",
+             (Step("fla_backend_train", python("-m", "benchmarks.fla_backend_train", "--out", FILES, "--steps", "200"),
+                   420, log_to=f"{RESULTS}/fla_backend_train/fla_backend_train.log",
+                   files_to=f"{RESULTS}/fla_backend_train"),)),
         Part("train", "the training demo on CUDA beside FLA: the bounded gate, and Kimi Linear's unbounded one "
              "with the NaN trap (nothing timed)",
              (_train("train_cuda", "train_kda_cuda"),

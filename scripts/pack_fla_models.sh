@@ -17,6 +17,9 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 mkdir -p "$tmp/site"
 for w in "$tmp"/whl/*.whl; do python3 -m zipfile -e "$w" "$tmp/site"; done
 rm -rf "$tmp"/site/*.data  # flash-linear-attention's wheel holds fla/layers and fla/models only: fla-core's fla stays
+# transformers' 500 model folders are 45 of its 78 MB and fla.models imports none of them (only auto, which
+# registers FLA's configs): without them the pack fits the device's 64 MiB beside .gpu/site.tar.xz
+find "$tmp/site/transformers/models" -mindepth 1 -maxdepth 1 -type d ! -name auto -exec rm -rf {} +
 tar -C "$tmp/site" -cf - . | xz -T0 -6 > .gpu/fla_models.tar.xz
 cat > .gpu/fla_models.sh <<'ENV'
 # source after .gpu/env.sh: adds flash-linear-attention's layers and models, and transformers
