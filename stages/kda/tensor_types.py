@@ -4,12 +4,12 @@ for one launch, and the prim_func signatures of the prepare, the recurrence and 
 counts the chunk-aligned rows, `tokens` the inputs' rows as the caller passes them:
 
     name             shape                        dtype       holds
-    qk               (B, tokens, H / group, d_k)  dtype       q and k as passed: one head per q/k head
+    qk               (B, tokens, H / group, d_k)  dtype       q and k as passed (grouped value heads share one)
     v                (B, tokens, H, d_v)          dtype       v as passed; o, dv
     g                (B, tokens, H, d_k)          gate_dtype  the log gates (or a raw gate's x)
     beta             (B, tokens, H)               beta_dtype  beta (or its logits); dbeta
-    A_log            (H,)                         fp32        a raw gate's rates, log
-    Dt_bias          (H, d_k)                     fp32        ... and its bias
+    A_log            (H,)                         fp32        a raw gate's log rates
+    Dt_bias          (H, d_k)                     fp32        ... and its bias on x
     chunk_table      (chunks, 2)                  int32       a packed batch's (sequence, chunk) per chunk
     offsets          (sequences + 1,)             int32       cu_seqlens, the chunk offsets
     flags            (FLAG_COUNT,)                int32       the device checks' flags
@@ -20,7 +20,7 @@ counts the chunk-aligned rows, `tokens` the inputs' rows as the caller passes th
     score_rows_fp32  (B, N, H, C)                 fp32        A_kk, T = (I + L)^{-1}, as A_qk
     chunk_rows_fp32  (B, chunks, H, d_k)          fp32        e^{gamma_C}, d gamma_C
     chunk_states     (B, chunks, H, d_k, d_v)     dtype       S^T at every chunk start, dS^T at every end
-    states           (states, H, d_k, d_v)        fp32        S_0^T, the final S^T, their gradients
+    states           (B or sequences, H, d_k, d_v) fp32       S_0^T, the final S^T, their gradients
 
 Each is a factory, which TileLang calls once per parameter (a callable annotation is called): every
 parameter needs a buffer of its own, and one T.Tensor named by two parameters would make them one
