@@ -2,6 +2,7 @@
 
     config      the sizes a call runs with: constants, defaults, the resolved KernelConfig
     tiles       the tile pieces the kernels share (every @T.macro), and the prepare's buffers
+    tensor_types  the tensors the chunked kernels take, each declared once for their signatures
     prepare     the prepare kernel: dense or packed batches, value flags, the solve's outputs
     recurrence  the chunk recurrence: dense or packed batches
     backward    the backward's kernels: states, state gradient, state products, intra

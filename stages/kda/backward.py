@@ -35,6 +35,7 @@ import functools
 from stages.common.tilelang_tools import LOG2_E
 from stages.kda.config import CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK, default_intra_threads
 from stages.kda.prepare import build_prepare_program, prepare_outputs
+from stages.kda.tensor_types import tensor_types
 from stages.kda.tiles import (advance_state_macro, cumulative_gates_macro, exact_diagonal_gradients_macro,
                               flag_wide_spans_macro, wait_for_tensor_cores_macro)
 from stages.s05_fast_kda.numerics import FAST_SPAN_LOG
@@ -54,17 +55,18 @@ def build_states_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block
     C = chunk_size
     accum_dtype = "float32"
     num_chunks = N // C
+    tensors = tensor_types(B, N, H, d_k, d_v, C, dtype)
     advance_state = advance_state_macro(d_k, block_dv)
 
     @T.prim_func
     def kda_states(
-        W: T.Tensor((B, N, H, d_k), dtype),
-        U: T.Tensor((B, N, H, d_v), dtype),
-        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
-        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
-        Initial_state: T.Tensor((B, H, d_k, d_v), accum_dtype),
-        States: T.Tensor((B, num_chunks, H, d_k, d_v), dtype),
-        V_new: T.Tensor((B, N, H, d_v), dtype),
+        W: tensors.key_rows,
+        U: tensors.value_rows,
+        K_to_chunk_end: tensors.key_rows,
+        Chunk_decay: tensors.chunk_rows_fp32,
+        Initial_state: tensors.states,
+        States: tensors.chunk_states,
+        V_new: tensors.value_rows,
     ):
         with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
             b, h = i_bh // H, i_bh % H
@@ -114,19 +116,20 @@ def build_state_gradient_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
     C = chunk_size
     accum_dtype = "float32"
     num_chunks = N // C
+    tensors = tensor_types(B, N, H, d_k, d_v, C, dtype)
 
     @T.prim_func
     def kda_state_gradient(
-        Q_decayed: T.Tensor((B, N, H, d_k), dtype),
-        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
-        W: T.Tensor((B, N, H, d_k), dtype),
-        A_qk: T.Tensor((B, N, H, C), dtype),
-        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
-        dO: T.Tensor((B, N, H, d_v), dtype),
-        D_final_state: T.Tensor((B, H, d_k, d_v), accum_dtype),
-        D_states: T.Tensor((B, num_chunks, H, d_k, d_v), dtype),
-        dV_new: T.Tensor((B, N, H, d_v), dtype),
-        D_initial_state: T.Tensor((B, H, d_k, d_v), accum_dtype),
+        Q_decayed: tensors.key_rows,
+        K_to_chunk_end: tensors.key_rows,
+        W: tensors.key_rows,
+        A_qk: tensors.score_rows,
+        Chunk_decay: tensors.chunk_rows_fp32,
+        dO: tensors.value_rows,
+        D_final_state: tensors.states,
+        D_states: tensors.chunk_states,
+        dV_new: tensors.value_rows,
+        D_initial_state: tensors.states,
     ):
         with T.Kernel(d_v // block_dv, B * H, threads=threads) as (i_v, i_bh):
             b, h = i_bh // H, i_bh % H
@@ -188,19 +191,20 @@ def build_state_products_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
     C = chunk_size
     accum_dtype = "float32"
     num_chunks = N // C
+    tensors = tensor_types(B, N, H, d_k, d_v, C, dtype)
 
     @T.prim_func
     def kda_state_products(
-        States: T.Tensor((B, num_chunks, H, d_k, d_v), dtype),
-        D_states: T.Tensor((B, num_chunks, H, d_k, d_v), dtype),
-        V_new: T.Tensor((B, N, H, d_v), dtype),
-        dV_new: T.Tensor((B, N, H, d_v), dtype),
-        dO: T.Tensor((B, N, H, d_v), dtype),
-        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
-        dQ_decayed: T.Tensor((B, N, H, d_k), accum_dtype),
-        dK_to_chunk_end: T.Tensor((B, N, H, d_k), accum_dtype),
-        dW: T.Tensor((B, N, H, d_k), accum_dtype),
-        D_gamma_last: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
+        States: tensors.chunk_states,
+        D_states: tensors.chunk_states,
+        V_new: tensors.value_rows,
+        dV_new: tensors.value_rows,
+        dO: tensors.value_rows,
+        Chunk_decay: tensors.chunk_rows_fp32,
+        dQ_decayed: tensors.key_rows_fp32,
+        dK_to_chunk_end: tensors.key_rows_fp32,
+        dW: tensors.key_rows_fp32,
+        D_gamma_last: tensors.chunk_rows_fp32,
     ):
         with T.Kernel(num_chunks, B * H, threads=threads) as (i_c, i_bh):
             b, h = i_bh // H, i_bh % H
@@ -266,6 +270,7 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
     C, sub = chunk_size, SUB_BLOCK
     accum_dtype = "float32"
     num_chunks = N // C
+    tensors = tensor_types(B, N, H, d_k, d_v, C, dtype)
     channels = d_k // channel_passes
     blocks = C // sub
     # the span the anchored factors may take: they are computed in fp32 (from gamma) and stored in
@@ -286,25 +291,25 @@ def build_intra_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtype=
 
     @T.prim_func
     def kda_intra(
-        Q: T.Tensor((B, N, H, d_k), dtype),
-        K: T.Tensor((B, N, H, d_k), dtype),
-        V: T.Tensor((B, N, H, d_v), dtype),
-        G: T.Tensor((B, N, H, d_k), accum_dtype),
-        Beta: T.Tensor((B, N, H), accum_dtype),
-        A_kk: T.Tensor((B, N, H, C), accum_dtype),
-        Inverse: T.Tensor((B, N, H, C), accum_dtype),
-        dO: T.Tensor((B, N, H, d_v), dtype),
-        V_new: T.Tensor((B, N, H, d_v), dtype),
-        dV_new: T.Tensor((B, N, H, d_v), dtype),
-        dQ_decayed: T.Tensor((B, N, H, d_k), accum_dtype),
-        dK_to_chunk_end: T.Tensor((B, N, H, d_k), accum_dtype),
-        dW: T.Tensor((B, N, H, d_k), accum_dtype),
-        D_gamma_last: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
-        dQ: T.Tensor((B, N, H, d_k), accum_dtype),
-        dK: T.Tensor((B, N, H, d_k), accum_dtype),
-        dV: T.Tensor((B, N, H, d_v), dtype),
-        dG: T.Tensor((B, N, H, d_k), accum_dtype),
-        dBeta: T.Tensor((B, N, H), accum_dtype),
+        Q: tensors.qk,
+        K: tensors.qk,
+        V: tensors.v,
+        G: tensors.g,
+        Beta: tensors.beta,
+        A_kk: tensors.score_rows_fp32,
+        Inverse: tensors.score_rows_fp32,
+        dO: tensors.value_rows,
+        V_new: tensors.value_rows,
+        dV_new: tensors.value_rows,
+        dQ_decayed: tensors.key_rows_fp32,
+        dK_to_chunk_end: tensors.key_rows_fp32,
+        dW: tensors.key_rows_fp32,
+        D_gamma_last: tensors.chunk_rows_fp32,
+        dQ: tensors.key_rows_fp32,
+        dK: tensors.key_rows_fp32,
+        dV: tensors.v,
+        dG: tensors.key_rows_fp32,
+        dBeta: tensors.beta,
     ):
         with T.Kernel(num_chunks, B * H, threads=threads) as (i_c, i_bh):
             b, h = i_bh // H, i_bh % H

@@ -17,10 +17,10 @@ outputs), with or without the device's value flags, with or without the solve's 
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from stages.common.device_checks import FLAG_COUNT
 from stages.common.tilelang_tools import LOG2_E
 from stages.kda.config import CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, default_prepare_threads
 from stages.kda.inputs import InputForm
+from stages.kda.tensor_types import tensor_types
 from stages.kda.tiles import (activate_loads_macro, anchored_scores_macro, block_inverse_macro,
                               cumulative_gates_macro, flag_bad_values_macro, prepare_buffers_macro, scaled,
                               wy_outputs_macro)
@@ -120,9 +120,10 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     accum_dtype = "float32"
     num_chunks = N // C if packed is None else packed.chunks
     tokens = tokens or N  # the inputs' rows of a dense batch
-    input_rows = tokens if packed is None else packed.tokens
     tail = packed is None and tokens % C != 0  # a dense batch whose last chunk is short: masked loads
-    qk_heads = H // group
+    tensors = tensor_types(B, N, H, d_k, d_v, C, dtype, chunks=num_chunks, tokens=packed.tokens if packed else tokens,
+                           sequences=packed and packed.sequences, group=group, gate_dtype=gate_dtype,
+                           beta_dtype=beta_dtype)
     channels_per_pass = d_k // channel_passes
     diagonal_dtype, slab_dtype = score_operand_dtypes(dtype)
     prepare_buffers = prepare_buffers_macro(C, d_k, d_v, channels_per_pass, dtype, diagonal_dtype, slab_dtype)
@@ -240,24 +241,24 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
 
     @T.prim_func
     def kda_prepare(
-        Q: T.Tensor((B, input_rows, qk_heads, d_k), dtype),
-        K: T.Tensor((B, input_rows, qk_heads, d_k), dtype),
-        V: T.Tensor((B, input_rows, H, d_v), dtype),
-        G: T.Tensor((B, input_rows, H, d_k), gate_dtype),
-        Beta: T.Tensor((B, input_rows, H), beta_dtype),
-        A_log: T.Tensor((H,), accum_dtype) if form.raw_gate else None,
-        Dt_bias: T.Tensor((H, d_k), accum_dtype) if form.raw_gate else None,
-        Chunks: T.Tensor((num_chunks, 2), "int32") if packed else None,
-        Cu_seqlens: T.Tensor((packed.sequences + 1,), "int32") if packed else None,
-        Flags: T.Tensor((FLAG_COUNT,), "int32") if value_flags else None,
-        W: T.Tensor((B, N, H, d_k), dtype),
-        U: T.Tensor((B, N, H, d_v), dtype),
-        Q_decayed: T.Tensor((B, N, H, d_k), dtype),
-        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
-        A_qk: T.Tensor((B, N, H, C), dtype),
-        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
-        A_kk: T.Tensor((B, N, H, C), accum_dtype) if solve_outputs else None,
-        Inverse: T.Tensor((B, N, H, C), accum_dtype) if solve_outputs else None,
+        Q: tensors.qk,
+        K: tensors.qk,
+        V: tensors.v,
+        G: tensors.g,
+        Beta: tensors.beta,
+        A_log: tensors.A_log if form.raw_gate else None,
+        Dt_bias: tensors.Dt_bias if form.raw_gate else None,
+        Chunks: tensors.chunk_table if packed else None,
+        Cu_seqlens: tensors.offsets if packed else None,
+        Flags: tensors.flags if value_flags else None,
+        W: tensors.key_rows,
+        U: tensors.value_rows,
+        Q_decayed: tensors.key_rows,
+        K_to_chunk_end: tensors.key_rows,
+        A_qk: tensors.score_rows,
+        Chunk_decay: tensors.chunk_rows_fp32,
+        A_kk: tensors.score_rows_fp32 if solve_outputs else None,
+        Inverse: tensors.score_rows_fp32 if solve_outputs else None,
     ):
         prepare(Q, K, V, G, Beta, A_log, Dt_bias, Chunks, Cu_seqlens, Flags, W, U, Q_decayed, K_to_chunk_end, A_qk,
                 Chunk_decay, A_kk, Inverse)

@@ -14,6 +14,7 @@ signature.
 
 from stages.kda.config import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_NUM_STAGES, DEFAULT_THREADS
 from stages.kda.prepare import PackedBatch
+from stages.kda.tensor_types import tensor_types
 from stages.kda.tiles import advance_state_macro, chunk_output_macro
 
 
@@ -21,8 +22,10 @@ from stages.kda.tiles import advance_state_macro, chunk_output_macro
 def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
                              dtype="float16", num_stages=DEFAULT_NUM_STAGES, threads=DEFAULT_THREADS,
                              packed: PackedBatch | None = None):
-    """The recurrence kernel: the prepare kernel's outputs and S_0^T (B, H, d_k, d_v) fp32
-    -> o (B, N, H, d_v) in `dtype` and the final state S^T (B, H, d_k, d_v) in fp32.
+    """The recurrence kernel: the prepare kernel's outputs, W, Q e^gamma, K e^{gamma_C - gamma}
+    (B, N, H, d_k), U (B, N, H, d_v) and A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k)
+    fp32, and S_0^T (B, H, d_k, d_v) fp32 -> o (B, N, H, d_v) in `dtype` and the final state S^T
+    (B, H, d_k, d_v) in fp32.
 
     N must be a multiple of chunk_size, block_dv must divide d_v.
 
@@ -41,7 +44,9 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
     accum_dtype = "float32"
     num_chunks = N // C if packed is None else packed.chunks
     states = B if packed is None else packed.sequences  # the initial and final states' first axis
-    tokens = N if packed is None else packed.tokens  # o's rows
+    # o's rows: N, or the packed tokens
+    tensors = tensor_types(B, N, H, d_k, d_v, C, dtype, chunks=num_chunks, tokens=packed and packed.tokens,
+                           sequences=packed and packed.sequences)
     chunk_output = chunk_output_macro(C, block_dv)
     advance_state = advance_state_macro(d_k, block_dv)
 
@@ -111,17 +116,17 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
 
     @T.prim_func
     def kda_recurrence(
-        W: T.Tensor((B, N, H, d_k), dtype),
-        U: T.Tensor((B, N, H, d_v), dtype),
-        Q_decayed: T.Tensor((B, N, H, d_k), dtype),
-        K_to_chunk_end: T.Tensor((B, N, H, d_k), dtype),
-        A_qk: T.Tensor((B, N, H, C), dtype),
-        Chunk_decay: T.Tensor((B, num_chunks, H, d_k), accum_dtype),
-        Initial_state: T.Tensor((states, H, d_k, d_v), accum_dtype),
-        Chunk_offsets: T.Tensor((packed.sequences + 1,), "int32") if packed else None,
-        Cu_seqlens: T.Tensor((packed.sequences + 1,), "int32") if packed else None,
-        O: T.Tensor((B, tokens, H, d_v), dtype),
-        Final_state: T.Tensor((states, H, d_k, d_v), accum_dtype),
+        W: tensors.key_rows,
+        U: tensors.value_rows,
+        Q_decayed: tensors.key_rows,
+        K_to_chunk_end: tensors.key_rows,
+        A_qk: tensors.score_rows,
+        Chunk_decay: tensors.chunk_rows_fp32,
+        Initial_state: tensors.states,
+        Chunk_offsets: tensors.offsets if packed else None,
+        Cu_seqlens: tensors.offsets if packed else None,
+        O: tensors.v,
+        Final_state: tensors.states,
     ):
         recurrence(W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, Initial_state, Chunk_offsets, Cu_seqlens, O,
                    Final_state)
