@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from stages.common.errors import error_report
 from stages.kda.autograd import chunk_kda
@@ -34,8 +35,14 @@ def fla():
     return pytest.importorskip("fla.ops.kda")
 
 
-def _on_cuda(leaves, dtype):
-    """The leaves on the GPU: q, k, v in dtype, the rest float32 (FLA's states and gate parameters)."""
+def _on_cuda(case, seed, dtype, N=None):
+    """The leaves of `case` on the GPU, as FLA's tests hand them to its kernels: q and k L2-normalized
+    where the kernel does not normalize them (unit keys: rand's keys of norm sqrt(K / 3) make
+    I - beta k k^T expand the state by up to K / 3 a token, past fp16's range within a chunk), q, k, v
+    in dtype, the rest float32 (FLA's states and gate parameters)."""
+    leaves = make_leaves(case, seed, N=N)
+    if not case.options.use_qk_l2norm_in_kernel:
+        leaves.update({name: F.normalize(leaves[name].detach(), dim=-1) for name in ("q", "k")})
     return {name: None if x is None else x.detach().to("cuda", dtype if name in ("q", "k", "v") else torch.float32)
             .requires_grad_() for name, x in leaves.items()}
 
@@ -70,7 +77,7 @@ def _truth(case, leaves, seed, cu_seqlens=None):
 
 def _compare(case, dtype, seed, monkeypatch, fla_chunk_kda, cu_seqlens=None):
     N = None if cu_seqlens is None else len(cu_seqlens) - 1
-    leaves = _on_cuda(make_leaves(case, seed, N=N), dtype)
+    leaves = _on_cuda(case, seed, dtype, N)
     packed = {} if cu_seqlens is None else {"cu_seqlens": torch.tensor(cu_seqlens, device="cuda")}
     ours = _run(chunk_kda, case, leaves, seed, **packed)
     monkeypatch.setenv("FLA_KDACOURSE", "0")
@@ -128,8 +135,7 @@ def test_packed_and_dense_inference_within_fla_s_tolerances(cu_seqlens, fla):
     B = 2 if cu_seqlens is None else 1
     case = Case(B, 4096 if cu_seqlens else 1000, 2, 4, 128, 128, KIMI, safe_gate=True, state_v_first=True)
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    leaves = {name: None if x is None else x.detach() for name, x in _on_cuda(make_leaves(case, 3, N=N),
-                                                                              torch.bfloat16).items()}
+    leaves = {name: None if x is None else x.detach() for name, x in _on_cuda(case, 3, torch.bfloat16, N).items()}
     packed = {} if cu_seqlens is None else {"cu_seqlens": torch.tensor(cu_seqlens, device="cuda")}
     arguments = dict(initial_state=leaves["initial_state"], output_final_state=True, A_log=leaves["A_log"],
                      dt_bias=leaves["dt_bias"], safe_gate=True, state_v_first=True, **KIMI.fla_kwargs(), **packed)
@@ -148,8 +154,7 @@ def test_packed_and_dense_inference_within_fla_s_tolerances(cu_seqlens, fla):
     Case(3, 32, 2, 8, 128, 128, replace(SOFTPLUS, use_qk_l2norm_in_kernel=True), state_v_first=True),
 ])
 def test_fused_recurrent_kda_within_fla_s_tolerance(case, fla, monkeypatch):
-    leaves = {name: None if x is None else x.detach() for name, x in _on_cuda(make_leaves(case, 5),
-                                                                              torch.bfloat16).items()}
+    leaves = {name: None if x is None else x.detach() for name, x in _on_cuda(case, 5, torch.bfloat16).items()}
     arguments = dict(initial_state=leaves["initial_state"], output_final_state=True, A_log=leaves["A_log"],
                      dt_bias=leaves["dt_bias"], state_v_first=case.state_v_first, **case.options.fla_kwargs())
     tensors = [leaves[x] for x in ("q", "k", "v", "g", "beta")]
@@ -164,8 +169,7 @@ def test_decode_over_a_pool_as_vllm_calls_it(options):
     states (the others at 1e30), the slots advanced in place, the others bitwise unchanged."""
     B, H, D = 16, 16, 128
     case = Case(1, B, H, H, D, D, options)
-    leaves = {name: None if x is None else x.detach() for name, x in _on_cuda(make_leaves(case, 7, N=3 * B),
-                                                                              torch.bfloat16).items()}
+    leaves = {name: None if x is None else x.detach() for name, x in _on_cuda(case, 7, torch.bfloat16, 3 * B).items()}
     pool = leaves["initial_state"]
     slots = torch.randperm(3 * B, device="cuda")[:B].int()
     untouched = torch.ones(3 * B, dtype=torch.bool, device="cuda")
