@@ -196,9 +196,16 @@ def run(args, log=print):
     for ranks in args.ranks:
         part = args.tokens // ranks
         base = dict(ranks=ranks, tokens=args.tokens, tokens_per_rank=part, H=args.H, D=args.d, dtype="bfloat16")
-        inputs, do, incoming, d_outgoing = make_part(part, args.H, args.d, args.seed + ranks,
-                                                     gradients=args.direction == "backward")
-        table, transition, zero_state = pieces(inputs, do, incoming, d_outgoing, args.direction)
+        try:
+            inputs, do, incoming, d_outgoing = make_part(part, args.H, args.d, args.seed + ranks,
+                                                         gradients=args.direction == "backward")
+            table, transition, zero_state = pieces(inputs, do, incoming, d_outgoing, args.direction)
+        except torch.cuda.OutOfMemoryError as error:  # a rank's part past this GPU's memory: said, not timed
+            meta["ranks"][str(ranks)] = dict(tokens_per_rank=part, skipped=f"OutOfMemoryError: {str(error)[:160]}")
+            log(f"R = {ranks}: {part} tokens a rank do not fit this GPU's memory; not timed")
+            inputs = do = table = transition = zero_state = None
+            torch.cuda.empty_cache()
+            continue
         error = map_error(inputs, incoming, transition, zero_state)
         meta["ranks"][str(ranks)] = dict(tokens_per_rank=part, rel_l2_map=error)
         log(f"R = {ranks}: {part} tokens a rank; A S_in + Z against the pass from S_in: rel L2 {error:.2e}")
@@ -219,17 +226,23 @@ def run(args, log=print):
                 log(f"  round {round_number} {what:20} {row.get('time_ms', 'failed'):>10} ms")
         del inputs, do, table, transition, zero_state
         torch.cuda.empty_cache()
+        save(args, rows, meta, started)  # after every R: a run cut short keeps the ranks it timed
     if args.direction == "forward":
         whole = one_device_forward(args.tokens, args.H, args.d, args.seed)
         meta["one_device_forward_ms"] = whole if isinstance(whole, str) else dict(zip(("median", "p20", "p80"), whole))
         log(f"one device, all {args.tokens} tokens in one forward: {meta['one_device_forward_ms']}")
+    save(args, rows, meta, started)
+    return rows
+
+
+def save(args, rows, meta, started):
+    """The CSV file and the meta file as they stand."""
     with open(args.out / f"context_parallel_{args.direction}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
     meta["seconds"] = round(time.monotonic() - started)
     (args.out / f"context_parallel_{args.direction}_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    return rows
 
 
 def main(argv=None):
