@@ -133,3 +133,13 @@ def pytest_runtest_call(item):
     finally:
         signal.setitimer(signal.ITIMER_PROF, 0)
         signal.signal(signal.SIGPROF, previous)
+
+
+def pytest_runtest_logreport(report):
+    """With KDACOURSE_FAILURES=FILE, each failure's traceback and captured output go into FILE as it
+    happens (a GPU run cut by its device call's time limit still says why its tests failed; pytest's
+    summary comes only at the end). Written by the main process: xdist's workers send it their reports."""
+    path = os.environ.get("KDACOURSE_FAILURES")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as failures:
+            failures.write(f"==== {report.nodeid} ({report.when})\n{report.capstdout}\n{report.longreprtext}\n")

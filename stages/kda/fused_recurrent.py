@@ -288,7 +288,7 @@ def decode_tokens(q, k, v, g, beta, A_log, dt_bias, start_states, state_v_first,
         active = [n for n, (_, start, end) in enumerate(sequences) if start + t < end]
         rows = torch.tensor([sequences[n][0] for n in active], device=q.device)
         tokens = torch.tensor([sequences[n][1] + t for n in active], device=q.device)
-        token = kernel_operands(*(x[rows, tokens][:, None] for x in (q, k, v, g, beta)), A_log, dt_bias, None)
+        token = kernel_operands(*(x[rows, tokens][:, None] for x in (q, k, v, g, beta)), A_log, dt_bias, None, form)
         q_t, k_t, v_t, g_t, beta_t = (x[:, 0] for x in token[:5])
         o_t, _ = decode(q_t, k_t, v_t, g_t, beta_t, scratch, torch.tensor(active, dtype=torch.int32, device=q.device),
                         checks, form=form, A_log=token[5], dt_bias=token[6])
