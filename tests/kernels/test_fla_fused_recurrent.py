@@ -11,6 +11,8 @@ import torch
 
 from stages.common.errors import error_report
 from stages.kda.fused_recurrent import fused_recurrent_kda, fused_recurrent_kda_fwd
+from stages.kda.calls import PLAIN
+from stages.kda.inputs import activate
 from tests.kernels.fla_recurrence import Options, kda
 from tests.kernels.test_fla_chunk_kda import BOUNDED, EXACT, L2, SOFTPLUS, TWICE_SIGMOID_BETA, Case, make_leaves
 
@@ -175,3 +177,46 @@ def test_fused_recurrent_kda_keeps_fla_s_rule_on_allow_neg_eigval():
     q = torch.rand(1, 4, 1, 8)
     with pytest.raises(ValueError, match=re.escape("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")):
         fused_recurrent_kda(q, q, q, -q, torch.rand(1, 4, 1), allow_neg_eigval=True)
+
+
+# ------------------------------------------------------------------ the CUDA route's plumbing, on the CPU
+
+def decode_in_torch(q, k, v, g, beta, state_pool, slots, checks="device", config=None, form=PLAIN, A_log=None,
+                    dt_bias=None):
+    """stages.kda.calls.decode's contract in float64 torch on the CPU (the kernel's stand-in): each named
+    slot's S^T (H, d_k, d_v) advanced by its row's token, S^T <- Diag(e^g) S^T + beta k (v - k^T S^T)^T
+    after the form's activation; o = q^T S^T (the state after the token), in v's dtype."""
+    q, k, g, beta = activate(form, q.double(), k.double(), g.double(), beta.double(), A_log, dt_bias)
+    group = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(group, 1), k.repeat_interleave(group, 1)
+    S = torch.exp(g)[..., None] * state_pool[slots.long()].double()
+    S = S + beta[..., None, None] * k[..., None] * (v.double() - (k[..., None] * S).sum(-2))[:, :, None, :]
+    state_pool[slots.long()] = S.to(state_pool.dtype)
+    return (q[..., None] * S).sum(-2).to(v.dtype)
+
+
+@pytest.mark.parametrize("case", [
+    Case(1, 7, 2, 2, 8, 8, L2),
+    Case(1, 5, 1, 2, 12, 6, BOUNDED),  # grouped heads, head dims padded to the kernels' 32
+    Case(1, 6, 1, 1, 8, 8, SOFTPLUS, state_v_first=True),
+])
+def test_the_cuda_route_feeds_the_decode_kernel_what_it_takes(case, monkeypatch):
+    """The CUDA route (kernel_steps: the operands padded and put in the call's form, a scratch pool,
+    the slots written back) run on the CPU with the decode kernel replaced by its contract in torch:
+    the same o and pool as FLA's math. The GPU tests time out or fail without saying why where the
+    route, not the kernel, is wrong (a call with an argument missing failed every pooled decode)."""
+    import stages.kda.calls
+    import stages.kda.fused_recurrent
+
+    monkeypatch.setattr(stages.kda.fused_recurrent, "reference_steps", stages.kda.fused_recurrent.kernel_steps)
+    monkeypatch.setattr(stages.kda.calls, "decode", lambda *a, **kw: (decode_in_torch(*a, **kw), a[5]))
+    N = case.T
+    leaves = _detached(make_leaves(case, N, N=3 * N))
+    pool = leaves["initial_state"].float()
+    indices = torch.randperm(3 * N, generator=torch.Generator().manual_seed(N))[:N].int()
+    starts = pool[indices.long()].clone()
+    o, final_state = _pool_call(case, leaves, pool, indices, list(range(N + 1)))
+    expected_o, expected_states, _ = _expected(case, dict(leaves, initial_state=starts), list(range(N + 1)))
+    assert final_state is pool
+    assert error_report(o, expected_o).rel_l2 <= 1e-6  # the scratch pool is float32
+    assert error_report(pool[indices.long()], expected_states).rel_l2 <= 1e-6
