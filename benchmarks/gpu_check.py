@@ -22,8 +22,9 @@ a part's limits add up to PART_LIMIT_S at most (its steps side by side: the long
 pytest-xdist workers where they are independent, each under pytest-timeout's --timeout.
 
 A part writes under OUT_DIR/PART/: machine.log (the GPU, the driver, the commit), steps.log (when
-each step began and how it ended), <step>.log (its output, TileLang's compile chatter dropped) and
-<step>/ (the files a benchmark writes). `--collect OUT_DIR` then copies each step's files and log to
+each step began and how it ended), <step>.log (its output, TileLang's compile chatter dropped),
+<step>.failures.txt (a test step's failing tests, each traceback written as it fails) and <step>/
+(the files a benchmark writes). `--collect OUT_DIR` then copies each step's files and log to
 where the pages read them and folds bench's runs in (benchmarks.merge); `course regenerate` puts them
 on the pages.
 """
@@ -109,7 +110,13 @@ def gpu_test_steps():
                                   f"and not {DROP_IN_TESTS}", ("-n", "5", "--timeout", "480"), 520),
         "gpu_tests_fla_backward": (f"({FLA_TESTS}) and s06 and not ({EARLY_STAGES}) and not {TIMED_TESTS} "
                                    f"and not {DROP_IN_TESTS}", ("-n", "6", "--timeout", "480"), 520),
-        "gpu_tests_drop_in": (DROP_IN_TESTS, ("-n", "4", "--timeout", "480"), 520),
+        # the drop-in's 26 tests each compile their own shapes and FLA's autotuning for them: about
+        # 30 s of a call apiece with eight workers on a fresh H100, so three steps of eight to eleven
+        "gpu_tests_drop_in_grid": (f"{DROP_IN_TESTS} and chunk_kda_within", ("-n", "8", "--timeout", "480"), 520),
+        "gpu_tests_drop_in_packed": (f"{DROP_IN_TESTS} and (packed_training or packed_and_dense)",
+                                     ("-n", "8", "--timeout", "480"), 520),
+        "gpu_tests_drop_in_layer": (f"{DROP_IN_TESTS} and not chunk_kda_within and not packed_training "
+                                    f"and not packed_and_dense", ("-n", "8", "--timeout", "480"), 520),
     }
 
 
@@ -157,8 +164,12 @@ def parts() -> dict[str, Part]:
              (_tests("gpu_tests_fla_forward"),)),
         Part("tests-fla-backward", "stage 6's comparisons with FLA (the backward, the layer), a test a worker",
              (_tests("gpu_tests_fla_backward"),)),
-        Part("tests-drop-in", "the FLA drop-in against FLA's kernels at FLA's sizes, and FLA's layer through the backend "
-             "(its layer tests need scripts/pack_fla_models.sh's pack)", (_tests("gpu_tests_drop_in"),)),
+        Part("tests-drop-in-grid", "the FLA drop-in's chunk_kda against FLA's kernels on FLA's test grid",
+             (_tests("gpu_tests_drop_in_grid"),)),
+        Part("tests-drop-in-packed", "the FLA drop-in on packed sequences, training and inference",
+             (_tests("gpu_tests_drop_in_packed"),)),
+        Part("tests-drop-in-layer", "the FLA drop-in's fused_recurrent_kda and decode, and FLA's layer through the "
+             "backend (its layer tests need scripts/pack_fla_models.sh's pack)", (_tests("gpu_tests_drop_in_layer"),)),
         Part("bench-s01-s02", "bench's timings of stages 1 and 2 beside FLA and plain torch",
              (_bench("bench_s01", "s01", "--no-precision", "--deadline", "300", limit=350),
               _bench("bench_s02", "s02", "--no-precision", "--deadline", "120", limit=170))),
@@ -288,8 +299,11 @@ def run_step(step: Step, folder: Path, say) -> dict:
     with open(folder / f"{step.name}.log", "w") as log:
         log.write(f"command: {shown(argv)}\nlimit: {step.limit_s} s\n\n")
         log.flush()
+        # a test step's failures, each written as it happens (tests/conftest.py): a step killed at its
+        # limit still says why its tests failed, which pytest's summary at the end would have said
+        failures = dict(os.environ, KDACOURSE_FAILURES=str(folder / f"{step.name}.failures.txt"))
         process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   errors="replace", start_new_session=True)
+                                   errors="replace", start_new_session=True, env=failures)
         timed_out = threading.Event()
 
         def stop():
