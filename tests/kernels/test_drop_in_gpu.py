@@ -24,9 +24,12 @@ from tests.kernels.test_fla_chunk_kda import BOUNDED, L2, SOFTPLUS, Case, make_l
 
 pytestmark = pytest.mark.gpu
 
-# FLA's tolerances in test_chunk and test_chunk_varlen (rms ratio); dA only warns there (0.003 and 0.008)
+# FLA's tolerances in test_chunk and test_chunk_varlen (rms ratio). On dA FLA asserts nothing (it warns
+# past 0.003): A_log's gradient sums dg * g over every token and channel of a head, terms of both signs,
+# so its relative error exceeds theirs (the CUDA route on the interpreter, bf16, H = 2: 1.2e-2 where
+# dg's is 5e-3, tests/kernels/test_cuda_route_on_cpu.py); it is held to dg's bound
 FLA_TOLERANCES = {"o": 0.005, "final_state": 0.005, "q": 0.008, "k": 0.008, "v": 0.008, "g": 0.02, "beta": 0.02,
-                  "initial_state": 0.008, "A_log": 0.008, "dt_bias": 0.008}
+                  "initial_state": 0.008, "A_log": 0.02, "dt_bias": 0.008}
 KIMI = Options(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
 
 
