@@ -10,6 +10,7 @@ FLA's own calls run with FLA_KDACOURSE=0 (the backend, once imported in the proc
 serve them too). The layer tests need flash-linear-attention 0.6.0's fla.layers, with transformers
 (docs/fla_backend.md lists the wheels); they skip without it."""
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,10 @@ from tests.kernels.fla_recurrence import Options, kda
 from tests.kernels.test_fla_chunk_kda import BOUNDED, L2, SOFTPLUS, Case, make_leaves
 
 pytestmark = pytest.mark.gpu
+# FLA's own path is its Triton kernels: FLA 0.6.0 would otherwise hand its backward's WY kernel to its
+# TileLang backend whenever TileLang is importable (the course's is), a backend its tests do not run.
+# FLA reads the switch once, on its first dispatch, so it is set before FLA is imported.
+os.environ.setdefault("FLA_TILELANG", "0")
 
 # FLA's tolerances in test_chunk and test_chunk_varlen (rms ratio). On dA FLA asserts nothing (it warns
 # past 0.003): A_log's gradient sums dg * g over every token and channel of a head, terms of both signs,
