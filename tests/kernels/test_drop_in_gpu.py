@@ -24,9 +24,9 @@ from tests.kernels.fla_recurrence import Options, kda
 from tests.kernels.test_fla_chunk_kda import BOUNDED, L2, SOFTPLUS, Case, make_leaves
 
 pytestmark = pytest.mark.gpu
-# FLA's own path is its Triton kernels: FLA 0.6.0 would otherwise hand its backward's WY kernel to its
-# TileLang backend whenever TileLang is importable (the course's is), a backend its tests do not run.
-# FLA reads the switch once, on its first dispatch, so it is set before FLA is imported.
+# FLA's side is its Triton kernels: FLA 0.6.0 would otherwise hand its backward's WY kernel to its
+# optional TileLang backend wherever TileLang imports (here, because the course's does) and q, k have as
+# many heads as v. FLA reads the switch once, on its first dispatch: it is set as the tests are collected.
 os.environ.setdefault("FLA_TILELANG", "0")
 
 # FLA's tolerances in test_chunk and test_chunk_varlen (rms ratio). On dA FLA asserts nothing (it warns
