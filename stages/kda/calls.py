@@ -79,7 +79,8 @@ def forward_and_prepared(q, k, v, g, beta, initial_state=None, checks="device", 
     value_flags = checks == "device"
     # solve_outputs only when asked: the other calls share the cache entry (and compile) of the benchmarks'
     prepare = compiled_prepare(B, N_padded, H, d_k, d_v, C, dtype_name(q), config.prepare_threads, value_flags,
-                               keep_prepared, **form_options(form, q, g, beta, tokens=N))
+                               keep_prepared, **form_options(form, q, g, beta, tokens=N),
+                               channel_passes=config.channel_passes)
     recurrence = compiled_recurrence(B, N_padded, H, d_k, d_v, C, config.block_dv, dtype_name(q), config.num_stages,
                                      config.threads)
     flags = (flags_for(q.device),) if value_flags else ()
@@ -260,7 +261,8 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     flags = flags_for(q.device) if checks == "device" else None
     index = varlen_index(cu_seqlens, T, config.chunk_size, flags)
     kernels = compiled_prefill_kernels(H, d_k, d_v, config.chunk_size, config.block_dv, dtype_name(q),
-                                       flags is not None, **form_options(form, q, g, beta))
+                                       flags is not None, **form_options(form, q, g, beta),
+                                       channel_passes=config.channel_passes)
     o, final_state = varlen_forward(q, k, v, g, beta, index, initial_state, config.chunk_size, kernels, flags,
                                     gate_parameters(form, A_log, dt_bias, H, d_k, q.device))
     return o, final_state if output_final_state else None

@@ -133,17 +133,17 @@ def check_config(d_k: int, d_v: int, config: KernelConfig | None) -> None:
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a stages.kda.config.KernelConfig or None, got {type(config).__name__}")
     config = config or KernelConfig()
-    check_kernel_sizes(d_k, d_v, config.chunk_size, config.block_dv)
+    check_kernel_sizes(d_k, d_v, config.chunk_size, config.block_dv, config.channel_passes)
 
 
-def check_kernel_sizes(d_k: int, d_v: int, chunk_size: int, block_dv: int) -> None:
+def check_kernel_sizes(d_k: int, d_v: int, chunk_size: int, block_dv: int, channel_passes: int = CHANNEL_PASSES
+                       ) -> None:
     """The sizes the kernels are built for: the tensor cores' tile sizes (stages.common), chunks of 2 or
-    4 sub-blocks for the block inverse, and d_k in CHANNEL_PASSES channel passes of whole 16-wide GEMM
-    steps."""
+    4 sub-blocks for the block inverse, and d_k in channel_passes passes of whole 16-wide GEMM steps."""
     if chunk_size not in (2 * SUB_BLOCK, 4 * SUB_BLOCK):
         raise ValueError(f"chunk_size must be {2 * SUB_BLOCK} or {4 * SUB_BLOCK}, got {chunk_size}")
-    if d_k % (16 * CHANNEL_PASSES):
-        raise ValueError(f"d_k must be a multiple of {16 * CHANNEL_PASSES} ({CHANNEL_PASSES} channel passes "
+    if channel_passes < 1 or d_k % (16 * channel_passes):
+        raise ValueError(f"d_k must be a multiple of {16 * channel_passes} ({channel_passes} channel passes "
                          f"of the score GEMMs), got {d_k}")
     check_tile_sizes(d_k, d_v, chunk_size, block_dv)
 # --8<-- [end:checks]

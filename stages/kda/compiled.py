@@ -13,7 +13,8 @@ from stages.common.tilelang_tools import compile_report as lower_and_report
 from stages.common.torch_checks import KERNEL_DTYPES
 from stages.kda.backward import BUILDERS, kernel_arguments
 from stages.kda.checks import check_block, check_kernel_sizes
-from stages.kda.config import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_THREADS, default_prepare_threads
+from stages.kda.config import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_THREADS,
+                               default_prepare_threads)
 from stages.kda.decode import build_decode_program
 from stages.kda.inputs import InputForm
 from stages.kda.prepare import PackedBatch, build_prepare_program, prepare_outputs, run_time_sizes
@@ -30,23 +31,24 @@ def packed_sizes():
 
 
 def compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags=False, solve_outputs=False,
-                     form=PLAIN, group=1, gate_dtype="float32", beta_dtype="float32", tokens=None):
+                     form=PLAIN, group=1, gate_dtype="float32", beta_dtype="float32", tokens=None,
+                     channel_passes=CHANNEL_PASSES):
     """The prepare kernel (build_prepare_program, dense) compiled for the GPU: value_flags, the kernel
     that flags bad values (checks="device"); solve_outputs, A_kk and T too (the backward); form, group,
-    gate_dtype, beta_dtype and tokens: the inputs as a model passes them (build_prepare_program). One
-    cache entry per program, however its options are passed."""
+    gate_dtype, beta_dtype and tokens: the inputs as a model passes them; channel_passes: the score
+    GEMMs' (build_prepare_program). One cache entry per program, however its options are passed."""
     return _compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags, solve_outputs, form, group,
-                             gate_dtype, beta_dtype, tokens)
+                             gate_dtype, beta_dtype, tokens, channel_passes)
 
 
 @functools.cache
 def _compiled_prepare(B, N, H, d_k, d_v, chunk_size, dtype, threads, value_flags, solve_outputs, form, group,
-                      gate_dtype, beta_dtype, tokens):
+                      gate_dtype, beta_dtype, tokens, channel_passes):
     import tilelang
 
     program = build_in_turn(build_prepare_program, B, N, H, d_k, d_v, chunk_size, dtype, threads,
-                            value_flags=value_flags, solve_outputs=solve_outputs, form=form, group=group,
-                            gate_dtype=gate_dtype, beta_dtype=beta_dtype, tokens=tokens)
+                            channel_passes=channel_passes, value_flags=value_flags, solve_outputs=solve_outputs,
+                            form=form, group=group, gate_dtype=gate_dtype, beta_dtype=beta_dtype, tokens=tokens)
     out_idx = prepare_outputs(value_flags, solve_outputs, raw_gate=form.raw_gate)
     return tilelang.compile(program, out_idx=out_idx, target=gpu_target())
 
@@ -89,14 +91,15 @@ def compiled_backward_kernels(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, va
 
 @functools.cache
 def compiled_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags, form=PLAIN, group=1, gate_dtype="float32",
-                            beta_dtype="float32"):
+                            beta_dtype="float32", channel_passes=CHANNEL_PASSES):
     """The prepare for a packed batch of any length. The outputs are the caller's (no out_idx):
     TileLang allocates an output only when each of its sizes is a symbol of its own."""
     import tilelang
 
     rows, packed = packed_sizes()
-    program = build_in_turn(build_prepare_program, 1, rows, H, d_k, d_v, chunk_size, dtype, value_flags=value_flags,
-                            packed=packed, form=form, group=group, gate_dtype=gate_dtype, beta_dtype=beta_dtype)
+    program = build_in_turn(build_prepare_program, 1, rows, H, d_k, d_v, chunk_size, dtype,
+                            channel_passes=channel_passes, value_flags=value_flags, packed=packed, form=form,
+                            group=group, gate_dtype=gate_dtype, beta_dtype=beta_dtype)
     return tilelang.compile(program, target=gpu_target())
 
 
@@ -114,7 +117,7 @@ def compiled_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype):
 @functools.cache
 def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False, **form_options):
     """(packed prepare, packed recurrence) compiled once per head shape, block and dtype (and the
-    prepare's form_options: compiled_packed_prepare's form, group, gate_dtype, beta_dtype), both at
+    prepare's form_options: compiled_packed_prepare's form, group, gate_dtype, beta_dtype, channel_passes), both at
     once (each in its own thread). Cached as a pair: starting the two threads again on every call cost
     260 us of host time per prefill."""
     kernels = compile_all({"prepare": lambda: compiled_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags,

@@ -31,7 +31,9 @@ MANY_SEQUENCE_HEADS = 64  # sequences x heads from which the forward runs at C =
 @dataclass(frozen=True)
 class KernelConfig:
     """What a call of the fast path runs with: the chunk size C, the recurrence's value columns a
-    program (block_dv), its threads and pipeline stages, the prepare's and the intra kernel's threads."""
+    program (block_dv), its threads and pipeline stages, the prepare's and the intra kernel's threads,
+    and the forward's prepare's channel passes (its score GEMMs' operands hold d_k / channel_passes
+    channels: more passes, less shared memory, more programs an SM)."""
 
     chunk_size: int = DEFAULT_CHUNK_SIZE
     block_dv: int = DEFAULT_BLOCK_DV
@@ -39,11 +41,12 @@ class KernelConfig:
     num_stages: int = DEFAULT_NUM_STAGES
     prepare_threads: int = 256
     intra_threads: int = 256
+    channel_passes: int = CHANNEL_PASSES
 
 
 def resolve(B: int, H: int, d_k: int, d_v: int, num_sms: int, chunk_size: int | None = None,
             block_dv: int | None = None, threads: int = DEFAULT_THREADS, num_stages: int = DEFAULT_NUM_STAGES,
-            prepare_threads: int | None = None) -> KernelConfig:
+            prepare_threads: int | None = None, channel_passes: int = CHANNEL_PASSES) -> KernelConfig:
     """The configuration for B sequences (rows of a batch, or packed sequences) of H heads on a GPU of
     num_sms SMs: every size not given takes its default (default_chunk_size, default_block_dv,
     default_prepare_threads, default_intra_threads). Sizes are not checked here (stages.kda.checks does).
@@ -53,7 +56,7 @@ def resolve(B: int, H: int, d_k: int, d_v: int, num_sms: int, chunk_size: int | 
                         block_dv=default_block_dv(B, H, d_v, num_sms) if block_dv is None else block_dv,
                         threads=threads, num_stages=num_stages,
                         prepare_threads=prepare_threads or default_prepare_threads(chunk_size),
-                        intra_threads=default_intra_threads(chunk_size, d_k))
+                        intra_threads=default_intra_threads(chunk_size, d_k), channel_passes=channel_passes)
 
 
 def resolve_for(device: "torch.device", B: int, H: int, d_k: int, d_v: int, **sizes) -> KernelConfig:

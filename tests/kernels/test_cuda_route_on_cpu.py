@@ -187,3 +187,28 @@ def test_decode_over_a_pool_through_the_kernel_route(options, on_the_interpreter
     assert final_state is pool and torch.equal(pool[untouched], others)
     assert error_report(o, expected_o).rel_l2 < FLA_TOLERANCES["o"]
     assert error_report(pool[slots.long()], expected_states).rel_l2 < FLA_TOLERANCES["final_state"]
+
+
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_the_prepare_in_four_channel_passes_gives_the_same_forward(chunk_size, on_the_interpreter):
+    """KernelConfig.channel_passes = 4 (the score GEMMs' operands a quarter of d_k wide: less shared
+    memory, more prepare programs an SM, archive/studies/kda_prepare_occupancy.py): Kimi Linear's call,
+    o and the final state as close to FLA's math as with two passes."""
+    from stages.kda.calls import forward
+    from stages.kda.config import resolve
+    from stages.kda.fla_options import input_form
+
+    case = Case(2, 100, 2, 4, 64, 64, KIMI, safe_gate=True)
+    leaves = {n: None if x is None else x.detach() for n, x in leaves_for(case, 11, torch.bfloat16).items()}
+    form = input_form(64, None, True, True, True, False, -5.0)
+    exact_o, exact_state = fla_math(case)(*(leaves[x].double() for x in ("q", "k", "v", "g", "beta")),
+                                          initial_state=leaves["initial_state"].double(), A_log=leaves["A_log"],
+                                          dt_bias=leaves["dt_bias"])
+    errors = {}
+    for passes in (2, 4):
+        config = resolve(2, 4, 64, 64, 132, chunk_size=chunk_size, channel_passes=passes)
+        o, final_state = forward(*(leaves[x] for x in ("q", "k", "v", "g", "beta")), leaves["initial_state"], True,
+                                 "device", config, form, leaves["A_log"], leaves["dt_bias"])
+        errors[passes] = (error_report(o, exact_o).rel_l2, error_report(final_state, exact_state).rel_l2)
+    assert max(errors[4]) < FLA_TOLERANCES["o"], errors
+    assert errors[4][0] < 1.5 * errors[2][0] and errors[4][1] < 1.5 * errors[2][1], errors
