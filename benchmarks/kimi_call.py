@@ -16,6 +16,8 @@ sigmoid itself:
   `flash_kda` imports (the run says so when it does not);
 - course `call`: stages.kda.calls.prefill with the InputForm of those flags (stages.kda.inputs) and
   checks="device", its default; `call_unchecked` with checks="off" (FlashKDA and FLA check nothing);
+  course_4_passes `call`: the same with the prepare's score GEMMs in four channel passes
+  (KernelConfig.channel_passes), the candidate default from archive/studies/kda_prepare_occupancy.py;
 - `kernels`: each peer's call captured as one CUDA graph and replayed (no Python, no host work), if it
   captures.
 
@@ -55,9 +57,10 @@ CASES = {  # name: (sequence lengths, H); one length: a single sequence (B = 1)
 ACCURACY_CASE = ((1024,), 4)
 D = 128
 LOWER_BOUND = -5.0
-PEERS = ("fla", "flashkda", "course")
+PEERS = ("fla", "flashkda", "course", "course_4_passes")
 MEASUREMENTS = [("fla", "call"), ("flashkda", "call"), ("course", "call"), ("course", "call_unchecked"),
-                ("fla", "kernels"), ("flashkda", "kernels"), ("course", "kernels")]
+                ("course_4_passes", "call"), ("fla", "kernels"), ("flashkda", "kernels"), ("course", "kernels"),
+                ("course_4_passes", "kernels")]
 FIELDS = ["case", "round", "impl", "what", "method", "tokens", "sequences", "H", "time_ms", "error"]
 CSV_NAME, META_NAME, ACCURACY_NAME = "kimi_call.csv", "kimi_call_meta.json", "kimi_call_accuracy.csv"
 
@@ -145,16 +148,20 @@ def peer_calls(inputs):
     except ImportError as failure:
         missing["flashkda"] = f"not importable: {failure}"
     from stages.kda.calls import prefill
+    from stages.kda.config import resolve_for
 
     form = kimi_form(scale)
     cu_seqlens = None if t["cu_seqlens"] is None else t["cu_seqlens"].to(torch.int32)
 
-    def course_call(checks="device"):
-        return prefill(t["q"], t["k"], t["v"], t["x"], t["beta"], cu_seqlens, t["initial_state"], True, checks, None,
+    def course_call(checks="device", config=None):
+        return prefill(t["q"], t["k"], t["v"], t["x"], t["beta"], cu_seqlens, t["initial_state"], True, checks, config,
                        form, t["A_log"], t["dt_bias"])
 
+    sequences = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    four_passes = resolve_for(t["q"].device, sequences, t["v"].shape[2], D, D, channel_passes=4)
     calls["course"] = course_call
     calls["course_unchecked"] = lambda: course_call("off")
+    calls["course_4_passes"] = lambda: course_call(config=four_passes)
     return calls, missing
 
 
