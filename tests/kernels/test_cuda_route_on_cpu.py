@@ -1,7 +1,7 @@
 """The drop-in's CUDA route on the CPU: FLA's chunk_kda and fused_recurrent_kda calls as the GPU runs
 them (the operands padded and cast, the form computed in the kernels, autograd through the backward
 kernels, packed training through a dense batch, the decode over a pool), with every TileLang program
-run by the tile interpreter instead of compiled (`on_the_interpreter`), against FLA's math in float64.
+run by the tile interpreter instead of compiled (stages.kda.on_cpu), against FLA's math in float64.
 
 What it checks is everything between the caller and the kernels: a GPU run that fails says only that
 something failed once its session ends, where this says which tensor and by how much, on any machine.
@@ -15,74 +15,24 @@ on which FLA asserts nothing, held to dg's).
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from stages.common.errors import error_report
-from stages.common.interpreter import NUMPY_DTYPES, interpret
 from stages.kda.autograd import chunk_kda
 from stages.kda.fused_recurrent import fused_recurrent_kda_fwd
+from stages.kda.on_cpu import calls_on_cpu, interpreted
 from tests.kernels.fla_recurrence import Options, kda
 from tests.kernels.test_drop_in_gpu import FLA_TOLERANCES, KIMI
 from tests.kernels.test_fla_chunk_kda import BOUNDED, L2, SOFTPLUS, Case, make_leaves
 
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
-
-
-def interpreted(program, out_idx=None, target=None, **_):
-    """tilelang.compile's stand-in: the program run by the tile interpreter on the tensors' values, in
-    place, so that a tensor the kernel writes into (a state pool, the flags) is written as on the GPU;
-    the outputs (out_idx) are made here and returned as tensors of their parameters' dtypes (bf16 goes
-    through float32: NumPy has no bf16; the interpreter rounds every input to its parameter's dtype)."""
-    run = interpret(program)
-    params = [program.buffer_map[p] for p in program.params]
-    outputs = [] if out_idx is None else [i % len(params) for i in ([out_idx] if isinstance(out_idx, int) else out_idx)]
-
-    def call(*tensors):
-        given = iter(tensors)
-        arrays, written = [], []
-        for index, buffer in enumerate(params):
-            if index in outputs:
-                arrays.append(np.zeros([int(n) for n in buffer.shape], NUMPY_DTYPES[str(buffer.dtype)]))
-            else:
-                tensor = next(given)
-                written.append((tensor, len(arrays)))
-                arrays.append((tensor.detach().float() if tensor.dtype == torch.bfloat16 else tensor.detach()).numpy()
-                              .copy())
-        run(*arrays)
-        for tensor, index in written:  # what the program wrote into its inputs, back into the caller's tensors
-            tensor.copy_(torch.from_numpy(arrays[index]))
-        made = [torch.from_numpy(arrays[i]).to(TORCH_DTYPES[str(params[i].dtype)]) for i in outputs]
-        return None if not made else made[0] if len(made) == 1 else made
-
-    return call
-
 
 @pytest.fixture
-def on_the_interpreter(monkeypatch):
-    """Tensors that say they are on CUDA, programs that run on the interpreter, an H100's 132 SMs; the
-    compile caches emptied before and after, so no interpreted program serves another test."""
-    import tilelang
-
-    import stages.kda.checks
-    import stages.kda.compiled as compiled
-    import stages.kda.config
-
-    caches = [compiled.compiled_prepare, compiled.compiled_recurrence, compiled.compiled_backward_kernel,
-              compiled.compiled_backward_kernels, compiled.compiled_decode]
-    for cache in caches:
-        cache.cache_clear()
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(tilelang, "compile", interpreted)
-    monkeypatch.setattr(stages.kda.config, "streaming_multiprocessors", lambda device: 132)
-    monkeypatch.setattr(stages.kda.checks, "check_on_cuda", lambda tensors: None)
-    monkeypatch.setattr(compiled, "compile_all", lambda compiles: {name: make() for name, make in compiles.items()})
-    yield
-    for cache in caches:
-        cache.cache_clear()
+def on_the_interpreter():
+    """The fast path's calls on the CPU, every program run by the tile interpreter (stages.kda.on_cpu)."""
+    with calls_on_cpu(interpreted):
+        yield
 
 
 def leaves_for(case, seed, dtype, N=None):
