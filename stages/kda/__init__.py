@@ -8,6 +8,7 @@
     backward    the backward's kernels: states, state gradient, state products, intra
     decode      the T = 1 step over a pool of states
     compiled    the programs compiled for the GPU, once per shape; compile-only reports
+    on_cpu      the calls on a machine without a GPU: each program interpreted, or compiled ahead only
     checks      the calls' input checks
     calls       the public calls: forward, backward, prefill, decode
     fla_options FLA's options of chunk_kda and fused_recurrent_kda: the InputForm they make, FLA's rules
