@@ -201,8 +201,11 @@ def test_decode_over_a_pool_as_vllm_calls_it(options):
 def test_kimi_delta_attention_through_the_backend(num_v_heads, packed, monkeypatch, caplog):
     """FLA's KimiDeltaAttention (bf16, H = 4, HV = 4 or 8, d = 128, Kimi Linear's bounded gate), forward and
     backward with the backend and on FLA's own kernels: the output and every parameter's gradient within
-    FLA's tolerances of each other (o's 0.005 for y, dq's 0.008 for the projections, dg's 0.02 for the gate's
-    parameters), and the backend ran (FLA's log line)."""
+    twice FLA's tolerances of each other (o's 0.005 for y, dq's 0.008 for the projections, dg's 0.02 for
+    the gate's parameters), and the backend ran (FLA's log line). Twice: FLA's tolerances bound a bf16
+    result against an exact one, and here two bf16 results meet, each that far from the exact one at
+    most (rel L2 errors add: |a - b| <= |a - x| + |x - b|); a float64 layer to hold each to FLA's own
+    bound would need FLA's layer off its Triton kernels. The kernels' own tests hold each to it."""
     import logging
 
     layers = pytest.importorskip("fla.layers")
@@ -232,9 +235,9 @@ def test_kimi_delta_attention_through_the_backend(num_v_heads, packed, monkeypat
         ours = run("1")
     assert "-> kdacourse" in caplog.text and "kdacourse rejected" not in caplog.text, caplog.text
     theirs = run("0")
-    assert error_report(ours[0], theirs[0]).rel_l2 < 0.005, error_report(ours[0], theirs[0])
+    assert error_report(ours[0], theirs[0]).rel_l2 < 2 * 0.005, error_report(ours[0], theirs[0])
     for name, grad in ours[1].items():
-        bound = 0.02 if name in ("A_log", "dt_bias") or name.startswith("f_proj") else 0.008
+        bound = 2 * (0.02 if name in ("A_log", "dt_bias") or name.startswith("f_proj") else 0.008)
         report = error_report(grad, theirs[1][name])
         print(f"d{name}: ours vs FLA {report}")
         assert report.rel_l2 < bound, f"d{name}: {report}"
