@@ -85,9 +85,11 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
     h // group.
 
     The score GEMMs sum over d_k in `channel_passes` passes, so their operands hold d_k /
-    channel_passes channels: at C = 64, d_k = 128, two passes bring shared memory to 105 KiB, two
-    blocks per SM. N must be a multiple of chunk_size (the wrapper pads), chunk_size of SUB_BLOCK,
-    d_k of 16 * channel_passes. threads=None takes default_prepare_threads(chunk_size).
+    channel_passes channels: at C = 64, d_k = 128 in bf16, two passes bring shared memory to 113 KiB,
+    two blocks an SM; at C = 32, 56 KiB with two passes (three blocks) and 47 KiB with four (four
+    blocks: archive/studies/kda_prepare_occupancy.py). N must be a multiple of chunk_size (the wrapper
+    pads), chunk_size of SUB_BLOCK, d_k of 16 * channel_passes. threads=None takes
+    default_prepare_threads(chunk_size).
 
     form (stages.kda.inputs.InputForm): the inputs as a model passes them, made the recurrence's own
     as they are loaded (activate_loads): q and k normalized and q scaled; with a raw gate, g is the raw
