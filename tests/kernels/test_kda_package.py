@@ -104,7 +104,7 @@ def stubbed_kernels(monkeypatch):
     torch = pytest.importorskip("torch")
     from stages.kda import calls, checks
 
-    def prepare_stub(B, N, H, d_k, d_v, C, dtype, threads, value_flags, solve_outputs=False):
+    def prepare_stub(B, N, H, d_k, d_v, C, dtype, threads, value_flags, solve_outputs=False, channel_passes=2):
         def run(q, k, v, g, beta, *flags):
             shapes = [(B, N, H, d_k), (B, N, H, d_v), (B, N, H, d_k), (B, N, H, d_k), (B, N, H, C), (B, N // C, H, d_k)]
             return [torch.zeros(shape) for shape in shapes + [(B, N, H, C)] * 2 * solve_outputs]

@@ -532,7 +532,8 @@ def cpu_prefill(monkeypatch):
     from stages.kda import calls, checks
     from stages.kda.config import KernelConfig
 
-    def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False):
+    def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False, channel_passes=2):
+        assert channel_passes == 2  # the config's default: the prepare _interpreted_kernels builds
         return _interpreted_kernels(PREFILL_LENGTHS, dtype, value_flags, chunk_size, H, d_k, block_dv)
 
     monkeypatch.setattr(checks, "check_on_cuda", lambda tensors: None)

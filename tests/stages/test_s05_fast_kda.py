@@ -474,8 +474,9 @@ def cpu_forward(monkeypatch):
     from stages.kda.prepare import build_prepare_program
     from stages.kda.recurrence import build_recurrence_program
 
-    def interpreted_prepare(B, N, H, d_k, d_v, C, dtype, threads, value_flags, solve_outputs=False):
-        run = interpret(build_prepare_program(B, N, H, d_k, d_v, C, dtype, threads, value_flags=value_flags))
+    def interpreted_prepare(B, N, H, d_k, d_v, C, dtype, threads, value_flags, solve_outputs=False, channel_passes=2):
+        run = interpret(build_prepare_program(B, N, H, d_k, d_v, C, dtype, threads, channel_passes=channel_passes,
+                                              value_flags=value_flags))
 
         def prepare(q, k, v, g, beta, *flags):
             operand = torch.float16
