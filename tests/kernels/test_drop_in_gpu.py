@@ -43,56 +43,58 @@ def fla():
     return pytest.importorskip("fla.ops.kda")
 
 
-def _on_cuda(case, seed, dtype, N=None):
-    """The leaves of `case` on the GPU, as FLA's tests hand them to its kernels: q and k L2-normalized
+def fla_leaves(case, seed, dtype, N=None, device="cuda"):
+    """The leaves of `case` on `device`, as FLA's tests hand them to its kernels: q and k L2-normalized
     where the kernel does not normalize them (unit keys: rand's keys of norm sqrt(K / 3) make
     I - beta k k^T expand the state by up to K / 3 a token, past fp16's range within a chunk), q, k, v
     in dtype, the rest float32 (FLA's states and gate parameters)."""
     leaves = make_leaves(case, seed, N=N)
     if not case.options.use_qk_l2norm_in_kernel:
         leaves.update({name: F.normalize(leaves[name].detach(), dim=-1) for name in ("q", "k")})
-    return {name: None if x is None else x.detach().to("cuda", dtype if name in ("q", "k", "v") else torch.float32)
+    return {name: None if x is None else x.detach().to(device, dtype if name in ("q", "k", "v") else torch.float32)
             .requires_grad_() for name, x in leaves.items()}
 
 
-def _run(call, case, leaves, seed, **packed):
-    """o, the final states and every gradient of FLA's loss <o, do> + <ht, dht>, as float64 on the host."""
+def outputs_and_gradients(call, case, leaves, seed, **packed):
+    """o, the final states and every leaf's gradient of FLA's loss <o, do> + <ht, dht> (do and dht drawn
+    from seed on the leaves' device)."""
     o, final_state = call(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
                           initial_state=leaves["initial_state"], output_final_state=True, A_log=leaves["A_log"],
                           dt_bias=leaves["dt_bias"], safe_gate=case.safe_gate, chunk_size=case.chunk_size,
                           state_v_first=case.state_v_first, **case.options.fla_kwargs(), **packed)
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    do = torch.randn(o.shape, generator=generator, device="cuda", dtype=torch.float64)
-    dht = torch.randn(final_state.shape, generator=generator, device="cuda", dtype=torch.float64)
+    device = leaves["q"].device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    do = torch.randn(o.shape, generator=generator, device=device, dtype=torch.float64)
+    dht = torch.randn(final_state.shape, generator=generator, device=device, dtype=torch.float64)
     loss = (o.double() * do).sum() + (final_state.double() * dht).sum()
     used = {name: x for name, x in leaves.items() if x is not None}
     grads = dict(zip(used, torch.autograd.grad(loss, list(used.values()))))
     return {"o": o, "final_state": final_state, **grads}
 
 
-def _truth(case, leaves, seed, cu_seqlens=None):
-    """FLA's math in float64 on the GPU, on the same (rounded) inputs."""
+def exact(case, leaves, seed, cu_seqlens=None):
+    """outputs_and_gradients of FLA's math in float64, on the same (rounded) inputs, on their device."""
     wide = {name: None if x is None else x.detach().double().requires_grad_() for name, x in leaves.items()}
-    initial_state = wide["initial_state"]
-    if initial_state is not None and case.state_v_first:
-        initial_state = initial_state.transpose(-1, -2)
-    o, final_state, _ = kda(wide["q"], wide["k"], wide["v"], wide["g"], wide["beta"], initial_state, wide["A_log"],
-                            wide["dt_bias"], cu_seqlens, case.options)
-    if case.state_v_first:
-        final_state = final_state.transpose(-1, -2)
-    return _run(lambda *a, **k: (o, final_state), case, wide, seed)
+
+    def fla_math(q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, **_):
+        if initial_state is not None and case.state_v_first:
+            initial_state = initial_state.transpose(-1, -2)
+        o, final_state, _ = kda(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, case.options)
+        return o, final_state.transpose(-1, -2) if case.state_v_first else final_state
+
+    return outputs_and_gradients(fla_math, case, wide, seed)
 
 
 def _compare(case, dtype, seed, monkeypatch, fla_chunk_kda, cu_seqlens=None):
     N = None if cu_seqlens is None else len(cu_seqlens) - 1
-    leaves = _on_cuda(case, seed, dtype, N)
+    leaves = fla_leaves(case, seed, dtype, N)
     packed = {} if cu_seqlens is None else {"cu_seqlens": torch.tensor(cu_seqlens, device="cuda")}
-    ours = _run(chunk_kda, case, leaves, seed, **packed)
+    ours = outputs_and_gradients(chunk_kda, case, leaves, seed, **packed)
     monkeypatch.setenv("FLA_KDACOURSE", "0")
-    theirs = _run(fla_chunk_kda, case, leaves, seed, **packed)
-    truth = _truth(case, leaves, seed, cu_seqlens)
-    for name, exact in truth.items():
-        our_error, their_error = error_report(ours[name], exact), error_report(theirs[name], exact)
+    theirs = outputs_and_gradients(fla_chunk_kda, case, leaves, seed, **packed)
+    truth = exact(case, leaves, seed, cu_seqlens)
+    for name, value in truth.items():
+        our_error, their_error = error_report(ours[name], value), error_report(theirs[name], value)
         print(f"{name}: ours {our_error}, FLA {their_error}")
         assert our_error.rel_l2 < FLA_TOLERANCES[name], f"{name}: {our_error} (FLA's {their_error})"
 
@@ -143,14 +145,14 @@ def test_packed_and_dense_inference_within_fla_s_tolerances(cu_seqlens, fla):
     B = 2 if cu_seqlens is None else 1
     case = Case(B, 4096 if cu_seqlens else 1000, 2, 4, 128, 128, KIMI, safe_gate=True, state_v_first=True)
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    leaves = {name: None if x is None else x.detach() for name, x in _on_cuda(case, 3, torch.bfloat16, N).items()}
+    leaves = {name: None if x is None else x.detach() for name, x in fla_leaves(case, 3, torch.bfloat16, N).items()}
     packed = {} if cu_seqlens is None else {"cu_seqlens": torch.tensor(cu_seqlens, device="cuda")}
     arguments = dict(initial_state=leaves["initial_state"], output_final_state=True, A_log=leaves["A_log"],
                      dt_bias=leaves["dt_bias"], safe_gate=True, state_v_first=True, **KIMI.fla_kwargs(), **packed)
     with torch.inference_mode():
         o, final_state, h = chunk_kda(*(leaves[x] for x in ("q", "k", "v", "g", "beta")),
                                       return_intermediate_states=True, **arguments)
-    truth = _truth(case, leaves, 3, cu_seqlens)
+    truth = exact(case, leaves, 3, cu_seqlens)
     for name, value in (("o", o), ("final_state", final_state)):
         assert error_report(value, truth[name]).rel_l2 < FLA_TOLERANCES[name], name
     chunks = -(-1000 // 64) if cu_seqlens is None else sum(-(-(e - s) // 64) for s, e in zip(cu_seqlens, cu_seqlens[1:]))
@@ -162,12 +164,12 @@ def test_packed_and_dense_inference_within_fla_s_tolerances(cu_seqlens, fla):
     Case(3, 32, 2, 8, 128, 128, replace(SOFTPLUS, use_qk_l2norm_in_kernel=True), state_v_first=True),
 ])
 def test_fused_recurrent_kda_within_fla_s_tolerance(case, fla, monkeypatch):
-    leaves = {name: None if x is None else x.detach() for name, x in _on_cuda(case, 5, torch.bfloat16).items()}
+    leaves = {name: None if x is None else x.detach() for name, x in fla_leaves(case, 5, torch.bfloat16).items()}
     arguments = dict(initial_state=leaves["initial_state"], output_final_state=True, A_log=leaves["A_log"],
                      dt_bias=leaves["dt_bias"], state_v_first=case.state_v_first, **case.options.fla_kwargs())
     tensors = [leaves[x] for x in ("q", "k", "v", "g", "beta")]
     o, final_state = fused_recurrent_kda(*tensors, **arguments)
-    truth = _truth(case, leaves, 5)
+    truth = exact(case, leaves, 5)
     assert error_report(o, truth["o"]).rel_l2 < 0.005 and error_report(final_state, truth["final_state"]).rel_l2 < 0.005
 
 
@@ -177,7 +179,7 @@ def test_decode_over_a_pool_as_vllm_calls_it(options):
     states (the others at 1e30), the slots advanced in place, the others bitwise unchanged."""
     B, H, D = 16, 16, 128
     case = Case(1, B, H, H, D, D, options)
-    leaves = {name: None if x is None else x.detach() for name, x in _on_cuda(case, 7, torch.bfloat16, 3 * B).items()}
+    leaves = {name: None if x is None else x.detach() for name, x in fla_leaves(case, 7, torch.bfloat16, 3 * B).items()}
     pool = leaves["initial_state"]
     slots = torch.randperm(3 * B, device="cuda")[:B].int()
     untouched = torch.ones(3 * B, dtype=torch.bool, device="cuda")
@@ -189,7 +191,7 @@ def test_decode_over_a_pool_as_vllm_calls_it(options):
                                              cu_seqlens=torch.arange(B + 1, device="cuda", dtype=torch.int32),
                                              ssm_state_indices=slots, **options.fla_kwargs())
     assert final_state is pool and bool((pool[untouched] == 1e30).all())
-    truth = _truth(case, dict(leaves, initial_state=starts), 7, list(range(B + 1)))
+    truth = exact(case, dict(leaves, initial_state=starts), 7, list(range(B + 1)))
     assert error_report(o, truth["o"]).rel_l2 < 0.005
     assert error_report(pool[slots.long()], truth["final_state"]).rel_l2 < 0.005
 
