@@ -70,23 +70,31 @@ def forward_and_prepared(q, k, v, g, beta, initial_state=None, checks="device", 
     B, N, H, d_k, d_v = check_forward_inputs(q, k, v, g, beta, initial_state, config, checks, form, A_log, dt_bias)
     # kept for the backward: its chunk, the one its kernels run at
     config = config or resolve_for(q.device, B, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE if keep_prepared else None)
+    if initial_state is None:
+        initial_state = zero_state(B, H, d_k, d_v, q.device)
+    # solve_outputs only when asked: the other calls share the cache entry (and compile) of the benchmarks'
+    prepared = prepare_chunks(q, k, v, g, beta, checks, config, keep_prepared, form, A_log, dt_bias)
+    recurrence = compiled_recurrence(B, padded_length(N, config.chunk_size), H, d_k, d_v, config.chunk_size,
+                                     config.block_dv, dtype_name(q), config.num_stages, config.threads)
+    o, final_state = recurrence(*prepared[:6], initial_state)
+    return o[:, :N], final_state, prepared if keep_prepared else None
+
+
+def prepare_chunks(q, k, v, g, beta, checks, config, solve_outputs, form=PLAIN, A_log=None, dt_bias=None):
+    """The prepare kernel on the tensors as the caller gave them (`form`), at config's chunk size, the
+    tokens padded to a multiple of it: the six outputs the recurrence reads, and with solve_outputs A_kk
+    and T after them (the backward's). checks="device": the kernel that flags bad values."""
+    B, N, H, d_k, d_v = v.shape[0], v.shape[1], v.shape[2], q.shape[3], v.shape[3]
     C = config.chunk_size
     N_padded = padded_length(N, C)
     if form.is_plain:
         q, k, v, g, beta = pad_tokens(N_padded, q, k, v, g, beta)
-    if initial_state is None:
-        initial_state = zero_state(B, H, d_k, d_v, q.device)
     value_flags = checks == "device"
-    # solve_outputs only when asked: the other calls share the cache entry (and compile) of the benchmarks'
     prepare = compiled_prepare(B, N_padded, H, d_k, d_v, C, dtype_name(q), config.prepare_threads, value_flags,
-                               keep_prepared, **form_options(form, q, g, beta, tokens=N),
+                               solve_outputs, **form_options(form, q, g, beta, tokens=N),
                                channel_passes=config.channel_passes)
-    recurrence = compiled_recurrence(B, N_padded, H, d_k, d_v, C, config.block_dv, dtype_name(q), config.num_stages,
-                                     config.threads)
     flags = (flags_for(q.device),) if value_flags else ()
-    prepared = prepare(q, k, v, g, beta, *gate_parameters(form, A_log, dt_bias, H, d_k, q.device), *flags)
-    o, final_state = recurrence(*prepared[:6], initial_state)
-    return o[:, :N], final_state, prepared if keep_prepared else None
+    return prepare(q, k, v, g, beta, *gate_parameters(form, A_log, dt_bias, H, d_k, q.device), *flags)
 
 
 def form_options(form, q, g, beta, tokens=None):
@@ -151,7 +159,10 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     form, A_log, dt_bias: the tensors as a model passes them. The kernels then run on the activated q,
     k, g and beta (stages.kda.inputs.activate, in torch: the norms, the gate, the sigmoid), q and k
     repeated over grouped value heads, and torch's autograd takes the gradients back through the
-    activation to the raw tensors and the gate's parameters (the sums over the group included).
+    activation to the raw tensors and the gate's parameters (the sums over the group included). The
+    prepare's outputs are the forward's own, from the form's program on the raw tensors (kept, or made
+    again by the same program): the backward differentiates the numbers the forward computed, and a
+    kept prepare gives the same bits as a recomputed one.
     """
     B, N, H, d_k, d_v = check_backward_inputs(q, k, v, g, beta, do, initial_state, d_final_state, config, checks,
                                               form, A_log, dt_bias)
@@ -167,11 +178,12 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
         q_a, k_a = (x.repeat_interleave(group, dim=2) for x in (q_a, k_a))
     kernel_inputs = (q_a.to(q.dtype).contiguous(), k_a.to(q.dtype).contiguous(), v, g_a.contiguous(),
                      beta_a.contiguous())
-    # the raw values were checked (host) or are flagged by the forward's kernel (device) as activated;
-    # the recomputed prepare flags them again, but for beta in [0, 2), which only the form's kernels take
-    activated_checks = "device" if checks == "device" and form.beta_bound == 1 else "off"
+    config = config or resolve_for(q.device, B, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE)
+    if prepared is None:  # the forward's own prepare (the form computed as it loads, bad raw values flagged):
+        # the backward differentiates the numbers the forward computed, as when the caller kept them
+        prepared = prepare_chunks(q, k, v, g, beta, checks, config, True, form, A_log, dt_bias)
     dq, dk, dv, dg, dbeta, d_initial_state = activated_backward(*kernel_inputs, do, initial_state, d_final_state,
-                                                                activated_checks, config, prepared)
+                                                                "off", config, prepared)
     wanted = [x for x in leaves if x is not None]
     found = iter(torch.autograd.grad((q_a, k_a, g_a, beta_a), wanted, (dq, dk, dg, dbeta), allow_unused=True))
     dq, dk, dg, dbeta, dA_log, ddt_bias = (None if x is None else next(found) for x in leaves)

@@ -73,6 +73,39 @@ def test_packed_training_through_the_kernels_route(on_the_interpreter):
     assert all(torch.equal(again[tensor], ours[tensor]) for tensor in ours)
 
 
+def test_the_forward_s_prepare_kept_for_the_backward_gives_the_same_bits(on_the_interpreter):
+    """disable_recompute=True: the backward reads the forward's prepare outputs instead of running the
+    prepare again, the same program on the same inputs: every output and gradient bitwise equal."""
+    case = Case(2, 100, 2, 4, 32, 32, KIMI, safe_gate=True, state_v_first=True)
+    leaves = fla_leaves(case, 5, torch.bfloat16, device="cpu")
+    recomputed = outputs_and_gradients(chunk_kda, case, leaves, 5)
+    kept = outputs_and_gradients(lambda *a, **kw: chunk_kda(*a, disable_recompute=True, **kw), case, leaves, 5)
+    assert all(torch.equal(kept[tensor], recomputed[tensor]) for tensor in recomputed)
+
+
+@pytest.mark.parametrize("cu_seqlens", [None, [0, 31, 96, 160]])
+def test_the_states_at_every_chunk_start_through_the_kernels_route(cu_seqlens):
+    """return_intermediate_states (inference): the forward keeps its prepare's outputs and the backward's
+    states kernel walks them; dense, or packed as FLA counts each sequence's own chunks: the states at
+    every chunk's start in FLA's shape and v's dtype, against the CPU's own route (float64 references)."""
+    B = 2 if cu_seqlens is None else 1
+    case = Case(B, 160, 2, 4, 32, 32, KIMI, safe_gate=True, state_v_first=True)
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    leaves = {n: None if x is None else x.detach()
+              for n, x in fla_leaves(case, 9, torch.bfloat16, N, device="cpu").items()}
+    arguments = dict(output_final_state=True, A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], safe_gate=True,
+                     state_v_first=True, return_intermediate_states=True, **KIMI.fla_kwargs(),
+                     **({} if cu_seqlens is None else {"cu_seqlens": torch.tensor(cu_seqlens)}))
+    tensors = [leaves[x] for x in ("q", "k", "v", "g", "beta")]
+    with torch.inference_mode():
+        _, _, expected = chunk_kda(*(x.double() for x in tensors), initial_state=leaves["initial_state"].double(),
+                                   **arguments)
+        with calls_on_cpu(interpreted):
+            _, _, states = chunk_kda(*tensors, initial_state=leaves["initial_state"], **arguments)
+    assert states.shape == expected.shape and states.dtype == torch.bfloat16
+    assert error_report(states, expected).rel_l2 < FLA_TOLERANCES["final_state"]
+
+
 @pytest.mark.parametrize("options", [L2, replace(KIMI, use_beta_sigmoid_in_kernel=False)])
 def test_decode_over_a_pool_through_the_kernel_route(options, on_the_interpreter):
     """vLLM's call: 6 sequences of one token, a pool of 18 states in slots drawn at random, the other
