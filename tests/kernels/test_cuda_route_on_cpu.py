@@ -130,6 +130,32 @@ def test_decode_over_a_pool_through_the_kernel_route(options, on_the_interpreter
     assert error_report(pool[slots.long()], truth["final_state"]).rel_l2 < FLA_TOLERANCES["final_state"]
 
 
+def test_speculative_drafts_through_the_kernel_route(on_the_interpreter):
+    """Speculative verification as vLLM calls it: ssm_state_indices (N, T_max) and num_accepted_tokens,
+    sequence n starting from the state after the last draft it accepted and writing the state after
+    each of its tokens to its own slot, grouped heads and state_v_first: against FLA's math token by token;
+    the slots no sequence names stay bitwise as they were."""
+    case = Case(1, 6, 1, 2, 32, 32, replace(L2, use_beta_sigmoid_in_kernel=True), state_v_first=True)
+    lengths, accepted, cu_seqlens = [3, 1, 2], torch.tensor([2, 1, 3]), [0, 3, 4, 6]
+    leaves = {n: None if x is None else x.detach()
+              for n, x in fla_leaves(case, 21, torch.bfloat16, 12, "cpu").items()}
+    pool = leaves["initial_state"]
+    indices = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], dtype=torch.int32)
+    named = {int(i) for n, length in enumerate(lengths) for i in indices[n, :length]}
+    unnamed = [i for i in range(12) if i not in named]
+    others = pool[unnamed].clone()
+    first = pool[indices[torch.arange(3), accepted - 1].long()].clone()
+    o, _ = fused_recurrent_kda_fwd(*(leaves[x] for x in ("q", "k", "v", "g", "beta")), leaves["A_log"],
+                                   leaves["dt_bias"], initial_state=pool, inplace_final_state=True,
+                                   cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32), ssm_state_indices=indices,
+                                   num_accepted_tokens=accepted, state_v_first=True, **case.options.fla_kwargs())
+    truth = exact(case, dict(leaves, initial_state=first), 21, cu_seqlens)
+    assert error_report(o, truth["o"]).rel_l2 < FLA_TOLERANCES["o"]
+    last = torch.stack([pool[indices[n, length - 1].long()] for n, length in enumerate(lengths)])
+    assert error_report(last, truth["final_state"]).rel_l2 < FLA_TOLERANCES["final_state"]
+    assert torch.equal(pool[unnamed], others)
+
+
 @pytest.mark.parametrize("chunk_size", [32, 64])
 def test_the_prepare_in_four_channel_passes_gives_the_same_forward(chunk_size, on_the_interpreter):
     """KernelConfig.channel_passes = 4 (the score GEMMs' operands a quarter of d_k wide: less shared
