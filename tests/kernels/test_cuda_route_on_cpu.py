@@ -178,3 +178,18 @@ def test_the_prepare_in_four_channel_passes_gives_the_same_forward(chunk_size, o
         errors[passes] = (error_report(o, truth["o"]).rel_l2, error_report(final_state, truth["final_state"]).rel_l2)
     assert max(errors[4]) < FLA_TOLERANCES["o"], errors
     assert errors[4][0] < 1.5 * errors[2][0] and errors[4][1] < 1.5 * errors[2][1], errors
+
+
+def test_the_setup_page_s_example_runs():
+    """docs/setup.md's example of the calls without a GPU, run as written: o, the final state and the
+    gradients it asks for, in the shapes and dtypes the page's call gives."""
+    from kdacourse import REPO_ROOT
+
+    page = (REPO_ROOT / "docs" / "setup.md").read_text()
+    section = page.split("## The fast path's calls without a GPU", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    names = {}
+    exec(compile(example, "docs/setup.md", "exec"), names)  # noqa: S102 - the course's own page
+    assert names["o"].shape == (1, 100, 2, 32) and names["o"].dtype == torch.bfloat16
+    assert names["final_state"].shape == (1, 2, 32, 32)
+    assert all(names[x].grad is not None and names[x].grad.abs().sum() > 0 for x in ("q", "k", "v", "g", "beta"))
