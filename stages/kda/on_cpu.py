@@ -10,9 +10,10 @@ TileLang program the calls build handed to a stand-in for `tilelang.compile`:
         o, final_state = stages.kda.calls.forward(q, k, v, g, beta, ...)   # CPU tensors
 
 What this leaves out is what only a GPU does: the compiled code's speed and races, TF32's last bits.
-The packed prefill's programs take their sizes at run time, which the interpreter does not run
-(compiled_only compiles them). The compile caches are emptied on entry and exit, so that no stand-in
-program serves a call made outside.
+The packed prefill's programs take their sizes at run time, which the interpreter does not run: with
+`interpreted` they are built again for each batch's sizes, read from the tensors the call passes
+(compiled_only compiles them as the GPU does). The compile caches are emptied on entry and exit, so
+that no stand-in program serves a call made outside.
 """
 
 import contextlib
@@ -21,6 +22,12 @@ import time
 import numpy as np
 
 from stages.common.interpreter import NUMPY_DTYPES, interpret
+from stages.kda.config import CHANNEL_PASSES
+from stages.kda.inputs import InputForm
+from stages.kda.prepare import PackedBatch, build_prepare_program
+from stages.kda.recurrence import build_recurrence_program
+
+PLAIN = InputForm()
 
 
 def _torch_dtype(name):
@@ -92,6 +99,37 @@ def compiled_only(program, out_idx=None, target=None, **options):
     return call
 
 
+def interpreted_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags, form=PLAIN, group=1,
+                               gate_dtype="float32", beta_dtype="float32", channel_passes=CHANNEL_PASSES):
+    """compiled_packed_prepare's stand-in with `interpreted`: at each call the program is built for the
+    batch's sizes, read from its tensors (Q's tokens, the chunk table's rows, cu_seqlens' sequences, W's
+    rows), and interpreted in place."""
+
+    def call(*tensors):
+        index = 5 + 2 * form.raw_gate  # the chunk table's place: after q, k, v, g, beta (and A_log, dt_bias)
+        Q, Chunks, Cu_seqlens, W = tensors[0], tensors[index], tensors[index + 1], tensors[-6]
+        packed = PackedBatch(Q.shape[1], Chunks.shape[0], Cu_seqlens.numel() - 1)
+        program = build_prepare_program(1, W.shape[1], H, d_k, d_v, chunk_size, dtype, channel_passes=channel_passes,
+                                        value_flags=value_flags, packed=packed, form=form, group=group,
+                                        gate_dtype=gate_dtype, beta_dtype=beta_dtype)
+        interpreted(program)(*tensors)
+
+    return call
+
+
+def interpreted_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype):
+    """compiled_packed_recurrence's stand-in with `interpreted`, built at each call for the batch's sizes
+    (W's rows, O's tokens, e^{gamma_C}'s chunks, cu_seqlens' sequences)."""
+
+    def call(*tensors):
+        W, Chunk_decay, Cu_seqlens, O = tensors[0], tensors[5], tensors[8], tensors[9]
+        packed = PackedBatch(O.shape[1], Chunk_decay.shape[1], Cu_seqlens.numel() - 1)
+        program = build_recurrence_program(1, W.shape[1], H, d_k, d_v, chunk_size, block_dv, dtype, packed=packed)
+        interpreted(program)(*tensors)
+
+    return call
+
+
 @contextlib.contextmanager
 def calls_on_cpu(stand_in, num_sms=132):
     """Inside: torch tensors say they are on CUDA, the fast path's checks take CPU tensors, its programs
@@ -108,6 +146,9 @@ def calls_on_cpu(stand_in, num_sms=132):
                 (stages.kda.config, "streaming_multiprocessors", lambda device: num_sms),
                 (stages.kda.checks, "check_on_cuda", lambda tensors: None),
                 (compiled, "compile_all", lambda compiles: {name: make() for name, make in compiles.items()})]
+    if stand_in is interpreted:  # the packed programs' run-time sizes: built again for each batch
+        replaced += [(compiled, "compiled_packed_prepare", interpreted_packed_prepare),
+                     (compiled, "compiled_packed_recurrence", interpreted_packed_recurrence)]
     saved = [(owner, name, owner.__dict__[name] if name in owner.__dict__ else None) for owner, name, _ in replaced]
     _empty_caches(compiled)
     try:

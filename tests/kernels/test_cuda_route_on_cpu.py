@@ -1,13 +1,13 @@
 """The drop-in's CUDA route on the CPU: FLA's chunk_kda and fused_recurrent_kda calls as the GPU runs
 them (the operands padded and cast, the form computed in the kernels, autograd through the backward
-kernels, packed training through a dense batch, the decode over a pool), with every TileLang program
-run by the tile interpreter instead of compiled (stages.kda.on_cpu), against FLA's math in float64.
+kernels, packed training through a dense batch, packed inference through stage 7's prefill, the decode
+over a pool), with every TileLang program run by the tile interpreter instead of compiled
+(stages.kda.on_cpu), against FLA's math in float64.
 
 What it checks is everything between the caller and the kernels: a GPU run that fails says only that
 something failed once its session ends, where this says which tensor and by how much, on any machine.
 It does not check what only the GPU does (the compiled code's timing, races, its TF32 merges' exact
-bits). The packed prefill (inference on cu_seqlens) is left to the GPU tests: its programs take their
-sizes at run time, which the interpreter does not run.
+bits), nor the packed programs' run-time sizes (here they are built again for each batch's sizes).
 
 Bounds: FLA's tolerances, as the GPU tests take them (tests/kernels/test_drop_in_gpu.py: A_log's,
 on which FLA asserts nothing, held to dg's).
@@ -128,6 +128,25 @@ def test_decode_over_a_pool_through_the_kernel_route(options, on_the_interpreter
     assert final_state is pool and torch.equal(pool[untouched], others)
     assert error_report(o, truth["o"]).rel_l2 < FLA_TOLERANCES["o"]
     assert error_report(pool[slots.long()], truth["final_state"]).rel_l2 < FLA_TOLERANCES["final_state"]
+
+
+@pytest.mark.parametrize("lengths", [(40, 0, 77, 13), (100,)])
+def test_packed_inference_through_the_prefill_route(lengths, on_the_interpreter):
+    """chunk_kda without autograd on cu_seqlens: stage 7's prefill, Kimi Linear's form computed as its
+    packed prepare loads the tokens (an empty sequence, a short one, grouped heads, state_v_first), each
+    sequence from its own state: o and the final states against FLA's math."""
+    cu_seqlens = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    case = Case(1, sum(lengths), 2, 4, 32, 32, KIMI, safe_gate=True, state_v_first=True)
+    leaves = {n: None if x is None else x.detach()
+              for n, x in fla_leaves(case, 13, torch.bfloat16, len(lengths), "cpu").items()}
+    with torch.no_grad():
+        o, final_state = chunk_kda(*(leaves[x] for x in ("q", "k", "v", "g", "beta")),
+                                   initial_state=leaves["initial_state"], output_final_state=True,
+                                   A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], safe_gate=True,
+                                   state_v_first=True, cu_seqlens=torch.tensor(cu_seqlens), **KIMI.fla_kwargs())
+    truth = exact(case, leaves, 13, cu_seqlens)
+    assert error_report(o, truth["o"]).rel_l2 < FLA_TOLERANCES["o"]
+    assert error_report(final_state, truth["final_state"]).rel_l2 < FLA_TOLERANCES["final_state"]
 
 
 def test_speculative_drafts_through_the_kernel_route(on_the_interpreter):
