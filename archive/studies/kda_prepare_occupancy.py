@@ -7,6 +7,8 @@ block, 64 K registers allocated per warp in units of 256, 64 warps, 32 blocks).
 
     python archive/studies/kda_prepare_occupancy.py > benchmarks/results/kda_prepare_occupancy.txt
 
+and the same for the recurrence, by chunk, value block and pipeline stages.
+
 FlashKDA's first kernel, for comparison, is built for 8 blocks of 256 threads an SM (its deep dive:
 `__launch_bounds__(256, 8)`), 64 warps. Ran at 2026-12-06's main on the course machine (no GPU).
 """
@@ -14,6 +16,7 @@ FlashKDA's first kernel, for comparison, is built for 8 blocks of 256 threads an
 from stages.common.tilelang_tools import compile_report
 from stages.kda.inputs import InputForm
 from stages.kda.prepare import build_prepare_program
+from stages.kda.recurrence import build_recurrence_program
 
 SHARED_PER_SM, RESERVED_PER_BLOCK = 228 * 1024, 1024
 REGISTERS_PER_SM, WARPS_PER_SM, BLOCKS_PER_SM = 65536, 64, 32
@@ -40,6 +43,21 @@ def main():
             limits = blocks_per_sm(threads, report.registers, report.dynamic_shared)
             print(f"| {chunk} | {threads} | {passes} | {report.registers} | {report.dynamic_shared} | "
                   f"{', '.join(map(str, limits))} | {min(limits)} | {min(limits) * threads // 32} |", flush=True)
+    # the recurrence beside it: one program per (sequence-head, value block), 128 threads, N / C chunks
+    # in a row; at H = 96 and block_dv 64, 192 programs for 132 SMs
+    print("\n| recurrence: chunk | block_dv | pipeline stages | registers | shared bytes | blocks an SM by shared, "
+          "registers, warps | blocks | programs at H = 96 in one wave |")
+    print("|---|---|---|---|---|---|---|---|")
+    for chunk in (64, 32):
+        for block_dv in (64, 32):
+            for stages in (2, 1):
+                report = compile_report(build_recurrence_program(1, 8192, 96, 128, 128, chunk, block_dv, "bfloat16",
+                                                                 stages, 128))
+                limits = blocks_per_sm(128, report.registers, report.dynamic_shared)
+                programs = 96 * 128 // block_dv
+                print(f"| {chunk} | {block_dv} | {stages} | {report.registers} | {report.dynamic_shared} | "
+                      f"{', '.join(map(str, limits))} | {min(limits)} | "
+                      f"{'yes' if programs <= 132 * min(limits) else 'no'} ({programs}) |", flush=True)
 
 
 if __name__ == "__main__":
