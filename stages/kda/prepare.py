@@ -119,7 +119,6 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
 
     threads = threads or default_prepare_threads(chunk_size)
     C = chunk_size
-    accum_dtype = "float32"
     num_chunks = N // C if packed is None else packed.chunks
     tokens = tokens or N  # the inputs' rows of a dense batch
     tail = packed is None and tokens % C != 0  # a dense batch whose last chunk is short: masked loads
@@ -172,11 +171,8 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             flag_bad_values(s.gamma_s, s.beta_s, Flags)
         cumulative_gates(s.gamma_s)
 
-        if solve_outputs:  # with unit betas the scores give A_kk itself; it goes out, then takes its betas
-            unit_betas_s = T.alloc_shared((C,), accum_dtype)
-            for r in T.Parallel(C):
-                unit_betas_s[r] = 1
-            anchored_scores(s.Q_s, s.K_s, s.gamma_s, unit_betas_s, s.Q_row_s, s.K_row_s, s.K_col_s, s.Q_slab_s,
+        if solve_outputs:  # with unit betas (None) the scores give A_kk itself; it goes out, then takes its betas
+            anchored_scores(s.Q_s, s.K_s, s.gamma_s, None, s.Q_row_s, s.K_row_s, s.K_col_s, s.Q_slab_s,
                             s.K_slab_row_s, s.K_slab_col_s, s.kk_f, s.qk_f, s.kk_slab_f, s.qk_slab_f, s.L_s, s.A_qk_s,
                             q_factor, k_factor)
             T.copy(s.L_s, A_kk[at.b, at.t0:at.t0 + C, at.h, :])

@@ -94,7 +94,8 @@ def scaled(X_s, factor, r, d):
 
 
 def row_factor(factor, r):
-    """Row r's factor itself (`scaled`'s factor): 1 for None, the number, or the buffer's entry r."""
+    """Row (or column) r's factor itself (`scaled`'s factor, or the scores' betas): 1 for None, the
+    number, or the buffer's entry r."""
     if factor is None:
         return 1
     return factor if isinstance(factor, (int, float)) else factor[r]
@@ -226,7 +227,8 @@ def cumulative_gates_macro(C, d_k):
 # --8<-- [start:prepare_scores]
 def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
     """The macro anchored_scores(...): from a chunk's Q_s, K_s (C, d_k), gamma_s (cumulative) and
-    beta_s, L = A_kk diag(beta) (strictly lower) into L_s and A_qk (lower, with its diagonal) into
+    beta_s (None: unit betas, L = A_kk itself), L = A_kk diag(beta) (strictly lower) into L_s and A_qk
+    (lower, with its diagonal) into
     A_qk_s, q's and k's rows taken times q_factor and k_factor (`scaled`: None, a number, or a (C,)
     buffer of row factors; activate_loads's norms), through GEMMs of anchored operands (the row, column and slab buffers, of channels_per_pass
     channels, and their fp32 accumulators kk_f, qk_f (C, C), kk_slab_f, qk_slab_f (C, SUB_BLOCK)).
@@ -272,7 +274,7 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
             T.gemm(Q_row_s, K_col_s, qk_f, transpose_B=True, clear_accum=channel_pass == 0)
         for r, j in T.Parallel(C, C):
             same_block = r // sub == j // sub
-            L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * beta_s[j], 0)
+            L_s[r, j] = T.if_then_else(same_block and j < r, kk_f[r, j] * row_factor(beta_s, j), 0)
             if j // sub >= r // sub:  # the diagonal blocks and the zeros right of them; the slabs fill the rest
                 A_qk_s[r, j] = T.if_then_else(j <= r, qk_f[r, j], 0)
         # the sub-blocks out of the operands' range (their GEMM entries above may be inf or NaN, kept
@@ -307,7 +309,7 @@ def anchored_scores_macro(C, channel_passes, channels_per_pass, diagonal_dtype):
                 T.gemm(Q_slab_s, K_slab_col_s, qk_slab_f, transpose_B=True, clear_accum=first)
             for r, j in T.Parallel(C, sub):
                 if r >= s0:
-                    L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
+                    L_s[r, s0 - sub + j] = kk_slab_f[r, j] * row_factor(beta_s, s0 - sub + j)
                     A_qk_s[r, s0 - sub + j] = qk_slab_f[r, j]
 
     return anchored_scores
@@ -370,7 +372,7 @@ def exact_diagonal_block_macro(d_k):
                 decayed_key = T.cast(K_s[col, d], "float32") * decay
                 key_score += T.cast(K_s[row, d], "float32") * decayed_key
                 query_score += T.cast(Q_s[row, d], "float32") * decayed_key
-            L_s[row, col] = T.if_then_else(j < r, key_score * beta_s[col], 0)
+            L_s[row, col] = T.if_then_else(j < r, key_score * row_factor(beta_s, col), 0)
             A_qk_s[row, col] = T.if_then_else(j <= r, query_score, 0)
 
     return exact_diagonal_block
