@@ -1,0 +1,72 @@
+"""Compile on this machine, for the GPU, the course's programs that the drop-in's GPU tests build
+(tests/kernels/test_drop_in_gpu.py: FLA's grid and packed training with autograd, packed and dense
+inference, fused_recurrent_kda and the pooled decode), into TileLang's cache, as
+scripts/precompile_kimi_call.py does for the Kimi call (CONTRIBUTING.md, "Sparing the GPU's time"):
+
+    TILELANG_CACHE_DIR=.tlcache_drop_in python scripts/precompile_drop_in.py
+
+The course's calls of each test are made on CPU zeros shaped as the test's, CUDA faked, each program
+compiled and not run (stages.kda.on_cpu.compiled_only); FLA's calls and FLA's layer (its own shapes
+of the same calls, not made here) are left to the GPU.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main():
+    from dataclasses import replace
+
+    import torch
+
+    from stages.kda.autograd import chunk_kda
+    from stages.kda.fused_recurrent import fused_recurrent_kda, fused_recurrent_kda_fwd
+    from stages.kda.on_cpu import calls_on_cpu, compiled_only
+    from tests.kernels import test_drop_in_gpu as drop_in
+    from tests.kernels.fla_recurrence import Options
+    from tests.kernels.test_fla_chunk_kda import L2, SOFTPLUS, Case
+
+    def leaves(case, dtype, N=None):
+        return drop_in.fla_leaves(case, 0, dtype, N, device="cpu")
+
+    with calls_on_cpu(compiled_only):
+        for name, (case, dtype) in drop_in.GRID.items():
+            drop_in.outputs_and_gradients(chunk_kda, case, leaves(case, dtype), 0)
+            print(f"grid {name}: done", flush=True)
+        for name, (cu_seqlens, case) in drop_in.VARLEN.items():
+            drop_in.outputs_and_gradients(chunk_kda, case, leaves(case, torch.float16, len(cu_seqlens) - 1), 0,
+                                          cu_seqlens=torch.tensor(cu_seqlens))
+            print(f"varlen {name}: done", flush=True)
+        for cu_seqlens in (None, [0, 100, 300, 1200, 3000, 4096]):  # test_packed_and_dense_inference
+            B = 2 if cu_seqlens is None else 1
+            case = Case(B, 4096 if cu_seqlens else 1000, 2, 4, 128, 128, drop_in.KIMI, safe_gate=True,
+                        state_v_first=True)
+            x = {n: None if t is None else t.detach()
+                 for n, t in leaves(case, torch.bfloat16, B if cu_seqlens is None else len(cu_seqlens) - 1).items()}
+            packed = {} if cu_seqlens is None else {"cu_seqlens": torch.tensor(cu_seqlens)}
+            with torch.inference_mode():
+                chunk_kda(*(x[n] for n in ("q", "k", "v", "g", "beta")), initial_state=x["initial_state"],
+                          output_final_state=True, A_log=x["A_log"], dt_bias=x["dt_bias"], safe_gate=True,
+                          state_v_first=True, return_intermediate_states=True, **drop_in.KIMI.fla_kwargs(), **packed)
+        for case in (Case(2, 64, 2, 4, 60, 60, Options(scale=1.0)),  # test_fused_recurrent_kda
+                     Case(3, 32, 2, 8, 128, 128, replace(SOFTPLUS, use_qk_l2norm_in_kernel=True),
+                          state_v_first=True)):
+            x = {n: None if t is None else t.detach() for n, t in leaves(case, torch.bfloat16).items()}
+            fused_recurrent_kda(*(x[n] for n in ("q", "k", "v", "g", "beta")), initial_state=x["initial_state"],
+                                output_final_state=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                state_v_first=case.state_v_first, **case.options.fla_kwargs())
+        for options in (L2, replace(drop_in.KIMI, use_beta_sigmoid_in_kernel=False)):  # the pooled decode
+            B = 16
+            case = Case(1, B, 16, 16, 128, 128, options)
+            x = {n: None if t is None else t.detach() for n, t in leaves(case, torch.bfloat16, 3 * B).items()}
+            fused_recurrent_kda_fwd(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["A_log"], x["dt_bias"],
+                                    initial_state=x["initial_state"], inplace_final_state=True,
+                                    cu_seqlens=torch.arange(B + 1, dtype=torch.int32),
+                                    ssm_state_indices=torch.arange(B, dtype=torch.int32), **options.fla_kwargs())
+        print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
