@@ -3,17 +3,13 @@
 inference, fused_recurrent_kda and the pooled decode), into TileLang's cache, as
 scripts/precompile_kimi_call.py does for the Kimi call (CONTRIBUTING.md, "Sparing the GPU's time"):
 
-    TILELANG_CACHE_DIR=.tlcache_drop_in python scripts/precompile_drop_in.py
+    TILELANG_CACHE_DIR=.tlcache_drop_in python -m tests.kernels.precompile_drop_in
 
 The course's calls of each test are made on CPU zeros shaped as the test's, CUDA faked, each program
 compiled and not run (stages.kda.on_cpu.compiled_only); FLA's calls and FLA's layer (its own shapes
-of the same calls, not made here) are left to the GPU.
+of the same calls, not made here) are left to the GPU. It lives beside the tests because it reads
+their cases (nothing outside tests/ imports them).
 """
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main():
