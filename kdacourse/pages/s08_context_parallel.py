@@ -150,6 +150,18 @@ def _medians(rows):
             for ranks, pieces in context_parallel_times(rows).items()}
 
 
+def _untimed(rows, pieces):
+    """{ranks: the first error recorded} for the rank counts with a piece not timed in any round (a part
+    past the GPU's memory, say)."""
+    from kdacourse.results import context_parallel_times
+
+    timed = context_parallel_times(rows)
+    missing = {int(row["ranks"]) for row in rows} - {ranks for ranks, measured in timed.items()
+                                                      if all(piece in measured for piece in pieces)}
+    errors = [(int(row["ranks"]), row["error"].split(". ")[0]) for row in rows if row.get("error")]
+    return {ranks: next((error for r, error in errors if r == ranks), "a piece was not timed") for ranks in missing}
+
+
 def _message_ms():
     """The link's time for one message, from the committed multi-GPU run, or None."""
     from kdacourse.results import committed_run
@@ -175,7 +187,7 @@ def critical_path_ms(ranks: int, alone: float, again: float, pass_step: float, m
 
 
 def write_rank_times(path):
-    from kdacourse.results import committed_run
+    from kdacourse.results import committed_run, shown_command
 
     runs = {direction: committed_run(f"context_parallel_{direction}.csv", f"context_parallel_{direction}_meta.json")
             for direction in ("forward", "backward")}
@@ -190,9 +202,9 @@ def write_rank_times(path):
             text += f"\nNo {direction} run committed.\n"
             continue
         pieces = FORWARD if direction == "forward" else BACKWARD
-        table = []
+        table, untimed = [], _untimed(rows, pieces)
         for ranks, measured in sorted(_medians(rows).items()):
-            if not all(piece in measured for piece in pieces):
+            if ranks in untimed:
                 continue
             message_ms = message or 0.0
             one_device = ranks * measured[pieces[-2] if direction == "forward" else pieces[-1]]
@@ -210,11 +222,13 @@ def write_rank_times(path):
         paths_header = (["R ranks (speed-up)", "R ranks, prepare kept (speed-up)"] if direction == "forward"
                         else ["R ranks (speed-up)"])
         one_device_piece = "forward_from_state" if direction == "forward" else pieces[-1]
-        text += (f"\n**{direction.capitalize()}**, the committed `{meta['command']}` ({meta['device']}, "
+        text += (f"\n**{direction.capitalize()}**, the committed `{shown_command(meta['command'])}` ({meta['device']}, "
                  f"H = {meta['H']}, d = {meta['D']}, {meta['dtype']}): medians over rounds, ms; the critical paths "
                  "and one device computed from them (critical_path_ms).\n\n"
                  + markdown_table(["R", "tokens a rank", *pieces, *paths_header,
                                    f"one device (R x {one_device_piece})", "messages' share"], table))
+        for ranks, error in sorted(untimed.items()):
+            text += f"\nR = {ranks} ({meta['tokens'] // ranks} tokens a rank) was not timed on this GPU: {error}.\n"
         if direction == "forward" and isinstance(meta.get("one_device_forward_ms"), dict):
             text += (f"\nOne device's forward over all {meta['tokens']} tokens in one call: "
                      f"{meta['one_device_forward_ms']['median']:.2f} ms.\n")

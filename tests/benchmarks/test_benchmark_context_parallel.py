@@ -77,7 +77,7 @@ def test_single_gpu_pieces_at_a_small_size(tmp_path):
     rows = context_parallel.run(args, log=lambda line: None)
     assert {row["what"] for row in rows if row.get("time_ms")} == set(context_parallel.PIECES["forward"])
     meta = json.loads((tmp_path / "context_parallel_forward_meta.json").read_text())
-    assert meta["ranks"]["2"]["rel_l2_map"] < context_parallel.MAX_REL_L2
+    assert meta["map_check"]["rel_l2"] < context_parallel.MAX_REL_L2 and meta["ranks"]["2"]["tokens_per_rank"] == 256
 
 
 @pytest.mark.gpu
@@ -116,3 +116,27 @@ def test_the_page_reads_a_committed_run(tmp_path, monkeypatch):
     text = (tmp_path / "out.md").read_text()
     assert "| 4 | 16 | 1.000 | 1.000 | 0.010 | 1.000 | 0.400 | 3.02 (1.32x) | 1.82 (2.20x) | 4.00 | - |" in text, text
     assert "No backward run committed" in text and "none is committed" in text
+
+
+def test_the_page_says_which_rank_counts_were_not_timed(tmp_path, monkeypatch):
+    """A rank count whose pieces failed (its part past the GPU's memory) is left out of the table and
+    named below it with its error; the others stay in the table."""
+    from kdacourse import results
+    from kdacourse.pages import s08_context_parallel as page
+
+    rows = [dict(ranks=ranks, tokens=64, tokens_per_rank=64 // ranks, H=1, D=8, dtype="bfloat16", round=1, what=what,
+                 time_ms="" if ranks == 2 and what != "pass_step_backward" else "1.0",
+                 error="MemoryError: CUDA out of memory. Tried" if ranks == 2 and what != "pass_step_backward" else "")
+            for ranks in (2, 4) for what in context_parallel.PIECES["backward"]]
+    with open(tmp_path / "context_parallel_backward.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=context_parallel.FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (tmp_path / "context_parallel_backward_meta.json").write_text(json.dumps(
+        dict(command="python -m benchmarks.context_parallel --direction backward --out /x", device="a GPU", H=1, D=8,
+             dtype="bfloat16", tokens=64)))
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    page.write_rank_times(tmp_path / "out.md")
+    text = (tmp_path / "out.md").read_text()
+    assert "R = 2 (32 tokens a rank) was not timed on this GPU: MemoryError: CUDA out of memory." in text, text
+    assert "| 4 | 16 |" in text and "| 2 | 32 |" not in text and "--out DIR" in text
