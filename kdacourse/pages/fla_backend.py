@@ -33,8 +33,9 @@ def write_grid(path):
     counts = Counter(case["outcome"] for case in run["cases"])
     rows = [[case["case"].replace("|", "/"), case["outcome"], case["reason"].replace("|", "/")]
             for case in run["cases"] if case["outcome"] != "passed"]
-    text = (f"{run['summary']}: {counts['passed']} passed, {counts['failed']} failed, {counts['refused']} refused, "
-            f"{counts['skipped']} skipped.\n\n")
+    text = (f"Against the {run['summary'].removeprefix('against ').split(':')[0]}'s kernels: {counts['passed']} "
+            f"passed, {counts['failed']} failed, {counts['refused']} refused, {counts['skipped']} skipped of "
+            f"{len(run['cases'])} cases.\n\n")
     if rows:
         text += markdown_table(["FLA's case", "outcome", "why"], rows)
     path.write_text(text)
