@@ -16,8 +16,8 @@ sigmoid itself:
   `flash_kda` imports (the run says so when it does not);
 - course `call`: stages.kda.calls.prefill with the InputForm of those flags (stages.kda.inputs) and
   checks="device", its default; `call_unchecked` with checks="off" (FlashKDA and FLA check nothing);
-  course_4_passes `call`: the same with the prepare's score GEMMs in four channel passes
-  (KernelConfig.channel_passes), the candidate default from archive/studies/kda_prepare_occupancy.py;
+  course_4_passes `call`: the same with the prepare's score GEMMs in four channel passes at every chunk
+  size (KernelConfig.channel_passes; the default takes four at C = 32 only: config.default_channel_passes);
 - `kernels`: each peer's call captured as one CUDA graph and replayed (no Python, no host work), if it
   captures.
 

@@ -5,7 +5,8 @@ the tests read instead of working the defaults out again.
     SUB_BLOCK       16: rows of a sub-block, the tensor cores' M and K granularity; the anchors and the
                     block inverse work on these (reference C mirrors it)
     CHANNEL_PASSES  2: the prepare's and the intra kernel's score GEMMs sum over d_k in this many
-                    passes (their operands hold d_k / 2 channels)
+                    passes (their operands hold d_k / 2 channels); the forward's prepare at C = 32
+                    takes FOUR_PASSES where d_k allows (default_channel_passes)
 """
 
 import functools
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
 SUB_BLOCK = 16
 CHANNEL_PASSES = 2
+FOUR_PASSES = 4
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
 DEFAULT_THREADS = 128  # the recurrence's and decode's programs: one warp group
@@ -46,17 +48,18 @@ class KernelConfig:
 
 def resolve(B: int, H: int, d_k: int, d_v: int, num_sms: int, chunk_size: int | None = None,
             block_dv: int | None = None, threads: int = DEFAULT_THREADS, num_stages: int = DEFAULT_NUM_STAGES,
-            prepare_threads: int | None = None, channel_passes: int = CHANNEL_PASSES) -> KernelConfig:
+            prepare_threads: int | None = None, channel_passes: int | None = None) -> KernelConfig:
     """The configuration for B sequences (rows of a batch, or packed sequences) of H heads on a GPU of
     num_sms SMs: every size not given takes its default (default_chunk_size, default_block_dv,
-    default_prepare_threads, default_intra_threads). Sizes are not checked here (stages.kda.checks does).
-    The backward's kernels run at DEFAULT_CHUNK_SIZE: its callers pass it."""
+    default_prepare_threads, default_intra_threads, default_channel_passes). Sizes are not checked here
+    (stages.kda.checks does). The backward's kernels run at DEFAULT_CHUNK_SIZE: its callers pass it."""
     chunk_size = chunk_size or default_chunk_size(B, H)
     return KernelConfig(chunk_size=chunk_size,
                         block_dv=default_block_dv(B, H, d_v, num_sms) if block_dv is None else block_dv,
                         threads=threads, num_stages=num_stages,
                         prepare_threads=prepare_threads or default_prepare_threads(chunk_size),
-                        intra_threads=default_intra_threads(chunk_size, d_k), channel_passes=channel_passes)
+                        intra_threads=default_intra_threads(chunk_size, d_k),
+                        channel_passes=channel_passes or default_channel_passes(chunk_size, d_k))
 
 
 def resolve_for(device: "torch.device", B: int, H: int, d_k: int, d_v: int, **sizes) -> KernelConfig:
@@ -92,6 +95,22 @@ def default_block_dv(B: int, H: int, d_v: int, num_sms: int) -> int:
     wide = 2 * DEFAULT_BLOCK_DV
     return wide if d_v % wide == 0 and 10 * B * H * (d_v // wide) >= 9 * num_sms else DEFAULT_BLOCK_DV
 # --8<-- [end:default_block_dv]
+
+
+def default_channel_passes(chunk_size: int, d_k: int) -> int:
+    """The forward's prepare's channel passes: FOUR_PASSES at C = 32 where d_k is whole 16-wide GEMM
+    steps in four passes (a multiple of 64), else CHANNEL_PASSES.
+
+    At C = 32 the prepare's shared memory decides how many of its programs share an SM: 57,744 B in two
+    passes (three programs, 12 warps), 47,616 B in four (four programs, 16 warps; bf16, d_k = 128,
+    benchmarks/results/kda_prepare_occupancy.txt). The passes sum the same products into the same fp32
+    accumulators in the same order: the outputs are bitwise those of two passes (on an H100, o and the
+    final state at T 8192 H 96 and 8 x 4096 H 16). Measured on an H100 as Kimi Linear calls it, kernels
+    alone as CUDA graphs: 1.873 -> 1.706 ms (T 8192, H 96) and 1.309 -> 1.179 ms (8 x 4096, H 16)
+    (benchmarks/results/kimi_call_four_passes/). At C = 64 four passes leave two programs an SM, as two
+    do: not taken there unmeasured.
+    """
+    return FOUR_PASSES if chunk_size == 32 and d_k % (16 * FOUR_PASSES) == 0 else CHANNEL_PASSES
 
 
 def default_prepare_threads(chunk_size: int) -> int:

@@ -97,6 +97,18 @@ def test_resolve_takes_chunk_32_and_wide_blocks_with_many_sequence_heads():
     assert resolve(1, 64, 128, 128, num_sms=132, chunk_size=64).chunk_size == 64  # the backward's, when asked
 
 
+def test_the_forward_s_prepare_takes_four_channel_passes_at_chunk_32():
+    """default_channel_passes: four at C = 32 where d_k splits into four passes of whole 16-wide GEMM
+    steps (four programs an SM where two passes fit three), two at C = 64 and where d_k does not split;
+    a size given is kept."""
+    from stages.kda.config import resolve
+
+    assert [resolve(B, H, d_k, 128, num_sms=132).channel_passes for B, H, d_k in
+            ((1, 96, 128), (8, 16, 128), (1, 64, 64), (1, 64, 96), (1, 64, 32), (1, 32, 128))] == [4, 4, 4, 2, 2, 2]
+    assert resolve(1, 32, 128, 128, num_sms=132, chunk_size=32).channel_passes == 4
+    assert resolve(1, 96, 128, 128, num_sms=132, channel_passes=2).channel_passes == 2
+
+
 @pytest.fixture
 def stubbed_kernels(monkeypatch):
     """stages.kda.calls on CPU tensors with every compiled kernel replaced by a stub that returns zeros
