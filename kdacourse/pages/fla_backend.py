@@ -19,7 +19,10 @@ from kdacourse.pages.tables import markdown_table
 RESULTS = results.RESULTS
 GRID = RESULTS / "fla_test_grid" / "fla_test_grid.json"
 TRAINING = RESULTS / "fla_backend_train"
-SPEED = RESULTS / "kimi_call"
+# the committed runs, oldest first: kimi_call_four_passes/ timed the prepare in four channel passes beside
+# the two that were then the default at C = 32 (four since: config.default_channel_passes)
+SPEED_RUNS = (RESULTS / "kimi_call", RESULTS / "kimi_call_four_passes")
+FOUR_PASSES = ("course_4_passes", "the course, four passes")
 IMPLEMENTATIONS = (("fla", "FLA's call"), ("flashkda", "FlashKDA"), ("course", "the course's call"))
 
 
@@ -58,25 +61,36 @@ def write_training(path):
 
 
 def write_speed(path):
-    """Each case's call per implementation (medians over the rounds) and the course's speed-up on the
-    other two, taken round by round."""
-    run = results.kimi_call_run(SPEED)
-    if run is None:
+    """Per committed run (SPEED_RUNS), each case's call per implementation (medians over the rounds) and
+    the course's speed-up on the other two, taken round by round; the course in four channel passes too
+    where the run timed it."""
+    runs = [(folder, results.kimi_call_run(folder)) for folder in SPEED_RUNS]
+    if all(run is None for _, run in runs):
         path.write_text("Not measured yet: `python -m benchmarks.kimi_call --out DIR` on the GPU machine writes "
                         f"{results.KIMI_CALL_CSV} and {results.KIMI_CALL_META}; committed in "
                         "benchmarks/results/kimi_call/, `course regenerate` puts its table here.\n")
         return
-    table_rows = []
-    for case in run.cases.values():
-        shape = f"{case.tokens} in {case.sequences}, {case.H}" if case.sequences > 1 else f"{case.tokens}, {case.H}"
-        cells = [f"{case.times[impl, 'call'].median:.2f} ms" if (impl, "call") in case.times else "–"
-                 for impl, _ in IMPLEMENTATIONS]
-        ratios = [case.ratios[name].text("{:.2f}") + "x" if case.ratios[name] else "–"
-                  for name in ("FLA call / course call", "FlashKDA call / course call")]
-        table_rows.append([shape, *cells, *ratios])
-    header = ["T, H", *(label for _, label in IMPLEMENTATIONS), "course's speed-up on FLA", "on FlashKDA"]
-    path.write_text(f"`{results.shown_command(run.meta.get('command', ''))}` on {run.meta.get('device', 'the GPU')}:\n\n"
-                    + markdown_table(header, table_rows))
+    text = ""
+    for folder, run in runs:
+        if run is None:
+            continue
+        four_passes = any((FOUR_PASSES[0], "call") in case.times for case in run.cases.values())
+        shown = IMPLEMENTATIONS + ((FOUR_PASSES,) if four_passes else ())
+        table_rows = []
+        for case in run.cases.values():
+            shape = f"{case.tokens} in {case.sequences}, {case.H}" if case.sequences > 1 else f"{case.tokens}, {case.H}"
+            if not case.times:
+                continue
+            cells = [f"{case.times[impl, 'call'].median:.2f} ms" if (impl, "call") in case.times else "–"
+                     for impl, _ in shown]
+            ratios = [case.ratios[name].text("{:.2f}") + "x" if case.ratios[name] else "–"
+                      for name in ("FLA call / course call", "FlashKDA call / course call")]
+            table_rows.append([shape, *cells, *ratios])
+        header = ["T, H", *(label for _, label in shown), "course's speed-up on FLA", "on FlashKDA"]
+        text += (f"{'' if not text else chr(10)}`{results.shown_command(run.meta.get('command', ''))}` on "
+                 f"{run.meta.get('device', 'the GPU')}, commit {run.meta.get('commit', '?')} "
+                 f"(benchmarks/results/{folder.name}/):\n\n" + markdown_table(header, table_rows))
+    path.write_text(text)
 
 
 def generated_files():

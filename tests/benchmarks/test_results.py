@@ -252,10 +252,13 @@ def test_the_parallelism_table_counts_each_kernels_programs():
 def test_the_fla_backend_page_reads_the_same_run(tmp_path, monkeypatch):
     from kdacourse.pages import fla_backend
 
-    monkeypatch.setattr(fla_backend, "SPEED", tmp_path)
+    monkeypatch.setattr(fla_backend, "SPEED_RUNS", (tmp_path / "first", tmp_path / "second"))
     out = tmp_path / "speed.md"
     fla_backend.write_speed(out)
     assert out.read_text().startswith("Not measured yet") and "|" not in out.read_text()
-    _kimi_call_run(tmp_path, _kimi_call(monkeypatch), accuracy=False)
+    (tmp_path / "second").mkdir()
+    _kimi_call_run(tmp_path / "second", _kimi_call(monkeypatch), accuracy=False)
     fla_backend.write_speed(out)
-    assert "| 8192 in 6, 96 | 3.00 ms | – | 2.50 ms | 1.50 (1.00 to 2.00)x | – |" in out.read_text()
+    text = out.read_text()
+    assert "| 8192 in 6, 96 | 3.00 ms | – | 2.50 ms | 1.50 (1.00 to 2.00)x | – |" in text
+    assert text.count("(benchmarks/results/") == 1 and "(benchmarks/results/second/)" in text  # the run present
