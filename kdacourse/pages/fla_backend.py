@@ -36,9 +36,9 @@ def write_grid(path):
     counts = Counter(case["outcome"] for case in run["cases"])
     rows = [[case["case"].replace("|", "/"), case["outcome"], case["reason"].replace("|", "/")]
             for case in run["cases"] if case["outcome"] != "passed"]
-    text = (f"Against the {run['summary'].removeprefix('against ').split(':')[0]}'s kernels: {counts['passed']} "
-            f"passed, {counts['failed']} failed, {counts['refused']} refused, {counts['skipped']} skipped of "
-            f"{len(run['cases'])} cases.\n\n")
+    kernels = "the course's" if run["summary"].startswith("against course") else "FLA's own"
+    text = (f"Against {kernels} kernels: {counts['passed']} passed, {counts['failed']} failed, {counts['refused']} "
+            f"refused, {counts['skipped']} skipped of {len(run['cases'])} cases.\n\n")
     if rows:
         text += markdown_table(["FLA's case", "outcome", "why"], rows)
     path.write_text(text)
@@ -70,7 +70,7 @@ def write_speed(path):
                         f"{results.KIMI_CALL_CSV} and {results.KIMI_CALL_META}; committed in "
                         "benchmarks/results/kimi_call/, `course regenerate` puts its table here.\n")
         return
-    text = ""
+    sections = []
     for folder, run in runs:
         if run is None:
             continue
@@ -87,10 +87,10 @@ def write_speed(path):
                       for name in ("FLA call / course call", "FlashKDA call / course call")]
             table_rows.append([shape, *cells, *ratios])
         header = ["T, H", *(label for _, label in shown), "course's speed-up on FLA", "on FlashKDA"]
-        text += (f"{'' if not text else chr(10)}`{results.shown_command(run.meta.get('command', ''))}` on "
-                 f"{run.meta.get('device', 'the GPU')}, commit {run.meta.get('commit', '?')} "
-                 f"(benchmarks/results/{folder.name}/):\n\n" + markdown_table(header, table_rows))
-    path.write_text(text)
+        sections.append(f"`{results.shown_command(run.meta.get('command', ''))}` on {run.meta.get('device', 'the GPU')}, "
+                        f"commit {run.meta.get('commit', '?')} (benchmarks/results/{folder.name}/):\n\n"
+                        + markdown_table(header, table_rows))
+    path.write_text("\n".join(sections))
 
 
 def generated_files():

@@ -262,3 +262,24 @@ def test_the_fla_backend_page_reads_the_same_run(tmp_path, monkeypatch):
     text = out.read_text()
     assert "| 8192 in 6, 96 | 3.00 ms | – | 2.50 ms | 1.50 (1.00 to 2.00)x | – |" in text
     assert text.count("(benchmarks/results/") == 1 and "(benchmarks/results/second/)" in text  # the run present
+
+
+def test_the_fla_backend_page_counts_fla_s_grid(tmp_path, monkeypatch):
+    """The grid's counts by outcome, from the cases themselves, and a row for every case that did not pass
+    with its reason; none before a run is committed."""
+    import json
+
+    from kdacourse.pages import fla_backend
+
+    monkeypatch.setattr(fla_backend, "GRID", tmp_path / "fla_test_grid.json")
+    out = tmp_path / "grid.md"
+    fla_backend.write_grid(out)
+    assert out.read_text().startswith("FLA's test grid has not been run") and "|" not in out.read_text()
+    cases = [dict(case="test_chunk[a]", outcome="passed", reason=""),
+             dict(case="test_chunk[b]", outcome="refused", reason="ValueError: g: log gates must be <= 0"),
+             dict(case="test_decode[c]", outcome="skipped", reason="Skipped: requires CUDA")]
+    (tmp_path / "fla_test_grid.json").write_text(json.dumps(dict(summary="against course: stale words", cases=cases)))
+    fla_backend.write_grid(out)
+    text = out.read_text()
+    assert text.startswith("Against the course's kernels: 1 passed, 0 failed, 1 refused, 1 skipped of 3 cases."), text
+    assert "| test_chunk[b] | refused | ValueError: g: log gates must be <= 0 |" in text and "test_chunk[a]" not in text
