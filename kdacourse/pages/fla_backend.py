@@ -22,7 +22,7 @@ TRAINING = RESULTS / "fla_backend_train"
 # the committed runs, oldest first: kimi_call_four_passes/ timed the prepare in four channel passes beside
 # the two that were then the default at C = 32 (four since: config.default_channel_passes)
 SPEED_RUNS = (RESULTS / "kimi_call", RESULTS / "kimi_call_four_passes")
-FOUR_PASSES = ("course_4_passes", "the course, four passes")
+FOUR_PASS_PEER = ("course_4_passes", "the course, four passes")
 IMPLEMENTATIONS = (("fla", "FLA's call"), ("flashkda", "FlashKDA"), ("course", "the course's call"))
 
 
@@ -74,8 +74,8 @@ def write_speed(path):
     for folder, run in runs:
         if run is None:
             continue
-        four_passes = any((FOUR_PASSES[0], "call") in case.times for case in run.cases.values())
-        shown = IMPLEMENTATIONS + ((FOUR_PASSES,) if four_passes else ())
+        four_passes = any((FOUR_PASS_PEER[0], "call") in case.times for case in run.cases.values())
+        shown = IMPLEMENTATIONS + ((FOUR_PASS_PEER,) if four_passes else ())
         table_rows = []
         for case in run.cases.values():
             shape = f"{case.tokens} in {case.sequences}, {case.H}" if case.sequences > 1 else f"{case.tokens}, {case.H}"

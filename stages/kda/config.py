@@ -6,7 +6,7 @@ the tests read instead of working the defaults out again.
                     block inverse work on these (reference C mirrors it)
     CHANNEL_PASSES  2: the prepare's and the intra kernel's score GEMMs sum over d_k in this many
                     passes (their operands hold d_k / 2 channels); the forward's prepare at C = 32
-                    takes FOUR_PASSES where d_k allows (default_channel_passes)
+                    takes CHUNK_32_PASSES where d_k allows (default_channel_passes)
 """
 
 import functools
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 SUB_BLOCK = 16
 CHANNEL_PASSES = 2
-FOUR_PASSES = 4
+CHUNK_32_PASSES = 4  # the forward's prepare at C = 32: four programs an SM where two passes fit three
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_DV = 32
 DEFAULT_THREADS = 128  # the recurrence's and decode's programs: one warp group
@@ -98,7 +98,7 @@ def default_block_dv(B: int, H: int, d_v: int, num_sms: int) -> int:
 
 
 def default_channel_passes(chunk_size: int, d_k: int) -> int:
-    """The forward's prepare's channel passes: FOUR_PASSES at C = 32 where d_k is whole 16-wide GEMM
+    """The forward's prepare's channel passes: CHUNK_32_PASSES at C = 32 where d_k is whole 16-wide GEMM
     steps in four passes (a multiple of 64), else CHANNEL_PASSES.
 
     At C = 32 the prepare's shared memory decides how many of its programs share an SM: 57,744 B in two
@@ -110,7 +110,7 @@ def default_channel_passes(chunk_size: int, d_k: int) -> int:
     (benchmarks/results/kimi_call_four_passes/). At C = 64 four passes leave two programs an SM, as two
     do: not taken there unmeasured.
     """
-    return FOUR_PASSES if chunk_size == 32 and d_k % (16 * FOUR_PASSES) == 0 else CHANNEL_PASSES
+    return CHUNK_32_PASSES if chunk_size == 32 and d_k % (16 * CHUNK_32_PASSES) == 0 else CHANNEL_PASSES
 
 
 def default_prepare_threads(chunk_size: int) -> int:
