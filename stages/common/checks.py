@@ -24,12 +24,17 @@ Float64Array = NDArray[np.float64]  # the one array type the references take
 def check_array(name, x, rank, layout=""):
     """x is a NumPy float64 array of the given rank (layout, e.g. "(B, N, H, D)", names its axes)
     with finite entries."""
+    check_layout(name, x, rank, layout)
+    check_values(name, x)
+
+
+def check_layout(name, x, rank, layout=""):
+    """x is a NumPy float64 array of the given rank; its values are not read."""
     _check_is_ndarray(name, x)
     if x.ndim != rank:
         raise ValueError(f"{name} must have rank {rank}{f' {layout}' if layout else ''}, got shape {tuple(x.shape)}")
     if x.dtype != np.float64:
         raise TypeError(f"{name} must have dtype float64, got {x.dtype}; convert it with {name}.astype(np.float64)")
-    check_values(name, x)
 
 
 def check_shaped(name, x, shape, description):

@@ -63,7 +63,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from stages.common.checks import (Float64Array, check_array, check_chunking, check_cu_seqlens, check_gate_and_beta,
-                                  check_log_gates, check_qkv, check_shaped, check_slots, check_values)
+                                  check_layout, check_log_gates, check_qkv, check_shaped, check_slots, check_values)
 from stages.s05_fast_kda.reference import SUB_BLOCK, ChunkTensors, prepare, recurrence
 
 CHUNK_FIELDS = ("w", "u", "q_decayed", "a_qk", "k_to_chunk_end")  # ChunkTensors' per-token tensors
@@ -309,8 +309,11 @@ def prefill_in_pieces(forward: Callable, q: Float64Array, k: Float64Array, v: Fl
 
 
 def check_decode_inputs(q, k, v, g, beta, state_pool, slots):
-    """The shapes of one decode step; returns (B, H, d_k, d_v, P). Every array float64 and finite,
-    g <= 0, beta in [0, 1], slots in [0, P) and distinct."""
+    """The shapes of one decode step; returns (B, H, d_k, d_v, P). Every array float64, the token's
+    finite, g <= 0, beta in [0, 1], slots in [0, P) and distinct. The pool's values are not read, as
+    the kernel does not read them to check: they are the server's own results (a state that overflowed
+    is what the recurrence computed), and a scan of every live state would cost more than the
+    step itself."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x, 3, "(B, H, D): one token per sequence")
     if tuple(k.shape) != tuple(q.shape):
@@ -323,7 +326,7 @@ def check_decode_inputs(q, k, v, g, beta, state_pool, slots):
     check_log_gates("g", g)
     check_shaped("beta", beta, (B, H), f"(B, H) = {(B, H)}")
     check_values("beta", beta, 0.0, 1.0, "beta must lie in [0, 1]")
-    check_array("state_pool", state_pool, 4, "(P, H, d_k, d_v)")
+    check_layout("state_pool", state_pool, 4, "(P, H, d_k, d_v)")
     if tuple(state_pool.shape[1:]) != (H, d_k, d_v):
         raise ValueError(f"state_pool must be (P, H, d_k, d_v) = (P, {H}, {d_k}, {d_v}), S^T in the kernel layout, "
                          f"got {tuple(state_pool.shape)}")

@@ -220,3 +220,22 @@ def test_the_cuda_route_feeds_the_decode_kernel_what_it_takes(case, monkeypatch)
     assert final_state is pool
     assert error_report(o, expected_o).rel_l2 <= 1e-6  # the scratch pool is float32
     assert error_report(pool[indices.long()], expected_states).rel_l2 <= 1e-6
+
+
+def test_a_state_that_overflows_is_computed_not_refused():
+    """Keys of squared norm 100 at beta = 1 multiply the state's part along k by 1 - 100 = -99 a token:
+    here it grows about e^3.3 a token and float64 overflows within 300 (FLA's kernels overflow fp32
+    sooner, and FLA computes on). So does the course:
+    the overflow shows in the values (the final state is not finite), every token before it is computed
+    as on its own, and nothing raises for a state the recurrence itself produced."""
+    T, D = 300, 4
+    generator = torch.Generator().manual_seed(7)
+    q, v = (torch.randn(1, T, 1, D, generator=generator, dtype=torch.float64) for _ in range(2))
+    k = torch.nn.functional.normalize(torch.randn(1, T, 1, D, generator=generator, dtype=torch.float64), dim=-1) * 10
+    g, beta = torch.zeros(1, T, 1, D, dtype=torch.float64), torch.ones(1, T, 1, dtype=torch.float64)
+    o, final_state = fused_recurrent_kda(q, k, v, g, beta, scale=1.0, output_final_state=True)
+    assert not torch.isfinite(final_state).all()
+    early = 20
+    o_early, _ = fused_recurrent_kda(*(x[:, :early] for x in (q, k, v, g, beta)), scale=1.0)
+    assert torch.isfinite(o_early).all()
+    assert torch.equal(o[:, :early], o_early)
