@@ -468,7 +468,8 @@ def chunk_operands_macro(C, d_k, block_dv, dtype, holds) -> ChunkOperands:
     program's order (KEY_ROWS, VALUE_BLOCK, SCORE_ROWS or CHUNK_ROW: the shapes above, in `dtype`
     but the chunk row's fp32):
 
-        declare() -> the tiles, in shared memory (the loads are TMA copies)
+        declare() -> the tiles in shared memory, a tuple: each takes the name the program unpacks
+            it into (W_s, U_s, ... = declare())
         load(tensors, tiles, b, h, v0, i_c, t0): chunk i_c (rows t0 .. t0 + C - 1) of each tensor of
             batch row b and head h into its tile (a value block: columns v0 .. v0 + block_dv - 1)
     """
