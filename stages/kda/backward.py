@@ -36,7 +36,8 @@ from stages.common.tilelang_tools import LOG2_E
 from stages.kda.config import CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK, default_intra_threads
 from stages.kda.prepare import build_prepare_program, prepare_outputs
 from stages.kda.tensor_types import tensor_types
-from stages.kda.tiles import (advance_state_macro, cumulative_gates_macro, exact_diagonal_gradients_macro,
+from stages.kda.tiles import (CHUNK_ROW, KEY_ROWS, SCORE_ROWS, VALUE_BLOCK, advance_state_macro, chunk_operands_macro,
+                              cumulative_gates_macro, exact_diagonal_gradients_macro,
                               flag_wide_spans_macro, wait_for_tensor_cores_macro)
 from stages.s05_fast_kda.numerics import FAST_SPAN_LOG
 
@@ -56,6 +57,8 @@ def build_states_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block
     accum_dtype = "float32"
     num_chunks = N // C
     tensors = tensor_types(B, N, H, d_k, d_v, C, dtype)
+    # W, U, K e^{gamma_C - gamma} and e^{gamma_C}: one chunk of each in shared memory
+    operands = chunk_operands_macro(C, d_k, block_dv, dtype, (KEY_ROWS, VALUE_BLOCK, KEY_ROWS, CHUNK_ROW))
     advance_state = advance_state_macro(d_k, block_dv)
 
     @T.prim_func
@@ -72,10 +75,7 @@ def build_states_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block
             b, h = i_bh // H, i_bh % H
             v0 = i_v * block_dv
 
-            W_s = T.alloc_shared((C, d_k), dtype)
-            U_s = T.alloc_shared((C, block_dv), dtype)
-            K_to_chunk_end_s = T.alloc_shared((C, d_k), dtype)
-            chunk_decay_s = T.alloc_shared((d_k,), accum_dtype)
+            W_s, U_s, K_to_chunk_end_s, chunk_decay_s = operands.declare()
             S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand, and as stored
             V_new_s = T.alloc_shared((C, block_dv), dtype)
 
@@ -85,10 +85,8 @@ def build_states_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block
             T.copy(Initial_state[b, h, :, v0:v0 + block_dv], S_f)
             for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
                 t0 = i_c * C
-                T.copy(W[b, t0:t0 + C, h, :], W_s)
-                T.copy(U[b, t0:t0 + C, h, v0:v0 + block_dv], U_s)
-                T.copy(K_to_chunk_end[b, t0:t0 + C, h, :], K_to_chunk_end_s)
-                T.copy(Chunk_decay[b, i_c, h, :], chunk_decay_s)
+                operands.load((W, U, K_to_chunk_end, Chunk_decay), (W_s, U_s, K_to_chunk_end_s, chunk_decay_s),
+                              b, h, v0, i_c, t0)
 
                 T.copy(S_f, S_s)
                 T.copy(S_s, States[b, i_c, h, :, v0:v0 + block_dv])  # the state this chunk starts from
@@ -117,6 +115,9 @@ def build_state_gradient_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
     accum_dtype = "float32"
     num_chunks = N // C
     tensors = tensor_types(B, N, H, d_k, d_v, C, dtype)
+    # Q e^gamma, K e^{gamma_C - gamma}, W, A_qk, e^{gamma_C} and dO: one chunk of each in shared memory
+    operands = chunk_operands_macro(C, d_k, block_dv, dtype,
+                                    (KEY_ROWS, KEY_ROWS, KEY_ROWS, SCORE_ROWS, CHUNK_ROW, VALUE_BLOCK))
 
     @T.prim_func
     def kda_state_gradient(
@@ -135,12 +136,7 @@ def build_state_gradient_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
             b, h = i_bh // H, i_bh % H
             v0 = i_v * block_dv
 
-            Q_decayed_s = T.alloc_shared((C, d_k), dtype)
-            K_to_chunk_end_s = T.alloc_shared((C, d_k), dtype)
-            W_s = T.alloc_shared((C, d_k), dtype)
-            A_qk_s = T.alloc_shared((C, C), dtype)
-            chunk_decay_s = T.alloc_shared((d_k,), accum_dtype)
-            dO_s = T.alloc_shared((C, block_dv), dtype)
+            Q_decayed_s, K_to_chunk_end_s, W_s, A_qk_s, chunk_decay_s, dO_s = operands.declare()
             dS_s = T.alloc_shared((d_k, block_dv), dtype)  # dS'^T as a GEMM operand, and as stored
             dV_new_s = T.alloc_shared((C, block_dv), dtype)
             minus_dV_new_s = T.alloc_shared((C, block_dv), dtype)  # the GEMM adds: -W^T dV_new
@@ -152,12 +148,8 @@ def build_state_gradient_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
             for step in T.Pipelined(num_chunks, num_stages=num_stages):
                 i_c = num_chunks - 1 - step  # the last chunk first
                 t0 = i_c * C
-                T.copy(Q_decayed[b, t0:t0 + C, h, :], Q_decayed_s)
-                T.copy(K_to_chunk_end[b, t0:t0 + C, h, :], K_to_chunk_end_s)
-                T.copy(W[b, t0:t0 + C, h, :], W_s)
-                T.copy(A_qk[b, t0:t0 + C, h, :], A_qk_s)
-                T.copy(Chunk_decay[b, i_c, h, :], chunk_decay_s)
-                T.copy(dO[b, t0:t0 + C, h, v0:v0 + block_dv], dO_s)
+                operands.load((Q_decayed, K_to_chunk_end, W, A_qk, Chunk_decay, dO),
+                              (Q_decayed_s, K_to_chunk_end_s, W_s, A_qk_s, chunk_decay_s, dO_s), b, h, v0, i_c, t0)
 
                 T.copy(dS_f, dS_s)
                 T.copy(dS_s, D_states[b, i_c, h, :, v0:v0 + block_dv])  # the gradient this chunk ends with

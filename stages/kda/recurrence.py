@@ -15,7 +15,8 @@ signature.
 from stages.kda.config import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_NUM_STAGES, DEFAULT_THREADS
 from stages.kda.prepare import PackedBatch
 from stages.kda.tensor_types import tensor_types
-from stages.kda.tiles import advance_state_macro, chunk_output_macro
+from stages.kda.tiles import (CHUNK_ROW, KEY_ROWS, SCORE_ROWS, VALUE_BLOCK, advance_state_macro, chunk_operands_macro,
+                              chunk_output_macro)
 
 
 # --8<-- [start:recurrence_program]
@@ -47,18 +48,12 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
     # o's rows: N, or the packed tokens
     tensors = tensor_types(B, N, H, d_k, d_v, C, dtype, chunks=num_chunks, tokens=packed and packed.tokens,
                            sequences=packed and packed.sequences)
+    # the prepare's outputs W, U, Q e^gamma, K e^{gamma_C - gamma}, A_qk, e^{gamma_C}: one chunk of each
+    # in shared memory
+    operands = chunk_operands_macro(C, d_k, block_dv, dtype,
+                                    (KEY_ROWS, VALUE_BLOCK, KEY_ROWS, KEY_ROWS, SCORE_ROWS, CHUNK_ROW))
     chunk_output = chunk_output_macro(C, block_dv)
     advance_state = advance_state_macro(d_k, block_dv)
-
-    @T.macro
-    def load_chunk(W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, W_s, U_s, Q_decayed_s, K_to_chunk_end_s,
-                   A_qk_s, chunk_decay_s, b, h, v0, i_c, t0):
-        T.copy(W[b, t0:t0 + C, h, :], W_s)
-        T.copy(U[b, t0:t0 + C, h, v0:v0 + block_dv], U_s)
-        T.copy(Q_decayed[b, t0:t0 + C, h, :], Q_decayed_s)
-        T.copy(K_to_chunk_end[b, t0:t0 + C, h, :], K_to_chunk_end_s)
-        T.copy(A_qk[b, t0:t0 + C, h, :], A_qk_s)
-        T.copy(Chunk_decay[b, i_c, h, :], chunk_decay_s)
 
     @T.macro
     def recurrence(W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, Initial_state, Chunk_offsets, Cu_seqlens, O,
@@ -72,12 +67,7 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
                 v0 = i_v * block_dv
                 first_chunk = Chunk_offsets[sequence]  # the sequence's chunks: no chunk holds two sequences
 
-            W_s = T.alloc_shared((C, d_k), dtype)
-            U_s = T.alloc_shared((C, block_dv), dtype)
-            Q_decayed_s = T.alloc_shared((C, d_k), dtype)
-            K_to_chunk_end_s = T.alloc_shared((C, d_k), dtype)
-            A_qk_s = T.alloc_shared((C, C), dtype)
-            chunk_decay_s = T.alloc_shared((d_k,), accum_dtype)
+            W_s, U_s, Q_decayed_s, K_to_chunk_end_s, A_qk_s, chunk_decay_s = operands.declare()
             S_s = T.alloc_shared((d_k, block_dv), dtype)  # the state as a GEMM operand
             V_new_s = T.alloc_shared((C, block_dv), dtype)
             O_s = T.alloc_shared((C, block_dv), dtype)  # o staged for a store of whole rows
@@ -90,8 +80,8 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
                 T.copy(Initial_state[b, h, :, v0:v0 + block_dv], S_f)  # once, outside the chunk loop
                 for i_c in T.Pipelined(num_chunks, num_stages=num_stages):
                     t0 = i_c * C
-                    load_chunk(W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, W_s, U_s, Q_decayed_s,
-                               K_to_chunk_end_s, A_qk_s, chunk_decay_s, b, h, v0, i_c, t0)
+                    operands.load((W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay),
+                                  (W_s, U_s, Q_decayed_s, K_to_chunk_end_s, A_qk_s, chunk_decay_s), b, h, v0, i_c, t0)
                     chunk_output(S_f, S_s, W_s, U_s, Q_decayed_s, A_qk_s, V_new_f, V_new_s, acc_o, O_s)
                     # through shared memory, then one TMA store: from the fragment, o went out in 4-byte
                     # stores spread over 8 rows
@@ -105,8 +95,8 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
                     t0 = i_c * C  # its first row in the chunk-aligned layout
                     start = Cu_seqlens[sequence] + i * C  # ... and its first token in the packed batch
                     rows = T.min(C, Cu_seqlens[sequence + 1] - start)  # a sequence's last chunk may be short
-                    load_chunk(W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, W_s, U_s, Q_decayed_s,
-                               K_to_chunk_end_s, A_qk_s, chunk_decay_s, 0, h, v0, i_c, t0)
+                    operands.load((W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay),
+                                  (W_s, U_s, Q_decayed_s, K_to_chunk_end_s, A_qk_s, chunk_decay_s), 0, h, v0, i_c, t0)
                     chunk_output(S_f, S_s, W_s, U_s, Q_decayed_s, A_qk_s, V_new_f, V_new_s, acc_o, O_s)
                     for r, j in T.Parallel(C, block_dv):  # masked store: the rows past the end are the next sequence's
                         if r < rows:

@@ -12,6 +12,7 @@ the macro in its program, so a fix to one piece is made once for every kernel th
     exact_diagonal_block      such a sub-block's scores, by their definition
     block_inverse             T = (I + L)^{-1} by 16 x 16 blocks
     wy_outputs                W = diag(beta) T (K e^gamma), U = diag(beta) T V
+    chunk_operands            a chunk loop's operands: their tiles declared, one chunk's rows loaded
     chunk_output              V_new = U - W S^T and one chunk's o (the recurrences)
     advance_state             S^T past one chunk (the recurrences and the backward's states)
     wait_for_tensor_cores     the intra kernel's wait for GEMMs issued together
@@ -20,6 +21,7 @@ the macro in its program, so a fix to one piece is made once for every kernel th
 
 import math
 import types
+from typing import NamedTuple
 
 from stages.common.device_checks import BAD_BETA, BAD_GATE, bad_beta, bad_gate
 from stages.common.tilelang_tools import LOG2_E
@@ -443,6 +445,57 @@ def wy_outputs_macro(C):
 
     return wy_outputs
 # --8<-- [end:prepare_outputs]
+
+
+# --8<-- [start:chunk_operands]
+# what one chunk's tile holds of a tensor (B batch rows, N rows, H heads; C = chunk size):
+KEY_ROWS = "key rows"  # (B, N, H, d_k) -> (C, d_k): W, Q e^gamma, K e^{gamma_C - gamma}
+VALUE_BLOCK = "value block"  # (B, N, H, d_v) -> (C, block_dv), the program's d_v columns: U, dO
+SCORE_ROWS = "score rows"  # (B, N, H, C) -> (C, C): A_qk
+CHUNK_ROW = "chunk row"  # (B, N / C, H, d_k) fp32 -> (d_k,) fp32: e^{gamma_C}
+
+
+class ChunkOperands(NamedTuple):
+    """A chunk loop's operands: `declare()` gives their tiles, `load(...)` fills them with one chunk."""
+
+    declare: object
+    load: object
+
+
+def chunk_operands_macro(C, d_k, block_dv, dtype, holds) -> ChunkOperands:
+    """The tiles a chunk loop (the recurrence, the backward's states and state gradient) reads one
+    chunk of its operands into, one tile per operand, each holding what `holds` names for it in the
+    program's order (KEY_ROWS, VALUE_BLOCK, SCORE_ROWS or CHUNK_ROW: the shapes above, in `dtype`
+    but the chunk row's fp32):
+
+        declare() -> the tiles in shared memory, a tuple: each takes the name the program unpacks
+            it into (W_s, U_s, ... = declare())
+        load(tensors, tiles, b, h, v0, i_c, t0): chunk i_c (rows t0 .. t0 + C - 1) of each tensor of
+            batch row b and head h into its tile (a value block: columns v0 .. v0 + block_dv - 1)
+    """
+    import tilelang.language as T
+
+    accum_dtype = "float32"
+    tile_shapes = {KEY_ROWS: ((C, d_k), dtype), VALUE_BLOCK: ((C, block_dv), dtype), SCORE_ROWS: ((C, C), dtype),
+                   CHUNK_ROW: ((d_k,), accum_dtype)}
+
+    @T.macro
+    def declare():
+        return tuple(T.alloc_shared(*tile_shapes[held]) for held in holds)
+
+    @T.macro
+    def load(tensors, tiles, b, h, v0, i_c, t0):
+        # by position: a loop over the buffers themselves would rename each to the loop's variable
+        for position in tuple(range(len(holds))):
+            if holds[position] == CHUNK_ROW:
+                T.copy(tensors[position][b, i_c, h, :], tiles[position])
+            elif holds[position] == VALUE_BLOCK:
+                T.copy(tensors[position][b, t0:t0 + C, h, v0:v0 + block_dv], tiles[position])
+            else:
+                T.copy(tensors[position][b, t0:t0 + C, h, :], tiles[position])
+
+    return ChunkOperands(declare, load)
+# --8<-- [end:chunk_operands]
 
 
 # --8<-- [start:recurrence_chunk]
