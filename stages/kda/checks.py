@@ -18,6 +18,9 @@ from stages.kda.config import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, Ke
 from stages.kda.inputs import InputForm
 
 PLAIN = InputForm()
+# q, k, v of the decode kernel: fp32 too, for fused_recurrent_kda's float32 calls (FLA's fused_recurrent
+# takes float32 and computes token by token in it; the decode kernel has no GEMM, its math is fp32 already)
+DECODE_DTYPES = ("float16", "bfloat16", "float32")
 
 if TYPE_CHECKING:
     import torch
@@ -217,7 +220,8 @@ def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
                         A_log: "torch.Tensor | None" = None,
                         dt_bias: "torch.Tensor | None" = None) -> tuple[int, int, int, int]:
     """Every check of `decode`'s arguments (see its docstring); returns (B, H, d_k, d_v), H the value
-    heads (q and k may have fewer: grouped value heads).
+    heads (q and k may have fewer: grouped value heads). q, k, v may be fp32 besides fp16 and bf16
+    (DECODE_DTYPES: no GEMM in the kernel, as in FLA's fp32 fused_recurrent).
 
     In stage 5's order (check_forward_inputs): the checks mode, what the tensors' types, shapes and
     dtypes tell, and block_dv; then, with checks="host", what only their values tell (check_values,
@@ -225,9 +229,9 @@ def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
     machine without a GPU.
     """
     check_mode(checks)
-    check_kernel_tensor("q", q, rank=3)
-    check_kernel_tensor("k", k, rank=3)
-    check_kernel_tensor("v", v, rank=3)
+    check_kernel_tensor("q", q, rank=3, dtypes=DECODE_DTYPES)
+    check_kernel_tensor("k", k, rank=3, dtypes=DECODE_DTYPES)
+    check_kernel_tensor("v", v, rank=3, dtypes=DECODE_DTYPES)
     check_same("k", k, "q", q, "shape")
     B, H_qk, d_k = q.shape
     H = v.shape[1]

@@ -13,6 +13,7 @@ Bounds: FLA's tolerances, as the GPU tests take them (tests/kernels/test_drop_in
 on which FLA asserts nothing, held to dg's).
 """
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -20,9 +21,9 @@ import torch
 
 from stages.common.errors import error_report
 from stages.kda.autograd import chunk_kda
-from stages.kda.fused_recurrent import fused_recurrent_kda_fwd
+from stages.kda.fused_recurrent import fused_recurrent_kda, fused_recurrent_kda_fwd
 from stages.kda.on_cpu import calls_on_cpu, interpreted
-from tests.kernels.fla_recurrence import Options
+from tests.kernels.fla_recurrence import Options, kda
 from tests.kernels.test_drop_in_gpu import FLA_TOLERANCES, KIMI, exact, fla_leaves, outputs_and_gradients
 from tests.kernels.test_fla_chunk_kda import BOUNDED, L2, SOFTPLUS, Case
 
@@ -212,3 +213,115 @@ def test_the_setup_page_s_example_runs():
     assert names["o"].shape == (1, 100, 2, 32) and names["o"].dtype == torch.bfloat16
     assert names["final_state"].shape == (1, 2, 32, 32)
     assert all(names[x].grad is not None and names[x].grad.abs().sum() > 0 for x in ("q", "k", "v", "g", "beta"))
+
+
+# ------------------------------------------------------------------ fused_recurrent_kda in float32
+
+# fp32 q, k, v run the decode kernel token by token in fp32, as FLA's fused_recurrent computes (its
+# fp32 tests hold o and the final state to 1e-4 and 0.005): the bound is ten times tighter than FLA's
+# tightest. fp32's unit roundoff is 6e-8; an o in fp16 (bf16) carries its own rounding, 2^-11 (2^-8)
+# relative, on top of any route's error, so an fp16 o cannot meet it: a route that computed in fp16
+# shows here (test_an_fp16_call_misses_the_fp32_bound checks that the bound tells them apart)
+FP32_BOUND = 1e-5
+FP32_CASES = {  # T > 1 without a pool: the chunked kernels for fp16 and bf16, the decode kernel for fp32
+    "T13-HV2H": Case(2, 13, 2, 4, 32, 32, Options(scale=1.0)),
+    "T11-state_v_first-K20-V24": Case(1, 11, 2, 2, 20, 24, L2, state_v_first=True),
+}
+
+
+def _leaves(case, seed, dtype, N=None):
+    return {name: None if x is None else x.detach() for name, x in fla_leaves(case, seed, dtype, N, "cpu").items()}
+
+
+def _recurrent(case, leaves):
+    return fused_recurrent_kda(*(leaves[x] for x in ("q", "k", "v", "g", "beta")), leaves["A_log"],
+                               leaves["dt_bias"], initial_state=leaves["initial_state"], output_final_state=True,
+                               state_v_first=case.state_v_first, **case.options.fla_kwargs())
+
+
+@pytest.mark.parametrize("name", FP32_CASES)
+def test_fused_recurrent_kda_in_float32_through_the_decode_kernel(name, on_the_interpreter):
+    """FLA's fp32 call without a pool: o in fp32 and the final state against FLA's math in float64 at
+    FP32_BOUND; the inputs, the initial state too, unchanged; a second call bitwise equal."""
+    case = FP32_CASES[name]
+    leaves = _leaves(case, sum(map(ord, name)), torch.float32)
+    before = {name_: x.clone() for name_, x in leaves.items() if x is not None}
+    o, final_state = _recurrent(case, leaves)
+    truth = exact(case, leaves, 0)
+    assert o.dtype == torch.float32
+    assert error_report(o, truth["o"]).rel_l2 < FP32_BOUND, error_report(o, truth["o"])
+    assert error_report(final_state, truth["final_state"]).rel_l2 < FP32_BOUND
+    assert all(torch.equal(leaves[name_], x) for name_, x in before.items())
+    again = _recurrent(case, leaves)
+    assert torch.equal(again[0], o) and torch.equal(again[1], final_state)
+
+
+POOL_CASE = Case(1, 12, 1, 2, 32, 32, KIMI, state_v_first=True)  # Kimi Linear's form, grouped heads
+POOL_LENGTHS = [5, 0, 7]  # an empty sequence among them
+
+
+def _pool_call(leaves, pool, indices):
+    cu_seqlens = torch.tensor([0, *torch.tensor(POOL_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return fused_recurrent_kda_fwd(*(leaves[x] for x in ("q", "k", "v", "g", "beta")), leaves["A_log"],
+                                   leaves["dt_bias"], initial_state=pool, inplace_final_state=True,
+                                   cu_seqlens=cu_seqlens, ssm_state_indices=indices, state_v_first=True,
+                                   **POOL_CASE.options.fla_kwargs())
+
+
+def _pool_truth(leaves, pool, indices):
+    """FLA's math from each sequence's first slot: (o, {slot: the state after its token, V first})."""
+    cu_seqlens = [0, *torch.tensor(POOL_LENGTHS).cumsum(0).tolist()]
+    o, _, every = kda(*(leaves[x] for x in ("q", "k", "v", "g", "beta")),
+                      pool[indices[:, 0].long()].transpose(-1, -2), leaves["A_log"], leaves["dt_bias"], cu_seqlens,
+                      POOL_CASE.options)
+    return o, {int(indices[n, t]): state.transpose(-1, -2) for n, states in enumerate(every)
+               for t, state in enumerate(states)}
+
+
+def _pool(dtype):
+    """POOL_CASE's leaves in dtype, a pool of 24 states V first and (N, T_max) slots drawn at random."""
+    leaves = _leaves(POOL_CASE, 17, dtype, N=24)
+    indices = torch.randperm(24, generator=torch.Generator().manual_seed(17))[:21].view(3, 7).int()
+    return leaves, leaves.pop("initial_state"), indices
+
+
+def test_fused_recurrent_kda_fwd_in_float32_over_a_pool(on_the_interpreter):
+    """vLLM's speculative call in fp32: each sequence's state after each of its tokens in its slot, at
+    FP32_BOUND from FLA's math; the slots no token names bitwise unchanged; the inputs unchanged; the same
+    call on the same pool again gives the same bits."""
+    leaves, pool, indices = _pool(torch.float32)
+    start, before = pool.clone(), {name: x.clone() for name, x in leaves.items() if x is not None}
+    o, final_state = _pool_call(leaves, pool, indices)
+    expected_o, expected_states = _pool_truth(leaves, start, indices)
+    written = sorted(expected_states)
+    unnamed = [slot for slot in range(24) if slot not in expected_states]
+    assert final_state is pool and o.dtype == torch.float32
+    assert error_report(o, expected_o).rel_l2 < FP32_BOUND, error_report(o, expected_o)
+    assert error_report(pool[written], torch.stack([expected_states[s] for s in written])).rel_l2 < FP32_BOUND
+    assert torch.equal(pool[unnamed], start[unnamed])
+    assert all(torch.equal(leaves[name], x) for name, x in before.items())
+    again_pool = start.clone()
+    again, _ = _pool_call(leaves, again_pool, indices)
+    assert torch.equal(again, o) and torch.equal(again_pool, pool)
+
+
+def test_an_fp16_call_misses_the_fp32_bound(on_the_interpreter):
+    """The same pool call in fp16 (the decode kernel with fp16 q, k, v and o): within FLA's fp16
+    tolerance, and above FP32_BOUND, which therefore tells a route that computed in fp16 from fp32."""
+    leaves, pool, indices = _pool(torch.float16)
+    expected_o, _ = _pool_truth(leaves, pool.clone(), indices)
+    o, _ = _pool_call(leaves, pool, indices)
+    assert FP32_BOUND < error_report(o, expected_o).rel_l2 < FLA_TOLERANCES["o"], error_report(o, expected_o)
+
+
+@pytest.mark.parametrize("call, dtype, message", [
+    (chunk_kda, torch.float32, "q must have dtype float16 or bfloat16 (the kernels' inputs on CUDA), got float32"),
+    (fused_recurrent_kda, torch.float64,
+     "q must have dtype float16 or bfloat16 or float32 (the kernels' inputs on CUDA), got float64"),
+])
+def test_the_cuda_route_refuses_what_its_kernels_do_not_take(call, dtype, message, on_the_interpreter):
+    """chunk_kda's kernels take fp16 and bf16 (their GEMMs), fused_recurrent_kda's decode kernel fp32
+    too: each says so before a kernel is built."""
+    q = torch.rand(1, 8, 1, 32, dtype=dtype)
+    with pytest.raises(TypeError, match=re.escape(message)):
+        call(q, q, q, -torch.rand(1, 8, 1, 32), torch.rand(1, 8, 1))

@@ -282,7 +282,8 @@ def _bad_wrapper_inputs():
     from stages.kda.config import KernelConfig
 
     return [
-        (dict(q=torch.randn(2, 2, 16)), TypeError, "q must have dtype float16 or bfloat16"),
+        (dict(q=torch.randn(2, 2, 16, dtype=torch.float64)), TypeError,
+         "q must have dtype float16 or bfloat16 or float32, got float64"),
         (dict(k=torch.randn(2, 2, 8, dtype=torch.float16)), ValueError, "k must have the shape of q"),
         (dict(v=torch.randn(2, 2, 32, dtype=torch.bfloat16)), ValueError, "v must have the dtype of q"),
         (dict(v=torch.randn(2, 3, 32, dtype=torch.float16)), ValueError, r"v must be \(B, H, d_v\)"),
