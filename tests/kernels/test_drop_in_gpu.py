@@ -21,7 +21,7 @@ from stages.common.errors import error_report
 from stages.kda.autograd import chunk_kda
 from stages.kda.fused_recurrent import fused_recurrent_kda, fused_recurrent_kda_fwd
 from tests.kernels.fla_recurrence import Options, kda
-from tests.kernels.test_fla_chunk_kda import BOUNDED, L2, SOFTPLUS, Case, make_leaves
+from tests.kernels.test_fla_chunk_kda import BOUNDED, L2, SOFTPLUS, TWICE_SIGMOID_BETA, Case, make_leaves
 
 pytestmark = pytest.mark.gpu
 # FLA's side is its Triton kernels: FLA 0.6.0 would otherwise hand its backward's WY kernel to its
@@ -171,6 +171,40 @@ def test_fused_recurrent_kda_within_fla_s_tolerance(case, fla, monkeypatch):
     o, final_state = fused_recurrent_kda(*tensors, **arguments)
     truth = exact(case, leaves, 5)
     assert error_report(o, truth["o"]).rel_l2 < 0.005 and error_report(final_state, truth["final_state"]).rel_l2 < 0.005
+
+
+FP32_RECURRENT = {  # FLA's fused_recurrent tests in torch.float32, at FLA's sizes, with FLA's tolerance of each
+    "B2-T512-H3-D60": (Case(2, 512, 3, 3, 60, 60, Options(scale=1.0)), 0.005),  # test_fused_recurrent
+    "B2-T1024-HV8-D128-l2": (Case(2, 1024, 2, 8, 128, 128, Options(scale=0.1, use_qk_l2norm_in_kernel=True)), 0.005),
+    "B4-T1024-D128-state_v_first": (Case(4, 1024, 4, 4, 128, 128, Options(scale=0.1), state_v_first=True), 1e-4),
+    "B1-T512-D60-neg_eigval": (Case(1, 512, 3, 3, 60, 60, TWICE_SIGMOID_BETA), 0.005),  # _use_beta_sigmoid_in_kernel
+    "B2-T256-HV4-gate_in_kernel": (Case(2, 256, 2, 4, 64, 64, replace(SOFTPLUS, scale=1.0)), 0.002),
+}
+
+
+@pytest.mark.parametrize("name", FP32_RECURRENT)
+def test_fused_recurrent_kda_in_float32_within_fla_s_tolerance(name, fla, monkeypatch):
+    """q, k, v in float32 (the decode kernel token by token in fp32, as FLA's fused_recurrent computes):
+    o in float32, o and the final state within FLA's tolerance of FLA's own fp32 kernel and of FLA's math
+    in float64."""
+    case, tolerance = FP32_RECURRENT[name]
+    leaves = {n: None if x is None else x.detach() for n, x in fla_leaves(case, 5, torch.float32).items()}
+    arguments = dict(initial_state=leaves["initial_state"], output_final_state=True, A_log=leaves["A_log"],
+                     dt_bias=leaves["dt_bias"], state_v_first=case.state_v_first, **case.options.fla_kwargs())
+    tensors = [leaves[x] for x in ("q", "k", "v", "g", "beta")]
+    ours = fused_recurrent_kda(*tensors, **arguments)
+    monkeypatch.setenv("FLA_KDACOURSE", "0")
+    theirs = fla.fused_recurrent_kda(*tensors, **arguments)
+    with torch.no_grad():  # FLA's math in float64, without exact()'s gradients: T = 1024 token by token
+        initial_state = leaves["initial_state"].transpose(-1, -2) if case.state_v_first else leaves["initial_state"]
+        o, final_state, _ = kda(*tensors, initial_state, leaves["A_log"], leaves["dt_bias"], options=case.options)
+    truth = {"o": o, "final_state": final_state.transpose(-1, -2) if case.state_v_first else final_state}
+    assert ours[0].dtype == torch.float32
+    for index, tensor in enumerate(("o", "final_state")):
+        to_fla, to_truth = error_report(ours[index], theirs[index]), error_report(ours[index], truth[tensor])
+        print(f"{name} {tensor}: ours to FLA's {to_fla}, to the truth {to_truth}, FLA's to the truth "
+              f"{error_report(theirs[index], truth[tensor])}")
+        assert to_fla.rel_l2 < tolerance and to_truth.rel_l2 < tolerance, f"{tensor}: {to_fla}, {to_truth}"
 
 
 @pytest.mark.parametrize("options", [L2, replace(KIMI, use_beta_sigmoid_in_kernel=False)])
