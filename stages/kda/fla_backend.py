@@ -21,10 +21,11 @@ indices that a packed backward or a pool of states needs on the host.
 
 What is taken: CUDA calls in fp16 or bf16 with float32 states, for training and inference, every
 FLA option of chunk_kda but `cp_context` (and `use_graph` with autograd on packed sequences), and
-fused_recurrent_kda_fwd but beta per value column; CPU calls too (the float64 references: slow, exact,
-where FLA's Triton kernels do not run at all). What falls back, and why, is the refusal's message:
-float32 q, k, v on CUDA (the kernels take fp16 and bf16), context parallelism, FLA's own argument errors
-(a `chunk_size` of 16, `A_log` missing: FLA's function then raises its own message).
+fused_recurrent_kda_fwd but beta per value column, in float32 too (the decode kernel token by token in
+fp32, as FLA's fused_recurrent computes); CPU calls too (the float64 references: slow, exact, where
+FLA's Triton kernels do not run at all). What falls back, and why, is the refusal's message: float32
+q, k, v in chunk_kda on CUDA (its kernels' GEMMs take fp16 and bf16), context parallelism, FLA's own
+argument errors (a `chunk_size` of 16, `A_log` missing: FLA's function then raises its own message).
 
 Switched off with FLA_KDACOURSE=0 in the environment (FLA's convention for a backend's variable).
 """

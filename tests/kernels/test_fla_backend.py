@@ -63,6 +63,20 @@ def test_the_decode_verifier_takes_a_pool_and_refuses_beta_per_column():
     assert not accepted and "beta of shape (B, T, HV, V)" in reason
 
 
+def test_on_cuda_float32_is_taken_by_fused_recurrent_and_refused_by_chunk_kda():
+    """The CUDA route (stages.kda.on_cpu's stand-in; the verifiers run no kernel): fp32 q, k, v go to the
+    decode kernel, which computes in fp32 as FLA's fused_recurrent does; chunk_kda's GEMMs take fp16 and
+    bf16 only, so its verifier refuses them and FLA's own kernel runs."""
+    from stages.kda.on_cpu import calls_on_cpu, interpreted
+
+    leaves = {name: None if x is None else x.float() for name, x in _tensors(MODEL_CALL).items()}
+    with calls_on_cpu(interpreted):
+        assert fla_backend.fused_recurrent_kda_fwd_verifier(**_fla_arguments(MODEL_CALL, leaves)) == (True, None)
+        accepted, reason = fla_backend.chunk_kda_verifier(**_fla_arguments(MODEL_CALL, leaves), safe_gate=True)
+    assert not accepted and reason == ("q must have dtype float16 or bfloat16 (the kernels' inputs on CUDA), got "
+                                       "float32")
+
+
 def test_the_kernels_size_rules_are_checked_on_the_padded_sizes():
     """K and V are padded to 32 for the kernels: any head dim FLA's tests use passes the size rules."""
     for K in (60, 64, 100, 128, 256):
