@@ -59,6 +59,7 @@ import torch
 
 from stages.common.checks import padded_length
 from stages.kda.calls import backward, forward_and_prepared, prefill
+from stages.kda.checks import check_backward_head_dims
 from stages.kda.config import resolve_for
 from stages.kda.fla_options import (check_beta_options, check_chunk_size, check_gate_options, check_gate_parameters,
                                     check_packing, check_shapes, check_state_shape, check_tensors, input_form,
@@ -181,6 +182,8 @@ def plan_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias, initial_state))
     check_call_options(return_intermediate_states, disable_recompute, use_graph, max_num_seqs, cu_seqlens, needs_grad)
+    if q.is_cuda and needs_grad:  # before the forward runs: its backward could not
+        check_backward_head_dims(padded_length(K, KERNEL_MULTIPLE), padded_length(V, KERNEL_MULTIPLE))
     form = input_form(K, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                       allow_neg_eigval, lower_bound)
     run = Run(form, chunk_size, checks, disable_recompute, return_intermediate_states)

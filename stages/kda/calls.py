@@ -273,7 +273,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     flags = flags_for(q.device) if checks == "device" else None
     index = varlen_index(cu_seqlens, T, config.chunk_size, flags)
     kernels = compiled_prefill_kernels(H, d_k, d_v, config.chunk_size, config.block_dv, dtype_name(q),
-                                       flags is not None, **form_options(form, q, g, beta),
+                                       config.num_stages, flags is not None, **form_options(form, q, g, beta),
                                        channel_passes=config.channel_passes)
     o, final_state = varlen_forward(q, k, v, g, beta, index, initial_state, config.chunk_size, kernels, flags,
                                     gate_parameters(form, A_log, dt_bias, H, d_k, q.device))

@@ -13,7 +13,7 @@ from stages.common.device_checks import check_mode
 from stages.common.torch_checks import (check_cu_seqlens, check_cu_seqlens_values, check_gate, check_gate_values,
                                         check_kernel_tensor, check_on_cuda, check_same, check_slot_values,
                                         check_slots, check_tile_sizes, dtype_name)
-from stages.kda.config import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SUB_BLOCK, KernelConfig,
+from stages.kda.config import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SHARED_MEMORY_PER_BLOCK, SUB_BLOCK, KernelConfig,
                                decode_block_dv, most_chunks)
 from stages.kda.inputs import InputForm
 
@@ -21,6 +21,7 @@ PLAIN = InputForm()
 # q, k, v of the decode kernel: fp32 too, for fused_recurrent_kda's float32 calls (FLA's fused_recurrent
 # takes float32 and computes token by token in it; the decode kernel has no GEMM, its math is fp32 already)
 DECODE_DTYPES = ("float16", "bfloat16", "float32")
+BACKWARD_MOST_HEAD_DIM = 128
 
 if TYPE_CHECKING:
     import torch
@@ -167,11 +168,24 @@ def check_backward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor
     check_state("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     check_state("d_final_state", d_final_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     check_config(d_k, d_v, config)
+    check_backward_head_dims(d_k, d_v)
     if checks == "host":
         check_values(form, g, beta, A_log, dt_bias)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
                    "d_final_state": d_final_state, "A_log": A_log, "dt_bias": dt_bias})
     return B, N, H, d_k, d_v
+
+
+def check_backward_head_dims(d_k: int, d_v: int) -> None:
+    """The backward's kernels take head dims up to BACKWARD_MOST_HEAD_DIM. Their programs hold whole
+    d_k x d_v and C x d_k tiles in shared memory (the state products hold S^T and dS^T, 2 x 128 KiB at
+    256 x 256 in fp16 alone), past SHARED_MEMORY_PER_BLOCK above 128: refused here, with the reason,
+    rather than by the launch."""
+    if max(d_k, d_v) > BACKWARD_MOST_HEAD_DIM:
+        raise ValueError(f"the backward's kernels take head dims up to {BACKWARD_MOST_HEAD_DIM} (d_k = {d_k}, d_v = "
+                         f"{d_v} as the kernels read them): their programs hold d_k x d_v and C x d_k tiles in "
+                         f"shared memory, past the {SHARED_MEMORY_PER_BLOCK:,} B a program may have; the forward "
+                         f"takes them")
 
 
 def check_prepared(prepared: "tuple[torch.Tensor, ...] | None", w_shape: tuple[int, ...]) -> None:

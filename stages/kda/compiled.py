@@ -104,25 +104,26 @@ def compiled_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags, form=PL
 
 
 @functools.cache
-def compiled_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype):
+def compiled_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype, num_stages):
     """The recurrence for a packed batch of any length; the outputs are the caller's."""
     import tilelang
 
     rows, packed = packed_sizes()
-    program = build_in_turn(build_recurrence_program, 1, rows, H, d_k, d_v, chunk_size, block_dv, dtype,
+    program = build_in_turn(build_recurrence_program, 1, rows, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages,
                             packed=packed)
     return tilelang.compile(program, target=gpu_target())
 
 
 @functools.cache
-def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False, **form_options):
+def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, value_flags=False, **form_options):
     """(packed prepare, packed recurrence) compiled once per head shape, block and dtype (and the
     prepare's form_options: compiled_packed_prepare's form, group, gate_dtype, beta_dtype, channel_passes), both at
     once (each in its own thread). Cached as a pair: starting the two threads again on every call cost
     260 us of host time per prefill."""
     kernels = compile_all({"prepare": lambda: compiled_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags,
                                                                       **form_options),
-                           "recurrence": lambda: compiled_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype)})
+                           "recurrence": lambda: compiled_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype,
+                                                                            num_stages)})
     return kernels["prepare"], kernels["recurrence"]
 
 

@@ -28,6 +28,7 @@ DEFAULT_NUM_STAGES = 2  # the recurrence's chunk loop: loads of chunk i + 1 in f
 # faster than 32, and 128 was slower still (benchmarks/results/decode_b64_blocks.csv; decode*.csv)
 DECODE_BLOCK_DV = 64
 MANY_SEQUENCE_HEADS = 64  # sequences x heads from which the forward runs at C = 32 (default_chunk_size)
+SHARED_MEMORY_PER_BLOCK = 232_448  # bytes of shared memory a program may opt in to on an H100 or H200 (227 KiB)
 
 
 @dataclass(frozen=True)
@@ -47,16 +48,17 @@ class KernelConfig:
 
 
 def resolve(B: int, H: int, d_k: int, d_v: int, num_sms: int, chunk_size: int | None = None,
-            block_dv: int | None = None, threads: int = DEFAULT_THREADS, num_stages: int = DEFAULT_NUM_STAGES,
+            block_dv: int | None = None, threads: int = DEFAULT_THREADS, num_stages: int | None = None,
             prepare_threads: int | None = None, channel_passes: int | None = None) -> KernelConfig:
     """The configuration for B sequences (rows of a batch, or packed sequences) of H heads on a GPU of
     num_sms SMs: every size not given takes its default (default_chunk_size, default_block_dv,
-    default_prepare_threads, default_intra_threads, default_channel_passes). Sizes are not checked here
-    (stages.kda.checks does). The backward's kernels run at DEFAULT_CHUNK_SIZE: its callers pass it."""
+    default_num_stages, default_prepare_threads, default_intra_threads, default_channel_passes). Sizes
+    are not checked here (stages.kda.checks does). The backward's kernels run at DEFAULT_CHUNK_SIZE: its
+    callers pass it."""
     chunk_size = chunk_size or default_chunk_size(B, H)
-    return KernelConfig(chunk_size=chunk_size,
-                        block_dv=default_block_dv(B, H, d_v, num_sms) if block_dv is None else block_dv,
-                        threads=threads, num_stages=num_stages,
+    block_dv = default_block_dv(B, H, d_v, num_sms) if block_dv is None else block_dv
+    return KernelConfig(chunk_size=chunk_size, block_dv=block_dv, threads=threads,
+                        num_stages=num_stages or default_num_stages(chunk_size, d_k, block_dv),
                         prepare_threads=prepare_threads or default_prepare_threads(chunk_size),
                         intra_threads=default_intra_threads(chunk_size, d_k),
                         channel_passes=channel_passes or default_channel_passes(chunk_size, d_k))
@@ -95,6 +97,25 @@ def default_block_dv(B: int, H: int, d_v: int, num_sms: int) -> int:
     wide = 2 * DEFAULT_BLOCK_DV
     return wide if d_v % wide == 0 and 10 * B * H * (d_v // wide) >= 9 * num_sms else DEFAULT_BLOCK_DV
 # --8<-- [end:default_block_dv]
+
+
+def recurrence_shared_bytes(chunk_size: int, d_k: int, block_dv: int, num_stages: int) -> int:
+    """The recurrence program's shared memory in bytes (fp16 or bf16 operands): each pipeline stage
+    holds one chunk's W, Q e^gamma, K e^{gamma_C - gamma} (C x d_k), A_qk (C x C), U (C x block_dv) and
+    e^{gamma_C} (d_k, fp32); beside the stages, the state as a GEMM operand (d_k x block_dv), V_new and
+    o (C x block_dv each). TileLang lays them out one after another, so this is the size the launch
+    asks for (tests/kernels/test_kda_package.py compares it with the lowered program's)."""
+    C = chunk_size
+    stage = 2 * (3 * C * d_k + C * C + C * block_dv) + 4 * d_k
+    return num_stages * stage + 2 * (d_k * block_dv + 2 * C * block_dv)
+
+
+def default_num_stages(chunk_size: int, d_k: int, block_dv: int) -> int:
+    """The recurrence's pipeline stages: DEFAULT_NUM_STAGES where they fit SHARED_MEMORY_PER_BLOCK, else 1.
+    Two stages load chunk i + 1 while chunk i computes; at d_k = 256 and C = 64 they would ask for
+    247,808 B, past what a program may have, and the launch fails: one stage (136,192 B) runs."""
+    fits = recurrence_shared_bytes(chunk_size, d_k, block_dv, DEFAULT_NUM_STAGES) <= SHARED_MEMORY_PER_BLOCK
+    return DEFAULT_NUM_STAGES if fits else 1
 
 
 def default_channel_passes(chunk_size: int, d_k: int) -> int:

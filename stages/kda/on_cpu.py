@@ -117,14 +117,15 @@ def interpreted_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags, form
     return call
 
 
-def interpreted_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype):
+def interpreted_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype, num_stages):
     """compiled_packed_recurrence's stand-in with `interpreted`, built at each call for the batch's sizes
     (W's rows, O's tokens, e^{gamma_C}'s chunks, cu_seqlens' sequences)."""
 
     def call(*tensors):
         W, Chunk_decay, Cu_seqlens, O = tensors[0], tensors[5], tensors[8], tensors[9]
         packed = PackedBatch(O.shape[1], Chunk_decay.shape[1], Cu_seqlens.numel() - 1)
-        program = build_recurrence_program(1, W.shape[1], H, d_k, d_v, chunk_size, block_dv, dtype, packed=packed)
+        program = build_recurrence_program(1, W.shape[1], H, d_k, d_v, chunk_size, block_dv, dtype, num_stages,
+                                           packed=packed)
         interpreted(program)(*tensors)
 
     return call

@@ -325,3 +325,21 @@ def test_the_cuda_route_refuses_what_its_kernels_do_not_take(call, dtype, messag
     q = torch.rand(1, 8, 1, 32, dtype=dtype)
     with pytest.raises(TypeError, match=re.escape(message)):
         call(q, q, q, -torch.rand(1, 8, 1, 32), torch.rand(1, 8, 1))
+
+
+@pytest.mark.parametrize("K, V", [(256, 256), (100, 200)])
+def test_training_past_the_backward_s_head_dims_is_refused_before_the_forward(K, V, on_the_interpreter):
+    """The backward's programs hold d_k x d_v and C x d_k tiles in shared memory: past 128 (as the kernels
+    read the dims, padded to 32: 200 -> 224) they cannot launch, so chunk_kda refuses a call that will
+    need its backward before the forward runs, and says why; the same shapes in inference are taken."""
+    q = torch.randn(1, 40, 1, K, dtype=torch.bfloat16)
+    k = torch.nn.functional.normalize(q.float(), dim=-1).to(torch.bfloat16)
+    v = torch.randn(1, 40, 1, V, dtype=torch.bfloat16, requires_grad=True)
+    g, beta = -torch.rand(1, 40, 1, K), torch.rand(1, 40, 1)
+    with pytest.raises(ValueError, match=re.escape(f"the backward's kernels take head dims up to 128 (d_k = "
+                                                   f"{-(-K // 32) * 32}, d_v = {-(-V // 32) * 32}")) as refusal:
+        chunk_kda(q, k, v, g, beta)
+    assert any(entry.name == "plan_chunk_kda" for entry in refusal.traceback)  # refused by the plan, no kernel run
+    with torch.inference_mode():
+        o, _ = chunk_kda(q, k, v.detach(), g, beta)
+    assert o.shape == (1, 40, 1, V) and torch.isfinite(o).all()

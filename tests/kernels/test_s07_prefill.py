@@ -532,7 +532,8 @@ def cpu_prefill(monkeypatch):
     from stages.kda import calls, checks
     from stages.kda.config import KernelConfig
 
-    def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, value_flags=False, channel_passes=2):
+    def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, value_flags=False,
+                                 channel_passes=2):
         assert channel_passes == 2  # the config's default: the prepare _interpreted_kernels builds
         return _interpreted_kernels(PREFILL_LENGTHS, dtype, value_flags, chunk_size, H, d_k, block_dv)
 
@@ -827,6 +828,6 @@ def test_the_compiled_pair_is_made_once_and_then_returned_without_threads(monkey
         return {name: object() for name in compilers}
 
     monkeypatch.setattr(compiled, "compile_in_threads", compile_in_threads)
-    arguments = (2, 64, 64, 64, 32, "a dtype only this test asks for", True)
+    arguments = (2, 64, 64, 64, 32, "a dtype only this test asks for", 2, True)
     first, second = compiled.compiled_prefill_kernels(*arguments), compiled.compiled_prefill_kernels(*arguments)
     assert started == [["prepare", "recurrence"]] and first == second
