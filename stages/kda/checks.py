@@ -21,7 +21,7 @@ PLAIN = InputForm()
 # q, k, v of the decode kernel: fp32 too, for fused_recurrent_kda's float32 calls (FLA's fused_recurrent
 # takes float32 and computes token by token in it; the decode kernel has no GEMM, its math is fp32 already)
 DECODE_DTYPES = ("float16", "bfloat16", "float32")
-BACKWARD_MOST_HEAD_DIM = 128
+BACKWARD_MOST_HEAD_DIM = 128  # the backward's kernels' largest d_k and d_v (check_backward_head_dims)
 
 if TYPE_CHECKING:
     import torch
@@ -234,8 +234,7 @@ def check_decode_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
                         A_log: "torch.Tensor | None" = None,
                         dt_bias: "torch.Tensor | None" = None) -> tuple[int, int, int, int]:
     """Every check of `decode`'s arguments (see its docstring); returns (B, H, d_k, d_v), H the value
-    heads (q and k may have fewer: grouped value heads). q, k, v may be fp32 besides fp16 and bf16
-    (DECODE_DTYPES: no GEMM in the kernel, as in FLA's fp32 fused_recurrent).
+    heads (q and k may have fewer: grouped value heads); q, k, v in DECODE_DTYPES.
 
     In stage 5's order (check_forward_inputs): the checks mode, what the tensors' types, shapes and
     dtypes tell, and block_dv; then, with checks="host", what only their values tell (check_values,

@@ -131,8 +131,8 @@ def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, num_stage
 def compiled_decode(B, P, H, d_k, d_v, block_dv, dtype, threads, value_flags, form=PLAIN, group=1, gate_dtype=None,
                     beta_dtype=None):
     """The decode kernel compiled for the GPU with an fp32 pool, o allocated by the call; form, group,
-    gate_dtype, beta_dtype: the inputs as a model passes them (build_decode_program). dtype: q's, fp16,
-    bf16 or fp32 (no GEMM in it: fused_recurrent_kda's fp32 calls, as FLA's fused_recurrent computes)."""
+    gate_dtype, beta_dtype: the inputs as a model passes them (build_decode_program); dtype: q's, one of
+    stages.kda.checks.DECODE_DTYPES."""
     import tilelang
 
     program = build_decode_program(B, P, H, d_k, d_v, block_dv, dtype, "float32", threads, value_flags, form, group,

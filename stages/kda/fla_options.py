@@ -35,9 +35,6 @@ MAX_KEY_DIM = 256  # FLA's chunk_kda refuses larger K
 SAFE_GATE_RANGE = (-5.0, 0.0)  # lower_bound's range with safe_gate and use_gate_in_kernel: [-5, 0)
 CPU_DTYPES = ("float16", "bfloat16", "float32", "float64")  # the CPU computes in float64 whatever it gets
 CUDA_DTYPES = ("float16", "bfloat16")  # q, k, v on the chunked kernels: their GEMMs take these
-# q, k, v of fused_recurrent_kda on CUDA: FLA's fused_recurrent takes float32 too and computes token by
-# token in float32, as the course's decode kernel does (no GEMM: its arithmetic is in fp32 already)
-RECURRENT_CUDA_DTYPES = ("float16", "bfloat16", "float32")
 STATE_DTYPES = ("float32", "float64")  # FLA's states are float32; float64 too on the CPU, for exact checks
 
 
@@ -73,9 +70,9 @@ def state_v_first_of(state_v_first: bool, transpose_state_layout: bool | None) -
 def check_tensors(tensors: "dict[str, torch.Tensor | None]", state_names: tuple[str, ...] = ("initial_state",),
                   cuda_dtypes: tuple[str, ...] = CUDA_DTYPES) -> None:
     """Types and dtypes of a call's tensors ({name: tensor or None}; None is an option left out), and one
-    device for all: q, k, v of one dtype, one of cuda_dtypes on CUDA (the kernels: fp16 or bf16 for the
-    chunked ones; fused_recurrent_kda passes RECURRENT_CUDA_DTYPES, fp32 too, which its decode kernel
-    computes in as FLA's fused_recurrent does) and any float on the CPU (computed in float64); states
+    device for all: q, k, v of one dtype, one of cuda_dtypes on CUDA (the chunked kernels' by default;
+    fused_recurrent_kda passes its decode kernel's, stages.kda.checks.DECODE_DTYPES) and any float on
+    the CPU (computed in float64); states
     float32 (float64 too on the CPU); the rest any float dtype. CUDA is what the route takes (q.is_cuda),
     so that stages.kda.on_cpu's stand-in runs these checks as a GPU does."""
     import torch

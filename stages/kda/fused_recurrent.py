@@ -29,10 +29,10 @@ Two devices:
 - CUDA: one token per sequence runs stage 7's decode kernel (stages.kda.calls.decode, the form computed
   as it loads the token); without a pool, more tokens of fp16 or bf16 run chunk_kda's kernels (the same
   recurrence, chunked). q, k, v in float32 run the decode kernel token by token at every length, built
-  for float32 (FLA's fused_recurrent takes float32 and computes token by token in it; the decode kernel
-  has no GEMM, its arithmetic is in fp32 already, where the chunked kernels' GEMMs take fp16 or bf16
-  only), o in float32. Over a pool, each token step reads the sequences' states into a scratch pool of N states
-  (in the kernel layout S^T, head dims padded to 32), advances it with the decode kernel and writes it
+  for float32, o in float32: FLA's fused_recurrent takes float32 and computes token by token in it; the
+  decode kernel has no GEMM, its arithmetic is in fp32 already, where the chunked kernels' GEMMs take
+  fp16 or bf16 only. Over a pool, each token step reads the sequences' states into a scratch pool of N
+  states (in the kernel layout S^T, head dims padded to 32), advances it with the decode kernel and writes it
   to the slots FLA names: one gather and one scatter of N states per token beside the kernel's own
   read and write of them.
 
@@ -49,9 +49,9 @@ import numpy as np
 import torch
 
 from stages.kda.autograd import CHECK_MODES, KERNEL_MULTIPLE, Run, dense, kernel_operands, kernel_prefill, reference_inputs
-from stages.kda.fla_options import (RECURRENT_CUDA_DTYPES, check_beta_options, check_gate_options,
-                                    check_gate_parameters, check_packing, check_shapes, check_tensors, input_form,
-                                    state_v_first_of, to_kernel_layout)
+from stages.kda.checks import DECODE_DTYPES
+from stages.kda.fla_options import (check_beta_options, check_gate_options, check_gate_parameters, check_packing,
+                                    check_shapes, check_tensors, input_form, state_v_first_of, to_kernel_layout)
 from stages.kda.inputs import InputForm
 from stages.s07_serving.reference import decode_step
 
@@ -151,7 +151,7 @@ def plan_fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, ini
     verifier runs it too."""
     check_tensors({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
                    "A_log": A_log if use_gate_in_kernel else None, "dt_bias": dt_bias if use_gate_in_kernel else None},
-                  cuda_dtypes=RECURRENT_CUDA_DTYPES)
+                  cuda_dtypes=DECODE_DTYPES)
     if beta.dim() == v.dim():
         raise NotImplementedError("fused_recurrent_kda does not support beta of shape (B, T, HV, V), one per value "
                                   "column: the course's beta is one scalar per token and value head")
@@ -264,9 +264,8 @@ def reference_steps(q, k, v, g, beta, A_log, dt_bias, initial_state, state_v_fir
 def kernel_steps(q, k, v, g, beta, A_log, dt_bias, initial_state, state_v_first, sequences, slots, form, checks,
                  cu_seqlens):
     """CUDA: the decode kernel token by token over a pool, for one token a sequence, or for float32 q, k,
-    v (FLA's fused_recurrent computes token by token in float32; the decode kernel has no GEMM, the
-    chunked kernels' GEMMs take fp16 or bf16 only); more tokens of fp16 or bf16 without a pool run
-    chunk_kda's chunked kernels. Returns (o in v's dtype, final states (N, HV, K, V) fp32 in the kernel
+    v (see the module's docstring); more tokens of fp16 or bf16 without a pool run chunk_kda's chunked
+    kernels. Returns (o in v's dtype, final states (N, HV, K, V) fp32 in the kernel
     layout; the pool, if any, already written)."""
     longest = max((end - start for _, start, end in sequences), default=0)
     start_states = to_kernel_layout(initial_state, state_v_first)
@@ -281,8 +280,7 @@ def kernel_steps(q, k, v, g, beta, A_log, dt_bias, initial_state, state_v_first,
 
 def decode_tokens(q, k, v, g, beta, A_log, dt_bias, start_states, state_v_first, sequences, slots, form, checks):
     """Token step t advances every sequence that has a token t: its state in a scratch pool (N, HV, d_k,
-    d_v) fp32, S^T with K and V padded to 32, through stage 7's decode kernel, built for q's dtype (fp32
-    too: the kernel has no GEMM, and FLA's fused_recurrent computes token by token in fp32); with a
+    d_v) fp32, S^T with K and V padded to 32, through stage 7's decode kernel built for q's dtype; with a
     pool, the state after each token is then written to its slot (V first with state_v_first)."""
     from stages.kda.calls import decode
 
