@@ -43,9 +43,11 @@ What else a call can carry, and how each is served:
 - beta in (1, 2] on the CPU (`allow_neg_eigval`'s 2 sigmoid(x), or beta given so: FLA's kernels take
   it in either form): the references take beta in [0, 1], and the recurrence with (beta, k, v) is the
   one with (beta / 2, sqrt(2) k, sqrt(2) v), term for term;
-- `chunk_size` 32 or 64 (FLA's rule) is the kernels' chunk; the CPU computes in chunks of
-  CPU_CHUNK_SIZE, since in float64 the answer does not depend on the chunk and the references' cost per
-  chunk grows as C^2, and uses chunk_size only for the intermediate states' layout;
+- `chunk_size` 32 or 64 (FLA's rule) is the kernels' chunk, but for a call that trains with head dims
+  above 128, which runs at 32 (config.backward_chunk_size: the backward's programs fit no larger
+  chunk there); the CPU computes in chunks of CPU_CHUNK_SIZE, since in float64 the answer does not
+  depend on the chunk and the references' cost per chunk grows as C^2, and uses chunk_size only for the
+  intermediate states' layout;
 - `use_graph` is taken where the call can be captured (inference: the packed prefill builds its chunk
   table on the device) and refused with autograd on packed sequences (the dense batch is sized on the
   host); `cp_context` (context parallelism) runs stage 8's split over ranks (context_parallel).
@@ -60,7 +62,7 @@ import torch
 from stages.common.checks import padded_length
 from stages.kda.calls import backward, forward_and_prepared, prefill
 from stages.kda.checks import check_backward_head_dims
-from stages.kda.config import resolve_for
+from stages.kda.config import backward_chunk_size, resolve_for
 from stages.kda.fla_options import (check_beta_options, check_chunk_size, check_gate_options, check_gate_parameters,
                                     check_packing, check_shapes, check_state_shape, check_tensors, input_form,
                                     state_v_first_of, to_kernel_layout)
@@ -182,8 +184,10 @@ def plan_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias, initial_state))
     check_call_options(return_intermediate_states, disable_recompute, use_graph, max_num_seqs, cu_seqlens, needs_grad)
-    if q.is_cuda and needs_grad:  # before the forward runs: its backward could not
-        check_backward_head_dims(padded_length(K, KERNEL_MULTIPLE), padded_length(V, KERNEL_MULTIPLE))
+    if q.is_cuda and needs_grad:  # the chunk the backward's programs fit, checked before the forward runs
+        d_k, d_v = padded_length(K, KERNEL_MULTIPLE), padded_length(V, KERNEL_MULTIPLE)
+        chunk_size = backward_chunk_size(d_k, d_v, chunk_size)
+        check_backward_head_dims(d_k, d_v, chunk_size)
     form = input_form(K, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                       allow_neg_eigval, lower_bound)
     run = Run(form, chunk_size, checks, disable_recompute, return_intermediate_states)

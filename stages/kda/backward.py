@@ -33,7 +33,8 @@ Reference C (`stages.s06_backward.reference.kernel_mirror_backward`) runs the sa
 import functools
 
 from stages.common.tilelang_tools import LOG2_E
-from stages.kda.config import CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK, default_intra_threads
+from stages.kda.config import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, SUB_BLOCK, default_intra_threads,
+                               state_products_value_block)
 from stages.kda.prepare import build_prepare_program, prepare_outputs
 from stages.kda.tensor_types import tensor_types
 from stages.kda.tiles import (CHUNK_ROW, KEY_ROWS, SCORE_ROWS, VALUE_BLOCK, advance_state_macro, chunk_operands_macro,
@@ -177,6 +178,10 @@ def build_state_products_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
     """The products through the states: S^T (chunk starts), dS^T (chunk ends) (B, N / C, H, d_k, d_v),
     V_new, dV_new, dO (B, N, H, d_v) in `dtype`, e^{gamma_C} (B, N / C, H, d_k) fp32 -> d(Q e^gamma),
     d(K e^{gamma_C - gamma}), dW (B, N, H, d_k) and d gamma_C (B, N / C, H, d_k), all fp32.
+
+    Every product sums over d_v, so a program walks d_v in blocks of state_products_value_block(d_k,
+    d_v) columns, the GEMMs adding each block's terms into the same accumulators: one block up to
+    d_k = d_v = 128; four of 64 at 256, where S^T and dS^T whole would take 2 x 128 KiB.
     """
     import tilelang.language as T
 
@@ -184,6 +189,8 @@ def build_state_products_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
     accum_dtype = "float32"
     num_chunks = N // C
     tensors = tensor_types(B, N, H, d_k, d_v, C, dtype)
+    value_block = state_products_value_block(d_k, d_v)
+    value_starts = tuple(range(0, d_v, value_block))  # a tuple: the parser unrolls it in Python
 
     @T.prim_func
     def kda_state_products(
@@ -202,39 +209,47 @@ def build_state_products_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
             b, h = i_bh // H, i_bh % H
             t0 = i_c * C
 
-            S_s = T.alloc_shared((d_k, d_v), dtype)
-            dS_s = T.alloc_shared((d_k, d_v), dtype)
-            V_new_s = T.alloc_shared((C, d_v), dtype)
-            dV_new_s = T.alloc_shared((C, d_v), dtype)
-            dO_s = T.alloc_shared((C, d_v), dtype)
+            S_s = T.alloc_shared((d_k, value_block), dtype)
+            dS_s = T.alloc_shared((d_k, value_block), dtype)
+            V_new_s = T.alloc_shared((C, value_block), dtype)
+            dV_new_s = T.alloc_shared((C, value_block), dtype)
+            dO_s = T.alloc_shared((C, value_block), dtype)
 
             dq_f = T.alloc_fragment((C, d_k), accum_dtype)
             dk_f = T.alloc_fragment((C, d_k), accum_dtype)
             dw_f = T.alloc_fragment((C, d_k), accum_dtype)
 
-            T.copy(States[b, i_c, h, :, :], S_s)
-            T.copy(D_states[b, i_c, h, :, :], dS_s)
-            T.copy(V_new[b, t0:t0 + C, h, :], V_new_s)
-            T.copy(dV_new[b, t0:t0 + C, h, :], dV_new_s)
-            T.copy(dO[b, t0:t0 + C, h, :], dO_s)
+            for v0 in value_starts:  # unrolled: one block of columns after another
+                first, last = v0 == 0, v0 + value_block == d_v
+                T.copy(States[b, i_c, h, :, v0:v0 + value_block], S_s)
+                T.copy(D_states[b, i_c, h, :, v0:v0 + value_block], dS_s)
+                T.copy(V_new[b, t0:t0 + C, h, v0:v0 + value_block], V_new_s)
+                T.copy(dV_new[b, t0:t0 + C, h, v0:v0 + value_block], dV_new_s)
+                T.copy(dO[b, t0:t0 + C, h, v0:v0 + value_block], dO_s)
 
-            T.gemm(dO_s, S_s, dq_f, transpose_B=True, clear_accum=True)  # dO S: S^T is stored
-            T.gemm(V_new_s, dS_s, dk_f, transpose_B=True, clear_accum=True)
-            T.gemm(dV_new_s, S_s, dw_f, transpose_B=True, clear_accum=True)
-            T.copy(dq_f, dQ_decayed[b, t0:t0 + C, h, :])
-            T.copy(dk_f, dK_to_chunk_end[b, t0:t0 + C, h, :])
-            for r, d in T.Parallel(C, d_k):
-                dW[b, t0 + r, h, d] = -dw_f[r, d]
+                T.gemm(dO_s, S_s, dq_f, transpose_B=True, clear_accum=first)  # dO S: S^T is stored
+                T.gemm(V_new_s, dS_s, dk_f, transpose_B=True, clear_accum=first)
+                T.gemm(dV_new_s, S_s, dw_f, transpose_B=True, clear_accum=first)
+                if last:
+                    T.copy(dq_f, dQ_decayed[b, t0:t0 + C, h, :])
+                    T.copy(dk_f, dK_to_chunk_end[b, t0:t0 + C, h, :])
+                    for r, d in T.Parallel(C, d_k):
+                        dW[b, t0 + r, h, d] = -dw_f[r, d]
 
-            # rowsum(S^T ⊙ dS'^T): one lane per row walks its d_v columns; lane d starts at column d,
-            # so that the lanes of a warp read 32 different shared-memory banks at every step
-            for d in T.Parallel(d_k):
-                row_dot = T.alloc_var(accum_dtype)
-                row_dot = 0
-                for j in T.serial(d_v):
-                    column = (j + d) % d_v
-                    row_dot += T.cast(S_s[d, column], accum_dtype) * T.cast(dS_s[d, column], accum_dtype)
-                D_gamma_last[b, i_c, h, d] = Chunk_decay[b, i_c, h, d] * row_dot
+                # rowsum(S^T ⊙ dS'^T) over the block's columns: one lane per row walks them; lane d starts
+                # at column d, so that the lanes of a warp read 32 different shared-memory banks at every
+                # step. The blocks after the first add to what the first wrote (the same thread's row,
+                # past the barrier before the next block's loads)
+                for d in T.Parallel(d_k):
+                    row_dot = T.alloc_var(accum_dtype)
+                    row_dot = 0
+                    for j in T.serial(value_block):
+                        column = (j + d) % value_block
+                        row_dot += T.cast(S_s[d, column], accum_dtype) * T.cast(dS_s[d, column], accum_dtype)
+                    if first:
+                        D_gamma_last[b, i_c, h, d] = Chunk_decay[b, i_c, h, d] * row_dot
+                    else:
+                        D_gamma_last[b, i_c, h, d] += Chunk_decay[b, i_c, h, d] * row_dot
 
     return kda_state_products
 # --8<-- [end:state_products_program]

@@ -34,7 +34,7 @@ from stages.kda.checks import (check_backward_inputs, check_decode_inputs, check
                                check_prepared)
 from stages.kda.compiled import (compiled_backward_kernels, compiled_decode, compiled_prefill_kernels,
                                  compiled_prepare, compiled_recurrence)
-from stages.kda.config import DEFAULT_CHUNK_SIZE, KernelConfig, decode_block_dv, most_chunks, resolve_for
+from stages.kda.config import KernelConfig, backward_chunk_size, decode_block_dv, most_chunks, resolve_for
 from stages.kda.inputs import InputForm, activate
 
 PLAIN = InputForm()  # q, k, g and beta as the recurrence takes them
@@ -69,7 +69,8 @@ def forward_and_prepared(q, k, v, g, beta, initial_state=None, checks="device", 
     (chunk_kda's disable_recompute); else None. The recurrence reads the first six."""
     B, N, H, d_k, d_v = check_forward_inputs(q, k, v, g, beta, initial_state, config, checks, form, A_log, dt_bias)
     # kept for the backward: its chunk, the one its kernels run at
-    config = config or resolve_for(q.device, B, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE if keep_prepared else None)
+    chunk_size = backward_chunk_size(d_k, d_v) if keep_prepared else None
+    config = config or resolve_for(q.device, B, H, d_k, d_v, chunk_size=chunk_size)
     if initial_state is None:
         initial_state = zero_state(B, H, d_k, d_v, q.device)
     # solve_outputs only when asked: the other calls share the cache entry (and compile) of the benchmarks'
@@ -178,7 +179,7 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
         q_a, k_a = (x.repeat_interleave(group, dim=2) for x in (q_a, k_a))
     kernel_inputs = (q_a.to(q.dtype).contiguous(), k_a.to(q.dtype).contiguous(), v, g_a.contiguous(),
                      beta_a.contiguous())
-    config = config or resolve_for(q.device, B, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE)
+    config = config or resolve_for(q.device, B, H, d_k, d_v, chunk_size=backward_chunk_size(d_k, d_v))
     if prepared is None:  # the forward's own prepare (the form computed as it loads, bad raw values flagged):
         # the backward differentiates the numbers the forward computed, as when the caller kept them
         prepared = prepare_chunks(q, k, v, g, beta, checks, config, True, form, A_log, dt_bias)
@@ -195,7 +196,7 @@ def activated_backward(q, k, v, g, beta, do, initial_state, d_final_state, check
     """The backward kernels on q, k, g and beta as the recurrence takes them (`backward`'s plain form);
     returns (dq, dk, dv, dg, dbeta, d_initial_state)."""
     B, N, H, d_k, d_v = v.shape[0], v.shape[1], v.shape[2], q.shape[3], v.shape[3]
-    config = config or resolve_for(q.device, B, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE)
+    config = config or resolve_for(q.device, B, H, d_k, d_v, chunk_size=backward_chunk_size(d_k, d_v))
     C = config.chunk_size
     N_padded = padded_length(N, C)
     check_prepared(prepared, (B, N_padded, H, d_k))

@@ -13,7 +13,8 @@ from stages.common.device_checks import check_mode
 from stages.common.torch_checks import (check_cu_seqlens, check_cu_seqlens_values, check_gate, check_gate_values,
                                         check_kernel_tensor, check_on_cuda, check_same, check_slot_values,
                                         check_slots, check_tile_sizes, dtype_name)
-from stages.kda.config import (CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SHARED_MEMORY_PER_BLOCK, SUB_BLOCK, KernelConfig,
+from stages.kda.config import (BACKWARD_MOST_HEAD_DIM, CHANNEL_PASSES, DEFAULT_CHUNK_SIZE, SHARED_MEMORY_PER_BLOCK,
+                               SUB_BLOCK, WIDE_HEAD_CHUNK_SIZE, WIDE_HEAD_DIM, KernelConfig, backward_chunk_size,
                                decode_block_dv, most_chunks)
 from stages.kda.inputs import InputForm
 
@@ -21,7 +22,6 @@ PLAIN = InputForm()
 # q, k, v of the decode kernel: fp32 too, for fused_recurrent_kda's float32 calls (FLA's fused_recurrent
 # takes float32 and computes token by token in it; the decode kernel has no GEMM, its math is fp32 already)
 DECODE_DTYPES = ("float16", "bfloat16", "float32")
-BACKWARD_MOST_HEAD_DIM = 128  # the backward's kernels' largest d_k and d_v (check_backward_head_dims)
 
 if TYPE_CHECKING:
     import torch
@@ -168,7 +168,7 @@ def check_backward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor
     check_state("initial_state", initial_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     check_state("d_final_state", d_final_state, (B, H, d_k, d_v), "(B, H, d_k, d_v)")
     check_config(d_k, d_v, config)
-    check_backward_head_dims(d_k, d_v)
+    check_backward_head_dims(d_k, d_v, config.chunk_size if config else backward_chunk_size(d_k, d_v))
     if checks == "host":
         check_values(form, g, beta, A_log, dt_bias)
     check_on_cuda({"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "initial_state": initial_state,
@@ -176,16 +176,21 @@ def check_backward_inputs(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor
     return B, N, H, d_k, d_v
 
 
-def check_backward_head_dims(d_k: int, d_v: int) -> None:
-    """The backward's kernels take head dims up to BACKWARD_MOST_HEAD_DIM. Their programs hold whole
-    d_k x d_v and C x d_k tiles in shared memory (the state products hold S^T and dS^T, 2 x 128 KiB at
-    256 x 256 in fp16 alone), past SHARED_MEMORY_PER_BLOCK above 128: refused here, with the reason,
-    rather than by the launch."""
+def check_backward_head_dims(d_k: int, d_v: int, chunk_size: int) -> None:
+    """The backward's kernels take head dims up to BACKWARD_MOST_HEAD_DIM (256), above WIDE_HEAD_DIM (128)
+    at chunk WIDE_HEAD_CHUNK_SIZE only (backward_chunk_size: the intra program holds a chunk's q, k, v
+    and their gradients' operands whole in shared memory): refused here, with the reason, rather than
+    by the launch."""
     if max(d_k, d_v) > BACKWARD_MOST_HEAD_DIM:
         raise ValueError(f"the backward's kernels take head dims up to {BACKWARD_MOST_HEAD_DIM} (d_k = {d_k}, d_v = "
-                         f"{d_v} as the kernels read them): their programs hold d_k x d_v and C x d_k tiles in "
+                         f"{d_v} as the kernels read them): their programs hold C x d_k and C x d_v tiles in "
                          f"shared memory, past the {SHARED_MEMORY_PER_BLOCK:,} B a program may have; the forward "
                          f"takes them")
+    if backward_chunk_size(d_k, d_v, chunk_size) != chunk_size:
+        raise ValueError(f"at head dims above {WIDE_HEAD_DIM} (d_k = {d_k}, d_v = {d_v}) the backward runs at "
+                         f"chunk_size {WIDE_HEAD_CHUNK_SIZE}, got {chunk_size}: at larger chunks its intra program "
+                         f"needs more than the {SHARED_MEMORY_PER_BLOCK:,} B of shared memory a program may have "
+                         f"(stages.kda.config.backward_chunk_size)")
 
 
 def check_prepared(prepared: "tuple[torch.Tensor, ...] | None", w_shape: tuple[int, ...]) -> None:

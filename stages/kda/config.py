@@ -29,6 +29,11 @@ DEFAULT_NUM_STAGES = 2  # the recurrence's chunk loop: loads of chunk i + 1 in f
 DECODE_BLOCK_DV = 64
 MANY_SEQUENCE_HEADS = 64  # sequences x heads from which the forward runs at C = 32 (default_chunk_size)
 SHARED_MEMORY_PER_BLOCK = 232_448  # bytes of shared memory a program may opt in to on an H100 or H200 (227 KiB)
+# the backward at head dims above WIDE_HEAD_DIM (up to BACKWARD_MOST_HEAD_DIM): chunk WIDE_HEAD_CHUNK_SIZE
+# (backward_chunk_size) and the state products by blocks of columns (state_products_value_block)
+WIDE_HEAD_DIM = 128
+BACKWARD_MOST_HEAD_DIM = 256
+WIDE_HEAD_CHUNK_SIZE = 32
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ def resolve(B: int, H: int, d_k: int, d_v: int, num_sms: int, chunk_size: int | 
     """The configuration for B sequences (rows of a batch, or packed sequences) of H heads on a GPU of
     num_sms SMs: every size not given takes its default (default_chunk_size, default_block_dv,
     default_num_stages, default_prepare_threads, default_intra_threads, default_channel_passes). Sizes
-    are not checked here (stages.kda.checks does). The backward's kernels run at DEFAULT_CHUNK_SIZE: its
+    are not checked here (stages.kda.checks does). The backward's kernels run at backward_chunk_size: its
     callers pass it."""
     chunk_size = chunk_size or default_chunk_size(B, H)
     block_dv = default_block_dv(B, H, d_v, num_sms) if block_dv is None else block_dv
@@ -116,6 +121,24 @@ def default_num_stages(chunk_size: int, d_k: int, block_dv: int) -> int:
     247,808 B, past what a program may have, and the launch fails: one stage (136,192 B) runs."""
     fits = recurrence_shared_bytes(chunk_size, d_k, block_dv, DEFAULT_NUM_STAGES) <= SHARED_MEMORY_PER_BLOCK
     return DEFAULT_NUM_STAGES if fits else 1
+
+
+def backward_chunk_size(d_k: int, d_v: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
+    """The chunk a call that trains runs at: chunk_size up to head dims of WIDE_HEAD_DIM (128), else
+    WIDE_HEAD_CHUNK_SIZE (32). The intra kernel holds the chunk's q, k, gamma, v, V_new, dV_new and dO
+    whole in shared memory: at d_k = d_v = 256 it asks for 220,304 B at C = 32 and about 396 KB at 64,
+    past SHARED_MEMORY_PER_BLOCK (lowered for sm_90a: tests/kernels/test_kda_package.py). The chunk
+    changes no result beyond rounding: the forward and the backward of one call share it."""
+    return WIDE_HEAD_CHUNK_SIZE if max(d_k, d_v) > WIDE_HEAD_DIM else chunk_size
+
+
+def state_products_value_block(d_k: int, d_v: int) -> int:
+    """The state products' columns a step: d_v whole up to head dims of WIDE_HEAD_DIM (S^T and dS^T
+    2 x 32 KiB in fp16), else 64 (or 32 where 64 does not divide d_v): whole, at 256 x 256, they
+    would take 2 x 128 KiB, past SHARED_MEMORY_PER_BLOCK."""
+    if max(d_k, d_v) <= WIDE_HEAD_DIM:
+        return d_v
+    return 64 if d_v % 64 == 0 else 32
 
 
 def default_channel_passes(chunk_size: int, d_k: int) -> int:

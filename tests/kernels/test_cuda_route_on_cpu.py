@@ -43,6 +43,9 @@ CASES = {  # FLA's grid (test_drop_in_gpu.GRID) at sizes the interpreter runs in
     "kimi-HV=H": (Case(2, 100, 2, 2, 32, 32, KIMI, safe_gate=True, state_v_first=True), torch.bfloat16),
     "kimi-HV=2H": (Case(2, 100, 2, 4, 32, 32, KIMI, safe_gate=True, state_v_first=True), torch.bfloat16),
     "allow_neg_eigval": (Case(2, 96, 2, 2, 32, 32, replace(KIMI, allow_neg_eigval=True)), torch.float16),
+    # head dims above 128: the call trains at chunk 32 (backward_chunk_size), the state products by blocks
+    "bf16-D256-gate": (Case(1, 70, 1, 1, 256, 256, SOFTPLUS), torch.bfloat16),
+    "fp16-K100-V200": (Case(1, 50, 1, 1, 100, 200, Options(scale=1.0)), torch.float16),
 }
 
 
@@ -327,19 +330,33 @@ def test_the_cuda_route_refuses_what_its_kernels_do_not_take(call, dtype, messag
         call(q, q, q, -torch.rand(1, 8, 1, 32), torch.rand(1, 8, 1))
 
 
-@pytest.mark.parametrize("K, V", [(256, 256), (100, 200)])
+@pytest.mark.parametrize("K, V", [(64, 257), (32, 320)])
 def test_training_past_the_backward_s_head_dims_is_refused_before_the_forward(K, V, on_the_interpreter):
-    """The backward's programs hold d_k x d_v and C x d_k tiles in shared memory: past 128 (as the kernels
-    read the dims, padded to 32: 200 -> 224) they cannot launch, so chunk_kda refuses a call that will
-    need its backward before the forward runs, and says why; the same shapes in inference are taken."""
+    """The backward's programs hold C x d_v tiles in shared memory: past 256 (as the kernels read the dims,
+    padded to 32: 257 -> 288) no chunk fits them, so chunk_kda refuses a call that will need its backward
+    before the forward runs, and says why; the same shapes in inference are taken. (d_k past 256 is
+    FLA's own refusal, in FLA's words: check_shapes.)"""
     q = torch.randn(1, 40, 1, K, dtype=torch.bfloat16)
     k = torch.nn.functional.normalize(q.float(), dim=-1).to(torch.bfloat16)
     v = torch.randn(1, 40, 1, V, dtype=torch.bfloat16, requires_grad=True)
     g, beta = -torch.rand(1, 40, 1, K), torch.rand(1, 40, 1)
-    with pytest.raises(ValueError, match=re.escape(f"the backward's kernels take head dims up to 128 (d_k = "
+    with pytest.raises(ValueError, match=re.escape(f"the backward's kernels take head dims up to 256 (d_k = "
                                                    f"{-(-K // 32) * 32}, d_v = {-(-V // 32) * 32}")) as refusal:
         chunk_kda(q, k, v, g, beta)
     assert any(entry.name == "plan_chunk_kda" for entry in refusal.traceback)  # refused by the plan, no kernel run
     with torch.inference_mode():
         o, _ = chunk_kda(q, k, v.detach(), g, beta)
     assert o.shape == (1, 40, 1, V) and torch.isfinite(o).all()
+
+
+def test_the_backward_above_head_dims_of_128_asks_for_chunk_32(on_the_interpreter):
+    """Stage 6's backward given a config at chunk 64 with d_k = 256: its intra program would need about
+    396 KB of shared memory, so the call is refused with the chunk it takes, before any kernel runs."""
+    from stages.kda.calls import backward
+    from stages.kda.config import KernelConfig
+
+    q = torch.nn.functional.normalize(torch.randn(1, 64, 1, 256), dim=-1).to(torch.bfloat16)
+    g, beta = -torch.rand(1, 64, 1, 256), torch.rand(1, 64, 1)
+    with pytest.raises(ValueError, match=re.escape("at head dims above 128 (d_k = 256, d_v = 256) the backward runs "
+                                                   "at chunk_size 32, got 64")):
+        backward(q, q, q, g, beta, q, config=KernelConfig(chunk_size=64, block_dv=64), checks="off")

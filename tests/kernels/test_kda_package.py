@@ -169,3 +169,28 @@ def test_recurrence_shared_bytes_is_what_the_lowered_program_asks_for(chunk_size
     two_fit = recurrence_shared_bytes(chunk_size, d_k, block_dv, 2) <= SHARED_MEMORY_PER_BLOCK
     assert default_num_stages(chunk_size, d_k, block_dv) == (2 if two_fit else 1)
     assert (chunk_size, d_k, two_fit) != (64, 256, True)  # the case that failed its launch on an H100
+
+
+def _dynamic_shared_bytes(program) -> int:
+    """The dynamic shared memory TileLang's lowering gives one program (no GPU needed)."""
+    from stages.common.tilelang_tools import lower
+
+    sizes = [int(fn.attrs["dyn_shared_memory_buf"]) for _, fn in lower(program).device_mod.functions.items()
+             if fn.attrs is not None and "dyn_shared_memory_buf" in fn.attrs]
+    return max(sizes, default=0)
+
+
+@pytest.mark.compile
+def test_the_backward_s_programs_fit_at_head_dims_of_256_at_the_chunk_they_run_at():
+    """d_k = d_v = 256: at backward_chunk_size's chunk (32) every backward program's shared memory fits a
+    program's SHARED_MEMORY_PER_BLOCK (the state products by blocks of 64 columns); at 64 the intra
+    program does not, which is why such a call trains at 32."""
+    from stages.kda.backward import BUILDERS, kernel_arguments
+    from stages.kda.config import SHARED_MEMORY_PER_BLOCK, backward_chunk_size
+
+    chunk_size = backward_chunk_size(256, 256)
+    arguments = kernel_arguments(1, 4 * chunk_size, 2, 256, 256, chunk_size, 64, "bfloat16")
+    sizes = {name: _dynamic_shared_bytes(BUILDERS[name][0](*arguments[name])) for name in arguments}
+    assert all(size <= SHARED_MEMORY_PER_BLOCK for size in sizes.values()), sizes
+    wide_chunk = kernel_arguments(1, 256, 2, 256, 256, 64, 64, "bfloat16")["intra"]
+    assert _dynamic_shared_bytes(BUILDERS["intra"][0](*wide_chunk)) > SHARED_MEMORY_PER_BLOCK

@@ -128,6 +128,30 @@ def test_float64_backward_matches_reference_c_with_a_short_last_chunk():
         assert_close(actual, getattr(expected, name), rel_l2=TF32_FLOOR, name=name, axes=_axes(name))
 
 
+def test_head_dims_of_256_run_the_state_products_by_blocks_and_the_backward_at_chunk_32():
+    """d_k = d_v = 256 (FLA's largest test dim): the state products walk d_v in four blocks of 64 (whole,
+    S^T and dS^T would not fit a program's shared memory), summing each block's terms into the same
+    accumulators and d gamma_C; the whole backward at C = 32 (backward_chunk_size), a short last chunk,
+    both states. Each against reference C."""
+    from stages.kda.config import backward_chunk_size, state_products_value_block
+
+    d, C_wide = 256, backward_chunk_size(256, 256)
+    assert (C_wide, state_products_value_block(d, d)) == (32, 64)
+    x, do, S_0, dS_N = _inputs(1, 64, 1, d, d, seed=6)
+    tensors = stage5.prepare(x.q, x.k, x.v, x.g, x.beta, C_wide)
+    states = reference.chunk_states(tensors, d, S_0)
+    state_grads = reference.state_gradients(tensors, do, d, dS_N)
+    products = reference.state_products(tensors, states, state_grads, do)
+    actual = _interpreted("state_products", 1, 64, 1, d, d, C_wide, "float64")(
+        states.states, state_grads.d_states, states.v_new, state_grads.dv_new, do, tensors.chunk_decay)
+    for name, value in zip(("dq_decayed", "dk_to_chunk_end", "dw", "d_gamma_last"), actual):
+        assert_close(value, getattr(products, name), rel_l2=FP32_FLOOR, name=name)
+    x, do, S_0, dS_N = _inputs(1, 50, 1, d, d, seed=7)
+    expected = reference.kernel_mirror_backward(x.q, x.k, x.v, x.g, x.beta, do, C_wide, S_0, dS_N, 64)
+    for name, actual in zip(GRADIENTS, _interpret_backward(x, do, S_0, dS_N, C_wide, 64, "float64")):
+        assert_close(actual, getattr(expected, name), rel_l2=TF32_FLOOR, name=name, axes=_axes(name))
+
+
 # ------------------------------------------------------------------------------------------ fp16 and bf16
 
 LOW_PRECISION_CASES = {
