@@ -19,7 +19,9 @@ Each part fits a device call of 9 minutes on a fresh H200, FLA's Triton autotuni
 shape, once per process) and TileLang's compiles (about 15 s each) included: every step runs under
 its own time limit, steps that time something run one after another, the others side by side, and
 a part's limits add up to PART_LIMIT_S at most (its steps side by side: the longest). Tests run in
-pytest-xdist workers where they are independent, each under pytest-timeout's --timeout.
+pytest-xdist workers where they are independent, each under pytest-timeout's --timeout. Those limits
+assume the GPU to the part: a second check started on the machine while one runs is refused
+(one_check_at_a_time).
 
 A part writes under OUT_DIR/PART/: machine.log (the GPU, the driver, the commit), steps.log (when
 each step began and how it ended), <step>.log (its output, TileLang's compile chatter dropped),
@@ -57,6 +59,8 @@ FLA_TESTS = "fla_ or as_fla or on_fla"  # the tests that compare with FLA (its a
 EARLY_STAGES = "s01 or s02 or s03 or s04"
 TIMED_TESTS = "tune"  # the tune exercises time kernels against a target: alone on the GPU
 DROP_IN_TESTS = "drop_in"  # FLA's grid and layer against the course's FLA drop-in: a step of their own
+# held while parts run: one GPU check at a time on a machine (one_check_at_a_time)
+LOCK_FILE = Path(os.environ.get("TMPDIR", "/tmp")) / "kdacourse-gpu-check.lock"
 
 
 @dataclass(frozen=True)
@@ -414,6 +418,22 @@ def list_text() -> str:
     return "\n".join(lines)
 
 
+def one_check_at_a_time():
+    """The machine's GPU check lock, held until the returned file is closed (or the process ends), or
+    None where another process holds it. A part's limits assume the GPU to itself: three of the drop-in
+    parts started side by side (24 pytest workers) ran an 80 GB H100 out of memory, every failure an
+    allocation's (tests/gpu_results/drop_in_h100/README.md)."""
+    import fcntl
+
+    handle = open(LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("part", nargs="?", help="a part's name (--list names them), or all")
@@ -445,6 +465,11 @@ def main(argv=None) -> int:
             for step in part.steps:
                 print(f"{part.name}/{step.name} ({step.limit_s} s): {shown(step.argv(args.out / part.name / step.name))}")
         return 0
+    lock = one_check_at_a_time()
+    if lock is None:
+        print(f"another GPU check is running on this machine (it holds {LOCK_FILE}): parts run one after "
+              f"another, each with the GPU to itself", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():  # the GPU tests would all skip, and pass

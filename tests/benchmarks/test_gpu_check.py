@@ -182,3 +182,22 @@ def test_collect_folds_bench_runs_in_with_merge(tmp_path, monkeypatch):
     merged = []
     gpu_check.collect(tmp_path / "out", root=tmp_path, merge=merged.extend)
     assert merged == [str(tmp_path / "out" / "b" / "bench_x")]
+
+
+def test_a_second_check_on_one_machine_is_refused_while_a_part_runs(tmp_path, monkeypatch, capsys):
+    """Parts run one after another: while a process holds the machine's lock, another check refuses
+    (before it reads the GPU) and says why; once the lock is let go, it may take it."""
+    monkeypatch.setattr(gpu_check, "LOCK_FILE", tmp_path / "gpu-check.lock")
+    held = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                             "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                             str(tmp_path / "gpu-check.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout.readline().strip() == "held"
+        assert gpu_check.main(["tests-s05-s07", str(tmp_path / "out")]) == 2
+        assert "another GPU check is running on this machine" in capsys.readouterr().err
+    finally:
+        held.kill()
+        held.wait()
+    lock = gpu_check.one_check_at_a_time()
+    assert lock is not None
+    lock.close()
