@@ -127,6 +127,8 @@ VARLEN = {  # FLA's test_chunk_varlen
     "D64-three": ([0, 256, 500, 1000], Case(1, 1000, 4, 4, 64, 64, SOFTPLUS, mask_p=0.9)),
     "D100-five": ([0, 15, 100, 300, 1200, 2000], Case(1, 2000, 4, 4, 100, 100, SOFTPLUS)),
     "D60-chunk32": ([0, 31, 96, 160], Case(1, 160, 4, 4, 60, 60, SOFTPLUS, mask_p=0.1, chunk_size=32)),
+    # head dims of 256: the course trains at chunk 32 there (backward_chunk_size), FLA at its 64
+    "D256-five": ([0, 100, 300, 1200, 3000, 4096], Case(1, 4096, 4, 4, 256, 256, Options(), safe_gate=True)),
     "kimi-HV=2H": ([0, 100, 300, 1200, 2000], Case(1, 2000, 2, 4, 128, 128, KIMI, safe_gate=True,
                                                     state_v_first=True)),
 }
