@@ -351,8 +351,9 @@ def decode(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Te
            config: KernelConfig | None = None, form: InputForm = PLAIN, A_log: "torch.Tensor | None" = None,
            dt_bias: "torch.Tensor | None" = None) -> "tuple[torch.Tensor, torch.Tensor]":
     """One decode step: q, k (B, H_qk, d_k), v (B, H, d_v) in fp16, bf16 or fp32 (checks.DECODE_DTYPES);
-    g (B, H, d_k) fp32 log gates (<= 0); beta (B, H) fp32 in [0, 1] (or as a model passes them: form, A_log, dt_bias, as `forward`'s); state_pool (P, H, d_k, d_v) fp32, S^T in the kernel layout;
-    slots (B,) int32, distinct, in [0, P).
+    g (B, H, d_k) fp32 log gates (<= 0); beta (B, H) fp32 in [0, 1] (or as a model passes them: form,
+    A_log, dt_bias, as `forward`'s); state_pool (P, H, d_k, d_v) fp32, S^T in the kernel layout; slots
+    (B,) int32, distinct, in [0, P).
 
     Returns (o (B, H, d_v) in the input dtype, state_pool): state_pool[slots] is advanced by one token
     in place and every other slot is left as it was. config: its block_dv and threads (None:

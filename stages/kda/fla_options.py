@@ -72,9 +72,9 @@ def check_tensors(tensors: "dict[str, torch.Tensor | None]", state_names: tuple[
     """Types and dtypes of a call's tensors ({name: tensor or None}; None is an option left out), and one
     device for all: q, k, v of one dtype, one of cuda_dtypes on CUDA (the chunked kernels' by default;
     fused_recurrent_kda passes its decode kernel's, stages.kda.checks.DECODE_DTYPES) and any float on
-    the CPU (computed in float64); states
-    float32 (float64 too on the CPU); the rest any float dtype. CUDA is what the route takes (q.is_cuda),
-    so that stages.kda.on_cpu's stand-in runs these checks as a GPU does."""
+    the CPU (computed in float64); states float32 (float64 too on the CPU); the rest any float dtype.
+    CUDA is what the route takes (q.is_cuda), so that stages.kda.on_cpu's stand-in runs these checks as
+    a GPU does."""
     import torch
 
     given = {name: x for name, x in tensors.items() if x is not None}

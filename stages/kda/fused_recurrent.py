@@ -32,9 +32,9 @@ Two devices:
   for float32, o in float32: FLA's fused_recurrent takes float32 and computes token by token in it; the
   decode kernel has no GEMM, its arithmetic is in fp32 already, where the chunked kernels' GEMMs take
   fp16 or bf16 only. Over a pool, each token step reads the sequences' states into a scratch pool of N
-  states (in the kernel layout S^T, head dims padded to 32), advances it with the decode kernel and writes it
-  to the slots FLA names: one gather and one scatter of N states per token beside the kernel's own
-  read and write of them.
+  states (in the kernel layout S^T, head dims padded to 32), advances it with the decode kernel and
+  writes it to the slots FLA names: one gather and one scatter of N states per token beside the
+  kernel's own read and write of them.
 
 What FLA's kernel takes and the course refuses, each with its reason: beta per value column
 (beta (B, T, HV, V)), ssm_state_indices (N,) with more than one token a sequence (FLA's kernel then
@@ -265,8 +265,8 @@ def kernel_steps(q, k, v, g, beta, A_log, dt_bias, initial_state, state_v_first,
                  cu_seqlens):
     """CUDA: the decode kernel token by token over a pool, for one token a sequence, or for float32 q, k,
     v (see the module's docstring); more tokens of fp16 or bf16 without a pool run chunk_kda's chunked
-    kernels. Returns (o in v's dtype, final states (N, HV, K, V) fp32 in the kernel
-    layout; the pool, if any, already written)."""
+    kernels. Returns (o in v's dtype, final states (N, HV, K, V) fp32 in the kernel layout; the pool,
+    if any, already written)."""
     longest = max((end - start for _, start, end in sequences), default=0)
     start_states = to_kernel_layout(initial_state, state_v_first)
     if slots.read is None and longest > 1 and q.dtype != torch.float32:

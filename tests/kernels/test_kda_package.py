@@ -152,35 +152,32 @@ def test_every_forward_call_returns_the_output_and_the_final_state_or_none(stubb
     assert o.shape == (1, 2, 32) and returned is pool
 
 
+def _dynamic_shared_bytes(program) -> int:
+    """The dynamic shared memory TileLang's lowering gives one program's kernel (no GPU needed)."""
+    from stages.common.tilelang_tools import lower
+
+    sizes = [int(fn.attrs["dyn_shared_memory_buf"]) for _, fn in lower(program).device_mod.functions.items()
+             if fn.attrs is not None and "dyn_shared_memory_buf" in fn.attrs]
+    assert len(sizes) == 1, f"expected one kernel with dynamic shared memory, found {len(sizes)}"
+    return sizes[0]
+
+
 @pytest.mark.parametrize(("chunk_size", "d_k", "block_dv", "num_stages"),
                          [(64, 256, 32, 2), (64, 256, 32, 1), (32, 128, 64, 2)])
 def test_recurrence_shared_bytes_is_what_the_lowered_program_asks_for(chunk_size, d_k, block_dv, num_stages):
     """config.recurrence_shared_bytes, which decides the recurrence's pipeline stages, against the dynamic
     shared memory TileLang's lowering gives the program (no GPU needed); and the stages it picks: one where
     two would pass an H100's or H200's 227 KiB."""
-    from stages.common.tilelang_tools import lower
     from stages.kda.config import SHARED_MEMORY_PER_BLOCK, default_num_stages, recurrence_shared_bytes
     from stages.kda.recurrence import build_recurrence_program
 
     program = build_recurrence_program(1, 4 * chunk_size, 2, d_k, d_k, chunk_size, block_dv, "bfloat16", num_stages)
-    lowered = [fn.attrs["dyn_shared_memory_buf"] for _, fn in lower(program).device_mod.functions.items()
-               if fn.attrs is not None and "dyn_shared_memory_buf" in fn.attrs]
-    assert [int(x) for x in lowered] == [recurrence_shared_bytes(chunk_size, d_k, block_dv, num_stages)]
+    assert _dynamic_shared_bytes(program) == recurrence_shared_bytes(chunk_size, d_k, block_dv, num_stages)
     two_fit = recurrence_shared_bytes(chunk_size, d_k, block_dv, 2) <= SHARED_MEMORY_PER_BLOCK
     assert default_num_stages(chunk_size, d_k, block_dv) == (2 if two_fit else 1)
     assert (chunk_size, d_k, two_fit) != (64, 256, True)  # the case that failed its launch on an H100
 
 
-def _dynamic_shared_bytes(program) -> int:
-    """The dynamic shared memory TileLang's lowering gives one program (no GPU needed)."""
-    from stages.common.tilelang_tools import lower
-
-    sizes = [int(fn.attrs["dyn_shared_memory_buf"]) for _, fn in lower(program).device_mod.functions.items()
-             if fn.attrs is not None and "dyn_shared_memory_buf" in fn.attrs]
-    return max(sizes, default=0)
-
-
-@pytest.mark.compile
 def test_the_backward_s_programs_fit_at_head_dims_of_256_at_the_chunk_they_run_at():
     """d_k = d_v = 256: at backward_chunk_size's chunk (32) every backward program's shared memory fits a
     program's SHARED_MEMORY_PER_BLOCK (the state products by blocks of 64 columns); at 64 the intra
