@@ -75,7 +75,10 @@ def flags_for(device):
 
     Made by the first call on a device, which must not be inside a CUDA graph's capture: the tensor
     would live in the graph's memory and its zeroing would be captured, so that every replay cleared
-    the flags. A capture follows a warm-up call anyway (the kernels compile on their first call)."""
+    the flags. A capture follows a warm-up call anyway (the kernels compile on their first call). Made
+    outside inference mode whatever mode that call is in: an inference tensor could not be cleared by a
+    later call outside it (a server's first call is often under torch.inference_mode, a training step's
+    is not)."""
     import torch
 
     device = torch.device(device)
@@ -85,7 +88,8 @@ def flags_for(device):
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"the value flags of {device} are made by the first checked call, which must not be "
                                f"captured in a CUDA graph: make one call before the capture")
-        _FLAGS[str(device)] = torch.zeros(FLAG_COUNT, dtype=torch.int32, device=device)
+        with torch.inference_mode(False):
+            _FLAGS[str(device)] = torch.zeros(FLAG_COUNT, dtype=torch.int32, device=device)
     return _FLAGS[str(device)]
 
 

@@ -1,5 +1,7 @@
 """stages.common.device_checks: the flags the kernels set on bad values, read where the caller syncs."""
 
+import re
+
 import pytest
 
 from stages.common.device_checks import BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT, MESSAGES, flags_for, raise_if_flagged
@@ -22,6 +24,19 @@ def test_flags_raise_once_with_each_message_and_are_cleared(kinds):
         assert (MESSAGES[kind] in str(raised.value)) == (kind in kinds)
     assert not flags_for("cpu").any()
     raise_if_flagged("cpu")  # cleared: the next read is quiet
+
+
+def test_flags_made_inside_inference_mode_are_cleared_outside_it(monkeypatch):
+    """A server's first checked call is often under torch.inference_mode, a training step's is not: the
+    process-wide flags made by the first must still be cleared (in place) by the second."""
+    import stages.common.device_checks as device_checks
+
+    monkeypatch.setattr(device_checks, "_FLAGS", {})  # this process's first call on the CPU
+    with torch.inference_mode():
+        flags_for("cpu")[BAD_GATE] = 1
+    with pytest.raises(ValueError, match=re.escape(MESSAGES[BAD_GATE])):
+        raise_if_flagged("cpu")
+    assert not flags_for("cpu").any()
 
 
 def _flag_guards(cuda_source, kind):
