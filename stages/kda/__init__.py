@@ -6,6 +6,7 @@
     prepare     the prepare kernel: dense or packed batches, value flags, the solve's outputs
     recurrence  the chunk recurrence: dense or packed batches
     backward    the backward's kernels: states, state gradient, state products, intra
+    activation  the backward's elementwise kernels for raw tensors: the form's activation, its chain rule
     decode      the T = 1 step over a pool of states
     compiled    the programs compiled for the GPU, once per shape; compile-only reports
     on_cpu      the calls on a machine without a GPU: each program interpreted, or compiled ahead only

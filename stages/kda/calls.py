@@ -32,10 +32,10 @@ from stages.common.device_checks import BAD_CU_SEQLENS, flags_for
 from stages.common.torch_checks import dtype_name, pad_tokens
 from stages.kda.checks import (check_backward_inputs, check_decode_inputs, check_forward_inputs, check_prefill_inputs,
                                check_prepared)
-from stages.kda.compiled import (compiled_backward_kernels, compiled_decode, compiled_prefill_kernels,
-                                 compiled_prepare, compiled_recurrence)
+from stages.kda.compiled import (compiled_activation, compiled_backward_kernels, compiled_decode,
+                                 compiled_prefill_kernels, compiled_prepare, compiled_recurrence)
 from stages.kda.config import KernelConfig, backward_chunk_size, decode_block_dv, most_chunks, resolve_for
-from stages.kda.inputs import InputForm, activate
+from stages.kda.inputs import InputForm
 
 PLAIN = InputForm()  # q, k, g and beta as the recurrence takes them
 
@@ -157,39 +157,39 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     computing them again: the same numbers, one launch fewer, and the memory of eight tensors held from
     the forward to the backward (chunk_kda's disable_recompute).
 
-    form, A_log, dt_bias: the tensors as a model passes them. The kernels then run on the activated q,
-    k, g and beta (stages.kda.inputs.activate, in torch: the norms, the gate, the sigmoid), q and k
-    repeated over grouped value heads, and torch's autograd takes the gradients back through the
-    activation to the raw tensors and the gate's parameters (the sums over the group included). The
-    prepare's outputs are the forward's own, from the form's program on the raw tensors (kept, or made
-    again by the same program): the backward differentiates the numbers the forward computed, and a
-    kept prepare gives the same bits as a recomputed one.
+    form, A_log, dt_bias: the tensors as a model passes them. Two elementwise kernels stand around the
+    backward's (stages.kda.activation): `activate` makes q, k, g and beta the recurrence's own (the
+    norms, the gate, the sigmoid, as the forward's prepare computes them on chip; q and k per value
+    head), the backward kernels run on those, and `activation_gradients` takes their gradients back to
+    the raw tensors by each transform's chain rule; the sums over tokens (dA_log, ddt_bias) and over a
+    q/k head's group are torch's. The prepare's outputs are the forward's own, from the form's program
+    on the raw tensors (kept, or made again by the same program): the backward differentiates the
+    numbers the forward computed, and a kept prepare gives the same bits as a recomputed one.
     """
     B, N, H, d_k, d_v = check_backward_inputs(q, k, v, g, beta, do, initial_state, d_final_state, config, checks,
                                               form, A_log, dt_bias)
     if form.is_plain and q.shape[2] == H:
         return Gradients(*activated_backward(q, k, v, g, beta, do, initial_state, d_final_state, checks, config,
                                              prepared))
-    import torch
-
-    with torch.enable_grad():
-        leaves = [None if x is None else x.detach().requires_grad_() for x in (q, k, g, beta, A_log, dt_bias)]
-        group = H // q.shape[2]
-        q_a, k_a, g_a, beta_a = activate(form, *leaves)
-        q_a, k_a = (x.repeat_interleave(group, dim=2) for x in (q_a, k_a))
-    kernel_inputs = (q_a.to(q.dtype).contiguous(), k_a.to(q.dtype).contiguous(), v, g_a.contiguous(),
-                     beta_a.contiguous())
+    group = H // q.shape[2]
+    options = form_options(form, q, g, beta)
+    activate, activation_gradients = compiled_activation(B, N, H, d_k, dtype_name(q), form, group,
+                                                         options["gate_dtype"], options["beta_dtype"])
+    parameters = gate_parameters(form, A_log, dt_bias, H, d_k, q.device)
+    q_a, k_a, g_a, beta_a = activate(q, k, g, beta, *parameters)  # the recurrence's own, per value head
     config = config or resolve_for(q.device, B, H, d_k, d_v, chunk_size=backward_chunk_size(d_k, d_v))
     if prepared is None:  # the forward's own prepare (the form computed as it loads, bad raw values flagged):
         # the backward differentiates the numbers the forward computed, as when the caller kept them
         prepared = prepare_chunks(q, k, v, g, beta, checks, config, True, form, A_log, dt_bias)
-    dq, dk, dv, dg, dbeta, d_initial_state = activated_backward(*kernel_inputs, do, initial_state, d_final_state,
-                                                                "off", config, prepared)
-    wanted = [x for x in leaves if x is not None]
-    found = iter(torch.autograd.grad((q_a, k_a, g_a, beta_a), wanted, (dq, dk, dg, dbeta), allow_unused=True))
-    dq, dk, dg, dbeta, dA_log, ddt_bias = (None if x is None else next(found) for x in leaves)
-    return Gradients(dq, dk, dv, dg, dbeta, d_initial_state, dA_log,
-                     None if ddt_bias is None else ddt_bias.view(dt_bias.shape))
+    dq_a, dk_a, dv, dg_a, dbeta_a, d_initial_state = activated_backward(q_a, k_a, v, g_a, beta_a, do, initial_state,
+                                                                        d_final_state, "off", config, prepared)
+    dq, dk, dg, dbeta, dA = activation_gradients(q, k, g, beta, *parameters, dq_a.contiguous(), dk_a.contiguous(),
+                                                 dg_a.contiguous(), dbeta_a.contiguous())
+    if group > 1:  # a q/k head serves its group of value heads: its gradient is theirs summed
+        dq, dk = (x.view(B, N, H // group, group, d_k).sum(3) for x in (dq, dk))
+    dA_log = None if A_log is None else dA.sum((0, 1)).view(A_log.shape)
+    ddt_bias = None if dt_bias is None else dg.sum((0, 1)).view(dt_bias.shape)  # d(x + dt_bias) = dx
+    return Gradients(dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias)
 
 
 def activated_backward(q, k, v, g, beta, do, initial_state, d_final_state, checks, config, prepared):

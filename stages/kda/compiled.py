@@ -11,6 +11,7 @@ import functools
 from stages.common.tilelang_tools import build_in_turn, compile_in_threads, gpu_target
 from stages.common.tilelang_tools import compile_report as lower_and_report
 from stages.common.torch_checks import KERNEL_DTYPES
+from stages.kda.activation import build_activate_program, build_activation_gradients_program
 from stages.kda.backward import BUILDERS, kernel_arguments
 from stages.kda.checks import check_block, check_kernel_sizes
 from stages.kda.config import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_THREADS,
@@ -77,6 +78,21 @@ def compiled_backward_kernel(kernel, *arguments, value_flags=False):
         return compiled_prepare(*arguments, default_prepare_threads(chunk_size), value_flags, solve_outputs=True)
     build, outputs = BUILDERS[kernel]
     return tilelang.compile(build_in_turn(build, *arguments), out_idx=outputs, target=gpu_target())
+
+
+@functools.cache
+def compiled_activation(B, N, H, d_k, dtype, form, group, gate_dtype, beta_dtype):
+    """(activate, activation_gradients) compiled for the GPU (stages.kda.activation), their outputs
+    allocated by the call: the backward's kernels for the tensors as a model passes them."""
+    import tilelang
+
+    sizes = (B, N, H, d_k, dtype, form, group, gate_dtype, beta_dtype)
+    inputs = 4 + 2 * form.raw_gate  # q, k, g, beta, and A_log, Dt_bias with a raw gate
+    activate = tilelang.compile(build_in_turn(build_activate_program, *sizes), out_idx=list(range(inputs, inputs + 4)),
+                                target=gpu_target())
+    gradients = tilelang.compile(build_in_turn(build_activation_gradients_program, *sizes),
+                                 out_idx=list(range(inputs + 4, inputs + 9)), target=gpu_target())
+    return activate, gradients
 
 
 @functools.cache

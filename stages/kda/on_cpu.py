@@ -166,7 +166,8 @@ def calls_on_cpu(stand_in, num_sms=132):
 
 
 def _empty_caches(compiled):
-    for function in (compiled.compiled_prepare, compiled.compiled_recurrence, compiled.compiled_backward_kernel,
-                     compiled.compiled_backward_kernels, compiled.compiled_packed_prepare,
-                     compiled.compiled_packed_recurrence, compiled.compiled_prefill_kernels, compiled.compiled_decode):
+    for function in (compiled.compiled_prepare, compiled.compiled_recurrence, compiled.compiled_activation,
+                     compiled.compiled_backward_kernel, compiled.compiled_backward_kernels,
+                     compiled.compiled_packed_prepare, compiled.compiled_packed_recurrence,
+                     compiled.compiled_prefill_kernels, compiled.compiled_decode):
         function.cache_clear()

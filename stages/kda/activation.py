@@ -1,0 +1,244 @@
+"""The backward's two elementwise kernels for the tensors as a model passes them (an InputForm other than
+the plain one, or grouped value heads): one program per (block of ROWS tokens, batch x value head).
+
+    activate               raw q, k, g, beta -> the recurrence's own (stages.kda.inputs.activate), on
+                           chip with the forward prepare's own macro (tiles.activate_loads), q and k
+                           written once per value head: the backward kernels' inputs
+    activation_gradients   the backward kernels' dq, dk, dg, dbeta (of the activated tensors) -> the
+                           gradients of the raw ones, by the chain rule of each transform:
+
+        q_a = s r q,  r = (||q||^2 + eps)^{-1/2}      dq = s r dq_a - s r^3 (q . dq_a) q
+        g = -e^A softplus(z),  z = x + b              dz = -e^A sigmoid(z) dg,  dx = dz,  dA = dg g
+        g = lb sigmoid(z),  z = e^A (x + b)           dz = lb sigma (1 - sigma) dg,  dx = e^A dz,  dA = dz z
+        beta = m sigmoid(y)                           dy = beta (1 - beta / m) dbeta
+
+      (s q's scale, 1 for k; A = A_log, b = dt_bias, lb the lower bound, m = 1 or 2), with the sums
+      over tokens left to the caller: ddt_bias = sum of dx, dA_log = sum of the per-row dA written
+      here, and with grouped value heads dq and dk summed over each q/k head's group.
+
+They replace autograd over the same transforms in torch, which took about 8 ms a training step at
+T 16384, H 32 (benchmarks/results/kimi_train_h100): some thirty elementwise passes over (T, H, d_k)
+tensors against one read and one write here.
+"""
+
+from typing import NamedTuple
+
+from stages.common.tilelang_tools import LOG2_E
+from stages.kda.inputs import L2_NORM_EPS, SOFTPLUS_THRESHOLD, InputForm
+from stages.kda.tiles import activate_loads_macro, scaled
+
+ROWS = 32  # tokens a program: one tile of (ROWS, d_k) per tensor
+THREADS = 128
+
+
+def _activation_types(B, N, H, d_k, dtype, group, gate_dtype, beta_dtype):
+    """The kernels' tensor types (factories, as stages.kda.tensor_types's): the raw inputs, the gate's
+    parameters, rows per value head in `dtype` and fp32, and one fp32 number per token and head."""
+    import functools
+    import types
+
+    import tilelang.language as T
+
+    def tensor(shape, tensor_dtype):
+        return functools.partial(T.Tensor, shape, tensor_dtype)
+
+    return types.SimpleNamespace(
+        qk=tensor((B, N, H // group, d_k), dtype), g=tensor((B, N, H, d_k), gate_dtype),
+        beta=tensor((B, N, H), beta_dtype), A_log=tensor((H,), "float32"), Dt_bias=tensor((H, d_k), "float32"),
+        rows=tensor((B, N, H, d_k), dtype), rows_fp32=tensor((B, N, H, d_k), "float32"),
+        heads_fp32=tensor((B, N, H), "float32"))
+
+
+def _raw_tiles(C, d_k, dtype):
+    """The shared tiles of one block of raw rows, as activate_loads takes them (a namespace)."""
+    import types
+
+    import tilelang.language as T
+
+    return types.SimpleNamespace(Q_s=T.alloc_shared((C, d_k), dtype), K_s=T.alloc_shared((C, d_k), dtype),
+                                 gamma_s=T.alloc_shared((C, d_k), "float32"), beta_s=T.alloc_shared((C,), "float32"))
+
+
+class RowBlock(NamedTuple):
+    """One program's block of rows: batch row b, value head h, its first token t0, its tokens `rows` (the
+    batch's last block may be short) and its raw tiles s, loaded."""
+
+    b: object
+    h: object
+    t0: object
+    rows: object
+    s: object
+
+
+def _row_block_macro(C, d_k, dtype, H, N, group):
+    """The macro row_block(Q, K, G, Beta, i_t, i_bh) -> RowBlock: program (i_t, i_bh)'s rows of the raw
+    tensors in shared tiles (_raw_tiles), zeros past the batch's last token."""
+    import tilelang.language as T
+
+    @T.macro
+    def row_block(Q, K, G, Beta, i_t, i_bh):
+        b, h = i_bh // H, i_bh % H
+        t0 = i_t * C
+        rows = T.min(C, N - t0)
+        s = _raw_tiles(C, d_k, dtype)
+        for r, d in T.Parallel(C, d_k):
+            s.Q_s[r, d] = T.if_then_else(r < rows, Q[b, t0 + r, h // group, d], 0)
+            s.K_s[r, d] = T.if_then_else(r < rows, K[b, t0 + r, h // group, d], 0)
+        for r, d in T.Parallel(C, d_k):
+            s.gamma_s[r, d] = T.if_then_else(r < rows, G[b, t0 + r, h, d], 0)
+        for r in T.Parallel(C):
+            s.beta_s[r] = T.if_then_else(r < rows, Beta[b, t0 + r, h], 0)
+        return RowBlock(b, h, t0, rows, s)
+
+    return row_block
+
+
+# --8<-- [start:activate]
+def build_activate_program(B, N, H, d_k, dtype, form: InputForm, group=1, gate_dtype="float32",
+                           beta_dtype="float32"):
+    """q, k (B, N, H / group, d_k) in `dtype`, g (B, N, H, d_k) in gate_dtype, beta (B, N, H) in beta_dtype
+    as `form` takes them (and A_log (H,), Dt_bias (H, d_k) fp32 after Beta with a raw gate) -> q_a, k_a
+    (B, N, H, d_k) in `dtype` (value head h's from q/k head h // group), g_a (B, N, H, d_k) and beta_a
+    (B, N, H) fp32: stages.kda.inputs.activate, computed as the forward's prepare computes it."""
+    import tilelang.language as T
+
+    C = ROWS
+    tensors = _activation_types(B, N, H, d_k, dtype, group, gate_dtype, beta_dtype)
+    activate = activate_loads_macro(C, d_k, form)
+    row_block = _row_block_macro(C, d_k, dtype, H, N, group)
+
+    @T.prim_func
+    def kda_activate(
+        Q: tensors.qk,
+        K: tensors.qk,
+        G: tensors.g,
+        Beta: tensors.beta,
+        A_log: tensors.A_log if form.raw_gate else None,
+        Dt_bias: tensors.Dt_bias if form.raw_gate else None,
+        Q_a: tensors.rows,
+        K_a: tensors.rows,
+        G_a: tensors.rows_fp32,
+        Beta_a: tensors.heads_fp32,
+    ):
+        with T.Kernel((N + C - 1) // C, B * H, threads=THREADS) as (i_t, i_bh):
+            b, h, t0, rows, s = row_block(Q, K, G, Beta, i_t, i_bh)
+            q_factor, k_factor = (None, None) if form.is_plain else activate(s, A_log, Dt_bias, h, rows)
+            for r, d in T.Parallel(C, d_k):
+                if r < rows:
+                    Q_a[b, t0 + r, h, d] = scaled(s.Q_s, q_factor, r, d)
+                    K_a[b, t0 + r, h, d] = scaled(s.K_s, k_factor, r, d)
+                    G_a[b, t0 + r, h, d] = s.gamma_s[r, d]
+            for r in T.Parallel(C):
+                if r < rows:
+                    Beta_a[b, t0 + r, h] = s.beta_s[r]
+
+    return kda_activate
+# --8<-- [end:activate]
+
+
+# --8<-- [start:activation_gradients]
+def build_activation_gradients_program(B, N, H, d_k, dtype, form: InputForm, group=1, gate_dtype="float32",
+                                       beta_dtype="float32"):
+    """The raw tensors of build_activate_program's inputs, then the gradients of its outputs dq_a, dk_a,
+    dg_a (B, N, H, d_k) and dbeta_a (B, N, H) fp32 -> dq, dk (B, N, H, d_k) fp32 (per value head: the
+    caller sums each group), dg (B, N, H, d_k) and dbeta (B, N, H) fp32 (of the raw gate and logits), and
+    per token and head the A_log gradient's term dA (B, N, H) fp32 (zeros unless the gate is raw)."""
+    import tilelang.language as T
+
+    C = ROWS
+    tensors = _activation_types(B, N, H, d_k, dtype, group, gate_dtype, beta_dtype)
+    row_block = _row_block_macro(C, d_k, dtype, H, N, group)
+    accum_dtype = "float32"
+
+    @T.macro
+    def unit_gradient(X_s, dX_a, dX, scale, b, t0, h, rows):
+        # dx = s r dy - s r^3 (x . dy) x for y = s r x, r = (||x||^2 + eps)^{-1/2}; dx = s dy without the norm
+        x_f = T.alloc_fragment((C, d_k), accum_dtype)
+        dy_f = T.alloc_fragment((C, d_k), accum_dtype)
+        for r, d in T.Parallel(C, d_k):
+            x_f[r, d] = X_s[r, d]
+            dy_f[r, d] = T.if_then_else(r < rows, dX_a[b, t0 + r, h, d], 0) * scale
+        if form.l2_normalize:
+            squares_f = T.alloc_fragment((C, d_k), accum_dtype)
+            products_f = T.alloc_fragment((C, d_k), accum_dtype)
+            norm_f = T.alloc_fragment((C,), accum_dtype)
+            dot_f = T.alloc_fragment((C,), accum_dtype)
+            for r, d in T.Parallel(C, d_k):
+                squares_f[r, d] = x_f[r, d] * x_f[r, d]
+                products_f[r, d] = x_f[r, d] * dy_f[r, d]
+            T.reduce_sum(squares_f, norm_f, dim=1)
+            T.reduce_sum(products_f, dot_f, dim=1)
+            for r, d in T.Parallel(C, d_k):
+                inverse = T.rsqrt(norm_f[r] + L2_NORM_EPS)
+                if r < rows:
+                    dX[b, t0 + r, h, d] = inverse * (dy_f[r, d] - inverse * inverse * dot_f[r] * x_f[r, d])
+        else:
+            for r, d in T.Parallel(C, d_k):
+                if r < rows:
+                    dX[b, t0 + r, h, d] = dy_f[r, d]
+
+    @T.macro
+    def gate_gradient(s, A_log, Dt_bias, dG_a, dG, dA, b, t0, h, rows):
+        # the raw gate's gradient element by element; dA's per-row sum in registers
+        dA_terms_f = T.alloc_fragment((C, d_k), accum_dtype)
+        dA_f = T.alloc_fragment((C,), accum_dtype)
+        rate = T.exp2(A_log[h] * LOG2_E) if form.raw_gate else 1.0
+        for r, d in T.Parallel(C, d_k):
+            dg = T.if_then_else(r < rows, dG_a[b, t0 + r, h, d], 0)
+            if form.gate == "softplus":
+                z = s.gamma_s[r, d] + Dt_bias[h, d]
+                sigma = 1 / (1 + T.exp2(-z * LOG2_E))
+                softplus = T.if_then_else(z > SOFTPLUS_THRESHOLD, z, T.log2(1 + T.exp2(z * LOG2_E)) / LOG2_E)
+                if r < rows:
+                    dG[b, t0 + r, h, d] = -rate * sigma * dg
+                dA_terms_f[r, d] = -rate * softplus * dg
+            elif form.gate == "sigmoid":
+                z = rate * (s.gamma_s[r, d] + Dt_bias[h, d])
+                sigma = 1 / (1 + T.exp2(-z * LOG2_E))
+                dz = form.lower_bound * sigma * (1 - sigma) * dg
+                if r < rows:
+                    dG[b, t0 + r, h, d] = rate * dz
+                dA_terms_f[r, d] = dz * z
+            else:  # the log gate as given
+                if r < rows:
+                    dG[b, t0 + r, h, d] = dg
+                dA_terms_f[r, d] = 0
+        T.reduce_sum(dA_terms_f, dA_f, dim=1)
+        for r in T.Parallel(C):
+            if r < rows:
+                dA[b, t0 + r, h] = dA_f[r]
+
+    @T.prim_func
+    def kda_activation_gradients(
+        Q: tensors.qk,
+        K: tensors.qk,
+        G: tensors.g,
+        Beta: tensors.beta,
+        A_log: tensors.A_log if form.raw_gate else None,
+        Dt_bias: tensors.Dt_bias if form.raw_gate else None,
+        dQ_a: tensors.rows_fp32,
+        dK_a: tensors.rows_fp32,
+        dG_a: tensors.rows_fp32,
+        dBeta_a: tensors.heads_fp32,
+        dQ: tensors.rows_fp32,
+        dK: tensors.rows_fp32,
+        dG: tensors.rows_fp32,
+        dBeta: tensors.heads_fp32,
+        dA: tensors.heads_fp32,
+    ):
+        with T.Kernel((N + C - 1) // C, B * H, threads=THREADS) as (i_t, i_bh):
+            b, h, t0, rows, s = row_block(Q, K, G, Beta, i_t, i_bh)
+            unit_gradient(s.Q_s, dQ_a, dQ, form.scale, b, t0, h, rows)
+            unit_gradient(s.K_s, dK_a, dK, 1.0, b, t0, h, rows)
+            gate_gradient(s, A_log, Dt_bias, dG_a, dG, dA, b, t0, h, rows)
+            for r in T.Parallel(C):
+                if r < rows:
+                    dbeta = dBeta_a[b, t0 + r, h]
+                    if form.beta == "value":
+                        dBeta[b, t0 + r, h] = dbeta
+                    else:
+                        beta = form.beta_bound / (1 + T.exp2(-s.beta_s[r] * LOG2_E))
+                        dBeta[b, t0 + r, h] = beta * (1 - beta / form.beta_bound) * dbeta
+
+    return kda_activation_gradients
+# --8<-- [end:activation_gradients]
