@@ -2,7 +2,7 @@
 (stages.kda.autograd.chunk_kda, FLA's signature) forward and backward, in one process:
 
     python -m benchmarks.kimi_train --out DIR [--rounds 3] [--cases T4096_H32,...] [--gates bounded,softplus]
-                                    [--deadline SECONDS] [--no-accuracy]
+                                    [--deadline SECONDS] [--no-accuracy] [--profile CASE]
 
 Both are called as `fla.layers.KimiDeltaAttention` calls chunk_kda in training: raw q, k, the raw gate
 projection x, beta's logits, `A_log` (H,) and `dt_bias` (H * K) fp32, `use_qk_l2norm_in_kernel`,
@@ -18,6 +18,10 @@ round in the reverse order of the one before). FLA's first call compiles and aut
 kernels: minutes on a fresh machine. Accuracy: o and each gradient of each peer against float64
 autograd through the same activation and a token-by-token recurrence (stages.kda.inputs.activate), at
 T = 1024, H = 4 (ACCURACY_CASE).
+
+--profile CASE: instead of all that, torch.profiler over five of the course's steps at CASE (after
+three untimed ones), for each gate, the table by CUDA time written to DIR/course_profile_<gate>.txt:
+where a step's time goes, kernels and torch's operations around them.
 
 Writes DIR/kimi_train.csv (one row per case, gate, round and peer), DIR/kimi_train_accuracy.csv (per
 gate and peer, rel L2 of o and every gradient, and the course's over FLA's) and
@@ -54,7 +58,10 @@ def parse_args(argv=None):
     parser.add_argument("--gates", default=",".join(GATES), help=f"comma-separated, of {', '.join(GATES)}")
     parser.add_argument("--deadline", type=float, default=None, help="seconds after which no new round starts")
     parser.add_argument("--no-accuracy", action="store_true", help="skip the float64 comparison")
+    parser.add_argument("--profile", default=None, help="profile the course's steps at this case instead")
     args = parser.parse_args(argv)
+    if args.profile is not None and args.profile not in CASES:
+        parser.error(f"--profile: unknown {args.profile} (known: {', '.join(CASES)})")
     for name, known in (("cases", CASES), ("gates", GATES)):
         chosen = getattr(args, name).split(",")
         unknown = [item for item in chosen if item not in known]
@@ -161,6 +168,23 @@ def accuracy(gates, log):
     return rows
 
 
+def profile_course(name, gate, path):
+    """torch.profiler's table (by CUDA time) of five of the course's steps at case `name`, into `path`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step = peer_steps(make_inputs(*CASES[name]), gate)[0]["course"]
+    for _ in range(3):  # compiles, then warm
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    path.write_text(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=30,
+                                                  max_name_column_width=70) + "\n")
+
+
 def run_case(name, gate, args, writer, log, timer, deadline):
     """One case and gate: each peer's first step (compiles, autotunes) compared with the course's, then
     the timed rounds. Returns {peer: why it was not timed}."""
@@ -214,6 +238,11 @@ def main(argv=None):
         return float(do_bench(step, warmup=5, rep=60, return_mode="median"))
 
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile is not None:
+        for gate in args.gates:
+            profile_course(args.profile, gate, args.out / f"course_profile_{gate}.txt")
+            log(f"profiled {args.profile} {gate}: {args.out / f'course_profile_{gate}.txt'}")
+        return 0
     versions = {}
     for module in ("fla", "tilelang", "triton"):
         try:

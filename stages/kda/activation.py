@@ -9,7 +9,8 @@ the plain one, or grouped value heads): one program per (block of ROWS tokens, b
 
         q_a = s r q,  r = (||q||^2 + eps)^{-1/2}      dq = s r dq_a - s r^3 (q . dq_a) q
         g = -e^A softplus(z),  z = x + b              dz = -e^A sigmoid(z) dg,  dx = dz,  dA = dg g
-        g = lb sigmoid(z),  z = e^A (x + b)           dz = lb sigma (1 - sigma) dg,  dx = e^A dz,  dA = dz z
+        g = lb sigma,  sigma = sigmoid(z),            dz = lb sigma (1 - sigma) dg,  dx = e^A dz,  dA = dz z
+        z = e^A (x + b)
         beta = m sigmoid(y)                           dy = beta (1 - beta / m) dbeta
 
       (s q's scale, 1 for k; A = A_log, b = dt_bias, lb the lower bound, m = 1 or 2), with the sums
@@ -24,8 +25,8 @@ tensors against one read and one write here.
 from typing import NamedTuple
 
 from stages.common.tilelang_tools import LOG2_E
-from stages.kda.inputs import L2_NORM_EPS, SOFTPLUS_THRESHOLD, InputForm
-from stages.kda.tiles import activate_loads_macro, scaled
+from stages.kda.inputs import L2_NORM_EPS, InputForm
+from stages.kda.tiles import activate_loads_macro, scaled, scaled_sigmoid, softplus
 
 ROWS = 32  # tokens a program: one tile of (ROWS, d_k) per tensor
 THREADS = 128
@@ -187,14 +188,12 @@ def build_activation_gradients_program(B, N, H, d_k, dtype, form: InputForm, gro
             dg = T.if_then_else(r < rows, dG_a[b, t0 + r, h, d], 0)
             if form.gate == "softplus":
                 z = s.gamma_s[r, d] + Dt_bias[h, d]
-                sigma = 1 / (1 + T.exp2(-z * LOG2_E))
-                softplus = T.if_then_else(z > SOFTPLUS_THRESHOLD, z, T.log2(1 + T.exp2(z * LOG2_E)) / LOG2_E)
                 if r < rows:
-                    dG[b, t0 + r, h, d] = -rate * sigma * dg
-                dA_terms_f[r, d] = -rate * softplus * dg
+                    dG[b, t0 + r, h, d] = -rate * scaled_sigmoid(1, z) * dg
+                dA_terms_f[r, d] = -rate * softplus(z) * dg  # dg times g itself
             elif form.gate == "sigmoid":
                 z = rate * (s.gamma_s[r, d] + Dt_bias[h, d])
-                sigma = 1 / (1 + T.exp2(-z * LOG2_E))
+                sigma = scaled_sigmoid(1, z)
                 dz = form.lower_bound * sigma * (1 - sigma) * dg
                 if r < rows:
                     dG[b, t0 + r, h, d] = rate * dz
@@ -237,7 +236,7 @@ def build_activation_gradients_program(B, N, H, d_k, dtype, form: InputForm, gro
                     if form.beta == "value":
                         dBeta[b, t0 + r, h] = dbeta
                     else:
-                        beta = form.beta_bound / (1 + T.exp2(-s.beta_s[r] * LOG2_E))
+                        beta = scaled_sigmoid(form.beta_bound, s.beta_s[r])
                         dBeta[b, t0 + r, h] = beta * (1 - beta / form.beta_bound) * dbeta
 
     return kda_activation_gradients

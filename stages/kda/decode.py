@@ -18,7 +18,8 @@ fraction of the copy bandwidth it reaches (benchmarks/decode.py).
 from stages.common.device_checks import BAD_BETA, BAD_GATE, BAD_SLOT, FLAG_COUNT, bad_beta, bad_gate
 from stages.common.tilelang_tools import LOG2_E
 from stages.kda.config import DEFAULT_BLOCK_DV, DEFAULT_THREADS
-from stages.kda.inputs import L2_NORM_EPS, SOFTPLUS_THRESHOLD, InputForm
+from stages.kda.inputs import L2_NORM_EPS, InputForm
+from stages.kda.tiles import scaled_sigmoid, softplus
 
 PLAIN = InputForm()
 
@@ -76,14 +77,14 @@ def build_decode_program(B, P, H, d_k, d_v, block_dv=DEFAULT_BLOCK_DV, dtype="fl
         x = G[b, h, d] + Dt_bias[h, d]
         rate = T.exp2(A_log[h] * LOG2_E)
         if form.gate == "softplus":
-            return -rate * T.if_then_else(x > SOFTPLUS_THRESHOLD, x, T.log2(1 + T.exp2(x * LOG2_E)) / LOG2_E)
-        return form.lower_bound / (1 + T.exp2(-rate * x * LOG2_E))
+            return -rate * softplus(x)
+        return scaled_sigmoid(form.lower_bound, x, rate)
 
     def step_beta(Beta, b, h):
         # the step's beta, from its logit where the form takes the sigmoid
         if form.beta == "value":
             return Beta[b, h]
-        return form.beta_bound / (1 + T.exp2(-Beta[b, h] * LOG2_E))
+        return scaled_sigmoid(form.beta_bound, Beta[b, h])
 
     @T.macro
     def decode_step(Q, K, V, G, Beta, A_log, Dt_bias, Slots, State_pool, Flags, O):

@@ -95,6 +95,22 @@ def scaled(X_s, factor, r, d):
     return X_s[r, d] * factor[r]
 
 
+def softplus(x):
+    """log(1 + e^x) as an expression inside a kernel, in base 2, and x itself above SOFTPLUS_THRESHOLD
+    (torch's and FLA's threshold: there the two agree to fp32's precision)."""
+    import tilelang.language as T
+
+    return T.if_then_else(x > SOFTPLUS_THRESHOLD, x, T.log2(1 + T.exp2(x * LOG2_E)) / LOG2_E)
+
+
+def scaled_sigmoid(bound, x, rate=None):
+    """bound * sigmoid(rate x) = bound / (1 + e^{-rate x}) as an expression inside a kernel, in base 2
+    (rate None: 1): the bounded gate (bound = lower_bound), beta's sigmoid (bound 1 or 2)."""
+    import tilelang.language as T
+
+    return bound / (1 + T.exp2((-x if rate is None else -rate * x) * LOG2_E))
+
+
 def row_factor(factor, r):
     """Row (or column) r's factor itself (`scaled`'s factor, or the scores' betas): 1 for None, the
     number, or the buffer's entry r."""
@@ -163,15 +179,14 @@ def activate_loads_macro(C, d_k, form: InputForm):
             rate = T.exp2(A_log[h] * LOG2_E)
             for r, d in T.Parallel(C, d_k):
                 x = s.gamma_s[r, d] + bias_s[d]
-                if form.gate == "softplus":  # log(1 + e^x) in base 2, x itself above the threshold
-                    gate = -rate * T.if_then_else(x > SOFTPLUS_THRESHOLD, x,
-                                                  T.log2(1 + T.exp2(x * LOG2_E)) / LOG2_E)
+                if form.gate == "softplus":
+                    gate = -rate * softplus(x)
                 else:
-                    gate = form.lower_bound / (1 + T.exp2(-rate * x * LOG2_E))
+                    gate = scaled_sigmoid(form.lower_bound, x, rate)
                 s.gamma_s[r, d] = gate if rows is None else T.if_then_else(r < rows, gate, 0)
         if form.beta != "value":
             for r in T.Parallel(C):
-                beta = form.beta_bound / (1 + T.exp2(-s.beta_s[r] * LOG2_E))
+                beta = scaled_sigmoid(form.beta_bound, s.beta_s[r])
                 s.beta_s[r] = beta if rows is None else T.if_then_else(r < rows, beta, 0)
 
     @T.macro

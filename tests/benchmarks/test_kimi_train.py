@@ -34,7 +34,8 @@ def test_the_float64_step_moves_with_the_gate():
 
 
 @pytest.mark.parametrize("argv, message", [(["--cases", "T99"], "unknown T99"),
-                                           (["--gates", "bounded,linear"], "unknown linear")])
+                                           (["--gates", "bounded,linear"], "unknown linear"),
+                                           (["--profile", "T7"], "unknown T7")])
 def test_unknown_cases_and_gates_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         kimi_train.parse_args(["--out", "x", *argv])
