@@ -164,6 +164,7 @@ def plan_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     call planned: which route runs it and how. Reads no tensor's values (no device sync), except the
     offsets of a packed batch that trains (PackedLayout: cu_seqlens_cpu when given). The FLA backend's
     verifier (stages.kda.fla_backend) runs it too: what it refuses falls back to FLA's kernels."""
+    check_chunk_size(chunk_size)  # FLA's first check: before the tensors' dtypes and devices
     state_v_first = state_v_first_of(state_v_first, transpose_state_layout)
     if cp_context is not None:
         raise ValueError("cp_context: the course's split over ranks runs through chunk_kda with stage 8's "
@@ -172,7 +173,6 @@ def plan_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fina
                    "A_log": A_log if use_gate_in_kernel else None, "dt_bias": dt_bias if use_gate_in_kernel else None})
     check_packing(q, initial_state, cu_seqlens)
     check_gate_options(use_gate_in_kernel, A_log, lower_bound, safe_gate)
-    check_chunk_size(chunk_size)
     check_beta_options(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     B, T, H, K, HV, V = check_shapes(q, k, v, g, beta)
     check_state_shape(initial_state, B if cu_seqlens is None else len(cu_seqlens) - 1, HV, K, V, state_v_first)

@@ -7,6 +7,7 @@ On the CPU both sides compute in float64, so they agree to float64's rounding th
 algebra (1e-9 here, where FLA's tests allow 5e-3 to 2e-2 for its bf16 kernels: those tolerances are
 the GPU tests')."""
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from stages.common.errors import error_report
 from stages.kda.autograd import chunk_kda
+from stages.kda.on_cpu import calls_on_cpu, interpreted
 from tests.kernels.fla_recurrence import Options, chunk_starts, kda
 
 EXACT = 1e-9  # float64 against float64, through the chunked algebra (stage 6's tests: 3e-12 at its worst gates)
@@ -298,12 +300,16 @@ def test_fla_s_rules_with_fla_s_messages(options, error, message):
         _call(**options)
 
 
-def test_chunk_size_is_checked_before_the_values():
-    """FLA's test_chunk_invalid_chunk_size: g and beta drawn from randn (not a gate, not a beta), and the
-    refusal is the chunk size's."""
+@pytest.mark.parametrize("on_cuda", [False, True], ids=["cpu", "cuda"])
+def test_chunk_size_is_checked_before_the_values(on_cuda):
+    """FLA's test_chunk_invalid_chunk_size: g and beta drawn from randn (not a gate, not a beta), float32
+    tensors (which the CUDA kernels refuse), and the refusal is the chunk size's, on either device."""
     q = torch.randn(1, 64, 1, 64)
-    with pytest.raises(ValueError, match=r"`chunk_size` must be either 32 or 64"):
-        chunk_kda(q, q, q, torch.randn(1, 64, 1, 64), torch.randn(1, 64, 1), chunk_size=16)
+    with contextlib.ExitStack() as stack:
+        if on_cuda:  # the tensors say they are on CUDA: the kernels' dtype rule applies to them
+            stack.enter_context(calls_on_cpu(interpreted))
+        with pytest.raises(ValueError, match=r"`chunk_size` must be either 32 or 64"):
+            chunk_kda(q, q, q, torch.randn(1, 64, 1, 64), torch.randn(1, 64, 1), chunk_size=16)
 
 
 def test_the_deprecated_state_layout_name_warns_and_works():
