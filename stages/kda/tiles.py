@@ -408,23 +408,26 @@ def block_inverse_macro(C):
 
     @T.macro
     def block_inverse(L_s, T_s, T_diag_s, merge_s, block_row_f):
-        # diagonal blocks of T = (I + L)^{-1}: forward substitution, one lane per (block, column);
-        # each lane reads back only the rows it wrote itself, and sums in a register
+        # diagonal blocks of T = (I + L)^{-1}: forward substitution, one lane per (block, column), the
+        # lane's column of its block in registers: the rows it solved are read back from them, not
+        # from shared memory, so the 16 steps need no barrier between them
         T.clear(T_s)
         # every thread clears a part of T_s, and only C // SUB_BLOCK * SUB_BLOCK lanes solve: without a
         # barrier of the whole block, TileLang 0.1.15 syncs the solving lanes among themselves only, and
         # a late clear erased solved entries (compute-sanitizer's racecheck: write-read hazards in
         # kda_prepare; a bf16 forward 3x off when 6 processes shared the H200)
         T.sync_threads()
-        for r in T.serial(sub):
-            for blk, col in T.Parallel(C // sub, sub):
+        for blk, col in T.Parallel(C // sub, sub):
+            # T[blk * sub + r, blk * sub + col] for r < sub, one register each (the rows are unrolled
+            # as the program is built, so that every index into the list is a number)
+            column = [T.alloc_var("float32") for _ in range(sub)]
+            for r in tuple(range(sub)):
                 i = blk * sub + r
-                solved = T.alloc_var("float32")
-                solved = T.if_then_else(col == r, 1, 0)
-                for j in T.serial(r):
-                    solved -= L_s[i, blk * sub + j] * T_s[blk * sub + j, blk * sub + col]
-                T_s[i, blk * sub + col] = solved
-                T_diag_s[i, col] = solved
+                column[r][0] = T.if_then_else(col == r, 1.0, 0.0)
+                for j in tuple(range(r)):
+                    column[r][0] -= L_s[i, blk * sub + j] * column[j][0]
+                T_s[i, blk * sub + col] = column[r][0]
+                T_diag_s[i, col] = column[r][0]
         # block row P from the rows above it: T[P, :P] = -T[P, P] (L[P, :P] T[:P, :P]), as two TF32
         # tensor-core GEMMs over all C columns (a GEMM's sizes must be static; P is a loop variable).
         # Only the columns left of P are kept: there L[P, :] T = L[P, :P] T[:P, :P], because block

@@ -1,8 +1,10 @@
-"""The study behind kda_u_in_the_recurrence.diff (issue 40): the course's Kimi call (prefill, checks="device")
-timed as a CUDA graph and each kernel by the profiler, o and the final state saved, run once in a checkout
-of main and once with the diff applied, on the same warm GPU; FlashKDA timed beside main's.
+"""The studies of the fast path's Kimi call (issue 40): the course's call (prefill, checks="device") timed as a
+CUDA graph and each kernel by the profiler, o and the final state saved under TAG, run once in a checkout
+of main and once in a copy changed as a study changes it (kda_u_in_the_recurrence.diff; the block
+inverse in registers, the recurrence at 32 value columns), on the same warm GPU; FlashKDA timed beside
+main's (TAG main).
 
-    python archive/studies/kda_u_in_the_recurrence.py TAG T8192_H96,8x4096_H16 SAVE_DIR
+    python archive/studies/kda_kimi_call_graph.py TAG T8192_H96,8x4096_H16 SAVE_DIR
 """
 import os
 import sys
