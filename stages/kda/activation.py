@@ -13,9 +13,11 @@ the plain one, or grouped value heads): one program per (block of ROWS tokens, b
         z = e^A (x + b)
         beta = m sigmoid(y)                           dy = beta (1 - beta / m) dbeta
 
-      (s q's scale, 1 for k; A = A_log, b = dt_bias, lb the lower bound, m = 1 or 2), with the sums
-      over tokens left to the caller: ddt_bias = sum of dx, dA_log = sum of the per-row dA written
-      here, and with grouped value heads dq and dk summed over each q/k head's group.
+      (s q's scale, 1 for k; A = A_log, b = dt_bias, lb the lower bound, m = 1 or 2), each written in
+      its input's dtype (rounded once, from fp32), with the sums over tokens left to the caller:
+      ddt_bias = the sum of the per-block sums of dx written here (fp32, before dx is rounded),
+      dA_log = the sum of the per-row dA, and with grouped value heads dq and dk (then fp32) summed
+      over each q/k head's group.
 
 They replace autograd over the same transforms in torch, which took about 8 ms a training step at
 T 16384, H 32 (benchmarks/results/kimi_train_h100): some thirty elementwise passes over (T, H, d_k)
@@ -34,7 +36,9 @@ THREADS = 128
 
 def _activation_types(B, N, H, d_k, dtype, group, gate_dtype, beta_dtype):
     """The kernels' tensor types (factories, as stages.kda.tensor_types's): the raw inputs, the gate's
-    parameters, rows per value head in `dtype` and fp32, and one fp32 number per token and head."""
+    parameters, rows per value head in `dtype` and fp32, the raw inputs' gradients (q's and k's per value
+    head, fp32 where a group sums them), one fp32 number per token and head, and one fp32 row of d_k per
+    block of ROWS tokens and head."""
     import functools
     import types
 
@@ -47,7 +51,9 @@ def _activation_types(B, N, H, d_k, dtype, group, gate_dtype, beta_dtype):
         qk=tensor((B, N, H // group, d_k), dtype), g=tensor((B, N, H, d_k), gate_dtype),
         beta=tensor((B, N, H), beta_dtype), A_log=tensor((H,), "float32"), Dt_bias=tensor((H, d_k), "float32"),
         rows=tensor((B, N, H, d_k), dtype), rows_fp32=tensor((B, N, H, d_k), "float32"),
-        heads_fp32=tensor((B, N, H), "float32"))
+        d_qk=tensor((B, N, H, d_k), dtype if group == 1 else "float32"), d_g=tensor((B, N, H, d_k), gate_dtype),
+        d_beta=tensor((B, N, H), beta_dtype), heads_fp32=tensor((B, N, H), "float32"),
+        blocks_fp32=tensor((B, (N + ROWS - 1) // ROWS, H, d_k), "float32"))
 
 
 def _raw_tiles(C, d_k, dtype):
@@ -92,6 +98,13 @@ def _row_block_macro(C, d_k, dtype, H, N, group):
         return RowBlock(b, h, t0, rows, s)
 
     return row_block
+
+
+def activation_gradients_outputs(inputs, form: InputForm):
+    """The indices of build_activation_gradients_program's outputs among its parameters (tilelang.compile's
+    out_idx), after its `inputs` raw tensors and the four gradients it takes: dq, dk, dg, dbeta, dA, and
+    dDt_bias_blocks with a raw gate."""
+    return list(range(inputs + 4, inputs + 9 + form.raw_gate))
 
 
 # --8<-- [start:activate]
@@ -141,9 +154,12 @@ def build_activate_program(B, N, H, d_k, dtype, form: InputForm, group=1, gate_d
 def build_activation_gradients_program(B, N, H, d_k, dtype, form: InputForm, group=1, gate_dtype="float32",
                                        beta_dtype="float32"):
     """The raw tensors of build_activate_program's inputs, then the gradients of its outputs dq_a, dk_a,
-    dg_a (B, N, H, d_k) and dbeta_a (B, N, H) fp32 -> dq, dk (B, N, H, d_k) fp32 (per value head: the
-    caller sums each group), dg (B, N, H, d_k) and dbeta (B, N, H) fp32 (of the raw gate and logits), and
-    per token and head the A_log gradient's term dA (B, N, H) fp32 (zeros unless the gate is raw)."""
+    dg_a (B, N, H, d_k) and dbeta_a (B, N, H) fp32 -> dq, dk (B, N, H, d_k) per value head, in `dtype`
+    (fp32 with group > 1: the caller sums each group), dg (B, N, H, d_k) in gate_dtype and dbeta (B, N, H)
+    in beta_dtype (of the raw gate and logits), per token and head the A_log gradient's term dA (B, N, H)
+    fp32 (zeros unless the gate is raw), and with a raw gate dg's sums over each block of ROWS tokens,
+    dDt_bias_blocks (B, ceil(N / ROWS), H, d_k) fp32: the caller's sum of them is dt_bias's gradient,
+    taken before dg is rounded to gate_dtype."""
     import tilelang.language as T
 
     C = ROWS
@@ -179,33 +195,40 @@ def build_activation_gradients_program(B, N, H, d_k, dtype, form: InputForm, gro
                     dX[b, t0 + r, h, d] = dy_f[r, d]
 
     @T.macro
-    def gate_gradient(s, A_log, Dt_bias, dG_a, dG, dA, b, t0, h, rows):
-        # the raw gate's gradient element by element; dA's per-row sum in registers
+    def gate_gradient(s, A_log, Dt_bias, dG_a, dG, dA, dDt_bias_blocks, b, i_t, t0, h, rows):
+        # the raw gate's gradient element by element, written rounded; dA's per-row sum and dt_bias's
+        # per-channel sum (of the fp32 dx, before rounding) in registers
         dA_terms_f = T.alloc_fragment((C, d_k), accum_dtype)
         dA_f = T.alloc_fragment((C,), accum_dtype)
+        dx_f = T.alloc_fragment((C, d_k), accum_dtype)
         rate = T.exp2(A_log[h] * LOG2_E) if form.raw_gate else 1.0
         for r, d in T.Parallel(C, d_k):
-            dg = T.if_then_else(r < rows, dG_a[b, t0 + r, h, d], 0)
+            dg = T.if_then_else(r < rows, dG_a[b, t0 + r, h, d], 0)  # 0 past the last token: dx there is 0
             if form.gate == "softplus":
                 z = s.gamma_s[r, d] + Dt_bias[h, d]
-                if r < rows:
-                    dG[b, t0 + r, h, d] = -rate * scaled_sigmoid(1, z) * dg
+                dx_f[r, d] = -rate * scaled_sigmoid(1, z) * dg
                 dA_terms_f[r, d] = -rate * softplus(z) * dg  # dg times g itself
             elif form.gate == "sigmoid":
                 z = rate * (s.gamma_s[r, d] + Dt_bias[h, d])
                 sigma = scaled_sigmoid(1, z)
                 dz = form.lower_bound * sigma * (1 - sigma) * dg
-                if r < rows:
-                    dG[b, t0 + r, h, d] = rate * dz
+                dx_f[r, d] = rate * dz
                 dA_terms_f[r, d] = dz * z
             else:  # the log gate as given
-                if r < rows:
-                    dG[b, t0 + r, h, d] = dg
+                dx_f[r, d] = dg
                 dA_terms_f[r, d] = 0
+        for r, d in T.Parallel(C, d_k):
+            if r < rows:
+                dG[b, t0 + r, h, d] = dx_f[r, d]
         T.reduce_sum(dA_terms_f, dA_f, dim=1)
         for r in T.Parallel(C):
             if r < rows:
                 dA[b, t0 + r, h] = dA_f[r]
+        if form.raw_gate:
+            dx_sum_f = T.alloc_fragment((d_k,), accum_dtype)
+            T.reduce_sum(dx_f, dx_sum_f, dim=0)
+            for d in T.Parallel(d_k):
+                dDt_bias_blocks[b, i_t, h, d] = dx_sum_f[d]
 
     @T.prim_func
     def kda_activation_gradients(
@@ -219,17 +242,18 @@ def build_activation_gradients_program(B, N, H, d_k, dtype, form: InputForm, gro
         dK_a: tensors.rows_fp32,
         dG_a: tensors.rows_fp32,
         dBeta_a: tensors.heads_fp32,
-        dQ: tensors.rows_fp32,
-        dK: tensors.rows_fp32,
-        dG: tensors.rows_fp32,
-        dBeta: tensors.heads_fp32,
+        dQ: tensors.d_qk,
+        dK: tensors.d_qk,
+        dG: tensors.d_g,
+        dBeta: tensors.d_beta,
         dA: tensors.heads_fp32,
+        dDt_bias_blocks: tensors.blocks_fp32 if form.raw_gate else None,
     ):
         with T.Kernel((N + C - 1) // C, B * H, threads=THREADS) as (i_t, i_bh):
             b, h, t0, rows, s = row_block(Q, K, G, Beta, i_t, i_bh)
             unit_gradient(s.Q_s, dQ_a, dQ, form.scale, b, t0, h, rows)
             unit_gradient(s.K_s, dK_a, dK, 1.0, b, t0, h, rows)
-            gate_gradient(s, A_log, Dt_bias, dG_a, dG, dA, b, t0, h, rows)
+            gate_gradient(s, A_log, Dt_bias, dG_a, dG, dA, dDt_bias_blocks, b, i_t, t0, h, rows)
             for r in T.Parallel(C):
                 if r < rows:
                     dbeta = dBeta_a[b, t0 + r, h]

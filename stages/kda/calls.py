@@ -149,7 +149,9 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     dtype; dq, dk (B, N, H_qk, d_k), dg (B, N, H, d_k), dbeta (B, N, H) and dS_0^T (B, H, d_k, d_v) in
     fp32 (dS_0^T computed even when initial_state is None: it is then the gradient of a zero initial
     state). dq and dk stay in fp32, as FLA's chunk_kda_bwd hands them back, so that the caller rounds
-    them once, after its own backward in front of the kernels. config: as the forward's (the two chunk
+    them once, after its own backward in front of the kernels; with a form other than the plain one the
+    activation's gradients are that backward, and dq, dk (unless a group sums them), dg and dbeta come
+    rounded once, to their inputs' dtypes. config: as the forward's (the two chunk
     loops, states and state_gradient, take its block_dv). checks: "device" recomputes the forward's
     prepare with the kernel that flags a bad g or beta, "host" reads them first, "off" checks nothing
     (`chunk_kda`'s backward: its forward checked the same g and beta). prepared: the forward's prepare
@@ -183,12 +185,14 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
         prepared = prepare_chunks(q, k, v, g, beta, checks, config, True, form, A_log, dt_bias)
     dq_a, dk_a, dv, dg_a, dbeta_a, d_initial_state = activated_backward(q_a, k_a, v, g_a, beta_a, do, initial_state,
                                                                         d_final_state, "off", config, prepared)
-    dq, dk, dg, dbeta, dA = activation_gradients(q, k, g, beta, *parameters, dq_a.contiguous(), dk_a.contiguous(),
-                                                 dg_a.contiguous(), dbeta_a.contiguous())
-    if group > 1:  # a q/k head serves its group of value heads: its gradient is theirs summed
+    dq, dk, dg, dbeta, dA, *dt_bias_blocks = activation_gradients(q, k, g, beta, *parameters, dq_a.contiguous(),
+                                                                  dk_a.contiguous(), dg_a.contiguous(),
+                                                                  dbeta_a.contiguous())
+    if group > 1:  # a q/k head serves its group of value heads: its gradient is theirs summed (in fp32)
         dq, dk = (x.view(B, N, H // group, group, d_k).sum(3) for x in (dq, dk))
     dA_log = None if A_log is None else dA.sum((0, 1)).view(A_log.shape)
-    ddt_bias = None if dt_bias is None else dg.sum((0, 1)).view(dt_bias.shape)  # d(x + dt_bias) = dx
+    # d(x + dt_bias) = dx: the kernel's sums of dx over each block of tokens, in fp32, summed
+    ddt_bias = None if dt_bias is None else dt_bias_blocks[0].sum((0, 1)).view(dt_bias.shape)
     return Gradients(dq, dk, dv, dg, dbeta, d_initial_state, dA_log, ddt_bias)
 
 

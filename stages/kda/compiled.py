@@ -11,7 +11,8 @@ import functools
 from stages.common.tilelang_tools import build_in_turn, compile_in_threads, gpu_target
 from stages.common.tilelang_tools import compile_report as lower_and_report
 from stages.common.torch_checks import KERNEL_DTYPES
-from stages.kda.activation import build_activate_program, build_activation_gradients_program
+from stages.kda.activation import (activation_gradients_outputs, build_activate_program,
+                                  build_activation_gradients_program)
 from stages.kda.backward import BUILDERS, kernel_arguments
 from stages.kda.checks import check_block, check_kernel_sizes
 from stages.kda.config import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_THREADS,
@@ -91,7 +92,7 @@ def compiled_activation(B, N, H, d_k, dtype, form, group, gate_dtype, beta_dtype
     activate = tilelang.compile(build_in_turn(build_activate_program, *sizes), out_idx=list(range(inputs, inputs + 4)),
                                 target=gpu_target())
     gradients = tilelang.compile(build_in_turn(build_activation_gradients_program, *sizes),
-                                 out_idx=list(range(inputs + 4, inputs + 9)), target=gpu_target())
+                                 out_idx=activation_gradients_outputs(inputs, form), target=gpu_target())
     return activate, gradients
 
 

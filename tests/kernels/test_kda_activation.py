@@ -6,7 +6,8 @@ kernels' block of rows, strong gates; the inputs unchanged and a second call equ
 import pytest
 import torch
 
-from stages.kda.activation import ROWS, build_activate_program, build_activation_gradients_program
+from stages.kda.activation import (ROWS, activation_gradients_outputs, build_activate_program,
+                                  build_activation_gradients_program)
 from stages.kda.inputs import InputForm, activate
 from stages.kda.on_cpu import interpreted
 
@@ -64,8 +65,8 @@ def test_the_activation_kernels_agree_with_autograd(name):
     sizes = (2, N, H, D, "float32", form, group, "float32", "float32")
     inputs = 4 + len(parameters)
     activate_kernel = interpreted(build_activate_program(*sizes), out_idx=list(range(inputs, inputs + 4)))
-    gradients_kernel = interpreted(build_activation_gradients_program(*sizes), out_idx=list(range(inputs + 4,
-                                                                                                   inputs + 9)))
+    gradients_kernel = interpreted(build_activation_gradients_program(*sizes),
+                                   out_idx=activation_gradients_outputs(inputs, form))
     before = [x.clone() for x in (q, k, g, beta, *parameters)]
 
     generator = torch.Generator().manual_seed(1)
@@ -77,16 +78,45 @@ def test_the_activation_kernels_agree_with_autograd(name):
     for label, actual, wanted in zip(("q_a", "k_a", "g_a", "beta_a"), activated, wanted_activated):
         assert relative(actual, wanted) < 1e-5, label  # fp32 arithmetic against float64
 
-    dq, dk, dg, dbeta, dA = gradients_kernel(q, k, g, beta, *parameters, *d_activated)
+    dq, dk, dg, dbeta, dA, *dt_bias_blocks = gradients_kernel(q, k, g, beta, *parameters, *d_activated)
     if group > 1:
         dq, dk = (x.view(2, N, H // group, group, D).sum(3) for x in (dq, dk))
     found = [dq, dk, dg, dbeta]
-    if form.raw_gate:
-        found += [dA.sum((0, 1)), dg.sum((0, 1))]  # dA_log and ddt_bias as calls.backward sums them
+    if form.raw_gate:  # dA_log and ddt_bias as calls.backward sums them
+        found += [dA.sum((0, 1)), dt_bias_blocks[0].sum((0, 1))]
+    else:
+        assert not dt_bias_blocks
     assert len(found) == len(wanted_grads)
     for label, actual, wanted in zip(("dq", "dk", "dg", "dbeta", "dA_log", "ddt_bias"), found, wanted_grads):
         assert wanted.abs().max() > 0, label
         assert relative(actual, wanted.view(actual.shape)) < 1e-4, label
     assert all(torch.equal(x, y) for x, y in zip((q, k, g, beta, *parameters), before))  # inputs untouched
     again = gradients_kernel(q, k, g, beta, *parameters, *d_activated)
-    assert all(torch.equal(x, y) for x, y in zip(again[2:], (dg, dbeta, dA)))  # a second call: the same bits
+    assert all(torch.equal(x, y) for x, y in zip(again[2:], (dg, dbeta, dA, *dt_bias_blocks)))  # the same bits
+
+
+@pytest.mark.parametrize("name", ["kimi-softplus", "kimi-bounded"])
+def test_gradients_come_rounded_once_to_their_inputs_dtypes(name):
+    """With bf16 tensors as a model passes them, dq, dk, dx and dbeta leave the kernel in bf16 (x's gradient
+    in x's dtype, beta's in its logits'), each the fp32 kernel's value rounded once; dt_bias's block sums
+    are taken before that rounding (the fp32 kernel's, bit for bit); with grouped value heads dq and dk
+    stay fp32 for the caller's sum."""
+    form, group = FORMS[name], GROUPS[name]
+    q, k, g, beta, A_log, dt_bias = raw_inputs(form, group)
+    H = g.shape[2]
+    generator = torch.Generator().manual_seed(2)
+    d_activated = [torch.randn(2, N, H, D, generator=generator) for _ in range(3)] + [
+        torch.randn(2, N, H, generator=generator)]
+    found = {}
+    for dtype in ("float32", "bfloat16"):
+        sizes = (2, N, H, D, dtype, form, group, dtype, dtype)
+        kernel = interpreted(build_activation_gradients_program(*sizes), out_idx=activation_gradients_outputs(6, form))
+        torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+        found[dtype] = kernel(*(x.to(torch_dtype) for x in (q, k, g, beta)), A_log, dt_bias, *d_activated)
+    wide, narrow = found["float32"], found["bfloat16"]
+    qk_dtype = torch.bfloat16 if group == 1 else torch.float32
+    for label, w, n, dtype in zip(("dq", "dk", "dx", "dbeta"), wide, narrow,
+                                  (qk_dtype, qk_dtype, torch.bfloat16, torch.bfloat16)):
+        assert n.dtype == dtype, label
+        assert torch.equal(n, w.to(dtype)), label
+    assert torch.equal(narrow[4], wide[4]) and torch.equal(narrow[5], wide[5])  # dA and dt_bias's sums, fp32
