@@ -177,15 +177,25 @@ def float64_reference(inputs):
     offsets = [0, q.shape[1]] if t["cu_seqlens"] is None else t["cu_seqlens"].tolist()
     o, states = torch.zeros_like(t["v"]), []
     for i, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
-        S = t["initial_state"][i].clone()  # (H, K, V)
-        for position in range(start, end):
-            k_t = k[0, position]
-            S = torch.exp(g[0, position])[..., None] * S
-            S = S + beta[0, position][:, None, None] * k_t[..., None] * (
-                t["v"][0, position] - (k_t[..., None] * S).sum(-2))[:, None, :]
-            o[0, position] = (q[0, position][..., None] * S).sum(-2)
+        o[0, start:end], S = token_by_token(*(x[0, start:end] for x in (q, k, t["v"], g, beta)),
+                                            t["initial_state"][i])
         states.append(S)
     return o, torch.stack(states)
+
+
+def token_by_token(q, k, v, g, beta, S):
+    """One sequence's recurrence a token at a time, in torch (differentiable): q, k, g (T, H, K), v (T, H, V),
+    beta (T, H), S^T (H, K, V) the state it starts from -> o (T, H, V) and the final S^T. Per token:
+    S^T <- diag(e^g) S^T, then S^T <- S^T + beta k (v - S k)^T, then o = S q."""
+    import torch
+
+    outputs = []
+    for position in range(q.shape[0]):
+        k_t = k[position]
+        S = torch.exp(g[position])[..., None] * S
+        S = S + beta[position][:, None, None] * k_t[..., None] * (v[position] - (k_t[..., None] * S).sum(-2))[:, None, :]
+        outputs.append((q[position][..., None] * S).sum(-2))
+    return torch.stack(outputs), S
 
 
 def relative_l2(actual, expected):

@@ -39,7 +39,7 @@ from pathlib import Path
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")  # FLA's own Triton path
 
-from benchmarks.kimi_call import git_commit, relative_l2, summary  # noqa: E402
+from benchmarks.kimi_call import git_commit, relative_l2, summary, token_by_token  # noqa: E402
 
 CASES = {"T4096_H32": (4096, 32), "T16384_H32": (16384, 32), "T65536_H32": (65536, 32)}  # (T, H), B = 1
 GATES = {"bounded": dict(safe_gate=True, lower_bound=-5.0), "softplus": dict(safe_gate=False, lower_bound=None)}
@@ -130,16 +130,8 @@ def float64_step(inputs, gate):
     form = InputForm(gate="softplus" if bound is None else "sigmoid", lower_bound=bound, l2_normalize=True,
                      beta="sigmoid", scale=D ** -0.5)
     q, k, g, beta = activate(form, t["q"], t["k"], t["x"], t["beta"], t["A_log"], t["dt_bias"])
-    H = q.shape[2]
-    S = torch.zeros(H, D, D, dtype=torch.float64, device=q.device)  # S^T (H, K, V)
-    outputs = []
-    for position in range(q.shape[1]):
-        k_t = k[0, position]
-        S = torch.exp(g[0, position])[..., None] * S
-        S = S + beta[0, position][:, None, None] * k_t[..., None] * (
-            t["v"][0, position] - (k_t[..., None] * S).sum(-2))[:, None, :]
-        outputs.append((q[0, position][..., None] * S).sum(-2))
-    o = torch.stack(outputs)[None]
+    no_state = torch.zeros(q.shape[2], D, D, dtype=torch.float64, device=q.device)  # S^T (H, K, V)
+    o = token_by_token(q[0], k[0], t["v"][0], g[0], beta[0], no_state)[0][None]
     return o, torch.autograd.grad(o, [t[name] for name in GRADIENTS], inputs["do"].double())
 
 

@@ -100,11 +100,13 @@ def _row_block_macro(C, d_k, dtype, H, N, group):
     return row_block
 
 
-def activation_gradients_outputs(inputs, form: InputForm):
-    """The indices of build_activation_gradients_program's outputs among its parameters (tilelang.compile's
-    out_idx), after its `inputs` raw tensors and the four gradients it takes: dq, dk, dg, dbeta, dA, and
-    dDt_bias_blocks with a raw gate."""
-    return list(range(inputs + 4, inputs + 9 + form.raw_gate))
+def activation_outputs(form: InputForm) -> tuple[list, list]:
+    """The indices of the two kernels' outputs among their parameters (tilelang.compile's out_idx), after
+    the raw q, k, g, beta (and A_log, Dt_bias with a raw gate): activate's q_a, k_a, g_a, beta_a, and,
+    after the four gradients it takes, activation_gradients' dq, dk, dg, dbeta, dA (and dDt_bias_blocks
+    with a raw gate)."""
+    inputs = 4 + 2 * form.raw_gate
+    return list(range(inputs, inputs + 4)), list(range(inputs + 4, inputs + 9 + form.raw_gate))
 
 
 # --8<-- [start:activate]

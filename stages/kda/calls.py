@@ -163,8 +163,8 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     backward's (stages.kda.activation): `activate` makes q, k, g and beta the recurrence's own (the
     norms, the gate, the sigmoid, as the forward's prepare computes them on chip; q and k per value
     head), the backward kernels run on those, and `activation_gradients` takes their gradients back to
-    the raw tensors by each transform's chain rule; the sums over tokens (dA_log, ddt_bias) and over a
-    q/k head's group are torch's. The prepare's outputs are the forward's own, from the form's program
+    the raw tensors by each transform's chain rule; torch sums what the kernel leaves per row (dA_log's
+    terms) and per block of rows (ddt_bias's), and over a q/k head's group. The prepare's outputs are the forward's own, from the form's program
     on the raw tensors (kept, or made again by the same program): the backward differentiates the
     numbers the forward computed, and a kept prepare gives the same bits as a recomputed one.
     """

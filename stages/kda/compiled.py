@@ -11,8 +11,7 @@ import functools
 from stages.common.tilelang_tools import build_in_turn, compile_in_threads, gpu_target
 from stages.common.tilelang_tools import compile_report as lower_and_report
 from stages.common.torch_checks import KERNEL_DTYPES
-from stages.kda.activation import (activation_gradients_outputs, build_activate_program,
-                                  build_activation_gradients_program)
+from stages.kda.activation import activation_outputs, build_activate_program, build_activation_gradients_program
 from stages.kda.backward import BUILDERS, kernel_arguments
 from stages.kda.checks import check_block, check_kernel_sizes
 from stages.kda.config import (CHANNEL_PASSES, DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_THREADS,
@@ -88,11 +87,11 @@ def compiled_activation(B, N, H, d_k, dtype, form, group, gate_dtype, beta_dtype
     import tilelang
 
     sizes = (B, N, H, d_k, dtype, form, group, gate_dtype, beta_dtype)
-    inputs = 4 + 2 * form.raw_gate  # q, k, g, beta, and A_log, Dt_bias with a raw gate
-    activate = tilelang.compile(build_in_turn(build_activate_program, *sizes), out_idx=list(range(inputs, inputs + 4)),
+    activate_outputs, gradients_outputs = activation_outputs(form)
+    activate = tilelang.compile(build_in_turn(build_activate_program, *sizes), out_idx=activate_outputs,
                                 target=gpu_target())
     gradients = tilelang.compile(build_in_turn(build_activation_gradients_program, *sizes),
-                                 out_idx=activation_gradients_outputs(inputs, form), target=gpu_target())
+                                 out_idx=gradients_outputs, target=gpu_target())
     return activate, gradients
 
 

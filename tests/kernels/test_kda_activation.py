@@ -6,8 +6,7 @@ kernels' block of rows, strong gates; the inputs unchanged and a second call equ
 import pytest
 import torch
 
-from stages.kda.activation import (ROWS, activation_gradients_outputs, build_activate_program,
-                                  build_activation_gradients_program)
+from stages.kda.activation import ROWS, activation_outputs, build_activate_program, build_activation_gradients_program
 from stages.kda.inputs import InputForm, activate
 from stages.kda.on_cpu import interpreted
 
@@ -63,10 +62,9 @@ def test_the_activation_kernels_agree_with_autograd(name):
     H = g.shape[2]
     parameters = (A_log, dt_bias) if form.raw_gate else ()
     sizes = (2, N, H, D, "float32", form, group, "float32", "float32")
-    inputs = 4 + len(parameters)
-    activate_kernel = interpreted(build_activate_program(*sizes), out_idx=list(range(inputs, inputs + 4)))
-    gradients_kernel = interpreted(build_activation_gradients_program(*sizes),
-                                   out_idx=activation_gradients_outputs(inputs, form))
+    activate_outputs, gradients_outputs = activation_outputs(form)
+    activate_kernel = interpreted(build_activate_program(*sizes), out_idx=activate_outputs)
+    gradients_kernel = interpreted(build_activation_gradients_program(*sizes), out_idx=gradients_outputs)
     before = [x.clone() for x in (q, k, g, beta, *parameters)]
 
     generator = torch.Generator().manual_seed(1)
@@ -110,7 +108,7 @@ def test_gradients_come_rounded_once_to_their_inputs_dtypes(name):
     found = {}
     for dtype in ("float32", "bfloat16"):
         sizes = (2, N, H, D, dtype, form, group, dtype, dtype)
-        kernel = interpreted(build_activation_gradients_program(*sizes), out_idx=activation_gradients_outputs(6, form))
+        kernel = interpreted(build_activation_gradients_program(*sizes), out_idx=activation_outputs(form)[1])
         torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
         found[dtype] = kernel(*(x.to(torch_dtype) for x in (q, k, g, beta)), A_log, dt_bias, *d_activated)
     wide, narrow = found["float32"], found["bfloat16"]
