@@ -152,6 +152,27 @@ def float64_reference(stage, args):
     return plain(stage)(*[x.double() for x in args])
 
 
+def cuda_is_missing(program):
+    """True, after saying so on stderr, where torch (or a CUDA device for it) is missing: `program` times
+    CUDA kernels and has nothing to measure without one."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        return False
+    print(f"{program} needs a CUDA device (it times CUDA kernels); torch sees none", file=sys.stderr)
+    return True
+
+
+def seconds_log(started):
+    """A log function: each message printed after the seconds since `started` (a time.monotonic())."""
+    def log(message):
+        print(f"[{time.monotonic() - started:6.0f} s] {message}", flush=True)
+
+    return log
+
+
 class Deadline(Exception):
     """The run's time is up: what was measured so far is kept."""
 
@@ -256,17 +277,14 @@ def main(argv=None):
                         help="seconds after which no new shape is started (what was measured is kept)")
     args = parser.parse_args(argv)
 
+    if cuda_is_missing("benchmarks.bench"):
+        return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("benchmarks need a CUDA device; torch sees none", file=sys.stderr)
-        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-
-    def log(message):
-        print(f"[{time.monotonic() - started:6.0f} s] {message}", flush=True)
+    log = seconds_log(started)
 
     selected = [STAGES[name] for name in args.stages.split(",")]
     deadline = None if args.deadline is None else started + args.deadline

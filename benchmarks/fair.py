@@ -427,18 +427,12 @@ def run(args, log, started):
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
-        print("benchmarks.fair needs a CUDA device (it times CUDA graphs and kernels); torch sees none",
-              file=sys.stderr)
+    if bench.cuda_is_missing("benchmarks.fair"):
         return 2
-    started = time.monotonic()
+    import torch
 
-    def log(message):
-        print(f"[{time.monotonic() - started:6.0f} s] {message}", flush=True)
+    started = time.monotonic()
+    log = bench.seconds_log(started)
 
     log(f"shapes {args.shapes}, {args.rounds} rounds, out {args.out}")
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,8 @@ from pathlib import Path
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")  # FLA's own Triton path, not its FlashKDA backend
 
+from benchmarks import bench  # noqa: E402
+
 CASES = {  # name: (sequence lengths, H); one length: a single sequence (B = 1)
     "T8192_H64": ((8192,), 64),
     "T8192_H96": ((8192,), 96),
@@ -286,17 +288,14 @@ def git_commit():
 
 def main(argv=None):
     args = parse_args(argv)
+    if bench.cuda_is_missing("benchmarks.kimi_call"):
+        return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("benchmarks.kimi_call needs a CUDA device; torch sees none", file=sys.stderr)
-        return 2
     from triton.testing import do_bench
     started = time.monotonic()
     deadline = None if args.deadline is None else started + args.deadline
-
-    def log(message):
-        print(f"[{time.monotonic() - started:6.0f} s] {message}", flush=True)
+    log = bench.seconds_log(started)
 
     def timer(function):
         with torch.no_grad():

@@ -39,6 +39,7 @@ from pathlib import Path
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")  # FLA's own Triton path
 
+from benchmarks import bench  # noqa: E402
 from benchmarks.kimi_call import git_commit, relative_l2, summary, token_by_token  # noqa: E402
 
 CASES = {"T4096_H32": (4096, 32), "T16384_H32": (16384, 32), "T65536_H32": (65536, 32)}  # (T, H), B = 1
@@ -213,18 +214,15 @@ def run_case(name, gate, args, writer, log, timer, deadline):
 
 def main(argv=None):
     args = parse_args(argv)
+    if bench.cuda_is_missing("benchmarks.kimi_train"):
+        return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("benchmarks.kimi_train needs a CUDA device; torch sees none", file=sys.stderr)
-        return 2
     from triton.testing import do_bench
 
     started = time.monotonic()
     deadline = None if args.deadline is None else started + args.deadline
-
-    def log(message):
-        print(f"[{time.monotonic() - started:6.0f} s] {message}", flush=True)
+    log = bench.seconds_log(started)
 
     def timer(step):
         return float(do_bench(step, warmup=5, rep=60, return_mode="median"))

@@ -53,3 +53,15 @@ def test_chunks_must_divide_the_sequence():
     x = make_inputs(1, 20, 1, 4, 4, seed=6)
     with pytest.raises(ValueError, match="multiple of chunk_size"):
         plain_torch.linear_attention(*_torch(x.q, x.k, x.v), chunk_size=8)
+
+
+@pytest.mark.parametrize("program", ["bench", "backward", "fair", "kimi_call", "kimi_train"])
+def test_a_benchmark_without_cuda_says_so_and_writes_nothing(program, tmp_path, capsys, monkeypatch):
+    """Each timing benchmark stops before its first file, naming itself, where torch sees no GPU."""
+    import importlib
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    main = importlib.import_module(f"benchmarks.{program}").main
+    assert main(["--out", str(tmp_path / "run")]) == 2
+    assert f"benchmarks.{program} needs a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
