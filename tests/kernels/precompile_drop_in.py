@@ -1,14 +1,14 @@
 """Compile on this machine, for the GPU, the course's programs that the drop-in's GPU tests build
 (tests/kernels/test_drop_in_gpu.py: FLA's grid and packed training with autograd, packed and dense
-inference, fused_recurrent_kda and the pooled decode), into TileLang's cache, as
+inference, fused_recurrent_kda and the pooled decode, and the calls FLA's KimiDeltaAttention
+makes of the backend in the layer tests), into TileLang's cache, as
 scripts/precompile_kimi_call.py does for the Kimi call (CONTRIBUTING.md, "Sparing the GPU's time"):
 
     TILELANG_CACHE_DIR=.tlcache_drop_in python -m tests.kernels.precompile_drop_in
 
 The course's calls of each test are made on CPU zeros shaped as the test's, CUDA faked, each program
-compiled and not run (stages.kda.on_cpu.compiled_only); FLA's calls and FLA's layer (its own shapes
-of the same calls, not made here) are left to the GPU. It lives beside the tests because it reads
-their cases (nothing outside tests/ imports them).
+compiled and not run (stages.kda.on_cpu.compiled_only); FLA's own calls are left to the GPU. It lives
+beside the tests because it reads their cases (nothing outside tests/ imports them).
 """
 
 
@@ -61,6 +61,19 @@ def main():
                                     initial_state=x["initial_state"], inplace_final_state=True,
                                     cu_seqlens=torch.arange(B + 1, dtype=torch.int32),
                                     ssm_state_indices=torch.arange(B, dtype=torch.int32), **options.fla_kwargs())
+        for num_v_heads in (4, 8):  # test_kimi_delta_attention_through_the_backend: the calls FLA's layer makes
+            for lengths in ([1024, 1024], [300, 47, 700, 1]):
+                B, T = (2, 1024) if lengths == [1024, 1024] else (1, sum(lengths))
+                packed = {} if B == 2 else {"cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])}
+                q, k = (torch.zeros(B, T, 4, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+                v, g = (torch.zeros(B, T, num_v_heads, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+                beta = torch.zeros(B, T, num_v_heads, dtype=torch.bfloat16, requires_grad=True)
+                A_log = torch.zeros(num_v_heads, dtype=torch.bfloat16, requires_grad=True)  # the layer's .to(bf16)
+                dt_bias = torch.zeros(num_v_heads * 128, dtype=torch.bfloat16, requires_grad=True)
+                o, _ = chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, safe_gate=True, state_v_first=True,
+                                 **drop_in.KIMI.fla_kwargs(), **packed)
+                o.float().sum().backward()
+                print(f"layer HV={num_v_heads} {'packed' if packed else 'dense'}: done", flush=True)
         print("done", flush=True)
 
 
