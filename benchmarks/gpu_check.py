@@ -23,10 +23,10 @@ pytest-xdist workers where they are independent, each under pytest-timeout's --t
 assume the GPU to the part: a second check started on the machine while one runs is refused
 (one_check_at_a_time).
 
-A part writes under OUT_DIR/PART/: machine.log (the GPU, the driver, the commit), steps.log (when
-each step began and how it ended), <step>.log (its output, TileLang's compile chatter dropped),
-<step>.failures.txt (a test step's failing tests, each traceback written as it fails) and <step>/
-(the files a benchmark writes). `--collect OUT_DIR` then copies each step's files and log to
+A part writes under OUT_DIR/PART/: machine.log (the GPU, the driver, the commit, and the files' git
+tree, which names the commit where the copy's .git is stale), steps.log (when each step began and how
+it ended), <step>.log (its output, TileLang's compile chatter dropped), <step>.failures.txt (a test
+step's failing tests, each traceback written as it fails) and <step>/ (the files a benchmark writes). `--collect OUT_DIR` then copies each step's files and log to
 where the pages read them and folds bench's runs in (benchmarks.merge); `course regenerate` puts them
 on the pages.
 """
@@ -285,16 +285,34 @@ def problems(part: Part) -> list[str]:
 
 # ------------------------------------------------------------------ running a part
 
+def files_tree(root: Path = REPO_ROOT) -> str:
+    """The git tree hash of the files under `root` as they are (tracked and untracked, the ignored left
+    out), written through a scratch index: `git rev-parse COMMIT^{tree}` of the commit they are, even where
+    the copy's own .git is older than its files (a device machine gets the working tree copied over a
+    .git of an earlier call). `git log --format="%h %T"` finds that commit on the course machine."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        environment = dict(os.environ, GIT_INDEX_FILE=str(Path(scratch) / "index"))
+        for command in (["add", "-A", "."], ["write-tree"]):
+            done = subprocess.run(["git", "-C", str(root), *command], capture_output=True, text=True, timeout=60,
+                                  env=environment, check=True)
+    return done.stdout.strip()
+
+
 def _machine_log(folder: Path):
     lines = []
     for command in (["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                    ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-                    ["git", "-C", str(REPO_ROOT), "status", "--short"]):
+                    ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"]):
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=30)
             lines.append(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}")
         except (OSError, subprocess.TimeoutExpired) as error:
             lines.append(f"$ {' '.join(command)}\n{error}\n")
+    try:
+        lines.append(f"the files' git tree (benchmarks.gpu_check.files_tree): {files_tree()}\n")
+    except (OSError, subprocess.SubprocessError) as error:
+        lines.append(f"the files' git tree: not taken ({error})\n")
     (folder / "machine.log").write_text("".join(lines))
 
 

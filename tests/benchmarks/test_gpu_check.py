@@ -201,3 +201,27 @@ def test_a_second_check_on_one_machine_is_refused_while_a_part_runs(tmp_path, mo
     lock = gpu_check.one_check_at_a_time()
     assert lock is not None
     lock.close()
+
+
+def test_the_files_tree_names_the_commit_the_files_are_and_changes_with_them(tmp_path):
+    """machine.log's tree: a copy's files, tracked or not, give the tree of the commit they are, whatever its
+    .git's HEAD says; one changed byte gives another."""
+    def git(*arguments):
+        return subprocess.run(["git", "-C", str(tmp_path), *arguments], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    first = git("rev-parse", "HEAD^{tree}")
+    assert gpu_check.files_tree(tmp_path) == first
+    (tmp_path / "b.py").write_text("y = 2\n")  # a file the stale index does not know, as a later commit adds
+    git("add", "b.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
+    second = git("rev-parse", "HEAD^{tree}")
+    git("reset", "-q", "HEAD~1")  # the .git of the earlier commit under the later commit's files
+    assert gpu_check.files_tree(tmp_path) == second != first
+    assert git("status", "--short") == "?? b.py"  # the real index untouched
+    (tmp_path / "a.py").write_text("x = 3\n")
+    assert gpu_check.files_tree(tmp_path) not in (first, second)
