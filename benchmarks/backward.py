@@ -44,7 +44,6 @@ benchmarks/results/backward.csv and backward_meta.json.
 import argparse
 import gc
 import json
-import platform
 import sys
 import time
 import traceback
@@ -441,14 +440,13 @@ def main(argv=None):
     args = parse_args(argv)
     if bench.cuda_is_missing("benchmarks.backward"):
         return 2
-    import torch
 
     started = time.monotonic()
     log = bench.seconds_log(started)
 
     log(f"shapes {args.shapes}, {args.rounds} rounds, out {args.out}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    meta = run_meta(args, argv, torch)
+    meta = run_meta(args, argv)
     write_meta(args.out, meta, started, complete=False)
     meta["shapes"] = run(args, log, started)
     write_meta(args.out, meta, started, complete=True)
@@ -458,17 +456,8 @@ def main(argv=None):
     return 0
 
 
-def run_meta(args, argv, torch):
-    versions = {}
-    for name in ("triton", "tilelang", "fla"):
-        try:
-            versions[name] = getattr(__import__(name), "__version__", "?")
-        except ImportError:
-            versions[name] = "not installed"
-    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda, **versions,
-                python=platform.python_version(),
-                command="python -m benchmarks.backward " + " ".join(sys.argv[1:] if argv is None else argv),
-                date=time.strftime("%Y-%m-%d"), rounds=args.rounds, quick=args.quick, dtype=DTYPE,
+def run_meta(args, argv):
+    return dict(bench.run_meta("benchmarks.backward", argv), rounds=args.rounds, quick=args.quick, dtype=DTYPE,
                 block_dv=args.block_dv, no_fla=args.no_fla, kernel=kernel_digest())
 
 

@@ -173,6 +173,23 @@ def seconds_log(started):
     return log
 
 
+def run_meta(program, argv, packages=("triton", "tilelang", "fla")):
+    """Where and how a timing run ran, for its meta JSON: the GPU, torch and its CUDA, each of `packages`'
+    versions ("not installed" where one is missing), Python, the command as typed and the date."""
+    import torch
+
+    versions = {}
+    for name in packages:
+        try:
+            versions[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except ImportError:
+            versions[name] = "not installed"
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda, **versions,
+                python=platform.python_version(),
+                command=f"python -m {program} " + " ".join(sys.argv[1:] if argv is None else argv),
+                date=time.strftime("%Y-%m-%d"))
+
+
 class Deadline(Exception):
     """The run's time is up: what was measured so far is kept."""
 
@@ -279,7 +296,6 @@ def main(argv=None):
 
     if cuda_is_missing("benchmarks.bench"):
         return 2
-    import torch
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -310,14 +326,7 @@ def main(argv=None):
                     run_precision(stage, writer, log, lengths, args.precision_heads, deadline)
             except Deadline:
                 log("deadline reached during the precision study")
-    import fla
-    import tilelang
-    import triton
-
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                triton=triton.__version__, tilelang=tilelang.__version__, fla=getattr(fla, "__version__", "?"),
-                python=platform.python_version(), command="python -m benchmarks.bench " + " ".join(argv or sys.argv[1:]),
-                date=time.strftime("%Y-%m-%d"), seconds=round(time.monotonic() - started),
+    meta = dict(run_meta("benchmarks.bench", argv), seconds=round(time.monotonic() - started),
                 kernels={stage.name: stage.kernel_digest() for stage in selected},
                 roofs=roofs.measure_or_error())  # this machine's copy bandwidth and bf16 GEMM rate
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

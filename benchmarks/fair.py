@@ -48,7 +48,6 @@ import dataclasses
 import functools
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -429,7 +428,6 @@ def main(argv=None):
     args = parse_args(argv)
     if bench.cuda_is_missing("benchmarks.fair"):
         return 2
-    import torch
 
     started = time.monotonic()
     log = bench.seconds_log(started)
@@ -437,7 +435,7 @@ def main(argv=None):
     log(f"shapes {args.shapes}, {args.rounds} rounds, out {args.out}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     log("measuring the roofs (benchmarks/roofs.py)")
-    meta = run_meta(args, argv, torch)
+    meta = run_meta(args, argv)
     meta["roofs"] = roofs.measure_or_error()
     log(f"roofs {json.dumps(meta['roofs'])}")  # the log alone then holds every figure of the run
     write_meta(args.out, meta, started, complete=False)  # kept if the run is stopped from outside
@@ -448,18 +446,9 @@ def main(argv=None):
     return 0
 
 
-def run_meta(args, argv, torch):
+def run_meta(args, argv):
     """What fair_meta.json records besides the roofs and the shapes' notes."""
-    versions = {}
-    for name in ("triton", "tilelang", "fla"):
-        try:
-            versions[name] = getattr(__import__(name), "__version__", "?")
-        except ImportError:
-            versions[name] = "not installed"
-    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda, **versions,
-                python=platform.python_version(),
-                command="python -m benchmarks.fair " + " ".join(sys.argv[1:] if argv is None else argv),
-                date=time.strftime("%Y-%m-%d"), rounds=args.rounds, quick=args.quick, dtype=DTYPE,
+    return dict(bench.run_meta("benchmarks.fair", argv), rounds=args.rounds, quick=args.quick, dtype=DTYPE,
                 gate_range=list(args.gate_range), kernel=bench.STAGES["s05"].kernel_digest())
 
 

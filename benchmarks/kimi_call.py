@@ -36,7 +36,6 @@ import argparse
 import csv
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -302,15 +301,7 @@ def main(argv=None):
             return float(do_bench(function, warmup=10, rep=60, return_mode="median"))
 
     args.out.mkdir(parents=True, exist_ok=True)
-    versions = {}
-    for module in ("fla", "flash_kda", "tilelang", "triton"):
-        try:
-            versions[module] = getattr(__import__(module), "__version__", "importable")
-        except ImportError:
-            versions[module] = "not installed"
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                python=platform.python_version(), versions=versions, date=time.strftime("%Y-%m-%d"),
-                command="python -m benchmarks.kimi_call " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = dict(bench.run_meta("benchmarks.kimi_call", argv, ("fla", "flash_kda", "tilelang", "triton")),
                 lower_bound=LOWER_BOUND, rounds=args.rounds, cases={}, commit=git_commit())
     if not args.no_accuracy:
         rows = accuracy(log)

@@ -32,7 +32,6 @@ import argparse
 import csv
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -216,7 +215,6 @@ def main(argv=None):
     args = parse_args(argv)
     if bench.cuda_is_missing("benchmarks.kimi_train"):
         return 2
-    import torch
 
     from triton.testing import do_bench
 
@@ -233,16 +231,7 @@ def main(argv=None):
             profile_course(args.profile, gate, args.out / f"course_profile_{gate}.txt")
             log(f"profiled {args.profile} {gate}: {args.out / f'course_profile_{gate}.txt'}")
         return 0
-    versions = {}
-    for module in ("fla", "tilelang", "triton"):
-        try:
-            versions[module] = getattr(__import__(module), "__version__", "importable")
-        except ImportError:
-            versions[module] = None
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                python=platform.python_version(), versions=versions, date=time.strftime("%Y-%m-%d"),
-                command="python -m benchmarks.kimi_train " + " ".join(sys.argv[1:] if argv is None else argv),
-                commit=git_commit(), rounds=args.rounds, cases={})
+    meta = dict(bench.run_meta("benchmarks.kimi_train", argv), commit=git_commit(), rounds=args.rounds, cases={})
     if not args.no_accuracy:
         with open(args.out / ACCURACY_NAME, "w", newline="") as handle:
             rows = accuracy(args.gates, log)

@@ -65,3 +65,17 @@ def test_a_benchmark_without_cuda_says_so_and_writes_nothing(program, tmp_path, 
     assert main(["--out", str(tmp_path / "run")]) == 2
     assert f"benchmarks.{program} needs a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_records_its_machine_its_packages_and_its_command(monkeypatch):
+    """bench.run_meta, which every timing benchmark's meta JSON starts from: a package that is missing
+    says so instead of failing the run; the command is the one typed."""
+    from benchmarks import bench
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a test GPU")
+    import numpy
+
+    meta = bench.run_meta("benchmarks.fair", ["--out", "x"], ("numpy", "no_such_package_here"))
+    assert meta["device"] == "a test GPU" and meta["torch"] == torch.__version__ and meta["numpy"] == numpy.__version__
+    assert meta["no_such_package_here"] == "not installed"
+    assert meta["command"] == "python -m benchmarks.fair --out x"
