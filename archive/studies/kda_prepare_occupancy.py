@@ -9,8 +9,12 @@ block, 64 K registers allocated per warp in units of 256, 64 warps, 32 blocks).
 
 and the same for the recurrence, by chunk, value block and pipeline stages.
 
-FlashKDA's first kernel, for comparison, is built for 8 blocks of 256 threads an SM (its deep dive:
-`__launch_bounds__(256, 8)`), 64 warps. Ran at 2026-12-06's main on the course machine (no GPU).
+The blocks are counted at the threads the lowered kernel launches (CompileReport.threads): where
+TileLang pipelines a kernel's loads with a producer warp group of its own (the recurrence), that is more
+than the program asked for (256 for 128). FlashKDA's first kernel, for comparison, is built for 8 blocks
+of 256 threads an SM (its deep dive: `__launch_bounds__(256, 8)`), 64 warps. Ran on the course machine
+(no GPU): first at 2026-12-06's main counting the threads asked for, again at 2026-12-07's counting
+those launched.
 """
 
 from stages.common.tilelang_tools import compile_report
@@ -32,30 +36,30 @@ def blocks_per_sm(threads, registers, shared):
 
 
 def main():
-    print("| chunk | threads | channel passes | registers | shared bytes | blocks an SM by shared, registers, "
-          "warps | blocks | warps an SM |")
+    print("| chunk | threads asked, launched | channel passes | registers | shared bytes | blocks an SM by shared, "
+          "registers, warps | blocks | warps an SM |")
     print("|---|---|---|---|---|---|---|---|")
     for chunk, threads in ((64, 256), (32, 128)):
         for passes in (2, 4):
             report = compile_report(build_prepare_program(1, 8192, 96, 128, 128, chunk, "bfloat16", threads,
                                                           channel_passes=passes, form=KIMI, gate_dtype="bfloat16",
                                                           beta_dtype="bfloat16", tokens=8192))
-            limits = blocks_per_sm(threads, report.registers, report.dynamic_shared)
-            print(f"| {chunk} | {threads} | {passes} | {report.registers} | {report.dynamic_shared} | "
-                  f"{', '.join(map(str, limits))} | {min(limits)} | {min(limits) * threads // 32} |", flush=True)
-    # the recurrence beside it: one program per (sequence-head, value block), 128 threads, N / C chunks
-    # in a row; at H = 96 and block_dv 64, 192 programs for 132 SMs
-    print("\n| recurrence: chunk | block_dv | pipeline stages | registers | shared bytes | blocks an SM by shared, "
-          "registers, warps | blocks | programs at H = 96 in one wave |")
-    print("|---|---|---|---|---|---|---|---|")
+            limits = blocks_per_sm(report.threads, report.registers, report.dynamic_shared)
+            print(f"| {chunk} | {threads}, {report.threads} | {passes} | {report.registers} | {report.dynamic_shared} | "
+                  f"{', '.join(map(str, limits))} | {min(limits)} | {min(limits) * report.threads // 32} |", flush=True)
+    # the recurrence beside it: one program per (sequence-head, value block), 128 threads asked, N / C
+    # chunks in a row; at H = 96 and block_dv 64, 192 programs for 132 SMs
+    print("\n| recurrence: chunk | block_dv | pipeline stages | threads launched | registers | shared bytes | "
+          "blocks an SM by shared, registers, warps | blocks | programs at H = 96 in one wave |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for chunk in (64, 32):
         for block_dv in (64, 32):
             for stages in (2, 1):
                 report = compile_report(build_recurrence_program(1, 8192, 96, 128, 128, chunk, block_dv, "bfloat16",
                                                                  stages, 128))
-                limits = blocks_per_sm(128, report.registers, report.dynamic_shared)
+                limits = blocks_per_sm(report.threads, report.registers, report.dynamic_shared)
                 programs = 96 * 128 // block_dv
-                print(f"| {chunk} | {block_dv} | {stages} | {report.registers} | {report.dynamic_shared} | "
+                print(f"| {chunk} | {block_dv} | {stages} | {report.threads} | {report.registers} | {report.dynamic_shared} | "
                       f"{', '.join(map(str, limits))} | {min(limits)} | "
                       f"{'yes' if programs <= 132 * min(limits) else 'no'} ({programs}) |", flush=True)
 
