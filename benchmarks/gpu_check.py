@@ -26,9 +26,9 @@ assume the GPU to the part: a second check started on the machine while one runs
 A part writes under OUT_DIR/PART/: machine.log (the GPU, the driver, the commit, and the files' git
 tree, which names the commit where the copy's .git is stale), steps.log (when each step began and how
 it ended), <step>.log (its output, TileLang's compile chatter dropped), <step>.failures.txt (a test
-step's failing tests, each traceback written as it fails) and <step>/ (the files a benchmark writes). `--collect OUT_DIR` then copies each step's files and log to
-where the pages read them and folds bench's runs in (benchmarks.merge); `course regenerate` puts them
-on the pages.
+step's failing tests, each traceback written as it fails) and <step>/ (the files a benchmark writes).
+`--collect OUT_DIR` then copies each step's files and log to where the pages read them and folds
+bench's runs in (benchmarks.merge); `course regenerate` puts them on the pages.
 """
 
 import argparse
