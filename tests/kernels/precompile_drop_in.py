@@ -15,7 +15,6 @@ beside the tests because it reads their cases (nothing outside tests/ imports th
 """
 
 import argparse
-from dataclasses import replace
 
 import torch
 
@@ -23,8 +22,7 @@ from stages.kda.autograd import chunk_kda
 from stages.kda.fused_recurrent import fused_recurrent_kda, fused_recurrent_kda_fwd
 from stages.kda.on_cpu import calls_on_cpu, compiled_only
 from tests.kernels import test_drop_in_gpu as drop_in
-from tests.kernels.fla_recurrence import Options
-from tests.kernels.test_fla_chunk_kda import L2, SOFTPLUS, Case
+from tests.kernels.test_fla_chunk_kda import Case
 
 TENSORS = ("q", "k", "v", "g", "beta")
 
@@ -46,11 +44,9 @@ def packed_calls():
         trained = drop_in.fla_leaves(case, 0, torch.float16, len(cu_seqlens) - 1, device="cpu")
         drop_in.outputs_and_gradients(chunk_kda, case, trained, 0, cu_seqlens=torch.tensor(cu_seqlens))
         print(f"varlen {name}: done", flush=True)
-    for cu_seqlens in (None, [0, 100, 300, 1200, 3000, 4096]):  # test_packed_and_dense_inference
-        B = 2 if cu_seqlens is None else 1
-        case = Case(B, 4096 if cu_seqlens else 1000, 2, 4, 128, 128, drop_in.KIMI, safe_gate=True,
-                    state_v_first=True)
-        x = leaves(case, torch.bfloat16, B if cu_seqlens is None else len(cu_seqlens) - 1)
+    for cu_seqlens in drop_in.INFERENCE:  # test_packed_and_dense_inference
+        case = drop_in.inference_case(cu_seqlens)
+        x = leaves(case, torch.bfloat16, case.B if cu_seqlens is None else len(cu_seqlens) - 1)
         packed = {} if cu_seqlens is None else {"cu_seqlens": torch.tensor(cu_seqlens)}
         with torch.inference_mode():
             chunk_kda(*(x[n] for n in TENSORS), initial_state=x["initial_state"], output_final_state=True,
@@ -60,9 +56,7 @@ def packed_calls():
 
 
 def layer_calls():
-    recurrent = [(case, torch.bfloat16) for case in (  # test_fused_recurrent_kda_within_fla_s_tolerance
-        Case(2, 64, 2, 4, 60, 60, Options(scale=1.0)),
-        Case(3, 32, 2, 8, 128, 128, replace(SOFTPLUS, use_qk_l2norm_in_kernel=True), state_v_first=True))]
+    recurrent = [(case, torch.bfloat16) for case in drop_in.RECURRENT]  # test_fused_recurrent_kda_within_...
     recurrent += [(case, torch.float32) for case, _ in drop_in.FP32_RECURRENT.values()]  # ... in float32
     for case, dtype in recurrent:
         x = leaves(case, dtype)
@@ -70,22 +64,23 @@ def layer_calls():
                             A_log=x["A_log"], dt_bias=x["dt_bias"], state_v_first=case.state_v_first,
                             **case.options.fla_kwargs())
     print("fused_recurrent_kda: done", flush=True)
-    for options in (L2, replace(drop_in.KIMI, use_beta_sigmoid_in_kernel=False)):  # the pooled decode
-        B = 16
-        x = leaves(Case(1, B, 16, 16, 128, 128, options), torch.bfloat16, 3 * B)
+    for options in drop_in.POOL_OPTIONS:  # test_decode_over_a_pool_as_vllm_calls_it
+        B, H, D = drop_in.POOL_SEQUENCES, drop_in.POOL_HEADS, drop_in.POOL_HEAD_DIM
+        x = leaves(Case(1, B, H, H, D, D, options), torch.bfloat16, 3 * B)
         fused_recurrent_kda_fwd(*(x[n] for n in TENSORS), x["A_log"], x["dt_bias"], initial_state=x["initial_state"],
                                 inplace_final_state=True, cu_seqlens=torch.arange(B + 1, dtype=torch.int32),
                                 ssm_state_indices=torch.arange(B, dtype=torch.int32), **options.fla_kwargs())
     print("pooled decode: done", flush=True)
-    for num_v_heads in (4, 8):  # test_kimi_delta_attention_through_the_backend: the calls FLA's layer makes
-        for lengths in ([1024, 1024], [300, 47, 700, 1]):
-            B, T = (2, 1024) if lengths == [1024, 1024] else (1, sum(lengths))
-            packed = {} if B == 2 else {"cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])}
-            q, k = (torch.zeros(B, T, 4, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-            v, g = (torch.zeros(B, T, num_v_heads, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    H, D = drop_in.LAYER_HEADS, drop_in.LAYER_HEAD_DIM
+    for num_v_heads in drop_in.LAYER_V_HEADS:  # test_kimi_delta_attention_through_the_backend: the layer's calls
+        for is_packed, lengths in drop_in.LAYER_LENGTHS.items():  # rows of one length, or one packed batch
+            B, T = (1, sum(lengths)) if is_packed else (len(lengths), lengths[0])
+            packed = {"cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])} if is_packed else {}
+            q, k = (torch.zeros(B, T, H, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+            v, g = (torch.zeros(B, T, num_v_heads, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
             beta = torch.zeros(B, T, num_v_heads, dtype=torch.bfloat16, requires_grad=True)
             A_log = torch.zeros(num_v_heads, dtype=torch.bfloat16, requires_grad=True)  # the layer's .to(bf16)
-            dt_bias = torch.zeros(num_v_heads * 128, dtype=torch.bfloat16, requires_grad=True)
+            dt_bias = torch.zeros(num_v_heads * D, dtype=torch.bfloat16, requires_grad=True)
             o, _ = chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, safe_gate=True, state_v_first=True,
                              **drop_in.KIMI.fla_kwargs(), **packed)
             o.float().sum().backward()

@@ -140,12 +140,21 @@ def test_packed_training_within_fla_s_tolerances(name, fla, monkeypatch):
     _compare(case, torch.float16, len(cu_seqlens), monkeypatch, fla.chunk_kda, cu_seqlens)
 
 
-@pytest.mark.parametrize("cu_seqlens", [None, [0, 100, 300, 1200, 3000, 4096]])
+INFERENCE = [None, [0, 100, 300, 1200, 3000, 4096]]  # dense, then packed (cu_seqlens)
+
+
+def inference_case(cu_seqlens):
+    """Kimi Linear's call without autograd: two rows of 1000 tokens, or one packed batch of 4096."""
+    B = 2 if cu_seqlens is None else 1
+    return Case(B, 4096 if cu_seqlens else 1000, 2, 4, 128, 128, KIMI, safe_gate=True, state_v_first=True)
+
+
+@pytest.mark.parametrize("cu_seqlens", INFERENCE)
 def test_packed_and_dense_inference_within_fla_s_tolerances(cu_seqlens, fla):
     """Without autograd: dense calls run the forward kernels, packed ones stage 7's prefill (the form in
     the kernels); return_intermediate_states in FLA's shape and dtype."""
-    B = 2 if cu_seqlens is None else 1
-    case = Case(B, 4096 if cu_seqlens else 1000, 2, 4, 128, 128, KIMI, safe_gate=True, state_v_first=True)
+    case = inference_case(cu_seqlens)
+    B = case.B
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     leaves = {name: None if x is None else x.detach() for name, x in fla_leaves(case, 3, torch.bfloat16, N).items()}
     packed = {} if cu_seqlens is None else {"cu_seqlens": torch.tensor(cu_seqlens, device="cuda")}
@@ -161,10 +170,13 @@ def test_packed_and_dense_inference_within_fla_s_tolerances(cu_seqlens, fla):
     assert h.shape == (B, chunks, 4, 128, 128) and h.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("case", [
+RECURRENT = [
     Case(2, 64, 2, 4, 60, 60, Options(scale=1.0)),  # FLA's test_fused_recurrent
     Case(3, 32, 2, 8, 128, 128, replace(SOFTPLUS, use_qk_l2norm_in_kernel=True), state_v_first=True),
-])
+]
+
+
+@pytest.mark.parametrize("case", RECURRENT)
 def test_fused_recurrent_kda_within_fla_s_tolerance(case, fla, monkeypatch):
     leaves = {name: None if x is None else x.detach() for name, x in fla_leaves(case, 5, torch.bfloat16).items()}
     arguments = dict(initial_state=leaves["initial_state"], output_final_state=True, A_log=leaves["A_log"],
@@ -209,11 +221,15 @@ def test_fused_recurrent_kda_in_float32_within_fla_s_tolerance(name, fla, monkey
         assert to_fla.rel_l2 < tolerance and to_truth.rel_l2 < tolerance, f"{tensor}: {to_fla}, {to_truth}"
 
 
-@pytest.mark.parametrize("options", [L2, replace(KIMI, use_beta_sigmoid_in_kernel=False)])
+POOL_OPTIONS = [L2, replace(KIMI, use_beta_sigmoid_in_kernel=False)]
+POOL_SEQUENCES, POOL_HEADS, POOL_HEAD_DIM = 16, 16, 128  # FLA's test_fused_recurrent_vllm_decode's sizes
+
+
+@pytest.mark.parametrize("options", POOL_OPTIONS)
 def test_decode_over_a_pool_as_vllm_calls_it(options):
     """FLA's test_fused_recurrent_vllm_decode at its sizes: B = 16 sequences of one token, a pool of 48
     states (the others at 1e30), the slots advanced in place, the others bitwise unchanged."""
-    B, H, D = 16, 16, 128
+    B, H, D = POOL_SEQUENCES, POOL_HEADS, POOL_HEAD_DIM
     case = Case(1, B, H, H, D, D, options)
     leaves = {name: None if x is None else x.detach() for name, x in fla_leaves(case, 7, torch.bfloat16, 3 * B).items()}
     pool = leaves["initial_state"]
@@ -234,7 +250,11 @@ def test_decode_over_a_pool_as_vllm_calls_it(options):
 
 # ------------------------------------------------------------------ FLA's layer through the backend
 
-@pytest.mark.parametrize("num_v_heads", [4, 8])
+LAYER_HEADS, LAYER_HEAD_DIM, LAYER_V_HEADS = 4, 128, [4, 8]  # q/k heads, head dim, value heads
+LAYER_LENGTHS = {False: [1024, 1024], True: [300, 47, 700, 1]}  # two rows, or one packed batch
+
+
+@pytest.mark.parametrize("num_v_heads", LAYER_V_HEADS)
 @pytest.mark.parametrize("packed", [False, True])
 def test_kimi_delta_attention_through_the_backend(num_v_heads, packed, monkeypatch, caplog):
     """FLA's KimiDeltaAttention (bf16, H = 4, HV = 4 or 8, d = 128, Kimi Linear's bounded gate), forward and
@@ -251,9 +271,10 @@ def test_kimi_delta_attention_through_the_backend(num_v_heads, packed, monkeypat
 
     assert backend.REGISTERED
     torch.manual_seed(0)
-    layer = layers.KimiDeltaAttention(hidden_size=512, head_dim=128, num_heads=4, num_v_heads=num_v_heads,
-                                      mode="chunk", safe_gate=True, lower_bound=-5.0).to("cuda", torch.bfloat16)
-    lengths = [300, 47, 700, 1] if packed else [1024, 1024]
+    layer = layers.KimiDeltaAttention(hidden_size=512, head_dim=LAYER_HEAD_DIM, num_heads=LAYER_HEADS,
+                                      num_v_heads=num_v_heads, mode="chunk", safe_gate=True,
+                                      lower_bound=-5.0).to("cuda", torch.bfloat16)
+    lengths = LAYER_LENGTHS[packed]
     if packed:
         x = torch.randn(1, sum(lengths), 512, device="cuda", dtype=torch.bfloat16)
         extra = {"cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")}
