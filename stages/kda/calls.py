@@ -151,10 +151,10 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     state). dq and dk stay in fp32, as FLA's chunk_kda_bwd hands them back, so that the caller rounds
     them once, after its own backward in front of the kernels; with a form other than the plain one the
     activation's gradients are that backward, and dq, dk (unless a group sums them), dg and dbeta come
-    rounded once, to their inputs' dtypes. config: as the forward's (the two chunk
-    loops, states and state_gradient, take its block_dv). checks: "device" recomputes the forward's
-    prepare with the kernel that flags a bad g or beta, "host" reads them first, "off" checks nothing
-    (`chunk_kda`'s backward: its forward checked the same g and beta). prepared: the forward's prepare
+    rounded once, to their inputs' dtypes. config: as the forward's (the two chunk loops, states and
+    state_gradient, take its block_dv). checks: "device" recomputes the forward's prepare with the
+    kernel that flags a bad g or beta, "host" reads them first, "off" checks nothing (`chunk_kda`'s
+    backward: its forward checked the same g and beta). prepared: the forward's prepare
     outputs for these inputs (`forward_and_prepared`), kept by the caller so that the backward skips
     computing them again: the same numbers, one launch fewer, and the memory of eight tensors held from
     the forward to the backward (chunk_kda's disable_recompute).
@@ -164,9 +164,10 @@ def backward(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.
     norms, the gate, the sigmoid, as the forward's prepare computes them on chip; q and k per value
     head), the backward kernels run on those, and `activation_gradients` takes their gradients back to
     the raw tensors by each transform's chain rule; torch sums what the kernel leaves per row (dA_log's
-    terms) and per block of rows (ddt_bias's), and over a q/k head's group. The prepare's outputs are the forward's own, from the form's program
-    on the raw tensors (kept, or made again by the same program): the backward differentiates the
-    numbers the forward computed, and a kept prepare gives the same bits as a recomputed one.
+    terms) and per block of rows (ddt_bias's), and over a q/k head's group. The prepare's outputs are
+    the forward's own, from the form's program on the raw tensors (kept, or made again by the same
+    program): the backward differentiates the numbers the forward computed, and a kept prepare gives
+    the same bits as a recomputed one.
     """
     B, N, H, d_k, d_v = check_backward_inputs(q, k, v, g, beta, do, initial_state, d_final_state, config, checks,
                                               form, A_log, dt_bias)
