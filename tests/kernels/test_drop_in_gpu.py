@@ -294,6 +294,9 @@ def test_kimi_delta_attention_through_the_backend(num_v_heads, packed, monkeypat
         ours = run("1")
     assert "-> kdacourse" in caplog.text and "kdacourse rejected" not in caplog.text, caplog.text
     theirs = run("0")
+    for side, (y, grads) in (("the backend", ours), ("FLA's own kernels", theirs)):
+        not_finite = [name for name, x in {"y": y, **grads}.items() if not torch.isfinite(x).all()]
+        assert not not_finite, f"with {side}, not finite: {not_finite}"
     assert error_report(ours[0], theirs[0]).rel_l2 < 2 * 0.005, error_report(ours[0], theirs[0])
     for name, grad in ours[1].items():
         bound = 2 * (0.02 if name in ("A_log", "dt_bias") or name.startswith("f_proj") else 0.008)
