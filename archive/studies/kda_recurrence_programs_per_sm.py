@@ -1,6 +1,9 @@
 """The recurrence's programs an SM at Kimi Linear's shapes (issue 40): the fused call (gate, norms and
 sigmoid in the prepare, checks off) with the recurrence at 64 or 32 value columns a program and a launch
-bound of one, two or three programs an SM (KernelConfig.programs_per_sm), beside FlashKDA, in one process.
+bound of one, two or three programs an SM, beside FlashKDA, in one process. The bound is the builder's
+source edited (`bounded_builder`): `T.annotate_min_blocks_per_sm(n)`, which nvcc fits the registers to,
+and `T.no_set_max_nreg()`, without which TileLang's warp groups ask for 240 and 24 registers a thread
+again at run time, more than n programs leave them.
 
     python -m archive.studies.kda_recurrence_programs_per_sm --out DIR [--rounds 3] [--cases A,B]
     TILELANG_CACHE_DIR=DIR python -m archive.studies.kda_recurrence_programs_per_sm --precompile [--cases A,B]
@@ -13,8 +16,10 @@ columns run in two waves on 132 SMs. With two an SM (128 registers, no spills) t
 
 Each variant's call is captured as one CUDA graph; the times are do_bench's medians (L2 flushed) in
 interleaved rounds. Every variant's o and final states are compared with the first variant's (the
-committed default): the columns a program holds change no arithmetic of a column, so they should agree
-bit for bit. The recurrence kernel's own time comes from torch's profiler (one profile a variant).
+committed default): the columns a program holds and the launch bound change no arithmetic of a column,
+so they should agree bit for bit; with --repeats, each variant is called again and again (any call
+that differs from its first is a race) and its error against float64 measured
+(benchmarks.kimi_call.float64_reference). The recurrence kernel's own time comes from torch's profiler (one profile a variant).
 --precompile makes the same calls on CPU zeros with CUDA faked, each program compiled and not run.
 
 Writes DIR/programs_per_sm.csv (case, round, variant, ms), DIR/programs_per_sm_kernels.json and
@@ -22,15 +27,18 @@ DIR/programs_per_sm.log.
 """
 
 import argparse
+import contextlib
 import csv
 import dataclasses
+import functools
 import json
 import statistics
 import time
 from pathlib import Path
 
+from archive.studies import function_source, load_edited
 from benchmarks import bench
-from benchmarks.kimi_call import CASES, D, kimi_form, make_inputs
+from benchmarks.kimi_call import CASES, D, float64_reference, kimi_form, make_inputs, relative_l2
 
 STUDY_CASES = ("T8192_H64", "T8192_H96", "packed6_H96", "8x1024_H96", "8x4096_H16")
 VARIANTS = {  # name: (block_dv, programs_per_sm); the first is the committed default at these shapes
@@ -42,12 +50,62 @@ VARIANTS = {  # name: (block_dv, programs_per_sm); the first is the committed de
 }
 
 
-def variant_config(sequences, H, num_sms, block_dv, programs_per_sm):
-    """The default configuration of the shape with the recurrence's columns and launch bound replaced."""
+KERNEL_LINE = "with T.Kernel(d_v // block_dv, states * H, threads=threads) as (i_v, i_bh):"
+KEPT = []  # every kernel compiled here: a captured graph must outlive nothing it launches
+
+
+@functools.cache
+def bounded_builder(programs_per_sm):
+    """stages.kda.recurrence.build_recurrence_program with a launch bound of programs_per_sm programs an SM
+    (1: the committed builder)."""
+    import stages.kda.recurrence as recurrence
+
+    if programs_per_sm == 1:
+        return recurrence.build_recurrence_program
+    source = function_source(recurrence.build_recurrence_program)
+    indent = " " * (source.split(KERNEL_LINE)[0].rsplit("\n", 1)[1].count(" ") + 4)
+    bound = f"\n{indent}T.annotate_min_blocks_per_sm({programs_per_sm})\n{indent}T.no_set_max_nreg()"
+    if source.count(KERNEL_LINE) != 1:
+        raise RuntimeError(f"the recurrence's builder no longer has the line {KERNEL_LINE!r}: update the study")
+    edited = load_edited(source.replace(KERNEL_LINE, KERNEL_LINE + bound), recurrence,
+                         f"recurrence_{programs_per_sm}_per_sm")
+    return edited.build_recurrence_program
+
+
+@contextlib.contextmanager
+def launch_bound(programs_per_sm):
+    """Inside: the calls compile the recurrence with `bounded_builder(programs_per_sm)` (the compile
+    caches emptied on entry, so that no other variant's kernel serves a call)."""
+    import stages.kda.compiled as compiled
+
+    committed = compiled.build_recurrence_program
+    compiled.build_recurrence_program = bounded_builder(programs_per_sm)
+    for cache in (compiled.compiled_recurrence, compiled.compiled_packed_recurrence, compiled.compiled_prefill_kernels):
+        cache.cache_clear()
+    try:
+        yield
+    finally:
+        compiled.build_recurrence_program = committed
+
+
+def keep_compiled_kernels():
+    """tilelang.compile wrapped so that every kernel it returns stays referenced (KEPT)."""
+    import tilelang
+
+    compile_ = tilelang.compile
+
+    def compile_and_keep(*arguments, **options):
+        KEPT.append(compile_(*arguments, **options))
+        return KEPT[-1]
+
+    tilelang.compile = compile_and_keep
+
+
+def variant_config(sequences, H, num_sms, block_dv):
+    """The default configuration of the shape with the recurrence's columns replaced."""
     from stages.kda.config import resolve
 
-    return dataclasses.replace(resolve(sequences, H, D, D, num_sms, block_dv=block_dv),
-                               programs_per_sm=programs_per_sm)
+    return resolve(sequences, H, D, D, num_sms, block_dv=block_dv)
 
 
 def course_call(inputs, config):
@@ -75,9 +133,14 @@ def precompile(cases):
             inputs = dict(zeros, beta=torch.zeros(1, T, H, dtype=torch.bfloat16), A_log=torch.zeros(H),
                           dt_bias=torch.zeros(H, D), initial_state=torch.zeros(N, H, D, D),
                           cu_seqlens=None if N == 1 else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]))
-            for variant, sizes in VARIANTS.items():
-                course_call(inputs, variant_config(N, H, 132, *sizes))()
+            for variant, (block_dv, programs_per_sm) in VARIANTS.items():
+                with launch_bound(programs_per_sm):
+                    course_call(inputs, variant_config(N, H, 132, block_dv))()
                 print(f"{name} {variant}: compiled", flush=True)
+
+
+def largest_difference(a, b):
+    return (a.float() - b.float()).abs().max().item()
 
 
 def kernel_times(function, iterations=10):
@@ -95,12 +158,45 @@ def kernel_times(function, iterations=10):
             for event in profiled.key_averages() if event.self_device_time_total > 0}
 
 
+def check_and_capture(name, variant, call, first, expected, repeats, log):
+    """A variant's call checked against the first variant's (o, final states) `first`, with repeats
+    against float64 (`expected`) and against itself, then captured as a CUDA graph."""
+    from benchmarks.fair import capture
+
+    o, state = (x.clone() for x in call())
+    log(f"{name} {variant}: largest difference from {next(iter(VARIANTS))}: o "
+        f"{largest_difference(o, first[0]):.3e}, state {largest_difference(state, first[1]):.3e}")
+    if repeats:
+        log(f"{name} {variant}: against float64: o {relative_l2(o, expected[0]):.4e}, "
+            f"state {relative_l2(state, expected[1]):.4e}")
+        outputs = [call() for _ in range(repeats)]
+        differ = [i for i, again in enumerate(outputs)
+                  if any(largest_difference(a, b) > 0 for a, b in zip(again, (o, state)))]
+        log(f"{name} {variant}: {len(differ)} of {repeats} calls differ from its first"
+            + (f" (calls {differ[:10]}); {where_they_differ(outputs[differ[0]][0], o)}" if differ else ""))
+    return capture(call)
+
+
+def where_they_differ(o, first_o, chunk_size=32):
+    """Where two o (1 or B, T, H, d_v) differ: how many elements, at which rows of a chunk and which of 64
+    columns, in how many heads and chunks."""
+    import torch
+
+    at = (o.float() != first_o.float()).nonzero()
+    rows, heads, columns = at[:, 1] % chunk_size, at[:, 2], at[:, 3] % 64
+    return (f"{len(at)} elements differ, at rows {sorted(set(rows.tolist()))} of a chunk and columns "
+            f"{sorted(set(columns.tolist()))} of 64, in {len(torch.unique(heads))} heads and "
+            f"{len(torch.unique(at[:, 1] // chunk_size))} chunks")
+
+
 def run(args):
     import torch
     from triton.testing import do_bench
 
     from benchmarks.fair import capture
     from stages.kda.config import streaming_multiprocessors
+
+    keep_compiled_kernels()
 
     started = time.monotonic()
     log_file = open(args.out / "programs_per_sm.log", "a")
@@ -120,17 +216,15 @@ def run(args):
         for name in args.cases:
             lengths, H = CASES[name]
             inputs = make_inputs(lengths, H)
-            graphs, first = {}, None
-            for variant, sizes in VARIANTS.items():
-                call = course_call(inputs, variant_config(len(lengths), H, num_sms, *sizes))
-                o, state = call()
-                if first is None:
-                    first = (o.clone(), state.clone())
-                difference = max((o.float() - first[0].float()).abs().max().item(),
-                                 (state - first[1]).abs().max().item())
-                log(f"{name} {variant}: largest difference from {next(iter(VARIANTS))}: {difference:.3e}")
-                graphs[variant] = capture(call)
-                kernels[f"{name} {variant}"] = kernel_times(call)
+            graphs, first = {}, None  # first: the first variant's (o, final states)
+            expected = float64_reference(inputs) if args.repeats else None
+            for variant, (block_dv, programs_per_sm) in VARIANTS.items():
+                call = course_call(inputs, variant_config(len(lengths), H, num_sms, block_dv))
+                with launch_bound(programs_per_sm):
+                    if first is None:
+                        first = call()
+                    graphs[variant] = check_and_capture(name, variant, call, first, expected, args.repeats, log)
+                    kernels[f"{name} {variant}"] = kernel_times(call)
             try:
                 import flash_kda  # noqa: F401
 
@@ -162,6 +256,9 @@ def main(argv=None):
     parser.add_argument("--out", type=Path)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", type=lambda text: text.split(","), default=list(STUDY_CASES))
+    parser.add_argument("--repeats", type=int, default=0,
+                        help="call each variant this many times more, count calls that differ from its first, and "
+                             "measure its first call's error against float64")
     parser.add_argument("--precompile", action="store_true", help="compile the programs on this CPU, run nothing")
     args = parser.parse_args(argv)
     if args.precompile:
