@@ -51,9 +51,10 @@ def _shape(buffer):
 
 def interpreted(program, out_idx=None, target=None, **_):
     """tilelang.compile's stand-in that runs the program on the interpreter, in place, so that a tensor
-    the kernel writes into (a state pool, the flags) is written as on the GPU; the outputs are made here
-    and returned as tensors of their parameters' dtypes (bf16 goes through float32: NumPy has no bf16;
-    the interpreter rounds every input to its parameter's dtype)."""
+    the kernel writes into (a state pool, the flags) is written as on the GPU; the outputs are made here,
+    filled with NaN (a GPU allocates them without clearing: an element the program leaves unwritten must
+    not look like a computed zero), and returned as tensors of their parameters' dtypes (bf16 goes
+    through float32: NumPy has no bf16; the interpreter rounds every input to its parameter's dtype)."""
     import torch
 
     run = interpret(program)
@@ -63,8 +64,9 @@ def interpreted(program, out_idx=None, target=None, **_):
         given = iter(tensors)
         arrays, inputs = [], []
         for index, buffer in enumerate(params):
-            if index in outputs:
-                arrays.append(np.zeros(_shape(buffer), NUMPY_DTYPES[str(buffer.dtype)]))
+            if index in outputs:  # as a GPU's fresh memory, it may hold anything: NaN where it can
+                arrays.append(np.full(_shape(buffer), np.nan if str(buffer.dtype).startswith(("float", "bfloat"))
+                                      else 0, NUMPY_DTYPES[str(buffer.dtype)]))
             else:
                 tensor = next(given)
                 inputs.append((tensor, index))
