@@ -5,8 +5,9 @@ source edited (`bounded_builder`): `T.annotate_min_blocks_per_sm(n)`, which nvcc
 and `T.no_set_max_nreg()`, without which TileLang's warp groups ask for 240 and 24 registers a thread
 again at run time, more than n programs leave them.
 
-    python -m archive.studies.kda_recurrence_programs_per_sm --out DIR [--rounds 3] [--cases A,B]
-    TILELANG_CACHE_DIR=DIR python -m archive.studies.kda_recurrence_programs_per_sm --precompile [--cases A,B]
+    python -m archive.studies.kda_recurrence_programs_per_sm --out DIR [--rounds 3] [--repeats 30]
+        [--cases A,B] [--variants X,Y]
+    TILELANG_CACHE_DIR=DIR python -m archive.studies.kda_recurrence_programs_per_sm --precompile [...]
 
 Why: TileLang launches the recurrence with 256 threads (the 128 asked and a producer warp group) and
 hands the consumers 240 registers, so one program fits an SM whatever its shared memory allows
@@ -18,9 +19,11 @@ Each variant's call is captured as one CUDA graph; the times are do_bench's medi
 interleaved rounds. Every variant's o and final states are compared with the first variant's (the
 committed default): the columns a program holds and the launch bound change no arithmetic of a column,
 so they should agree bit for bit; with --repeats, each variant is called again and again (any call
-that differs from its first is a race) and its error against float64 measured
-(benchmarks.kimi_call.float64_reference). The recurrence kernel's own time comes from torch's profiler (one profile a variant).
---precompile makes the same calls on CPU zeros with CUDA faked, each program compiled and not run.
+that differs from its first is a race), where its o differs logged, and its error against float64
+measured (benchmarks.kimi_call.float64_reference). The recurrence kernel's own time comes from torch's
+profiler (one profile a variant). --precompile makes the same calls on CPU zeros with CUDA faked, each
+program compiled and not run. The default variants are those the committed results ran; the one-stage
+ones ask whether the race that two programs an SM show is the pipeline's.
 
 Writes DIR/programs_per_sm.csv (case, round, variant, ms), DIR/programs_per_sm_kernels.json and
 DIR/programs_per_sm.log.
@@ -41,13 +44,17 @@ from benchmarks import bench
 from benchmarks.kimi_call import CASES, D, float64_reference, kimi_form, make_inputs, relative_l2
 
 STUDY_CASES = ("T8192_H64", "T8192_H96", "packed6_H96", "8x1024_H96", "8x4096_H16")
-VARIANTS = {  # name: (block_dv, programs_per_sm); the first is the committed default at these shapes
-    "dv64": (64, 1),
-    "dv64_pp2": (64, 2),
-    "dv32": (32, 1),
-    "dv32_pp2": (32, 2),
-    "dv32_pp3": (32, 3),
+VARIANTS = {  # name: (block_dv, programs_per_sm, pipeline stages); the first is the committed default here
+    "dv64": (64, 1, 2),
+    "dv64_pp2": (64, 2, 2),
+    "dv32": (32, 1, 2),
+    "dv32_pp2": (32, 2, 2),
+    "dv32_pp3": (32, 3, 2),
+    # one stage: the chunk loop's loads not ahead of its use (is the race the pipeline's?)
+    "dv64_pp2_one_stage": (64, 2, 1),
+    "dv32_pp3_one_stage": (32, 3, 1),
 }
+STUDY_VARIANTS = ("dv64", "dv64_pp2", "dv32", "dv32_pp2", "dv32_pp3")  # what the committed results ran
 
 
 KERNEL_LINE = "with T.Kernel(d_v // block_dv, states * H, threads=threads) as (i_v, i_bh):"
@@ -101,11 +108,11 @@ def keep_compiled_kernels():
     tilelang.compile = compile_and_keep
 
 
-def variant_config(sequences, H, num_sms, block_dv):
-    """The default configuration of the shape with the recurrence's columns replaced."""
+def variant_config(sequences, H, num_sms, block_dv, num_stages):
+    """The default configuration of the shape with the recurrence's columns and stages replaced."""
     from stages.kda.config import resolve
 
-    return resolve(sequences, H, D, D, num_sms, block_dv=block_dv)
+    return resolve(sequences, H, D, D, num_sms, block_dv=block_dv, num_stages=num_stages)
 
 
 def course_call(inputs, config):
@@ -120,7 +127,7 @@ def course_call(inputs, config):
                            config, kimi_form(D ** -0.5), t["A_log"], t["dt_bias"])
 
 
-def precompile(cases):
+def precompile(cases, variants):
     import torch
 
     from stages.kda.on_cpu import calls_on_cpu, compiled_only
@@ -133,9 +140,10 @@ def precompile(cases):
             inputs = dict(zeros, beta=torch.zeros(1, T, H, dtype=torch.bfloat16), A_log=torch.zeros(H),
                           dt_bias=torch.zeros(H, D), initial_state=torch.zeros(N, H, D, D),
                           cu_seqlens=None if N == 1 else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]))
-            for variant, (block_dv, programs_per_sm) in VARIANTS.items():
+            for variant in variants:
+                block_dv, programs_per_sm, num_stages = VARIANTS[variant]
                 with launch_bound(programs_per_sm):
-                    course_call(inputs, variant_config(N, H, 132, block_dv))()
+                    course_call(inputs, variant_config(N, H, 132, block_dv, num_stages))()
                 print(f"{name} {variant}: compiled", flush=True)
 
 
@@ -164,7 +172,7 @@ def check_and_capture(name, variant, call, first, expected, repeats, log):
     from benchmarks.fair import capture
 
     o, state = (x.clone() for x in call())
-    log(f"{name} {variant}: largest difference from {next(iter(VARIANTS))}: o "
+    log(f"{name} {variant}: largest difference from the first variant's: o "
         f"{largest_difference(o, first[0]):.3e}, state {largest_difference(state, first[1]):.3e}")
     if repeats:
         log(f"{name} {variant}: against float64: o {relative_l2(o, expected[0]):.4e}, "
@@ -211,15 +219,16 @@ def run(args):
     num_sms = streaming_multiprocessors(torch.device("cuda"))
     kernels = {}
     with open(args.out / "programs_per_sm.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, ["case", "round", "variant", "block_dv", "programs_per_sm", "time_ms"])
+        writer = csv.DictWriter(f, ["case", "round", "variant", "block_dv", "programs_per_sm", "num_stages", "time_ms"])
         writer.writeheader()
         for name in args.cases:
             lengths, H = CASES[name]
             inputs = make_inputs(lengths, H)
             graphs, first = {}, None  # first: the first variant's (o, final states)
             expected = float64_reference(inputs) if args.repeats else None
-            for variant, (block_dv, programs_per_sm) in VARIANTS.items():
-                call = course_call(inputs, variant_config(len(lengths), H, num_sms, block_dv))
+            for variant in args.variants:
+                block_dv, programs_per_sm, num_stages = VARIANTS[variant]
+                call = course_call(inputs, variant_config(len(lengths), H, num_sms, block_dv, num_stages))
                 with launch_bound(programs_per_sm):
                     if first is None:
                         first = call()
@@ -237,9 +246,9 @@ def run(args):
                 order = list(graphs) if round_number % 2 else list(graphs)[::-1]
                 for variant in order:
                     ms = do_bench(graphs[variant].replay, warmup=10, rep=60, return_mode="median")
-                    block_dv, programs = VARIANTS.get(variant, ("", ""))
+                    block_dv, programs, stages = VARIANTS.get(variant, ("", "", ""))
                     writer.writerow(dict(case=name, round=round_number, variant=variant, block_dv=block_dv,
-                                         programs_per_sm=programs, time_ms=f"{ms:.4f}"))
+                                         programs_per_sm=programs, num_stages=stages, time_ms=f"{ms:.4f}"))
                 f.flush()
             with open(args.out / "programs_per_sm.csv") as read:
                 rows = [row for row in csv.DictReader(read) if row["case"] == name]
@@ -256,13 +265,18 @@ def main(argv=None):
     parser.add_argument("--out", type=Path)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", type=lambda text: text.split(","), default=list(STUDY_CASES))
+    parser.add_argument("--variants", type=lambda text: text.split(","), default=list(STUDY_VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--repeats", type=int, default=0,
                         help="call each variant this many times more, count calls that differ from its first, and "
                              "measure its first call's error against float64")
     parser.add_argument("--precompile", action="store_true", help="compile the programs on this CPU, run nothing")
     args = parser.parse_args(argv)
+    unknown = [variant for variant in args.variants if variant not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     if args.precompile:
-        return precompile(args.cases)
+        return precompile(args.cases, args.variants)
     if args.out is None:
         parser.error("--out is required on the GPU")
     if bench.cuda_is_missing("archive.studies.kda_recurrence_programs_per_sm"):
