@@ -434,6 +434,27 @@ def recurrence_variants(rows: list[dict]) -> dict:
             for name, per_shape in by_variant.items()}
 
 
+PROGRAMS_PER_SM = RESULTS / "kda_recurrence_programs_per_sm_h100"
+
+
+def programs_per_sm_run(folder: Path = PROGRAMS_PER_SM) -> tuple[dict, dict]:
+    """({case: {variant: (median ms, min, max)}}, {(case, variant): (calls that differ from the first, calls,
+    o's rel L2 against float64)}) of archive/studies/kda_recurrence_programs_per_sm.py's run: its CSV, and
+    the repeat lines of its log (empty where it ran without --repeats); cases and variants in the run's order."""
+    times = {}
+    for row in read_rows(folder / "programs_per_sm.csv"):
+        times.setdefault(row["case"], {}).setdefault(row["variant"], []).append(float(row["time_ms"]))
+    summary = {case: {variant: (statistics.median(ms), min(ms), max(ms)) for variant, ms in variants.items()}
+               for case, variants in times.items()}
+    repeats, errors = {}, {}
+    for line in (folder / "programs_per_sm.log").read_text().splitlines():
+        if found := re.match(r"(\S+) (\S+): against float64: o ([0-9.e+-]+)", line):
+            errors[found[1], found[2]] = float(found[3])
+        elif found := re.match(r"(\S+) (\S+): (\d+) of (\d+) calls differ", line):
+            repeats[found[1], found[2]] = (int(found[3]), int(found[4]))
+    return summary, {key: (*counts, errors.get(key)) for key, counts in repeats.items()}
+
+
 def gradient_accuracy(rows) -> dict:
     """{(shape, mode, layout, tensor): (geometric mean of ours / FLA's error over the seeds, the worst
     seed's, how many seeds)} of a gradient accuracy run (archive/studies/s06_gradient_accuracy.py:

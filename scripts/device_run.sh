@@ -10,8 +10,8 @@
 # --triton TAR    Triton's cache (FLA's kernels compiled and autotuned) from an earlier call's results.
 # COMMAND runs after `source .gpu/env.sh` (and .gpu/fla_models.sh where it was carried), with RUN_OUT set
 # to a scratch folder for its results. $OUT then holds results.tar.gz (RUN_OUT) and triton.tgz (the
-# Triton cache, packed with gzip under a 30 s limit: xz ran a call into its limit once). Commands chain
-# in one call with `&&` only where each fits; a command's exit status is this script's.
+# Triton cache, packed with gzip under a 30 s limit: xz ran a call into its limit once). The script
+# exits with COMMAND's status.
 set -uo pipefail
 tilelang= triton=
 while [ $# -gt 0 ]; do

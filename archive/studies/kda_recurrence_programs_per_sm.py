@@ -32,7 +32,6 @@ DIR/programs_per_sm.log.
 import argparse
 import contextlib
 import csv
-import dataclasses
 import functools
 import json
 import statistics
@@ -58,7 +57,7 @@ STUDY_VARIANTS = ("dv64", "dv64_pp2", "dv32", "dv32_pp2", "dv32_pp3")  # what th
 
 
 KERNEL_LINE = "with T.Kernel(d_v // block_dv, states * H, threads=threads) as (i_v, i_bh):"
-KEPT = []  # every kernel compiled here: a captured graph must outlive nothing it launches
+KEPT = []  # every kernel compiled here, held: a captured graph launches them after the compile caches are emptied
 
 
 @functools.cache

@@ -610,6 +610,35 @@ def write_kimi_call_table(path, folder=None):
         + ("\nNot measured: " + "; ".join(missing) + ".\n" if missing else "") + accuracy)
 
 
+PROGRAMS_PER_SM_VARIANTS = {  # archive/studies/kda_recurrence_programs_per_sm.py's: value columns, programs an SM
+    "dv64": "64 columns, 1 an SM (today's)", "dv64_pp2": "64 columns, 2 an SM", "dv32": "32 columns, 1 an SM",
+    "dv32_pp2": "32 columns, 2 an SM", "dv32_pp3": "32 columns, 3 an SM"}
+
+
+def write_programs_per_sm_table(path):
+    """The fused call with the recurrence at one, two or three programs an SM, beside FlashKDA, and how
+    often o changed from call to call (the committed run of the archived study)."""
+    from kdacourse import results
+
+    times, repeats = results.programs_per_sm_run()
+    variants = [v for v in PROGRAMS_PER_SM_VARIANTS if any(v in case for case in times.values())]
+    rows = []
+    for case, measured in times.items():
+        flashkda = measured["flashkda"][0]
+        rows.append([case, *(f"{measured[v][0]:.3f} ({flashkda / measured[v][0]:.2f}x)" for v in variants),
+                     f"{flashkda:.3f}"])
+    repeat_rows = [[case, PROGRAMS_PER_SM_VARIANTS[variant], f"{differ} of {calls}", f"{error:.2e}"]
+                   for (case, variant), (differ, calls, error) in repeats.items()]
+    path.write_text(
+        banner(SOURCE) + "`python -m archive.studies.kda_recurrence_programs_per_sm --out DIR --rounds 3 --repeats 30` "
+        "on an H100 (benchmarks/results/kda_recurrence_programs_per_sm_h100/): the fused call, checks off, as one "
+        "CUDA graph, medians of three interleaved rounds in ms (FlashKDA's time over the course's):\n\n"
+        + markdown_table(["case", *(PROGRAMS_PER_SM_VARIANTS[v] for v in variants), "FlashKDA"], rows)
+        + "\nEach variant called 30 times more: the calls whose o differs from its first call's, and its first "
+        "call's o against float64 (relative L2):\n\n"
+        + markdown_table(["case", "recurrence", "calls that differ", "o against float64"], repeat_rows))
+
+
 STORED_IN = {"float32": "fp32", "bfloat16": "bf16"}
 # N, d_k = d_v, the window of tokens each error is taken over: head dims of 64 keep the study about a
 # second of a CPU (it is regenerated with every check of the site)
@@ -654,5 +683,6 @@ def generated_files():
         "docs/generated/s05_flashkda_design.md": write_design_table,
         "docs/generated/s05_parallelism.md": write_parallelism_table,
         "docs/generated/s05_kimi_call.md": write_kimi_call_table,
+        "docs/generated/s05_programs_per_sm.md": write_programs_per_sm_table,
         "docs/generated/s05_stored_state.md": write_stored_state_table,
     }

@@ -283,3 +283,19 @@ def test_the_fla_backend_page_counts_fla_s_grid(tmp_path, monkeypatch):
     text = out.read_text()
     assert text.startswith("Against the course's kernels: 1 passed, 0 failed, 1 refused, 1 skipped of 3 cases."), text
     assert "| test_chunk[b] | refused | ValueError: g: log gates must be <= 0 |" in text and "test_chunk[a]" not in text
+
+
+def test_the_launch_bound_study_reads_its_medians_and_each_variants_repeats(tmp_path):
+    """Three rounds of two variants, a log with a repeat line each and one variant without an error line:
+    the medians by hand, the repeats as the log says them."""
+    rows = [dict(case="c", round=r, variant=v, block_dv=64, programs_per_sm=p, time_ms=ms)
+            for v, p, times in (("dv64", 1, ("3", "1", "2")), ("dv64_pp2", 2, ("5", "4", "9")))
+            for r, ms in enumerate(times, 1)]
+    _write_csv(tmp_path / "programs_per_sm.csv", rows)
+    (tmp_path / "programs_per_sm.log").write_text(
+        '{"device": "x"}\nc dv64: against float64: o 3.3989e-03, state 2.6742e-03\n'
+        "c dv64: 0 of 30 calls differ from its first\n"
+        "c dv64_pp2: 11 of 30 calls differ from its first (calls [0, 2]); 8 elements differ\n")
+    times, repeats = results.programs_per_sm_run(tmp_path)
+    assert times == {"c": {"dv64": (2.0, 1.0, 3.0), "dv64_pp2": (5.0, 4.0, 9.0)}}
+    assert repeats == {("c", "dv64"): (0, 30, 3.3989e-3), ("c", "dv64_pp2"): (11, 30, None)}

@@ -35,6 +35,21 @@ def on_the_interpreter():
         yield
 
 
+def test_an_output_the_program_leaves_unwritten_reads_as_nan():
+    """The interpreted stand-in's outputs start as NaN, as a GPU's fresh memory may hold anything: a
+    program that writes half of Y hands back the other half as NaN, not as zeros that look computed."""
+    import tilelang.language as T
+
+    @T.prim_func
+    def first_half(X: T.Tensor((8,), "float32"), Y: T.Tensor((8,), "float32")):
+        with T.Kernel(1, threads=4):
+            for i in T.Parallel(4):
+                Y[i] = X[i]
+
+    y = interpreted(first_half, out_idx=[1])(torch.ones(8))
+    assert torch.equal(y[:4], torch.ones(4)) and torch.isnan(y[4:]).all()
+
+
 CASES = {  # FLA's grid (test_drop_in_gpu.GRID) at sizes the interpreter runs in seconds
     "fp16-T100-H3-D30": (Case(2, 100, 3, 3, 30, 30, Options(scale=1.0)), torch.float16),
     "fp16-masked": (Case(2, 150, 2, 2, 32, 32, Options(scale=0.1), mask_p=0.5), torch.float16),
