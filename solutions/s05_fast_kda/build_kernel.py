@@ -117,6 +117,7 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
                 T.copy(acc_o, O_s)
                 # through shared memory, then one TMA store: from the fragment, o went out in 4-byte
                 # stores spread over 8 rows
+                T.fence_proxy_async()  # O_s seen by the TMA store (stages/kda/tiles.py: "TMA stores")
                 T.copy(O_s, O[b, t0:t0 + C, h, v0:v0 + block_dv])
 
                 # only now does the state move past this chunk: decay row by row, then the GEMM

@@ -132,6 +132,7 @@ def fused_loads(B, N, H, d_k, chunk_size=DEFAULT_CHUNK_SIZE, form=KIMI_FORM, dty
             # --8<-- [end:answer]
             # EXERCISE END
 
+            T.fence_proxy_async()  # every staged tile seen by the TMA store (stages/kda/tiles.py: "TMA stores")
             T.copy(Q_s, Q_out[b, t0:t0 + C, h, :])
             T.copy(K_s, K_out[b, t0:t0 + C, h, :])
             T.copy(gate_s, G_out[b, t0:t0 + C, h, :])

@@ -178,6 +178,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                         L_s[r, s0 - sub + j] = kk_slab_f[r, j] * beta_s[s0 - sub + j]
                         A_qk_s[r, s0 - sub + j] = qk_slab_f[r, j]
             # one store of whole rows (TMA), where writing from the fragments scattered 2-byte stores
+            T.fence_proxy_async()  # A_qk_s seen by the TMA store (stages/kda/tiles.py: "TMA stores")
             T.copy(A_qk_s, A_qk[b, t0:t0 + C, h, :])
 
             # the last reads of gamma and Q: the recurrence's decayed operands, and K e^gamma (in its
@@ -229,6 +230,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             # writes spread over 8 rows, about 8 L1 wavefronts per instruction
             T.copy(w_f, W_s)
             T.copy(u_f, U_s)
+            T.fence_proxy_async()  # W_s, U_s seen by the TMA store (stages/kda/tiles.py: "TMA stores")
             T.copy(W_s, W[b, t0:t0 + C, h, :])
             T.copy(U_s, U[b, t0:t0 + C, h, :])
 

@@ -75,6 +75,7 @@ def build_state_gradient_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
 
                 # EXERCISE BEGIN
                 T.copy(dS_f, dS_s)
+                T.fence_proxy_async()  # dS_s seen by the TMA store (stages/kda/tiles.py: "TMA stores")
                 T.copy(dS_s, D_states[b, i_c, h, :, v0:v0 + block_dv])  # the gradient this chunk ends with
                 # through the state update, then through the output
                 T.gemm(K_to_chunk_end_s, dS_s, dV_new_f, clear_accum=True)
@@ -82,6 +83,7 @@ def build_state_gradient_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
                 for r, j in T.Parallel(C, block_dv):
                     dV_new_s[r, j] = dV_new_f[r, j]
                     minus_dV_new_s[r, j] = -dV_new_f[r, j]
+                T.fence_proxy_async()  # dV_new_s seen by the TMA store (stages/kda/tiles.py: "TMA stores")
                 T.copy(dV_new_s, dV_new[b, t0:t0 + C, h, v0:v0 + block_dv])
 
                 # back past the chunk

@@ -892,10 +892,11 @@ class _Program:
         if not isinstance(call, self.tirx.Call):
             return lambda frame: None
         op = str(call.op.name) if hasattr(call.op, "name") else str(call.op)
-        if op in ("tirx.tvm_storage_sync", "tl.wait_wgmma", "tl.warpgroup_fence_operand"):
-            # T.sync_threads(), T.wait_wgmma(n), T.warpgroup_fence_operand(...): every statement here
-            # finishes before the next starts, so a barrier, a wait or a fence changes nothing (and a
-            # missing one cannot show: see the module docstring)
+        if op in ("tirx.tvm_storage_sync", "tl.wait_wgmma", "tl.warpgroup_fence_operand", "tl.fence_proxy_async"):
+            # T.sync_threads(), T.wait_wgmma(n), T.warpgroup_fence_operand(...), T.fence_proxy_async():
+            # every statement here finishes before the next starts, and one memory serves every
+            # proxy, so a barrier, a wait or a fence changes nothing (and a missing one cannot show:
+            # see the module docstring)
             return lambda frame: None
         handler = {
             "tl.tileop.copy": self._copy,

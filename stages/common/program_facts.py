@@ -1,17 +1,19 @@
-"""Two facts about a TileLang program, read from its TIR before lowering (no GPU, no nvcc): which of
-its parameters it writes, and how much shared memory one block of it asks for.
+"""Three facts about a TileLang program, read from its TIR before lowering (no GPU, no nvcc): which of
+its parameters it writes, how much shared memory one block of it asks for, and which of its stores
+from shared to global memory may read a tile before its writes are seen.
 
 The build exercises check any program a student writes with them, not only the course's: a program
-must leave its inputs as it found them (`parameters_written` finds only its outputs), and must fit
-in an H200 block's shared memory (`shared_memory_bytes` at most SHARED_MEMORY_PER_BLOCK). Both read
-the program as the tile interpreter and the cost counter do (stages.common.tile_regions).
+must leave its inputs as it found them (`parameters_written` finds only its outputs), must fit in an
+H200 block's shared memory (`shared_memory_bytes` at most SHARED_MEMORY_PER_BLOCK), and must fence a
+staged tile before storing it (`unfenced_stores` finds none; stages.kda.tiles, "TMA stores", says
+why). All read the program as the tile interpreter and the cost counter do (stages.common.tile_regions).
 """
 
 import re
 
 from stages.common.tile_regions import region_parts
 
-__all__ = ["SHARED_MEMORY_PER_BLOCK", "parameters_written", "shared_memory_bytes"]
+__all__ = ["SHARED_MEMORY_PER_BLOCK", "parameters_written", "shared_memory_bytes", "unfenced_stores"]
 
 SHARED_MEMORY_PER_BLOCK = 227 * 1024  # bytes an sm_90 block may use (the H100's and the H200's)
 
@@ -67,6 +69,59 @@ def shared_memory_bytes(program):
 
     tirx.stmt_functor.pre_order_visit(program.body, visit_allocations)
     return sum(size * stages_of.get(name, 1) for name, size in shared.items())
+
+
+# --8<-- [start:unfenced_stores]
+def unfenced_stores(program):
+    """The copies from a shared tile to a global buffer (`T.copy(X_s, Out[...])`, a TMA store on sm_90)
+    that may run while a write to the tile since the last `T.fence_proxy_async()` is unfenced: [source,
+    destination] name pairs in program order, none for a right program. The threads write a tile
+    through the generic proxy, the TMA engine reads it through the async proxy; each writer must fence
+    between its writes and the store. Read in program order, a loop's body twice (a write late in one
+    iteration, a store early in the next) and both arms of a branch (a fence in one arm only leaves
+    the other's writes unfenced)."""
+    from tvm import tirx
+
+    found = []
+
+    def walk(stmt, unfenced):  # unfenced: the shared tiles written since the last fence
+        def visit(node):
+            if isinstance(node, tirx.For):
+                for _ in range(2):
+                    walk(node.body, unfenced)
+                return False
+            if isinstance(node, tirx.IfThenElse):
+                other = set(unfenced)
+                walk(node.then_case, unfenced)
+                if node.else_case is not None:
+                    walk(node.else_case, other)
+                unfenced.update(other)
+                return False
+            if isinstance(node, tirx.BufferStore) and node.buffer.scope().startswith("shared"):
+                unfenced.add(node.buffer.name)
+            elif isinstance(node, tirx.Call):
+                name = str(getattr(node.op, "name", ""))
+                if name == "tl.fence_proxy_async":
+                    unfenced.clear()
+                elif name == "tl.tileop.copy":
+                    source, destination = (region_parts(operand, tirx) for operand in node.args[:2])
+                    pair = source and destination and [source[0].buffer.name, destination[0].buffer.name]
+                    if pair and pair[0] in unfenced and destination[0].buffer.scope() == "global" and pair not in found:
+                        found.append(pair)
+                if name.startswith("tl.tileop."):
+                    for operand in node.args:
+                        parts = region_parts(operand, tirx)
+                        if (parts and isinstance(operand, tirx.Call) and int(operand.args[1]) in _WRITTEN
+                                and parts[0].buffer.scope().startswith("shared")):
+                            unfenced.add(parts[0].buffer.name)
+                    return False  # its operands are read above, not as stores of their own
+            return True
+
+        tirx.stmt_functor.pre_order_visit(stmt, visit)
+
+    walk(program.body, set())
+    return found
+# --8<-- [end:unfenced_stores]
 
 
 def _itemsize(dtype):

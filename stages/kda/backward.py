@@ -90,10 +90,12 @@ def build_states_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block
                               b, h, v0, i_c, t0)
 
                 T.copy(S_f, S_s)
+                T.fence_proxy_async()  # S_s seen by the TMA store (tiles.py: "TMA stores")
                 T.copy(S_s, States[b, i_c, h, :, v0:v0 + block_dv])  # the state this chunk starts from
                 T.gemm(W_s, S_s, V_new_f, clear_accum=True)
                 for r, j in T.Parallel(C, block_dv):
                     V_new_s[r, j] = U_s[r, j] - V_new_f[r, j]
+                T.fence_proxy_async()  # V_new_s seen by the TMA store (tiles.py: "TMA stores")
                 T.copy(V_new_s, V_new[b, t0:t0 + C, h, v0:v0 + block_dv])
 
                 advance_state(S_f, chunk_decay_s, K_to_chunk_end_s, V_new_s)
@@ -153,6 +155,7 @@ def build_state_gradient_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
                               (Q_decayed_s, K_to_chunk_end_s, W_s, A_qk_s, chunk_decay_s, dO_s), b, h, v0, i_c, t0)
 
                 T.copy(dS_f, dS_s)
+                T.fence_proxy_async()  # dS_s seen by the TMA store (tiles.py: "TMA stores")
                 T.copy(dS_s, D_states[b, i_c, h, :, v0:v0 + block_dv])  # the gradient this chunk ends with
                 # through the state update, then through the output
                 T.gemm(K_to_chunk_end_s, dS_s, dV_new_f, clear_accum=True)
@@ -160,6 +163,7 @@ def build_state_gradient_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZ
                 for r, j in T.Parallel(C, block_dv):
                     dV_new_s[r, j] = dV_new_f[r, j]
                     minus_dV_new_s[r, j] = -dV_new_f[r, j]
+                T.fence_proxy_async()  # dV_new_s seen by the TMA store (tiles.py: "TMA stores")
                 T.copy(dV_new_s, dV_new[b, t0:t0 + C, h, v0:v0 + block_dv])
 
                 # back past the chunk: the decay row by row, the output's read of S, V_new's read of S

@@ -175,6 +175,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             anchored_scores(s.Q_s, s.K_s, s.gamma_s, None, s.Q_row_s, s.K_row_s, s.K_col_s, s.Q_slab_s,
                             s.K_slab_row_s, s.K_slab_col_s, s.kk_f, s.qk_f, s.kk_slab_f, s.qk_slab_f, s.L_s, s.A_qk_s,
                             q_factor, k_factor)
+            T.fence_proxy_async()  # L_s seen by the TMA store (tiles.py: "TMA stores")
             T.copy(s.L_s, A_kk[at.b, at.t0:at.t0 + C, at.h, :])
             for r, j in T.Parallel(C, C):
                 s.L_s[r, j] = s.L_s[r, j] * s.beta_s[j]  # the product the scores form with beta: the same bits
@@ -183,6 +184,7 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
                             s.K_slab_row_s, s.K_slab_col_s, s.kk_f, s.qk_f, s.kk_slab_f, s.qk_slab_f, s.L_s, s.A_qk_s,
                             q_factor, k_factor)
         # one store of whole rows (TMA), where writing from the fragments scattered 2-byte stores
+        T.fence_proxy_async()  # A_qk_s seen by the TMA store (tiles.py: "TMA stores")
         T.copy(s.A_qk_s, A_qk[at.b, at.t0:at.t0 + C, at.h, :])
         # --8<-- [end:prepare_setup]
 
@@ -206,8 +208,10 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
 
         block_inverse(s.L_s, s.T_s, s.T_diag_s, s.merge_s, s.block_row_f)
         if solve_outputs:
+            T.fence_proxy_async()  # T_s seen by the TMA store (tiles.py: "TMA stores")
             T.copy(s.T_s, Inverse[at.b, at.t0:at.t0 + C, at.h, :])
         wy_outputs(s.T_s, s.beta_s, s.A_hat_s, s.Kg_s, s.V_s, s.w_f, s.u_f, s.W_s, s.U_s)
+        T.fence_proxy_async()  # W_s, U_s seen by the TMA store (tiles.py: "TMA stores")
         T.copy(s.W_s, W[at.b, at.t0:at.t0 + C, at.h, :])
         T.copy(s.U_s, U[at.b, at.t0:at.t0 + C, at.h, :])
         # --8<-- [end:prepare_decayed]

@@ -85,6 +85,7 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
                     chunk_output(S_f, S_s, W_s, U_s, Q_decayed_s, A_qk_s, V_new_f, V_new_s, acc_o, O_s)
                     # through shared memory, then one TMA store: from the fragment, o went out in 4-byte
                     # stores spread over 8 rows
+                    T.fence_proxy_async()  # O_s seen by the TMA store (tiles.py: "TMA stores")
                     T.copy(O_s, O[b, t0:t0 + C, h, v0:v0 + block_dv])
                     advance_state(S_f, chunk_decay_s, K_to_chunk_end_s, V_new_s)
                 T.copy(S_f, Final_state[b, h, :, v0:v0 + block_dv])

@@ -17,6 +17,17 @@ the macro in its program, so a fix to one piece is made once for every kernel th
     advance_state             S^T past one chunk (the recurrences and the backward's states)
     wait_for_tensor_cores     the intra kernel's wait for GEMMs issued together
     exact_diagonal_gradients  the intra kernel's score gradients of a wide sub-block, by their definition
+
+TMA stores. A tile staged in shared memory and stored with `T.copy(X_s, Global[...])` goes out by TMA:
+one thread hands the tile to the copy engine, which reads shared memory through the *async proxy*, while
+the threads wrote it through the *generic proxy* (stores, stmatrix). A barrier orders the threads, not
+the proxies: each writing thread must execute `fence.proxy.async.shared::cta` after its last write and
+before the barrier that lets the elected thread issue the store (the CUDA Programming Guide's TMA
+example; PTX ISA, "Proxies"). TileLang 0.1.15 emits the barrier and then one fence in the elected
+thread only, so every kernel here calls `T.fence_proxy_async()` between writing such a tile and
+storing it. Without it the store can read what the tile held before: the previous chunk's values, or
+whatever an earlier kernel left in that shared memory, NaN included: results that change from call
+to call, more often when several programs share an SM.
 """
 
 import math

@@ -22,7 +22,8 @@ from stages.common.program_cost import counted_cost
 from stages.s05_fast_kda.reference import prepare
 from tests.exercises.build_checks import (BUDGET_HEAD_DIM, assert_cost_near_the_course_kernel,
                                           assert_fits_shared_memory,
-                                          assert_respects_ordering_constraints, assert_writes_only)
+                                          assert_respects_ordering_constraints, assert_stores_fenced,
+                                          assert_writes_only)
 from tests.exercises.kernel_checks import (UNIT_ROUNDOFF, assert_close_in_precision, build, compile_for_sm90a,
                                            run_on_cpu, run_on_gpu)
 from tests.exercises.library_values import from_library
@@ -115,6 +116,10 @@ def test_writes_only_its_outputs(build_recurrence_program):
 def test_respects_ordering_constraints(build_recurrence_program):
     assert_respects_ordering_constraints(build(build_recurrence_program, 2, 64, 2, 32, 32, **TILES),
                                          constraints=[1, 2])
+
+
+def test_fences_the_tiles_it_stores(build_recurrence_program):
+    assert_stores_fenced(build(build_recurrence_program, 2, 64, 2, 32, 32, **TILES))
 
 
 def test_fits_the_shared_memory_of_an_h200(build_recurrence_program):

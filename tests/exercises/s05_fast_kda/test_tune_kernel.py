@@ -16,7 +16,7 @@ from stages.common.compare import assert_close
 from stages.common.inputs import make_inputs
 from stages.common.program_cost import counted_cost
 from stages.s05_fast_kda.reference import prepare, recurrence
-from tests.exercises.build_checks import assert_writes_only
+from tests.exercises.build_checks import assert_stores_fenced, assert_writes_only
 from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, run_on_cpu
 from tests.exercises.library_values import from_library
 from tests.exercises.tune_checks import COUNTS, assert_cost_within_target, assert_time_within_target
@@ -61,6 +61,10 @@ def test_float64_program_equals_reference_c(build_program):
 def test_writes_only_its_outputs(build_program):
     """The initial state comes back as it went in (a caller reuses it), as every input does."""
     assert_writes_only(build(build_program, *SHAPE, **TILES), outputs=OUT_IDX)
+
+
+def test_fences_the_tiles_it_stores(build_program):
+    assert_stores_fenced(build(build_program, *SHAPE, **TILES))
 
 
 def test_fp16_program_within_rounding(build_program):

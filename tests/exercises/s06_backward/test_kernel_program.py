@@ -12,7 +12,7 @@ import pytest
 from stages.common.compare import assert_close
 from stages.s05_fast_kda.reference import prepare
 from stages.s06_backward.reference import state_gradients
-from tests.exercises.build_checks import assert_writes_only
+from tests.exercises.build_checks import assert_stores_fenced, assert_writes_only
 from tests.exercises.kernel_checks import UNIT_ROUNDOFF, build, compile_for_sm90a, run_on_cpu, run_on_gpu
 from tests.exercises.library_values import from_library
 from tests.exercises.s06_backward.oracle import backward_inputs
@@ -83,3 +83,8 @@ def test_writes_only_its_outputs(build_state_gradient_program):
     """The gradient of the final state it starts from, and every other input, come back as they went in."""
     assert_writes_only(build(build_state_gradient_program, 1, 128, 2, 32, 32, chunk_size=32, block_dv=16),
                        outputs=OUT_IDX)
+
+
+def test_fences_the_tiles_it_stores(build_state_gradient_program):
+    """dS'^T and dV_new go out through shared memory by TMA: each fenced after it is written."""
+    assert_stores_fenced(build(build_state_gradient_program, 1, 128, 2, 32, 32, chunk_size=32, block_dv=16))
