@@ -57,11 +57,11 @@ class KernelConfig:
 def resolve(B: int, H: int, d_k: int, d_v: int, num_sms: int, chunk_size: int | None = None,
             block_dv: int | None = None, threads: int = DEFAULT_THREADS, num_stages: int | None = None,
             prepare_threads: int | None = None, channel_passes: int | None = None,
-            programs_per_sm: int | None = None) -> KernelConfig:
+            programs_per_sm: int = 1) -> KernelConfig:
     """The configuration for B sequences (rows of a batch, or packed sequences) of H heads on a GPU of
     num_sms SMs: every size not given takes its default (default_chunk_size, default_block_dv,
-    default_num_stages, default_prepare_threads, default_intra_threads, default_channel_passes,
-    default_programs_per_sm). Sizes
+    default_num_stages, default_prepare_threads, default_intra_threads, default_channel_passes; the
+    recurrence's launch bound, programs_per_sm, 1: stage 5's page tells why no other is taken yet). Sizes
     are not checked here (stages.kda.checks does). The backward's kernels run at backward_chunk_size: its
     callers pass it."""
     chunk_size = chunk_size or default_chunk_size(B, H)
@@ -71,7 +71,7 @@ def resolve(B: int, H: int, d_k: int, d_v: int, num_sms: int, chunk_size: int | 
                         prepare_threads=prepare_threads or default_prepare_threads(chunk_size),
                         intra_threads=default_intra_threads(chunk_size, d_k),
                         channel_passes=channel_passes or default_channel_passes(chunk_size, d_k),
-                        programs_per_sm=programs_per_sm or default_programs_per_sm(B, H, d_v, block_dv, num_sms))
+                        programs_per_sm=programs_per_sm)
 
 
 def resolve_for(device: "torch.device", B: int, H: int, d_k: int, d_v: int, **sizes) -> KernelConfig:
@@ -107,11 +107,6 @@ def default_block_dv(B: int, H: int, d_v: int, num_sms: int) -> int:
     wide = 2 * DEFAULT_BLOCK_DV
     return wide if d_v % wide == 0 and 10 * B * H * (d_v // wide) >= 9 * num_sms else DEFAULT_BLOCK_DV
 # --8<-- [end:default_block_dv]
-
-
-def default_programs_per_sm(B: int, H: int, d_v: int, block_dv: int, num_sms: int) -> int:
-    """The recurrence's launch bound: 1 (TileLang's default)."""
-    return 1
 
 
 def recurrence_shared_bytes(chunk_size: int, d_k: int, block_dv: int, num_stages: int) -> int:
