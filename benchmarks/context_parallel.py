@@ -161,7 +161,8 @@ def _recurrence_alone(inputs):
     config = resolve_for(q.device, B, H, d_k, v.shape[3])
     _, _, prepared = forward_and_prepared(*inputs, None, "off", config, keep_prepared=True)
     recurrence = compiled_recurrence(B, padded_length(N, config.chunk_size), H, d_k, v.shape[3], config.chunk_size,
-                                     config.block_dv, dtype_name(q), config.num_stages, config.threads)
+                                     config.block_dv, dtype_name(q), config.num_stages, config.threads,
+                                     config.programs_per_sm)
     return recurrence, prepared
 
 

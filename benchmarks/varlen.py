@@ -119,7 +119,7 @@ def prefill_kernels(inputs, cu_seqlens, initial_state):
     config = resolve_for(q.device, N_seq, q.shape[2], q.shape[3], v.shape[3])
     index = varlen_index(cu_seqlens, q.shape[1], config.chunk_size)
     kernels = compiled_prefill_kernels(q.shape[2], q.shape[3], v.shape[3], config.chunk_size, config.block_dv,
-                                       str(q.dtype).split(".")[1], config.num_stages, False)
+                                       str(q.dtype).split(".")[1], config.num_stages, False, config.programs_per_sm)
     return lambda: varlen_forward(*inputs, index, initial_state, config.chunk_size, kernels)
 
 

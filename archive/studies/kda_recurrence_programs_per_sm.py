@@ -1,9 +1,9 @@
 """The recurrence's programs an SM at Kimi Linear's shapes (issue 40): the fused call (gate, norms and
 sigmoid in the prepare, checks off) with the recurrence at 64 or 32 value columns a program and a launch
-bound of one, two or three programs an SM, beside FlashKDA, in one process. The bound is the builder's
-source edited (`bounded_builder`): `T.annotate_min_blocks_per_sm(n)`, which nvcc fits the registers to,
-and `T.no_set_max_nreg()`, without which TileLang's warp groups ask for 240 and 24 registers a thread
-again at run time, more than n programs leave them.
+bound of one, two or three programs an SM, beside FlashKDA, in one process. The bound is the
+configuration's `programs_per_sm` (stages.kda.recurrence: `T.annotate_min_blocks_per_sm(n)`, which nvcc
+fits the registers to, and `T.no_set_max_nreg()`, without which TileLang's warp groups ask for 240 and 24
+registers a thread again at run time, more than n programs leave them).
 
     python -m archive.studies.kda_recurrence_programs_per_sm --out DIR [--rounds 3] [--repeats 30]
         [--cases A,B] [--variants X,Y]
@@ -30,15 +30,12 @@ DIR/programs_per_sm.log.
 """
 
 import argparse
-import contextlib
 import csv
-import functools
 import json
 import statistics
 import time
 from pathlib import Path
 
-from archive.studies import function_source, load_edited
 from benchmarks import bench
 from benchmarks.kimi_call import CASES, D, float64_reference, kimi_form, make_inputs, relative_l2
 
@@ -56,42 +53,7 @@ VARIANTS = {  # name: (block_dv, programs_per_sm, pipeline stages); the first is
 STUDY_VARIANTS = ("dv64", "dv64_pp2", "dv32", "dv32_pp2", "dv32_pp3")  # what the committed results ran
 
 
-KERNEL_LINE = "with T.Kernel(d_v // block_dv, states * H, threads=threads) as (i_v, i_bh):"
 KEPT = []  # every kernel compiled here, held: a captured graph launches them after the compile caches are emptied
-
-
-@functools.cache
-def bounded_builder(programs_per_sm):
-    """stages.kda.recurrence.build_recurrence_program with a launch bound of programs_per_sm programs an SM
-    (1: the committed builder)."""
-    import stages.kda.recurrence as recurrence
-
-    if programs_per_sm == 1:
-        return recurrence.build_recurrence_program
-    source = function_source(recurrence.build_recurrence_program)
-    indent = " " * (source.split(KERNEL_LINE)[0].rsplit("\n", 1)[1].count(" ") + 4)
-    bound = f"\n{indent}T.annotate_min_blocks_per_sm({programs_per_sm})\n{indent}T.no_set_max_nreg()"
-    if source.count(KERNEL_LINE) != 1:
-        raise RuntimeError(f"the recurrence's builder no longer has the line {KERNEL_LINE!r}: update the study")
-    edited = load_edited(source.replace(KERNEL_LINE, KERNEL_LINE + bound), recurrence,
-                         f"recurrence_{programs_per_sm}_per_sm")
-    return edited.build_recurrence_program
-
-
-@contextlib.contextmanager
-def launch_bound(programs_per_sm):
-    """Inside: the calls compile the recurrence with `bounded_builder(programs_per_sm)` (the compile
-    caches emptied on entry, so that no other variant's kernel serves a call)."""
-    import stages.kda.compiled as compiled
-
-    committed = compiled.build_recurrence_program
-    compiled.build_recurrence_program = bounded_builder(programs_per_sm)
-    for cache in (compiled.compiled_recurrence, compiled.compiled_packed_recurrence, compiled.compiled_prefill_kernels):
-        cache.cache_clear()
-    try:
-        yield
-    finally:
-        compiled.build_recurrence_program = committed
 
 
 def keep_compiled_kernels():
@@ -107,11 +69,12 @@ def keep_compiled_kernels():
     tilelang.compile = compile_and_keep
 
 
-def variant_config(sequences, H, num_sms, block_dv, num_stages):
-    """The default configuration of the shape with the recurrence's columns and stages replaced."""
+def variant_config(sequences, H, num_sms, block_dv, num_stages, programs_per_sm):
+    """The default configuration of the shape with the recurrence's columns, stages and bound replaced."""
     from stages.kda.config import resolve
 
-    return resolve(sequences, H, D, D, num_sms, block_dv=block_dv, num_stages=num_stages)
+    return resolve(sequences, H, D, D, num_sms, block_dv=block_dv, num_stages=num_stages,
+                   programs_per_sm=programs_per_sm)
 
 
 def course_call(inputs, config):
@@ -141,8 +104,7 @@ def precompile(cases, variants):
                           cu_seqlens=None if N == 1 else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]))
             for variant in variants:
                 block_dv, programs_per_sm, num_stages = VARIANTS[variant]
-                with launch_bound(programs_per_sm):
-                    course_call(inputs, variant_config(N, H, 132, block_dv, num_stages))()
+                course_call(inputs, variant_config(N, H, 132, block_dv, num_stages, programs_per_sm))()
                 print(f"{name} {variant}: compiled", flush=True)
 
 
@@ -227,12 +189,12 @@ def run(args):
             expected = float64_reference(inputs) if args.repeats else None
             for variant in args.variants:
                 block_dv, programs_per_sm, num_stages = VARIANTS[variant]
-                call = course_call(inputs, variant_config(len(lengths), H, num_sms, block_dv, num_stages))
-                with launch_bound(programs_per_sm):
-                    if first is None:
-                        first = call()
-                    graphs[variant] = check_and_capture(name, variant, call, first, expected, args.repeats, log)
-                    kernels[f"{name} {variant}"] = kernel_times(call)
+                call = course_call(inputs, variant_config(len(lengths), H, num_sms, block_dv, num_stages,
+                                                          programs_per_sm))
+                if first is None:
+                    first = call()
+                graphs[variant] = check_and_capture(name, variant, call, first, expected, args.repeats, log)
+                kernels[f"{name} {variant}"] = kernel_times(call)
             try:
                 import flash_kda  # noqa: F401
 

@@ -76,7 +76,8 @@ def forward_and_prepared(q, k, v, g, beta, initial_state=None, checks="device", 
     # solve_outputs only when asked: the other calls share the cache entry (and compile) of the benchmarks'
     prepared = prepare_chunks(q, k, v, g, beta, checks, config, keep_prepared, form, A_log, dt_bias)
     recurrence = compiled_recurrence(B, padded_length(N, config.chunk_size), H, d_k, d_v, config.chunk_size,
-                                     config.block_dv, dtype_name(q), config.num_stages, config.threads)
+                                     config.block_dv, dtype_name(q), config.num_stages, config.threads,
+                                     config.programs_per_sm)
     o, final_state = recurrence(*prepared[:6], initial_state)
     return o[:, :N], final_state, prepared if keep_prepared else None
 
@@ -279,8 +280,8 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.T
     flags = flags_for(q.device) if checks == "device" else None
     index = varlen_index(cu_seqlens, T, config.chunk_size, flags)
     kernels = compiled_prefill_kernels(H, d_k, d_v, config.chunk_size, config.block_dv, dtype_name(q),
-                                       config.num_stages, flags is not None, **form_options(form, q, g, beta),
-                                       channel_passes=config.channel_passes)
+                                       config.num_stages, flags is not None, config.programs_per_sm,
+                                       **form_options(form, q, g, beta), channel_passes=config.channel_passes)
     o, final_state = varlen_forward(q, k, v, g, beta, index, initial_state, config.chunk_size, kernels, flags,
                                     gate_parameters(form, A_log, dt_bias, H, d_k, q.device))
     return o, final_state if output_final_state else None

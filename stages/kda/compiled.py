@@ -58,12 +58,12 @@ compiled_prepare.cache_clear = _compiled_prepare.cache_clear  # as the other cac
 
 
 @functools.cache
-def compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads):
+def compiled_recurrence(B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, threads, programs_per_sm=1):
     """The recurrence kernel (dense) compiled for the GPU, o and the final state allocated by the call."""
     import tilelang
 
     program = build_in_turn(build_recurrence_program, B, N, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages,
-                            threads)
+                            threads, programs_per_sm=programs_per_sm)
     return tilelang.compile(program, out_idx=[7, 8], target=gpu_target())
 
 
@@ -120,18 +120,19 @@ def compiled_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags, form=PL
 
 
 @functools.cache
-def compiled_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype, num_stages):
+def compiled_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, programs_per_sm=1):
     """The recurrence for a packed batch of any length; the outputs are the caller's."""
     import tilelang
 
     rows, packed = packed_sizes()
     program = build_in_turn(build_recurrence_program, 1, rows, H, d_k, d_v, chunk_size, block_dv, dtype, num_stages,
-                            packed=packed)
+                            packed=packed, programs_per_sm=programs_per_sm)
     return tilelang.compile(program, target=gpu_target())
 
 
 @functools.cache
-def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, value_flags=False, **form_options):
+def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, value_flags=False, programs_per_sm=1,
+                             **form_options):
     """(packed prepare, packed recurrence) compiled once per head shape, block and dtype (and the
     prepare's form_options: compiled_packed_prepare's form, group, gate_dtype, beta_dtype, channel_passes), both at
     once (each in its own thread). Cached as a pair: starting the two threads again on every call cost
@@ -139,7 +140,7 @@ def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, num_stage
     kernels = compile_all({"prepare": lambda: compiled_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags,
                                                                       **form_options),
                            "recurrence": lambda: compiled_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype,
-                                                                            num_stages)})
+                                                                            num_stages, programs_per_sm)})
     return kernels["prepare"], kernels["recurrence"]
 
 

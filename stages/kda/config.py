@@ -41,7 +41,8 @@ class KernelConfig:
     """What a call of the fast path runs with: the chunk size C, the recurrence's value columns a
     program (block_dv), its threads and pipeline stages, the prepare's and the intra kernel's threads,
     and the forward's prepare's channel passes (its score GEMMs' operands hold d_k / channel_passes
-    channels: more passes, less shared memory, more programs an SM)."""
+    channels: more passes, less shared memory, more programs an SM), and the recurrence's launch bound
+    (programs_per_sm: how many of its programs share an SM)."""
 
     chunk_size: int = DEFAULT_CHUNK_SIZE
     block_dv: int = DEFAULT_BLOCK_DV
@@ -50,14 +51,17 @@ class KernelConfig:
     prepare_threads: int = 256
     intra_threads: int = 256
     channel_passes: int = CHANNEL_PASSES
+    programs_per_sm: int = 1
 
 
 def resolve(B: int, H: int, d_k: int, d_v: int, num_sms: int, chunk_size: int | None = None,
             block_dv: int | None = None, threads: int = DEFAULT_THREADS, num_stages: int | None = None,
-            prepare_threads: int | None = None, channel_passes: int | None = None) -> KernelConfig:
+            prepare_threads: int | None = None, channel_passes: int | None = None,
+            programs_per_sm: int = 1) -> KernelConfig:
     """The configuration for B sequences (rows of a batch, or packed sequences) of H heads on a GPU of
     num_sms SMs: every size not given takes its default (default_chunk_size, default_block_dv,
-    default_num_stages, default_prepare_threads, default_intra_threads, default_channel_passes). Sizes
+    default_num_stages, default_prepare_threads, default_intra_threads, default_channel_passes; the
+    recurrence's launch bound, programs_per_sm, 1: stage 5's page tells why no other is taken yet). Sizes
     are not checked here (stages.kda.checks does). The backward's kernels run at backward_chunk_size: its
     callers pass it."""
     chunk_size = chunk_size or default_chunk_size(B, H)
@@ -66,7 +70,8 @@ def resolve(B: int, H: int, d_k: int, d_v: int, num_sms: int, chunk_size: int | 
                         num_stages=num_stages or default_num_stages(chunk_size, d_k, block_dv),
                         prepare_threads=prepare_threads or default_prepare_threads(chunk_size),
                         intra_threads=default_intra_threads(chunk_size, d_k),
-                        channel_passes=channel_passes or default_channel_passes(chunk_size, d_k))
+                        channel_passes=channel_passes or default_channel_passes(chunk_size, d_k),
+                        programs_per_sm=programs_per_sm)
 
 
 def resolve_for(device: "torch.device", B: int, H: int, d_k: int, d_v: int, **sizes) -> KernelConfig:

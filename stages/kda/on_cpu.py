@@ -119,7 +119,7 @@ def interpreted_packed_prepare(H, d_k, d_v, chunk_size, dtype, value_flags, form
     return call
 
 
-def interpreted_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype, num_stages):
+def interpreted_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, programs_per_sm=1):
     """compiled_packed_recurrence's stand-in with `interpreted`, built at each call for the batch's sizes
     (W's rows, O's tokens, e^{gamma_C}'s chunks, cu_seqlens' sequences)."""
 
@@ -127,7 +127,7 @@ def interpreted_packed_recurrence(H, d_k, d_v, chunk_size, block_dv, dtype, num_
         W, Chunk_decay, Cu_seqlens, O = tensors[0], tensors[5], tensors[8], tensors[9]
         packed = PackedBatch(O.shape[1], Chunk_decay.shape[1], Cu_seqlens.numel() - 1)
         program = build_recurrence_program(1, W.shape[1], H, d_k, d_v, chunk_size, block_dv, dtype, num_stages,
-                                           packed=packed)
+                                           packed=packed, programs_per_sm=programs_per_sm)
         interpreted(program)(*tensors)
 
     return call

@@ -22,7 +22,7 @@ from stages.kda.tiles import (CHUNK_ROW, KEY_ROWS, SCORE_ROWS, VALUE_BLOCK, adva
 # --8<-- [start:recurrence_program]
 def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
                              dtype="float16", num_stages=DEFAULT_NUM_STAGES, threads=DEFAULT_THREADS,
-                             packed: PackedBatch | None = None):
+                             packed: PackedBatch | None = None, programs_per_sm: int = 1):
     """The recurrence kernel: the prepare kernel's outputs, W, Q e^gamma, K e^{gamma_C - gamma}
     (B, N, H, d_k), U (B, N, H, d_v) and A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k)
     fp32, and S_0^T (B, H, d_k, d_v) fp32 -> o (B, N, H, d_v) in `dtype` and the final state S^T
@@ -38,6 +38,10 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
     head) walks chunks chunk_offsets[i] to chunk_offsets[i + 1] - 1 of its sequence i, a loop whose
     trip count is read at run time (none for an empty sequence: its final state is its initial
     state), and stores each chunk's o at the sequence's packed rows, masked at its end.
+
+    programs_per_sm: the launch bound, programs an SM the program is compiled for. 1 is TileLang's
+    default (its register budget, 240 a thread, leaves one program an SM); 2 or 3 cap the registers
+    at 128 or 80 a thread so that two or three programs share an SM (config.default_programs_per_sm).
     """
     import tilelang.language as T
 
@@ -59,6 +63,9 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
     def recurrence(W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, Initial_state, Chunk_offsets, Cu_seqlens, O,
                    Final_state):
         with T.Kernel(d_v // block_dv, states * H, threads=threads) as (i_v, i_bh):
+            if programs_per_sm > 1:  # registers capped to fit; no reallocation between the warp groups past the cap
+                T.annotate_min_blocks_per_sm(programs_per_sm)
+                T.no_set_max_nreg()
             if packed is None:
                 b, h = i_bh // H, i_bh % H
                 v0 = i_v * block_dv

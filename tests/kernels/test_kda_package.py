@@ -193,3 +193,23 @@ def test_the_backward_s_programs_fit_at_head_dims_of_256_at_the_chunk_they_run_a
     print(f"d = 256, bytes of shared memory at C = {chunk_size}: {sizes}; the intra program at C = 64: {intra_at_64}")
     assert all(size <= SHARED_MEMORY_PER_BLOCK for size in sizes.values()), sizes
     assert intra_at_64 > SHARED_MEMORY_PER_BLOCK
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(("packed", "programs_per_sm"), [(False, 2), (False, 3), (True, 2)])
+def test_the_recurrence_s_launch_bound_fits_that_many_programs_an_sm(packed, programs_per_sm):
+    """programs_per_sm: the compiled recurrence (32 value columns, C = 32) asks for that many programs an
+    SM (its launch bound) and its registers fit them (65,536 an SM over programs_per_sm programs of 256
+    threads) without spills; at the default (1) TileLang's own bound stands. (The packed program at
+    three an SM spills: 80 registers a thread are too few for its run-time indexing.)"""
+    from stages.kda.compiled import packed_sizes
+    from stages.kda.recurrence import build_recurrence_program
+    from stages.common.tilelang_tools import compile_report
+
+    rows, batch = packed_sizes() if packed else (8192, None)
+    arguments = (1, rows, 96, 128, 128, 32, 32, "bfloat16")
+    bounded = compile_report(build_recurrence_program(*arguments, packed=batch, programs_per_sm=programs_per_sm))
+    default = compile_report(build_recurrence_program(*arguments, packed=batch))
+    assert f"__launch_bounds__({bounded.threads}, {programs_per_sm})" in bounded.cuda_source
+    assert bounded.registers * bounded.threads * programs_per_sm <= 65_536 and not bounded.spill_stores
+    assert f"__launch_bounds__({default.threads}, 1)" in default.cuda_source
