@@ -533,8 +533,8 @@ def cpu_prefill(monkeypatch):
     from stages.kda.config import KernelConfig
 
     def compiled_prefill_kernels(H, d_k, d_v, chunk_size, block_dv, dtype, num_stages, value_flags=False,
-                                 channel_passes=2):
-        assert channel_passes == 2  # the config's default: the prepare _interpreted_kernels builds
+                                 programs_per_sm=1, channel_passes=2):
+        assert (channel_passes, programs_per_sm) == (2, 1)  # the config's defaults: what _interpreted_kernels builds
         return _interpreted_kernels(PREFILL_LENGTHS, dtype, value_flags, chunk_size, H, d_k, block_dv)
 
     monkeypatch.setattr(checks, "check_on_cuda", lambda tensors: None)
