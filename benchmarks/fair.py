@@ -235,7 +235,7 @@ def forward_compiles(B, N, H, D, config, value_flags=False, keep_prepared=False)
     return {"prepare": functools.partial(compiled_prepare, B, N, H, D, D, C, DTYPE, config.prepare_threads,
                                          value_flags, solve_outputs=keep_prepared),
             "recurrence": functools.partial(compiled_recurrence, B, N, H, D, D, C, config.block_dv, DTYPE,
-                                            config.num_stages, config.threads)}
+                                            config.num_stages, config.threads, config.programs_per_sm)}
 
 
 def capture(function):

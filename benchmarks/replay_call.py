@@ -102,7 +102,7 @@ def replay_on_cpu(saved, chunk_size=DEFAULT_CHUNK_SIZE):
         out_idx=prepare_outputs()))
     recurrence = Checked("recurrence", interpret(
         build_recurrence_program(B, N_padded, H, d_k, d_v, chunk_size, config.block_dv, dtype, config.num_stages,
-                                 config.threads), out_idx=[7, 8]))
+                                 config.threads, config.programs_per_sm), out_idx=[7, 8]))
     recurrence(*prepare(q, k, v, g, beta), state)
     arguments = kernel_arguments(B, N_padded, H, d_k, d_v, chunk_size, config.block_dv, dtype)
     kernels = {name: Checked(name, interpret(BUILDERS[name][0](*arguments[name]), out_idx=BUILDERS[name][1]))

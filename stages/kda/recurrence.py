@@ -22,7 +22,7 @@ from stages.kda.tiles import (CHUNK_ROW, KEY_ROWS, SCORE_ROWS, VALUE_BLOCK, adva
 # --8<-- [start:recurrence_program]
 def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, block_dv=DEFAULT_BLOCK_DV,
                              dtype="float16", num_stages=DEFAULT_NUM_STAGES, threads=DEFAULT_THREADS,
-                             packed: PackedBatch | None = None, programs_per_sm: int = 1):
+                             programs_per_sm: int = 1, packed: PackedBatch | None = None):
     """The recurrence kernel: the prepare kernel's outputs, W, Q e^gamma, K e^{gamma_C - gamma}
     (B, N, H, d_k), U (B, N, H, d_v) and A_qk (B, N, H, C) in `dtype`, e^{gamma_C} (B, N / C, H, d_k)
     fp32, and S_0^T (B, H, d_k, d_v) fp32 -> o (B, N, H, d_v) in `dtype` and the final state S^T

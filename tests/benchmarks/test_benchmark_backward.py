@@ -136,7 +136,7 @@ def test_compile_all_builds_each_kernel_once_as_the_wrappers_launch_it(monkeypat
         off, on = dict(value_flags=False), dict(value_flags=True)
         expected += [("prepare", (*shape, "bfloat16", 256, False), dict(solve_outputs=False)),
                      ("prepare", (*shape, "bfloat16", 256, True), dict(solve_outputs=False)),
-                     ("recurrence", (*shape, block_dv, "bfloat16", 2, 128), {}),
+                     ("recurrence", (*shape, block_dv, "bfloat16", 2, 128, 1), {}),
                      ("prepare", (*shape, "bfloat16"), off), ("prepare", (*shape, "bfloat16"), on),
                      ("states", (*shape, block_dv, "bfloat16"), off),
                      ("state_gradient", (*shape, block_dv, "bfloat16"), off),

@@ -265,7 +265,7 @@ def test_a_whole_run_on_the_cpu_with_interpreted_kernels(tmp_path, monkeypatch, 
     assert meta["gate_range"] == [0.5, 0.9]
     assert meta["shapes"]["B=1 N=128 H=2 D=128"]["config"] == dict(
         chunk_size=64, block_dv=64, threads=128, num_stages=2, prepare_threads=256, intra_threads=256,
-        channel_passes=2)
+        channel_passes=2, programs_per_sm=1)
     assert "did not capture" in capsys.readouterr().out
 
 
