@@ -71,7 +71,6 @@ def shared_memory_bytes(program):
     return sum(size * stages_of.get(name, 1) for name, size in shared.items())
 
 
-# --8<-- [start:unfenced_stores]
 def unfenced_stores(program):
     """The copies from a shared tile to a global buffer (`T.copy(X_s, Out[...])`, a TMA store on sm_90)
     that may run while a write to the tile since the last `T.fence_proxy_async()` is unfenced: [source,
@@ -104,24 +103,23 @@ def unfenced_stores(program):
                 if name == "tl.fence_proxy_async":
                     unfenced.clear()
                 elif name == "tl.tileop.copy":
-                    source, destination = (region_parts(operand, tirx) for operand in node.args[:2])
-                    pair = source and destination and [source[0].buffer.name, destination[0].buffer.name]
-                    if pair and pair[0] in unfenced and destination[0].buffer.scope() == "global" and pair not in found:
-                        found.append(pair)
-                if name.startswith("tl.tileop."):
+                    source, destination = (region_parts(operand, tirx)[0].buffer for operand in node.args[:2])
+                    store = [source.name, destination.name]
+                    if source.name in unfenced and destination.scope() == "global" and store not in found:
+                        found.append(store)
+                if name.startswith("tl.tileop."):  # a tile operation writes the operands marked written
                     for operand in node.args:
-                        parts = region_parts(operand, tirx)
-                        if (parts and isinstance(operand, tirx.Call) and int(operand.args[1]) in _WRITTEN
-                                and parts[0].buffer.scope().startswith("shared")):
-                            unfenced.add(parts[0].buffer.name)
-                    return False  # its operands are read above, not as stores of their own
+                        if isinstance(operand, tirx.Call) and str(operand.op.name) == "tl.region":
+                            buffer, access = operand.args[0].buffer, int(operand.args[1])
+                            if access in _WRITTEN and buffer.scope().startswith("shared"):
+                                unfenced.add(buffer.name)
+                    return False  # its operands are read here, not as stores of their own
             return True
 
         tirx.stmt_functor.pre_order_visit(stmt, visit)
 
     walk(program.body, set())
     return found
-# --8<-- [end:unfenced_stores]
 
 
 def _itemsize(dtype):

@@ -41,7 +41,8 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
 
     programs_per_sm: the launch bound, programs an SM the program is compiled for. 1 is TileLang's
     default (its register budget, 240 a thread, leaves one program an SM); 2 or 3 cap the registers
-    at 128 or 80 a thread so that two or three programs share an SM (config.default_programs_per_sm).
+    at 128 or 80 a thread so that two or three programs share an SM (KernelConfig.programs_per_sm: 1
+    until the bounded programs are measured race-free; stage 5's page, "Where the parallelism runs out").
     """
     import tilelang.language as T
 

@@ -1,7 +1,8 @@
 """What the build exercises check beyond values, on any program a student writes (not only the
-course's): that it writes only its outputs, that its TIR keeps the ordering constraints, and that it
-fits the H200's shared memory, and that it fences a staged tile before storing it. Each reads the program's TIR through tir_facts, so a program built in
-the grading sandbox is read in a sandboxed process that runs no student code."""
+course's): that it writes only its outputs, that its TIR keeps the ordering constraints, that it fits
+the H200's shared memory, and that it fences a staged tile before storing it. Each reads the program's
+TIR through tir_facts, so a program built in the grading sandbox is read in a sandboxed process that
+runs no student code."""
 
 import numpy as np
 
@@ -42,13 +43,12 @@ def assert_stores_fenced(program):
     __tracebackhide__ = True
     from stages.common.program_facts import unfenced_stores
 
-    unfenced = tir_facts(unfenced_stores, program)
+    unfenced = ", ".join(f"{tile} -> {out}" for tile, out in tir_facts(unfenced_stores, program))
     assert_rule(not unfenced, "every staged tile fenced between its last write and its store to global memory",
-                "stored before a fence that follows their writes: " + ", ".join(f"{tile} -> {out}" for tile, out in
-                                                                           unfenced)
-                + ". The threads write shared memory through the generic proxy and the TMA store reads it through "
-                "the async proxy; without `T.fence_proxy_async()` after the writes (every thread, before the "
-                "barrier) the store may send what the tile held before")
+                f"stored before a fence that follows their writes: {unfenced}. The threads write shared memory "
+                "through the generic proxy and the TMA store reads it through the async proxy; without "
+                "`T.fence_proxy_async()` after the writes (every thread, before the barrier) the store may send "
+                "what the tile held before")
 
 
 def assert_fits_shared_memory(program):
