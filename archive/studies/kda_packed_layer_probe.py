@@ -8,8 +8,14 @@ the tile interpreter runs the same calls clean.
     python -m archive.studies.kda_packed_layer_probe repeat   the course's op again and again, the
                                                               caching allocator's free memory filled
                                                               with NaN, 0, 1e30 ... before each call
-    compute-sanitizer --tool initcheck|memcheck|racecheck --kernel-name kns=kda \\
-        python -m archive.studies.kda_packed_layer_probe once
+    python -m archive.studies.kda_packed_layer_probe capture DIR
+                                              the layer's own call of chunk_kda (its inputs, A_log,
+                                              dt_bias, cu_seqlens and the gradient of o) saved to
+                                              DIR/layer_call.pt, then replayed on the op alone,
+                                              the course's and FLA's
+    compute-sanitizer --tool initcheck|memcheck|racecheck \\
+        python -m archive.studies.kda_packed_layer_probe replay DIR
+                                              the saved call once, the course's op only
 
 The batch is the layer test's: sequences of 300, 47, 700 and 1 tokens, H = 4 q/k heads, d = 128, Kimi
 Linear's flags (the bounded gate, the norms and beta's sigmoid in the kernel), A_log and dt_bias in bf16
@@ -109,6 +115,79 @@ def repeat(calls=6):
               f"{ {name: f'{d:.2e}' for name, d in differences.items() if d > 0} or 'none'}", flush=True)
 
 
+def nonfinite_rows(x):
+    """The token positions (axis 1) where x holds a value that is not finite: first, last and count."""
+    bad = (~torch.isfinite(x.float())).flatten(2).any(2).any(0).nonzero().flatten().tolist()
+    return f"{len(bad)} rows" + (f" ({bad[0]}..{bad[-1]})" if bad else "")
+
+
+def capture(directory):
+    """The layer (HV = 4, packed) through the backend, its call of chunk_kda saved, then replayed."""
+    import fla.layers as layers
+
+    import stages.kda.fla_backend as backend
+
+    saved = {}
+    course_chunk_kda = backend.chunk_kda
+
+    def recording_chunk_kda(*args, **kwargs):
+        names = ("q", "k", "v", "g", "beta")
+        saved.update({name: x.detach().clone() for name, x in zip(names, args)})
+        saved.update({name: kwargs[name].detach().clone() for name in (*names, "A_log", "dt_bias", "cu_seqlens")
+                      if isinstance(kwargs.get(name), torch.Tensor)})
+        saved["strides"] = {name: tuple(x.stride()) for name, x in zip(names, args)}
+        saved["options"] = {name: value for name, value in kwargs.items() if not isinstance(value, torch.Tensor)}
+        o, final_state = course_chunk_kda(*args, **kwargs)
+        o.register_hook(lambda grad: saved.update(do=grad.detach().clone(), do_stride=tuple(grad.stride())))
+        return o, final_state
+
+    backend.chunk_kda = recording_chunk_kda
+    os.environ["FLA_KDACOURSE"] = "1"
+    torch.manual_seed(0)
+    attention = layers.KimiDeltaAttention(hidden_size=512, head_dim=D, num_heads=H, num_v_heads=H, mode="chunk",
+                                          safe_gate=True, lower_bound=-5.0).to("cuda", torch.bfloat16)
+    x = torch.randn(1, sum(LENGTHS), 512, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    y = attention(x, cu_seqlens=offsets(LENGTHS))[0]
+    (y.float() * dy.float()).sum().backward()
+    backend.chunk_kda = course_chunk_kda
+    grads = {name: p.grad for name, p in attention.named_parameters()}
+    print(f"layer through the backend: not finite {not_finite({'y': y, **grads})}", flush=True)
+    print(f"captured: {sorted(k for k in saved if isinstance(saved[k], torch.Tensor))}, strides {saved['strides']}, "
+          f"do's {saved.get('do_stride')}, options {saved['options']}", flush=True)
+    print("captured dtypes " + ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in saved.items()
+                                        if isinstance(v, torch.Tensor)), flush=True)
+    os.makedirs(directory, exist_ok=True)
+    torch.save({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in saved.items()},
+               os.path.join(directory, "layer_call.pt"))
+    replay(directory, peers=True)
+
+
+def replay(directory, peers=False):
+    """The saved call on the course's op (and FLA's with peers): which gradients are not finite, where."""
+    from stages.kda.autograd import chunk_kda as course_chunk_kda
+
+    saved = torch.load(os.path.join(directory, "layer_call.pt"))
+    sides = [("course", course_chunk_kda)]
+    if peers:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+        os.environ["FLA_KDACOURSE"] = "0"
+        sides.append(("FLA", fla_chunk_kda))
+    for name, chunk_kda in sides:
+        for attempt in range(2 if peers else 1):
+            leaves = {k: saved[k].cuda().requires_grad_() for k in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}
+            o, _ = chunk_kda(*(leaves[k] for k in ("q", "k", "v", "g", "beta")), A_log=leaves["A_log"],
+                             dt_bias=leaves["dt_bias"], cu_seqlens=saved["cu_seqlens"].cuda(), **saved["options"])
+            o.backward(saved["do"].cuda())
+            report = {"o": nonfinite_rows(o), **{k: nonfinite_rows(x.grad if x.dim() > 1 else x.grad.view(1, 1, -1))
+                                                 for k, x in leaves.items()}}
+            print(f"replay {name} #{attempt}: not finite {report}", flush=True)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "repeat"
-    {"op": op, "layer": layer, "repeat": repeat, "once": lambda: repeat(1)}[mode]()
+    if mode in ("capture", "replay"):
+        {"capture": capture, "replay": replay}[mode](sys.argv[2])
+    else:
+        {"op": op, "layer": layer, "repeat": repeat, "once": lambda: repeat(1)}[mode]()
