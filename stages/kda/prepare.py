@@ -167,6 +167,10 @@ def build_prepare_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, dtyp
             q_factor, k_factor = None, None
         else:  # the model's tensors made the recurrence's own, on chip; q's and k's norms as row factors
             q_factor, k_factor = activate_loads(s, A_log, Dt_bias, at.h, at.rows)
+            # every warp's gates stored before any thread reads another's (the checks, the sum): TileLang
+            # may sync beta's in-place sigmoid with a barrier of the threads that run it and take that
+            # for the whole block's (tiles.py: "Barriers TileLang leaves out")
+            T.sync_threads()
         if value_flags:  # the gates and betas checked as they arrive
             flag_bad_values(s.gamma_s, s.beta_s, Flags)
         cumulative_gates(s.gamma_s)
