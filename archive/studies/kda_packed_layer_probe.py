@@ -1,7 +1,9 @@
 """Why KimiDeltaAttention's packed batch fails through the course's backend on the GPU (issue 41): the
 layer's test (tests/kernels/test_drop_in_gpu.py, `test_kimi_delta_attention_through_the_backend[True-*]`)
 got NaN gradients (HV = 4) or a dA_log 3.1 (relative L2) from FLA's (HV = 8) on an H100, where the dense batch passes and
-the tile interpreter runs the same calls clean.
+the tile interpreter runs the same calls clean. Found with `capture` and racecheck on `replay`: a barrier
+TileLang left out of the prepare that trains a packed batch (stages/kda/tiles.py, "Barriers TileLang
+leaves out"; tests/gpu_results/drop_in_h100/README.md).
 
     python -m archive.studies.kda_packed_layer_probe op       the op alone, FLA's and the course's
     python -m archive.studies.kda_packed_layer_probe layer    the layer, each order of the two paths
