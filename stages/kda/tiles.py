@@ -35,9 +35,9 @@ C = 64 of 256 threads: beta's in-place sigmoid on a short chunk's rows, `r < row
 gets a barrier of those threads only (`bar.sync 3, 64`), and TileLang 0.1.15 then counts it as the
 whole block's: the next reads of what every thread had stored before it (the gates, read across threads
 by the checks and the cumulative sum) went without a barrier. compute-sanitizer's racecheck found it in
-the prepare that trains a packed batch (the gate made in front: no pass over the gates on every thread
-to bring a barrier of its own); on the GPU the sum then read whatever that shared memory held before,
-from an earlier kernel: NaN gradients that depended on what else ran on the GPU (docs/fla_backend.md).
+the prepare that trains a packed batch (the gate made in front, beta's sigmoid in the kernel); on the GPU
+the sum then read whatever that shared memory held before, from an earlier kernel: NaN gradients that
+depended on what else ran on the GPU (docs/fla_backend.md).
 The prepare calls `T.sync_threads()` after the activation; tests/stages/test_prepare_barriers.py reads
 the barrier from the generated source.
 """
