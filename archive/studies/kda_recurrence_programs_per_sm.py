@@ -127,9 +127,10 @@ def kernel_times(function, iterations=10):
             for event in profiled.key_averages() if event.self_device_time_total > 0}
 
 
-def check_and_capture(name, variant, call, first, expected, repeats, log):
+def check_and_capture(name, variant, call, first, expected, repeats, log, cu_seqlens=None):
     """A variant's call checked against the first variant's (o, final states) `first`, with repeats
-    against float64 (`expected`) and against itself, then captured as a CUDA graph."""
+    against float64 (`expected`) and against itself, then captured as a CUDA graph; cu_seqlens: a packed
+    batch's offsets, for where the calls differ."""
     from benchmarks.fair import capture
 
     o, state = (x.clone() for x in call())
@@ -142,20 +143,31 @@ def check_and_capture(name, variant, call, first, expected, repeats, log):
         differ = [i for i, again in enumerate(outputs)
                   if any(largest_difference(a, b) > 0 for a, b in zip(again, (o, state)))]
         log(f"{name} {variant}: {len(differ)} of {repeats} calls differ from its first"
-            + (f" (calls {differ[:10]}); {where_they_differ(outputs[differ[0]][0], o)}" if differ else ""))
+            + (f" (calls {differ[:10]}); {where_they_differ(outputs[differ[0]][0], o, cu_seqlens)}" if differ else ""))
     return capture(call)
 
 
-def where_they_differ(o, first_o, chunk_size=32):
-    """Where two o (1 or B, T, H, d_v) differ: how many elements, at which rows of a chunk and which of 64
-    columns, in how many heads and chunks."""
+def where_they_differ(o, first_o, cu_seqlens=None, chunk_size=32):
+    """Where two o (1 or B, T, H, d_v) differ: how many elements, at which rows of a sequence's chunk and
+    which of 64 columns, in how many heads and chunks, and how far before its sequence's end (tokens).
+    cu_seqlens: a packed batch's offsets (its sequences start at chunk boundaries of their own)."""
     import torch
 
     at = (o.float() != first_o.float()).nonzero()
-    rows, heads, columns = at[:, 1] % chunk_size, at[:, 2], at[:, 3] % 64
+    tokens, heads, columns = at[:, 1], at[:, 2], at[:, 3] % 64
+    if cu_seqlens is None:
+        starts = torch.zeros_like(tokens)
+        ends = torch.full_like(tokens, o.shape[1])
+    else:
+        offsets = cu_seqlens.to(tokens.device, torch.int64)
+        sequence = torch.searchsorted(offsets, tokens, right=True) - 1
+        starts, ends = offsets[sequence], offsets[sequence + 1]
+    rows, chunks = (tokens - starts) % chunk_size, (tokens - starts) // chunk_size
+    before_end = ends - 1 - tokens
     return (f"{len(at)} elements differ, at rows {sorted(set(rows.tolist()))} of a chunk and columns "
             f"{sorted(set(columns.tolist()))} of 64, in {len(torch.unique(heads))} heads and "
-            f"{len(torch.unique(at[:, 1] // chunk_size))} chunks")
+            f"{len(torch.unique(starts * 1000003 + chunks))} chunks, {before_end.min().item()} to "
+            f"{before_end.max().item()} tokens before their sequence's end")
 
 
 def run(args):
@@ -193,7 +205,8 @@ def run(args):
                                                           programs_per_sm))
                 if first is None:
                     first = call()
-                graphs[variant] = check_and_capture(name, variant, call, first, expected, args.repeats, log)
+                graphs[variant] = check_and_capture(name, variant, call, first, expected, args.repeats, log,
+                                                    inputs["cu_seqlens"])
                 kernels[f"{name} {variant}"] = kernel_times(call)
             try:
                 import flash_kda  # noqa: F401
