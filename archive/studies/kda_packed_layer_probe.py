@@ -133,11 +133,12 @@ def capture(directory):
     course_chunk_kda = backend.chunk_kda
 
     def recording_chunk_kda(*args, **kwargs):
-        names = ("q", "k", "v", "g", "beta")
-        saved.update({name: x.detach().clone() for name, x in zip(names, args)})
-        saved.update({name: kwargs[name].detach().clone() for name in (*names, "A_log", "dt_bias", "cu_seqlens")
-                      if isinstance(kwargs.get(name), torch.Tensor)})
-        saved["strides"] = {name: tuple(x.stride()) for name, x in zip(names, args)}
+        names = ("q", "k", "v", "g", "beta")  # positional in FLA's signature; the layer passes them by name
+        tensors = dict(zip(names, args))
+        tensors.update({name: kwargs[name] for name in (*names, "A_log", "dt_bias", "cu_seqlens")
+                        if isinstance(kwargs.get(name), torch.Tensor)})
+        saved.update({name: x.detach().clone() for name, x in tensors.items()})
+        saved["strides"] = {name: tuple(x.stride()) for name, x in tensors.items()}
         saved["options"] = {name: value for name, value in kwargs.items() if not isinstance(value, torch.Tensor)}
         o, final_state = course_chunk_kda(*args, **kwargs)
         o.register_hook(lambda grad: saved.update(do=grad.detach().clone(), do_stride=tuple(grad.stride())))

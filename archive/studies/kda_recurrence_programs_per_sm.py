@@ -166,7 +166,7 @@ def where_they_differ(o, first_o, cu_seqlens=None, chunk_size=32):
     before_end = ends - 1 - tokens
     return (f"{len(at)} elements differ, at rows {sorted(set(rows.tolist()))} of a chunk and columns "
             f"{sorted(set(columns.tolist()))} of 64, in {len(torch.unique(heads))} heads and "
-            f"{len(torch.unique(starts * 1000003 + chunks))} chunks, {before_end.min().item()} to "
+            f"{torch.unique(torch.stack([starts, chunks]), dim=1).shape[1]} chunks, {before_end.min().item()} to "
             f"{before_end.max().item()} tokens before their sequence's end")
 
 

@@ -37,9 +37,8 @@ whole block's: the next reads of what every thread had stored before it (the gat
 by the checks and the cumulative sum) went without a barrier. compute-sanitizer's racecheck found it in
 the prepare that trains a packed batch (the gate made in front, beta's sigmoid in the kernel); on the GPU
 the sum then read whatever that shared memory held before, from an earlier kernel: NaN gradients that
-depended on what else ran on the GPU (docs/fla_backend.md).
-The prepare calls `T.sync_threads()` after the activation; tests/stages/test_prepare_barriers.py reads
-the barrier from the generated source.
+depended on what else ran on the GPU (docs/fla_backend.md). The prepare calls `T.sync_threads()` after
+the activation; tests/stages/test_prepare_barriers.py reads that barrier from the generated source.
 """
 
 import math
