@@ -86,15 +86,21 @@ def exact(case, leaves, seed, cu_seqlens=None):
 
 
 def _compare(case, dtype, seed, monkeypatch, fla_chunk_kda, cu_seqlens=None):
+    """The course's call within FLA's tolerances of FLA's math in float64; FLA's own call on the same
+    leaves beside it for the log (fla_chunk_kda None: not run)."""
     N = None if cu_seqlens is None else len(cu_seqlens) - 1
     leaves = fla_leaves(case, seed, dtype, N)
     packed = {} if cu_seqlens is None else {"cu_seqlens": torch.tensor(cu_seqlens, device="cuda")}
     ours = outputs_and_gradients(chunk_kda, case, leaves, seed, **packed)
-    monkeypatch.setenv("FLA_KDACOURSE", "0")
-    theirs = outputs_and_gradients(fla_chunk_kda, case, leaves, seed, **packed)
+    torch.cuda.synchronize()  # a fault of the course's kernels is reported here, not in FLA's call
+    theirs = {}
+    if fla_chunk_kda is not None:
+        monkeypatch.setenv("FLA_KDACOURSE", "0")
+        theirs = outputs_and_gradients(fla_chunk_kda, case, leaves, seed, **packed)
     truth = exact(case, leaves, seed, cu_seqlens)
     for name, value in truth.items():
-        our_error, their_error = error_report(ours[name], value), error_report(theirs[name], value)
+        our_error = error_report(ours[name], value)
+        their_error = error_report(theirs[name], value) if theirs else "not run"
         print(f"{name}: ours {our_error}, FLA {their_error}")
         assert our_error.rel_l2 < FLA_TOLERANCES[name], f"{name}: {our_error} (FLA's {their_error})"
 
@@ -134,10 +140,19 @@ VARLEN = {  # FLA's test_chunk_varlen
 }
 
 
+# Cases of the course's own where FLA 0.6.0's kernels fault (a CUDA fault ends every later GPU call of the
+# process, so FLA's side is not run there): D60-chunk32 raised "misaligned address" on an H100 in the
+# autotune of FLA's chunk_gla_fwd_kernel_o, after the course's call had returned and FLA's earlier
+# kernels' autotunes had synchronized cleanly (tests/gpu_results/drop_in_h100/README.md, item 11).
+# FLA's own test file has no packed case at chunk 32 with d = 60.
+FLA_FAULTS = {"D60-chunk32"}
+
+
 @pytest.mark.parametrize("name", VARLEN)
 def test_packed_training_within_fla_s_tolerances(name, fla, monkeypatch):
     cu_seqlens, case = VARLEN[name]
-    _compare(case, torch.float16, len(cu_seqlens), monkeypatch, fla.chunk_kda, cu_seqlens)
+    fla_chunk_kda = None if name in FLA_FAULTS else fla.chunk_kda
+    _compare(case, torch.float16, len(cu_seqlens), monkeypatch, fla_chunk_kda, cu_seqlens)
 
 
 INFERENCE = [None, [0, 100, 300, 1200, 3000, 4096]]  # dense, then packed (cu_seqlens)
