@@ -2,8 +2,10 @@
 sigmoid in the prepare, checks off) with the recurrence at 64 or 32 value columns a program and a launch
 bound of one, two or three programs an SM, beside FlashKDA, in one process. The bound is the
 configuration's `programs_per_sm` (stages.kda.recurrence: `T.annotate_min_blocks_per_sm(n)`, which nvcc
-fits the registers to, and `T.no_set_max_nreg()`, without which TileLang's warp groups ask for 240 and 24
-registers a thread again at run time, more than n programs leave them).
+fits the registers to, and the warp groups' registers moved within that share: the loading group keeps
+24 a thread and the computing one takes the rest, config.computing_registers; TileLang's own 24 and 240
+would ask for more than n programs leave. The committed H100 run predates that: its bounded programs
+moved no registers (`T.no_set_max_nreg()`): every thread of both groups had the bound's share, 128 or 80).
 
     python -m archive.studies.kda_recurrence_programs_per_sm --out DIR [--rounds 3] [--repeats 30]
         [--cases A,B] [--variants X,Y]

@@ -29,6 +29,8 @@ DEFAULT_NUM_STAGES = 2  # the recurrence's chunk loop: loads of chunk i + 1 in f
 DECODE_BLOCK_DV = 64
 MANY_SEQUENCE_HEADS = 64  # sequences x heads from which the forward runs at C = 32 (default_chunk_size)
 SHARED_MEMORY_PER_BLOCK = 232_448  # bytes of shared memory a program may opt in to on an H100 or H200 (227 KiB)
+REGISTERS_PER_SM = 65_536
+LOADER_REGISTERS = 24  # a thread of the warp group that only issues the TMA loads (TileLang's own figure)
 # the backward at head dims above WIDE_HEAD_DIM (up to BACKWARD_MOST_HEAD_DIM): chunk WIDE_HEAD_CHUNK_SIZE
 # (backward_chunk_size) and the state products by blocks of columns (state_products_value_block)
 WIDE_HEAD_DIM = 128
@@ -118,6 +120,19 @@ def recurrence_shared_bytes(chunk_size: int, d_k: int, block_dv: int, num_stages
     C = chunk_size
     stage = 2 * (3 * C * d_k + C * C + C * block_dv) + 4 * d_k
     return num_stages * stage + 2 * (d_k * block_dv + 2 * C * block_dv)
+
+
+def computing_registers(threads: int, programs_per_sm: int) -> int:
+    """The registers a thread of the recurrence's computing warp group asks for (`setmaxnreg.inc`) when
+    programs_per_sm programs of `threads` threads, half loading and half computing, share an SM.
+
+    Each thread starts with the launch bound's share, R = 65,536 / (threads * programs_per_sm) rounded
+    down to a multiple of 8 (ptxas allocates registers in eights); the loading warp group gives back
+    R - LOADER_REGISTERS a thread (`setmaxnreg.dec`) and the computing one, of the same size, takes
+    them: 2R - LOADER_REGISTERS (232 at two programs of 256 threads, 136 at three). Asking for more
+    than the loading group gave back would wait forever: the registers come from the program's own."""
+    share = REGISTERS_PER_SM // (threads * programs_per_sm) // 8 * 8
+    return min(2 * share - LOADER_REGISTERS, 240)
 
 
 def default_num_stages(chunk_size: int, d_k: int, block_dv: int) -> int:

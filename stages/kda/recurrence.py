@@ -12,7 +12,8 @@ own sequence's chunks from its own state and stores o at the packed rows), a Pyt
 signature.
 """
 
-from stages.kda.config import DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_NUM_STAGES, DEFAULT_THREADS
+from stages.kda.config import (DEFAULT_BLOCK_DV, DEFAULT_CHUNK_SIZE, DEFAULT_NUM_STAGES, DEFAULT_THREADS, LOADER_REGISTERS,
+                               computing_registers)
 from stages.kda.prepare import PackedBatch
 from stages.kda.tensor_types import tensor_types
 from stages.kda.tiles import (CHUNK_ROW, KEY_ROWS, SCORE_ROWS, VALUE_BLOCK, advance_state_macro, chunk_operands_macro,
@@ -41,8 +42,10 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
 
     programs_per_sm: the launch bound, programs an SM the program is compiled for. 1 is TileLang's
     default (its register budget, 240 a thread, leaves one program an SM); 2 or 3 cap the registers
-    at 128 or 80 a thread so that two or three programs share an SM (KernelConfig.programs_per_sm: 1
-    until the bounded programs are measured race-free; stage 5's page, "Where the parallelism runs out").
+    at 128 or 80 a thread so that two or three programs share an SM, and the loading warp group hands
+    what it does not use to the computing one (config.computing_registers: 232 or 136 a thread), as
+    TileLang does at one program an SM (KernelConfig.programs_per_sm: 1 until the bounded programs are
+    measured race-free; stage 5's page, "Where the parallelism runs out").
     """
     import tilelang.language as T
 
@@ -64,9 +67,10 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
     def recurrence(W, U, Q_decayed, K_to_chunk_end, A_qk, Chunk_decay, Initial_state, Chunk_offsets, Cu_seqlens, O,
                    Final_state):
         with T.Kernel(d_v // block_dv, states * H, threads=threads) as (i_v, i_bh):
-            if programs_per_sm > 1:  # registers capped to fit; no reallocation between the warp groups past the cap
+            if programs_per_sm > 1:  # registers capped to fit, and shared between the warp groups within the cap
                 T.annotate_min_blocks_per_sm(programs_per_sm)
-                T.no_set_max_nreg()
+                T.set_max_nreg(LOADER_REGISTERS, 0)
+                T.set_max_nreg(computing_registers(2 * threads, programs_per_sm), 1)
             if packed is None:
                 b, h = i_bh // H, i_bh % H
                 v0 = i_v * block_dv

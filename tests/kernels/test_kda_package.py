@@ -200,11 +200,14 @@ def test_the_backward_s_programs_fit_at_head_dims_of_256_at_the_chunk_they_run_a
 def test_the_recurrence_s_launch_bound_fits_that_many_programs_an_sm(packed, programs_per_sm):
     """programs_per_sm: the compiled recurrence (32 value columns, C = 32) asks for that many programs an
     SM (its launch bound) and its registers fit them (65,536 an SM over programs_per_sm programs of 256
-    threads) without spills; at the default (1) TileLang's own bound stands. (The packed program at
-    three an SM spills: 80 registers a thread are too few for its run-time indexing.)"""
-    from stages.kda.compiled import packed_sizes
-    from stages.kda.recurrence import build_recurrence_program
+    threads) without spills; the loading warp group gives its registers back and the computing one
+    takes no more than it gave (setmaxnreg's pool is the program's own: asking for more waits
+    forever); at the default (1) TileLang's own bound stands. (The packed program at three an SM
+    spills: 80 registers a thread are too few for its run-time indexing.)"""
     from stages.common.tilelang_tools import compile_report
+    from stages.kda.compiled import packed_sizes
+    from stages.kda.config import LOADER_REGISTERS, computing_registers
+    from stages.kda.recurrence import build_recurrence_program
 
     rows, batch = packed_sizes() if packed else (8192, None)
     arguments = (1, rows, 96, 128, 128, 32, 32, "bfloat16")
@@ -212,4 +215,34 @@ def test_the_recurrence_s_launch_bound_fits_that_many_programs_an_sm(packed, pro
     default = compile_report(build_recurrence_program(*arguments, packed=batch))
     assert f"__launch_bounds__({bounded.threads}, {programs_per_sm})" in bounded.cuda_source
     assert bounded.registers * bounded.threads * programs_per_sm <= 65_536 and not bounded.spill_stores
+    computing = computing_registers(bounded.threads, programs_per_sm)
+    assert f"warpgroup_reg_dealloc<{LOADER_REGISTERS}>" in bounded.cuda_source
+    assert f"warpgroup_reg_alloc<{computing}>" in bounded.cuda_source
+    assert LOADER_REGISTERS + computing <= 2 * bounded.registers  # the two warp groups are the same size
     assert f"__launch_bounds__({default.threads}, 1)" in default.cuda_source
+
+
+@pytest.mark.parametrize("programs_per_sm", [2, 3])
+def test_the_launch_bound_changes_no_arithmetic(programs_per_sm):
+    """The bounded recurrence computes, on the tile interpreter, the same bits as the default one: the
+    bound and the registers the warp groups hold change where values live, not what they are (two
+    chunks of 32, decays in (0, 1], a nonzero initial state)."""
+    import numpy as np
+
+    from stages.common.interpreter import interpret
+    from stages.kda.recurrence import build_recurrence_program
+
+    def outputs(bound):
+        program = build_recurrence_program(1, 64, 1, 64, 64, chunk_size=32, block_dv=32, dtype="float16",
+                                           programs_per_sm=bound)
+        generator = np.random.default_rng(7)
+        arrays = []
+        for buffer in (program.buffer_map[p] for p in program.params):
+            shape, name = [int(n) for n in buffer.shape], buffer.name
+            values = generator.uniform(0.2, 1.0, shape) if name == "Chunk_decay" else generator.normal(0, 0.3, shape)
+            arrays.append(values.astype(np.float32 if "float32" in str(buffer.dtype) else np.float16))
+        interpret(program)(*arrays)
+        return arrays[-2:]  # o and the final state
+
+    default, bounded = outputs(1), outputs(programs_per_sm)
+    assert all(np.isfinite(x).all() and np.array_equal(x, y) for x, y in zip(default, bounded))
