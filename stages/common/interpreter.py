@@ -898,7 +898,7 @@ class _Program:
             # proxy, so a barrier, a wait or a fence changes nothing (and a missing one cannot show:
             # see the module docstring)
             return lambda frame: None
-        if op in ("tl.set_max_nreg", "tl.no_set_max_nreg"):
+        if op in ("tl.annotate_producer_reg_dealloc", "tl.annotate_consumer_reg_alloc", "tl.no_set_max_nreg"):
             # how many registers a warp group holds: where values live, not what they are
             return lambda frame: None
         handler = {

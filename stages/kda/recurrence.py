@@ -69,8 +69,8 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
         with T.Kernel(d_v // block_dv, states * H, threads=threads) as (i_v, i_bh):
             if programs_per_sm > 1:  # registers capped to fit, and shared between the warp groups within the cap
                 T.annotate_min_blocks_per_sm(programs_per_sm)
-                T.set_max_nreg(LOADER_REGISTERS, 0)
-                T.set_max_nreg(computing_registers(2 * threads, programs_per_sm), 1)
+                T.annotate_producer_reg_dealloc(LOADER_REGISTERS)
+                T.annotate_consumer_reg_alloc(computing_registers(2 * threads, programs_per_sm))
             if packed is None:
                 b, h = i_bh // H, i_bh % H
                 v0 = i_v * block_dv

@@ -4,6 +4,7 @@ stages 5-7's kernel modules holding no kernel body."""
 
 import ast
 import dataclasses
+import re
 
 import pytest
 
@@ -196,14 +197,13 @@ def test_the_backward_s_programs_fit_at_head_dims_of_256_at_the_chunk_they_run_a
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize(("packed", "programs_per_sm"), [(False, 2), (False, 3), (True, 2)])
+@pytest.mark.parametrize(("packed", "programs_per_sm"), [(False, 2), (False, 3), (True, 2), (True, 3)])
 def test_the_recurrence_s_launch_bound_fits_that_many_programs_an_sm(packed, programs_per_sm):
     """programs_per_sm: the compiled recurrence (32 value columns, C = 32) asks for that many programs an
     SM (its launch bound) and its registers fit them (65,536 an SM over programs_per_sm programs of 256
     threads) without spills; the loading warp group gives its registers back and the computing one
     takes no more than it gave (setmaxnreg's pool is the program's own: asking for more waits
-    forever); at the default (1) TileLang's own bound stands. (The packed program at three an SM
-    spills: 80 registers a thread are too few for its run-time indexing.)"""
+    forever); at the default (1) TileLang's own bound stands."""
     from stages.common.tilelang_tools import compile_report
     from stages.kda.compiled import packed_sizes
     from stages.kda.config import LOADER_REGISTERS, computing_registers
@@ -216,8 +216,9 @@ def test_the_recurrence_s_launch_bound_fits_that_many_programs_an_sm(packed, pro
     assert f"__launch_bounds__({bounded.threads}, {programs_per_sm})" in bounded.cuda_source
     assert bounded.registers * bounded.threads * programs_per_sm <= 65_536 and not bounded.spill_stores
     computing = computing_registers(bounded.threads, programs_per_sm)
-    assert f"warpgroup_reg_dealloc<{LOADER_REGISTERS}>" in bounded.cuda_source
-    assert f"warpgroup_reg_alloc<{computing}>" in bounded.cuda_source
+    # one setmaxnreg a warp group, each in its own branch: none in the code both groups run
+    assert re.findall(r"warpgroup_reg_dealloc<(\d+)>", bounded.cuda_source) == [str(LOADER_REGISTERS)]
+    assert re.findall(r"warpgroup_reg_alloc<(\d+)>", bounded.cuda_source) == [str(computing)]
     assert LOADER_REGISTERS + computing <= 2 * bounded.registers  # the two warp groups are the same size
     assert f"__launch_bounds__({default.threads}, 1)" in default.cuda_source
 
