@@ -7,17 +7,20 @@
 # --tilelang TAR  TileLang's cache compiled ahead on the CPU (CONTRIBUTING.md, "Sparing the GPU's time"),
 #                 packed from inside its folder (`tar -C DIR -cJf TAR .`): unpacked to /tmp/tlcache,
 #                 which TILELANG_CACHE_DIR names before Python starts.
-# --triton TAR    Triton's cache (FLA's kernels compiled and autotuned) from an earlier call's results.
+# --triton TAR    Triton's cache from an earlier call's results: triton.tgz (FLA's kernels compiled and
+#                 autotuned) or triton_autotune.tgz (the autotuning's results alone: Triton then skips
+#                 timing every config and only compiles the best). May be given more than once.
 # COMMAND runs after `source .gpu/env.sh` (and .gpu/fla_models.sh where it was carried), with RUN_OUT set
-# to a scratch folder for its results. $OUT then holds results.tar.gz (RUN_OUT) and triton.tgz (the
-# Triton cache, packed with gzip under a 30 s limit: xz ran a call into its limit once). The script
-# exits with COMMAND's status.
+# to a scratch folder for its results. $OUT then holds results.tar.gz (RUN_OUT), triton.tgz (the
+# Triton cache, packed with gzip under a 30 s limit: xz ran a call into its limit once; often past the
+# 16 MiB the device sends back) and triton_autotune.tgz (its *.autotune.json files, kilobytes, in
+# their folders: what spares the next call FLA's autotuning). The script exits with COMMAND's status.
 set -uo pipefail
-tilelang= triton=
+tilelang= triton=()
 while [ $# -gt 0 ]; do
   case $1 in
     --tilelang) tilelang=$2; shift 2 ;;
-    --triton) triton=$2; shift 2 ;;
+    --triton) triton+=("$2"); shift 2 ;;
     --) shift; break ;;
     *) echo "device_run: unknown option $1 (usage: see the script's head)" >&2; exit 2 ;;
   esac
@@ -28,7 +31,7 @@ source .gpu/env.sh
 [ -f .gpu/fla_models.sh ] && source .gpu/fla_models.sh
 mkdir -p /tmp/tlcache /tmp/triton
 [ -n "$tilelang" ] && tar -C /tmp/tlcache -xf "$tilelang"
-[ -n "$triton" ] && tar -C /tmp/triton -xzf "$triton"
+for tar in ${triton[@]+"${triton[@]}"}; do tar -C /tmp/triton -xzf "$tar"; done
 export TILELANG_CACHE_DIR=/tmp/tlcache TRITON_CACHE_DIR=/tmp/triton RUN_OUT=/tmp/run_out
 mkdir -p "$RUN_OUT"
 start=$(date +%s)
@@ -36,5 +39,6 @@ bash -c "$*" 2>&1 | tee "$RUN_OUT/device_run.log"
 status=${PIPESTATUS[0]}
 echo "device_run: exit $status after $(( $(date +%s) - start )) s" | tee -a "$RUN_OUT/device_run.log"
 tar -C "$RUN_OUT" -czf "$OUT/results.tar.gz" .
+(cd /tmp/triton && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tgz" -T -)
 timeout 30 tar -C /tmp/triton -czf "$OUT/triton.tgz" . || echo "device_run: Triton's cache not packed in 30 s"
 exit "$status"
