@@ -5,7 +5,8 @@
 #   bash scripts/device_run.sh [--tilelang TAR] [--triton TAR] -- COMMAND ...
 #
 # --tilelang TAR  TileLang's cache compiled ahead on the CPU (CONTRIBUTING.md, "Sparing the GPU's time"),
-#                 packed from inside its folder (`tar -C DIR -cJf TAR .`): unpacked to /tmp/tlcache,
+#                 packed from inside its folder (`tar -C DIR -cJf TAR .`): unpacked to /tmp/tlcache (the
+#                 scratch folder is DEVICE_RUN_SCRATCH, /tmp unless set),
 #                 which TILELANG_CACHE_DIR names before Python starts.
 # --triton TAR    Triton's cache from an earlier call's results: triton.tgz (FLA's kernels compiled and
 #                 autotuned) or triton_autotune.tgz (the autotuning's results alone: Triton then skips
@@ -29,16 +30,17 @@ done
 [ -n "${OUT:-}" ] || { echo "device_run: OUT is not set (the device sets it)" >&2; exit 2; }
 source .gpu/env.sh
 [ -f .gpu/fla_models.sh ] && source .gpu/fla_models.sh
-mkdir -p /tmp/tlcache /tmp/triton
-[ -n "$tilelang" ] && tar -C /tmp/tlcache -xf "$tilelang"
-for tar in ${triton[@]+"${triton[@]}"}; do tar -C /tmp/triton -xzf "$tar"; done
-export TILELANG_CACHE_DIR=/tmp/tlcache TRITON_CACHE_DIR=/tmp/triton RUN_OUT=/tmp/run_out
+scratch=${DEVICE_RUN_SCRATCH:-/tmp}  # where the caches and RUN_OUT live (a test points it elsewhere)
+mkdir -p "$scratch/tlcache" "$scratch/triton"
+[ -n "$tilelang" ] && tar -C "$scratch/tlcache" -xf "$tilelang"
+for tar in ${triton[@]+"${triton[@]}"}; do tar -C "$scratch/triton" -xzf "$tar"; done
+export TILELANG_CACHE_DIR=$scratch/tlcache TRITON_CACHE_DIR=$scratch/triton RUN_OUT=$scratch/run_out
 mkdir -p "$RUN_OUT"
 start=$(date +%s)
 bash -c "$*" 2>&1 | tee "$RUN_OUT/device_run.log"
 status=${PIPESTATUS[0]}
 echo "device_run: exit $status after $(( $(date +%s) - start )) s" | tee -a "$RUN_OUT/device_run.log"
 tar -C "$RUN_OUT" -czf "$OUT/results.tar.gz" .
-(cd /tmp/triton && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tgz" -T -)
-timeout 30 tar -C /tmp/triton -czf "$OUT/triton.tgz" . || echo "device_run: Triton's cache not packed in 30 s"
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tgz" -T -)
+timeout 30 tar -C "$TRITON_CACHE_DIR" -czf "$OUT/triton.tgz" . || echo "device_run: Triton's cache not packed in 30 s"
 exit "$status"
