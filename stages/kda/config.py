@@ -129,8 +129,9 @@ def computing_registers(threads: int, programs_per_sm: int) -> int:
     Each thread starts with the launch bound's share, R = 65,536 / (threads * programs_per_sm) rounded
     down to a multiple of 8 (ptxas allocates registers in eights); the loading warp group gives back
     R - LOADER_REGISTERS a thread (`setmaxnreg.dec`) and the computing one, of the same size, takes
-    them: 2R - LOADER_REGISTERS (232 at two programs of 256 threads, 136 at three). Asking for more
-    than the loading group gave back would wait forever: the registers come from the program's own."""
+    them: 2R - LOADER_REGISTERS (232 at two programs of 256 threads, 136 at three), at most 240, the
+    most TileLang's hint takes. Asking for more than the loading group gave back would wait forever:
+    the registers come from the program's own."""
     share = REGISTERS_PER_SM // (threads * programs_per_sm) // 8 * 8
     return min(2 * share - LOADER_REGISTERS, 240)
 
