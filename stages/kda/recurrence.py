@@ -70,6 +70,7 @@ def build_recurrence_program(B, N, H, d_k, d_v, chunk_size=DEFAULT_CHUNK_SIZE, b
             if programs_per_sm > 1:  # registers capped to fit, and shared between the warp groups within the cap
                 T.annotate_min_blocks_per_sm(programs_per_sm)
                 T.annotate_producer_reg_dealloc(LOADER_REGISTERS)
+                # TileLang launches a loading warp group as large as the `threads` computing ones
                 T.annotate_consumer_reg_alloc(computing_registers(2 * threads, programs_per_sm))
             if packed is None:
                 b, h = i_bh // H, i_bh % H

@@ -3,6 +3,7 @@ time"), run here on stand-ins: a .gpu/env.sh that sets nothing, a Triton cache o
 and one compiled kernel, the scratch folders under the test's own directory (DEVICE_RUN_SCRATCH)."""
 
 import io
+import os
 import shutil
 import subprocess
 import tarfile
@@ -31,15 +32,16 @@ def _names(path):
 
 @pytest.fixture
 def run(tmp_path):
-    if shutil.which("bash") is None:
-        pytest.skip("needs bash")
+    missing = [tool for tool in ("bash", "tar", "gzip", "timeout") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (the device's tools)")
     repo, out = tmp_path / "repo", tmp_path / "out"
     (repo / ".gpu").mkdir(parents=True)
     (repo / "scripts").mkdir()
     out.mkdir()
     shutil.copy(REPO_ROOT / "scripts" / "device_run.sh", repo / "scripts")
     (repo / ".gpu" / "env.sh").write_text("true\n")
-    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "DEVICE_RUN_SCRATCH": str(tmp_path / "scratch")}
+    env = {"PATH": os.environ["PATH"], "OUT": str(out), "DEVICE_RUN_SCRATCH": str(tmp_path / "scratch")}
 
     def device_run(*arguments):
         return subprocess.run(["bash", "scripts/device_run.sh", *arguments], cwd=repo, env=env,

@@ -142,9 +142,10 @@ VARLEN = {  # FLA's test_chunk_varlen
 
 # Cases of the course's own where FLA 0.6.0's kernels fault (a CUDA fault ends every later GPU call of the
 # process, so FLA's side is not run there): D60-chunk32 raised "misaligned address" on an H100 in the
-# autotune of FLA's chunk_gla_fwd_kernel_o, after the course's call had returned and FLA's earlier
-# kernels' autotunes had synchronized cleanly (tests/gpu_results/drop_in_h100/README.md, item 11).
-# FLA's own test file has no packed case at chunk 32 with d = 60.
+# autotune of FLA's chunk_gla_fwd_kernel_o, its forward's last kernel; its earlier kernels, each autotuned
+# (and synchronized) on keys only this case has, reported nothing, so the fault is read as FLA's, not yet
+# confirmed by each side run alone (tests/gpu_results/drop_in_h100/README.md, item 11). FLA's own test
+# file has no packed case at chunk 32 with d = 60.
 FLA_FAULTS = {"D60-chunk32"}
 
 

@@ -206,7 +206,7 @@ def test_the_recurrence_s_launch_bound_fits_that_many_programs_an_sm(packed, pro
     forever); at the default (1) TileLang's own bound stands."""
     from stages.common.tilelang_tools import compile_report
     from stages.kda.compiled import packed_sizes
-    from stages.kda.config import LOADER_REGISTERS, computing_registers
+    from stages.kda.config import LOADER_REGISTERS, REGISTERS_PER_SM, computing_registers
     from stages.kda.recurrence import build_recurrence_program
 
     rows, batch = packed_sizes() if packed else (8192, None)
@@ -214,7 +214,7 @@ def test_the_recurrence_s_launch_bound_fits_that_many_programs_an_sm(packed, pro
     bounded = compile_report(build_recurrence_program(*arguments, packed=batch, programs_per_sm=programs_per_sm))
     default = compile_report(build_recurrence_program(*arguments, packed=batch))
     assert f"__launch_bounds__({bounded.threads}, {programs_per_sm})" in bounded.cuda_source
-    assert bounded.registers * bounded.threads * programs_per_sm <= 65_536 and not bounded.spill_stores
+    assert bounded.registers * bounded.threads * programs_per_sm <= REGISTERS_PER_SM and not bounded.spill_stores
     computing = computing_registers(bounded.threads, programs_per_sm)
     # one setmaxnreg a warp group, each in its own branch: none in the code both groups run
     assert re.findall(r"warpgroup_reg_dealloc<(\d+)>", bounded.cuda_source) == [str(LOADER_REGISTERS)]
