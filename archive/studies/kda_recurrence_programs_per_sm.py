@@ -25,7 +25,9 @@ that differs from its first is a race), where its o differs logged, and its erro
 measured (benchmarks.kimi_call.float64_reference). The recurrence kernel's own time comes from torch's
 profiler (one profile a variant). --precompile makes the same calls on CPU zeros with CUDA faked, each
 program compiled and not run. The default variants are those the committed results ran; the one-stage
-ones ask whether the race that two programs an SM show is the pipeline's.
+ones ask whether the race that two programs an SM show is the pipeline's, the mma_state ones whether
+it is the two kinds of tensor-core GEMM side by side (the o path's mma.sync, the state update's wgmma:
+here both mma.sync, TileLang's `tl.disable_wgmma` for the recurrence alone).
 
 Writes DIR/programs_per_sm.csv (case, round, variant, ms), DIR/programs_per_sm_kernels.json and
 DIR/programs_per_sm.log.
@@ -51,7 +53,14 @@ VARIANTS = {  # name: (block_dv, programs_per_sm, pipeline stages); the first is
     # one stage: the chunk loop's loads not ahead of its use (is the race the pipeline's?)
     "dv64_pp2_one_stage": (64, 2, 1),
     "dv32_pp3_one_stage": (32, 3, 1),
+    # the state update's GEMM on mma.sync, as the o path's are, not wgmma (is the race the two kinds of
+    # tensor-core GEMM of programs that share an SM?)
+    "dv32_pp3_mma_state": (32, 3, 2),
+    "dv64_pp2_mma_state": (64, 2, 2),
 }
+# TileLang pass options a variant compiles its recurrence with (tilelang.transform.PassConfigKey)
+RECURRENCE_PASS_CONFIGS = {"dv32_pp3_mma_state": {"tl.disable_wgmma": True},
+                           "dv64_pp2_mma_state": {"tl.disable_wgmma": True}}
 STUDY_VARIANTS = ("dv64", "dv64_pp2", "dv32", "dv32_pp2", "dv32_pp3")  # what the committed results ran
 
 
@@ -59,16 +68,36 @@ KEPT = []  # every kernel compiled here, held: a captured graph launches them af
 
 
 def keep_compiled_kernels():
-    """tilelang.compile wrapped so that every kernel it returns stays referenced (KEPT)."""
+    """tilelang.compile wrapped so that every kernel it returns stays referenced (KEPT), and the
+    recurrence compiled with the pass options of the variant being built (in_variant)."""
     import tilelang
 
     compile_ = tilelang.compile
 
-    def compile_and_keep(*arguments, **options):
-        KEPT.append(compile_(*arguments, **options))
+    def compile_and_keep(program, *arguments, **options):
+        if PASS_CONFIGS and program.attrs["global_symbol"] == "kda_recurrence":
+            options["pass_configs"] = {**options.get("pass_configs", {}), **PASS_CONFIGS}
+        KEPT.append(compile_(program, *arguments, **options))
         return KEPT[-1]
 
     tilelang.compile = compile_and_keep
+
+
+PASS_CONFIGS = {}  # the recurrence's pass options while a variant's programs are built
+
+
+def in_variant(variant):
+    """Set the recurrence's pass options to `variant`'s, and empty the fast path's compile caches where
+    they change (a program is cached by its shape and configuration, not by its pass options)."""
+    from stages.kda import compiled
+
+    options = RECURRENCE_PASS_CONFIGS.get(variant, {})
+    if options != PASS_CONFIGS:
+        PASS_CONFIGS.clear()
+        PASS_CONFIGS.update(options)
+        for cached in (compiled.compiled_recurrence, compiled.compiled_packed_recurrence,
+                       compiled.compiled_prefill_kernels):
+            cached.cache_clear()
 
 
 def variant_config(sequences, H, num_sms, block_dv, num_stages, programs_per_sm):
@@ -97,6 +126,7 @@ def precompile(cases, variants):
     from stages.kda.on_cpu import calls_on_cpu, compiled_only
 
     with calls_on_cpu(compiled_only):
+        keep_compiled_kernels()  # around the stand-in: the variants' pass options reach it
         for name in cases:
             lengths, H = CASES[name]
             T, N = sum(lengths), len(lengths)
@@ -105,6 +135,7 @@ def precompile(cases, variants):
                           dt_bias=torch.zeros(H, D), initial_state=torch.zeros(N, H, D, D),
                           cu_seqlens=None if N == 1 else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]))
             for variant in variants:
+                in_variant(variant)
                 block_dv, programs_per_sm, num_stages = VARIANTS[variant]
                 course_call(inputs, variant_config(N, H, 132, block_dv, num_stages, programs_per_sm))()
                 print(f"{name} {variant}: compiled", flush=True)
@@ -202,6 +233,7 @@ def run(args):
             graphs, first = {}, None  # first: the first variant's (o, final states)
             expected = float64_reference(inputs) if args.repeats else None
             for variant in args.variants:
+                in_variant(variant)
                 block_dv, programs_per_sm, num_stages = VARIANTS[variant]
                 call = course_call(inputs, variant_config(len(lengths), H, num_sms, block_dv, num_stages,
                                                           programs_per_sm))
