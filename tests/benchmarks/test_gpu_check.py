@@ -39,6 +39,22 @@ def test_problems_are_found():
                      "p/imports: benchmarks.profile_s05 defines no no_such_function", "p/slow: no module "
                      "benchmarks.no_such_module"]
     assert gpu_check.problems(gpu_check.Part("p", "", (slow, imports), side_by_side=True))[0].startswith("p/slow")
+    missing = gpu_check.Step("missing", gpu_check.python("scripts/no_such_script.py"), 100)
+    assert gpu_check.problems(gpu_check.Part("p", "", (missing,))) == ["p/missing: no script scripts/no_such_script.py"]
+
+
+def test_the_scripts_accept_their_steps_arguments(tmp_path):
+    import importlib.util
+
+    steps = [step for part in PARTS.values() for step in part.steps if step.command[1].endswith(".py")]
+    assert steps, "no part runs a script"
+    for step in steps:
+        spec = importlib.util.spec_from_file_location("script", REPO_ROOT / step.command[1])
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        script.parse_args(step.argv(tmp_path)[2:])  # argparse exits on an argument it does not know
+        with pytest.raises(SystemExit):
+            script.parse_args([*step.argv(tmp_path)[2:], "--no-such-option"])
 
 
 def test_a_dry_run_checks_and_prints_without_running(tmp_path):

@@ -3,6 +3,7 @@ Python switches over one signature, the resolved configuration, the calls' one r
 stages 5-7's kernel modules holding no kernel body."""
 
 import ast
+import os
 import dataclasses
 import re
 
@@ -247,3 +248,16 @@ def test_the_launch_bound_changes_no_arithmetic(programs_per_sm):
 
     default, bounded = outputs(1), outputs(programs_per_sm)
     assert all(np.isfinite(x).all() and np.array_equal(x, y) for x, y in zip(default, bounded))
+
+
+def test_each_case_of_a_precompile_runs_in_a_process_of_its_own_and_failures_are_named(tmp_path):
+    from stages.kda.on_cpu import each_in_a_process
+
+    script = tmp_path / "precompile.py"  # writes its case's process id; fails at case "b"
+    script.write_text("import os, sys\n"
+                      "name = sys.argv[sys.argv.index('--cases') + 1]\n"
+                      f"open(os.path.join({str(tmp_path)!r}, name + '.pid'), 'w').write(str(os.getpid()))\n"
+                      "sys.exit(name == 'b')\n")
+    assert each_in_a_process(script, ["a", "b", "c"], jobs=2) == ["b"]
+    pids = {(tmp_path / f"{name}.pid").read_text() for name in "abc"}
+    assert len(pids) == 3 and str(os.getpid()) not in pids  # three processes, none of them this one
