@@ -8,7 +8,8 @@ so that the GPU check's kimi-train parts find them compiled (CONTRIBUTING.md, "S
 
 The benchmark's own step (benchmarks.kimi_train.peer_steps) runs on CPU zeros of the case's shapes with
 CUDA faked, each program compiled and not run (stages.kda.on_cpu.compiled_only), so it builds exactly
-what the GPU run builds. T 65536 holds about 6 GB of zeros on the CPU.
+what the GPU run builds. At T 65536 (H 32, d 128, bf16) the four inputs of (T, H, d) and their
+gradients alone are 4.3 GB of the CPU's memory.
 """
 
 import argparse
@@ -21,21 +22,28 @@ from benchmarks.kimi_train import ACCURACY_CASE, CASES, GATES, make_inputs, peer
 from stages.kda.on_cpu import calls_on_cpu, compiled_only  # noqa: E402
 
 
-def main(argv=None):
+SHAPES = {**CASES, "accuracy": ACCURACY_CASE}  # name: (T, H), B = 1
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gates", default=",".join(GATES), help=f"comma-separated, of {', '.join(GATES)}")
-    parser.add_argument("--cases", default=",".join([*CASES, "accuracy"]),
-                        help=f"comma-separated, of {', '.join(CASES)} and accuracy")
+    parser.add_argument("--gates", type=lambda text: text.split(","), default=list(GATES),
+                        help=f"comma-separated, of {', '.join(GATES)}")
+    parser.add_argument("--cases", type=lambda text: text.split(","), default=list(SHAPES),
+                        help=f"comma-separated, of {', '.join(SHAPES)}")
     args = parser.parse_args(argv)
-    shapes = {**CASES, "accuracy": ACCURACY_CASE}
-    gates, cases = args.gates.split(","), args.cases.split(",")
-    unknown = [name for name in gates if name not in GATES] + [name for name in cases if name not in shapes]
+    unknown = [name for name in args.gates if name not in GATES] + [name for name in args.cases if name not in SHAPES]
     if unknown:
-        parser.error(f"unknown {unknown}: gates are {', '.join(GATES)}, cases {', '.join(shapes)}")
+        parser.error(f"unknown {unknown}: gates are {', '.join(GATES)}, cases {', '.join(SHAPES)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     with calls_on_cpu(compiled_only):
-        for name in cases:
-            inputs = make_inputs(*shapes[name], device="cpu")
-            for gate in gates:
+        for name in args.cases:
+            inputs = make_inputs(*SHAPES[name], device="cpu")
+            for gate in args.gates:
                 peer_steps(inputs, gate)[0]["course"]()
                 print(f"{name} {gate}: done", flush=True)
 

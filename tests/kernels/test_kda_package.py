@@ -3,8 +3,8 @@ Python switches over one signature, the resolved configuration, the calls' one r
 stages 5-7's kernel modules holding no kernel body."""
 
 import ast
-import os
 import dataclasses
+import os
 import re
 
 import pytest
