@@ -157,6 +157,34 @@ def _ncu(module):
     return tuple(shlex.split(importlib.import_module(module).NCU_COMMAND))
 
 
+# benchmarks.kimi_call's cases in three parts: FLA's autotuning takes about 90 s a case on a fresh machine,
+# so three a part at most, the accuracy check (a case of its own) with the first; each part's results in a
+# folder of its own under benchmarks/results/kimi_call/, read as one run (kdacourse.results.kimi_call_run)
+KIMI_CALL_GROUPS = {  # part's group: (cases, what they are)
+    "one-sequence": (("T8192_H64", "T8192_H96"), "one sequence of 8192 tokens at 64 and 96 heads, and the error "
+                     "against float64"),
+    "packed": (("packed6_H96", "8x1024_H96", "8x4096_H16"), "packed batches as a server makes them"),
+    "long": (("T16384_H32", "T65536_H32"), "long sequences at 32 heads"),
+}
+
+
+def _kimi_call(group, cases, what):
+    """A kimi-call part: the course's programs of its cases compiled first on the machine's cores, side by
+    side (the benchmark builds them one at a time, four or five a case), then the benchmark."""
+    accuracy = group == "one-sequence"
+    names = ",".join(cases)
+    folder = group.replace("-", "_")
+    return Part(f"kimi-call-{group}", f"KDA as Kimi Linear calls it (raw gate, norms and beta's sigmoid in the "
+                f"kernels) beside FLA's own path and FlashKDA, calls and CUDA graphs: {what}",
+                (Step(f"kimi_call_{folder}_precompile", python("scripts/precompile_kimi_call.py", "--cases",
+                                                               names + (",accuracy" if accuracy else ""), "--jobs", "8"),
+                      150),
+                 Step(f"kimi_call_{folder}", python("-m", "benchmarks.kimi_call", "--out", FILES, "--rounds", "3",
+                                                    "--cases", names, *(() if accuracy else ("--no-accuracy",)),
+                                                    "--deadline", "290"), 370,
+                      log_to=f"{RESULTS}/kimi_call/{folder}/kimi_call.log", files_to=f"{RESULTS}/kimi_call/{folder}")))
+
+
 def parts() -> dict[str, Part]:
     listed = [
         Part("tests-s01-s04", "stages 1-4's GPU tests and kernel exercises (stage 1's log is its page's), then "
@@ -212,14 +240,7 @@ def parts() -> dict[str, Part]:
              (_context_parallel("forward", 500),)),
         Part("context-parallel-backward", "stage 8's backward pieces at 1M tokens over 2, 4 and 8 ranks",
              (_context_parallel("backward", 520),)),
-        Part("kimi-call", "KDA as Kimi Linear calls it (raw gate, norms and beta's sigmoid in the kernels) beside "
-             "FLA's own path and FlashKDA, calls and CUDA graphs, and the error against float64 (the course's "
-             "programs compiled first on the machine's cores, side by side: the benchmark builds them one at a "
-             "time, four or five a case)",
-             (Step("kimi_call_precompile", python("scripts/precompile_kimi_call.py", "--jobs", "8"), 150),
-              Step("kimi_call", python("-m", "benchmarks.kimi_call", "--out", FILES, "--rounds", "3", "--deadline",
-                                       "290"), 370, log_to=f"{RESULTS}/kimi_call/kimi_call.log",
-                   files_to=f"{RESULTS}/kimi_call"),)),
+        *(_kimi_call(group, cases, what) for group, (cases, what) in KIMI_CALL_GROUPS.items()),
         *(Part(f"kimi-train-{gate}", f"KDA's forward and backward as Kimi Linear trains (the gate, norms and "
                f"beta's sigmoid in the kernels) beside FLA's, the {gate} gate, and every gradient's error against "
                "float64 (FLA's first call autotunes for about 3 minutes on a fresh machine)",
@@ -397,10 +418,25 @@ def run_part(part: Part, out: Path) -> int:
 
 # ------------------------------------------------------------------ putting the results in place
 
+def machine_line(machine_log: Path) -> str:
+    """Where a part ran, in one line from its machine.log (_machine_log): the GPU as nvidia-smi names it and
+    the commit; "" where the part wrote none. A collected log starts with it, so that a page showing the
+    log says on which card it ran."""
+    if not machine_log.exists():
+        return ""
+    outputs, command = {}, None
+    for line in machine_log.read_text().splitlines():
+        if line.startswith("$ "):
+            command = line.split()[1]
+        elif command and line.strip() and command not in outputs:
+            outputs[command] = line.strip()
+    return f"ran on: {outputs.get('nvidia-smi', 'no GPU named')}; commit {outputs.get('git', '?')}\n"
+
+
 def collect(out: Path, root: Path = REPO_ROOT, merge=None) -> list[str]:
-    """Copy what the parts wrote under `out` to where the repository keeps it (each step's log_to and
-    files_to), bench's runs folded in by `merge` (benchmarks.merge.merge unless given); steps that
-    failed or did not run are left out. Returns what it did, one line each."""
+    """Copy what the parts wrote under `out` to where the repository keeps it (each step's log_to, headed
+    by the part's machine_line, and files_to), bench's runs folded in by `merge` (benchmarks.merge.merge
+    unless given); steps that failed or did not run are left out. Returns what it did, one line each."""
     if merge is None:
         from benchmarks.merge import merge
     done = []
@@ -417,7 +453,7 @@ def collect(out: Path, root: Path = REPO_ROOT, merge=None) -> list[str]:
             if step.log_to:
                 destination = Path(root) / step.log_to
                 destination.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(log, destination)
+                destination.write_text(machine_line(Path(out) / part.name / "machine.log") + log.read_text())
                 done.append(f"{log} -> {step.log_to}")
             if step.files_to == MERGE:
                 merge([str(files)])

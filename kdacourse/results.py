@@ -246,6 +246,9 @@ def varlen_mix_lengths(meta: dict) -> dict:
 KIMI_CALL = RESULTS / "kimi_call"
 KIMI_CALL_CSV, KIMI_CALL_META, KIMI_CALL_ACCURACY = "kimi_call.csv", "kimi_call_meta.json", "kimi_call_accuracy.csv"
 KIMI_CALL_PEERS = ("fla", "flashkda", "course")
+# benchmarks.kimi_call's CASES in its order (the site imports nothing from benchmarks): a run of several
+# parts shows its cases so
+KIMI_CALL_CASE_ORDER = ("T8192_H64", "T8192_H96", "packed6_H96", "8x1024_H96", "T16384_H32", "T65536_H32", "8x4096_H16")
 KIMI_CALL_RATIOS = {  # name: (numerator, denominator), each (impl, what): the course's speed-up on each peer
     "FLA call / course call": (("fla", "call"), ("course", "call")),
     "FlashKDA call / course call": (("flashkda", "call"), ("course", "call")),
@@ -280,8 +283,35 @@ class KimiCallRun:
 
 
 def kimi_call_run(folder: Path = KIMI_CALL) -> KimiCallRun | None:
-    """The run committed in `folder` (benchmarks/results/kimi_call/), or None where its CSV or meta is
-    absent or has no row. The CSV has a row per case, round, impl and measurement: time_ms, or error."""
+    """The run committed in `folder`, or None where it holds none. A folder with a CSV and a meta is one
+    run; benchmarks/results/kimi_call/ holds one folder per GPU-check part (benchmarks.gpu_check's
+    KIMI_CALL_GROUPS), read as one run: the parts' cases in their order, meta {"runs": [each part's
+    meta]}, the accuracy of the part that checked it."""
+    folder = Path(folder)
+    if (folder / KIMI_CALL_CSV).exists():
+        return _one_kimi_call_run(folder)
+    parts = [run for run in map(_one_kimi_call_run, sorted(path for path in folder.glob("*/") if path.is_dir()))
+             if run is not None] if folder.is_dir() else []
+    if not parts:
+        return None
+    parts.sort(key=lambda run: min((KIMI_CALL_CASE_ORDER.index(name) for name in run.cases
+                                    if name in KIMI_CALL_CASE_ORDER), default=len(KIMI_CALL_CASE_ORDER)))
+    return KimiCallRun(cases={name: case for run in parts for name, case in run.cases.items()},
+                       meta={"runs": [run.meta for run in parts]},
+                       accuracy=next((run.accuracy for run in parts if run.accuracy), {}))
+
+
+def kimi_call_provenance(run: KimiCallRun) -> str:
+    """Where a kimi_call run's numbers come from, for a page: each command (its output folder as DIR) on
+    its machine, date and commit, "; " between the parts of a run of several."""
+    metas = run.meta.get("runs", [run.meta])
+    return "; ".join(f"`{shown_command(meta.get('command', ''))}` on {meta.get('device', 'the GPU')} "
+                     f"({meta.get('date', 'no date')}, commit {meta.get('commit', '?')})" for meta in metas)
+
+
+def _one_kimi_call_run(folder: Path) -> KimiCallRun | None:
+    """One run's CSV, meta and accuracy in `folder`; None where its CSV or meta is absent or has no row.
+    The CSV has a row per case, round, impl and measurement: time_ms, or error."""
     rows, meta = committed_run(KIMI_CALL_CSV, KIMI_CALL_META, folder)
     if rows is None:
         return None
@@ -434,13 +464,14 @@ def recurrence_variants(rows: list[dict]) -> dict:
             for name, per_shape in by_variant.items()}
 
 
-PROGRAMS_PER_SM = RESULTS / "kda_recurrence_programs_per_sm_h100"
+PROGRAMS_PER_SM = RESULTS / "kda_recurrence_programs_per_sm_h100_registers"  # the latest run
 
 
-def programs_per_sm_run(folder: Path = PROGRAMS_PER_SM) -> tuple[dict, dict]:
+def programs_per_sm_run(folder: Path = PROGRAMS_PER_SM) -> tuple[dict, dict, dict]:
     """({case: {variant: (median ms, min, max)}}, {(case, variant): (calls that differ from the first, calls,
-    o's rel L2 against float64)}) of archive/studies/kda_recurrence_programs_per_sm.py's run: its CSV, and
-    the repeat lines of its log (empty where it ran without --repeats); cases and variants in the run's order."""
+    o's rel L2 against float64)}, the run's meta) of archive/studies/kda_recurrence_programs_per_sm.py's
+    run: its CSV, the repeat lines of its log (empty where it ran without --repeats) and the log's first
+    line (the machine, versions and command, as JSON); cases and variants in the run's order."""
     times = {}
     for row in read_rows(folder / "programs_per_sm.csv"):
         times.setdefault(row["case"], {}).setdefault(row["variant"], []).append(float(row["time_ms"]))
@@ -452,7 +483,8 @@ def programs_per_sm_run(folder: Path = PROGRAMS_PER_SM) -> tuple[dict, dict]:
             errors[found[1], found[2]] = float(found[3])
         elif found := re.match(r"(\S+) (\S+): (\d+) of (\d+) calls differ", line):
             repeats[found[1], found[2]] = (int(found[3]), int(found[4]))
-    return summary, {key: (*counts, errors.get(key)) for key, counts in repeats.items()}
+    meta = json.loads((folder / "programs_per_sm.log").read_text().splitlines()[0])
+    return summary, {key: (*counts, errors.get(key)) for key, counts in repeats.items()}, meta
 
 
 def gradient_accuracy(rows) -> dict:

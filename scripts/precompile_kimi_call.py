@@ -7,7 +7,7 @@ GPU's time"):
 
 The calls are made on zeros with CUDA faked and each program compiled and not run
 (stages.kda.on_cpu.compiled_only), so they build exactly what they build on the GPU: here ahead of a
-device call, or on the GPU machine's own cores as the GPU check's kimi-call part does before the
+device call, or on the GPU machine's own cores as the GPU check's kimi-call parts do before the
 benchmark, which builds its programs one at a time. About 10 s a program not yet in the cache, on two
 cores; --jobs N compiles N cases side by side, a process each.
 """

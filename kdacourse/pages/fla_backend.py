@@ -87,8 +87,7 @@ def write_speed(path):
                       for name in ("FLA call / course call", "FlashKDA call / course call")]
             table_rows.append([shape, *cells, *ratios])
         header = ["T, H", *(label for _, label in shown), "course's speed-up on FLA", "on FlashKDA"]
-        sections.append(f"`{results.shown_command(run.meta.get('command', ''))}` on {run.meta.get('device', 'the GPU')}, "
-                        f"commit {run.meta.get('commit', '?')} (benchmarks/results/{folder.name}/):\n\n"
+        sections.append(f"{results.kimi_call_provenance(run)} (benchmarks/results/{folder.name}/):\n\n"
                         + markdown_table(header, table_rows))
     path.write_text("\n".join(sections))
 

@@ -602,17 +602,16 @@ def write_kimi_call_table(path, folder=None):
         accuracy = ("\nAgainst a float64 recurrence on the same tensors activated exactly (relative L2):\n\n"
                     + markdown_table(["", "o", "final state"], [(names.get(impl, impl), f"{o:.2e}", f"{state:.2e}")
                                                                 for impl, (o, state) in run.accuracy.items()]))
-    meta = run.meta
     path.write_text(
-        banner(SOURCE) + f"`{results.shown_command(meta.get('command', ''))}` on {meta.get('device', 'the GPU')} "
-        f"({meta.get('date', 'no date')}); medians over the rounds (min to max):\n\n" + times
+        banner(SOURCE) + f"{results.kimi_call_provenance(run)}; medians over the rounds (min to max):\n\n" + times
         + "\nThe course's speed-up on each peer, round by round (above 1: the course is faster):\n\n" + ratios
         + ("\nNot measured: " + "; ".join(missing) + ".\n" if missing else "") + accuracy)
 
 
 PROGRAMS_PER_SM_VARIANTS = {  # archive/studies/kda_recurrence_programs_per_sm.py's: value columns, programs an SM
     "dv64": "64 columns, 1 an SM (today's)", "dv64_pp2": "64 columns, 2 an SM", "dv32": "32 columns, 1 an SM",
-    "dv32_pp2": "32 columns, 2 an SM", "dv32_pp3": "32 columns, 3 an SM"}
+    "dv32_pp2": "32 columns, 2 an SM", "dv32_pp3": "32 columns, 3 an SM",
+    "dv32_pp3_mma_state": "32 columns, 3 an SM, no wgmma", "dv64_pp2_mma_state": "64 columns, 2 an SM, no wgmma"}
 
 
 def write_programs_per_sm_table(path):
@@ -620,7 +619,7 @@ def write_programs_per_sm_table(path):
     often o changed from call to call (the committed run of the archived study)."""
     from kdacourse import results
 
-    times, repeats = results.programs_per_sm_run()
+    times, repeats, meta = results.programs_per_sm_run()
     variants = [v for v in PROGRAMS_PER_SM_VARIANTS if any(v in case for case in times.values())]
     rows = []
     for case, measured in times.items():
@@ -630,9 +629,9 @@ def write_programs_per_sm_table(path):
     repeat_rows = [[case, PROGRAMS_PER_SM_VARIANTS[variant], f"{differ} of {calls}", f"{error:.2e}"]
                    for (case, variant), (differ, calls, error) in repeats.items()]
     path.write_text(
-        banner(SOURCE) + "`python -m archive.studies.kda_recurrence_programs_per_sm --out DIR --rounds 3 --repeats 30` "
-        "on an H100 (benchmarks/results/kda_recurrence_programs_per_sm_h100/): the fused call, checks off, as one "
-        "CUDA graph, medians of three interleaved rounds in ms (FlashKDA's time over the course's):\n\n"
+        banner(SOURCE) + f"`{results.shown_command(meta.get('command', ''))}` on {meta.get('device', 'the GPU')} "
+        f"({meta.get('date', 'no date')}, benchmarks/results/{results.PROGRAMS_PER_SM.name}/): the fused call, checks "
+        "off, as one CUDA graph, medians of three interleaved rounds in ms (FlashKDA's time over the course's):\n\n"
         + markdown_table(["case", *(PROGRAMS_PER_SM_VARIANTS[v] for v in variants), "FlashKDA"], rows)
         + "\nEach variant called 30 times more: the calls whose o differs from its first call's, and its first "
         "call's o against float64 (relative L2):\n\n"

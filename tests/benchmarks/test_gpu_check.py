@@ -184,9 +184,23 @@ def test_a_part_writes_each_steps_log_without_the_chatter_and_stops_a_step_at_it
     root = tmp_path / "repository"
     done = gpu_check.collect(tmp_path / "out", root=root, merge=lambda runs: pytest.fail("no bench step here"))
     assert (root / "benchmarks/results/renamed.csv").read_text() == "a\n"
-    assert "kept" in (root / "tests/gpu_results/quick.log").read_text()
+    collected = (root / "tests/gpu_results/quick.log").read_text()
+    assert "kept" in collected and collected.splitlines()[1].startswith("command: ")
+    assert collected.startswith("ran on: ") and "; commit " in collected.splitlines()[0]  # where it ran
     assert not (root / "tests/gpu_results/stuck.log").exists()  # a failed step is not collected
     assert any("stuck: not collected" in line for line in done)
+
+
+def test_the_machine_line_names_the_card_and_the_commit(tmp_path):
+    log = tmp_path / "machine.log"
+    log.write_text("$ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader\n"
+                   "NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB\n$ git -C /r rev-parse --short HEAD\n9970f56\n"
+                   "the files' git tree (benchmarks.gpu_check.files_tree): acd6ddf\n")
+    assert gpu_check.machine_line(log) == "ran on: NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB; commit 9970f56\n"
+    log.write_text("$ nvidia-smi --query-gpu=name --format=csv,noheader\n[Errno 2] No such file\n$ git rev-parse\n"
+                   "\n")
+    assert gpu_check.machine_line(log) == "ran on: [Errno 2] No such file; commit ?\n"
+    assert gpu_check.machine_line(tmp_path / "none.log") == ""
 
 
 def test_collect_folds_bench_runs_in_with_merge(tmp_path, monkeypatch):

@@ -219,6 +219,29 @@ def test_a_kimi_call_run_reads_its_cases_ratios_round_by_round_and_why_a_peer_is
     assert results.kimi_call_run(tmp_path).accuracy == {}
 
 
+def test_a_folder_of_the_gpu_check_s_kimi_call_parts_reads_as_one_run(tmp_path, monkeypatch):
+    """benchmarks/results/kimi_call/ holds a folder per GPU-check part: their cases in the benchmark's
+    order whatever the folders' names, the accuracy of the part that checked it, each part's command."""
+    kimi_call = _kimi_call(monkeypatch)
+    assert results.KIMI_CALL_CASE_ORDER == tuple(kimi_call.CASES)  # the site's copy of the benchmark's order
+    for name, accuracy in (("a_packed", False), ("b_one_sequence", True)):
+        (tmp_path / name).mkdir()
+        _kimi_call_run(tmp_path / name, kimi_call, accuracy)
+    with open(tmp_path / "a_packed" / kimi_call.CSV_NAME) as f:  # the first part keeps its packed case only
+        kept = [line for line in f if not line.startswith("T8192_H64,")]
+    (tmp_path / "a_packed" / kimi_call.CSV_NAME).write_text("".join(kept).replace("packed6_H96", "8x1024_H96"))
+    (tmp_path / "a_packed" / kimi_call.META_NAME).write_text(
+        '{"device": "NVIDIA H100", "date": "2027-01-02", "command": "python -m benchmarks.kimi_call --out /z '
+        '--cases 8x1024_H96", "commit": "abc1234"}')
+    run = results.kimi_call_run(tmp_path)
+    assert list(run.cases) == ["T8192_H64", "packed6_H96", "8x1024_H96"]
+    assert run.accuracy == {"fla": (4.01e-3, 2e-3), "course": (3.39e-3, 1.5e-3)}
+    assert results.kimi_call_provenance(run) == (
+        "`python -m benchmarks.kimi_call --out DIR` on NVIDIA H200 (2027-01-01, commit ?); "
+        "`python -m benchmarks.kimi_call --out DIR --cases 8x1024_H96` on NVIDIA H100 (2027-01-02, commit abc1234)")
+    assert results.kimi_call_run(tmp_path / "none") is None
+
+
 def test_the_kimi_call_table_says_not_yet_run_or_shows_the_run(tmp_path, monkeypatch):
     kimi_call = _kimi_call(monkeypatch)
     out = tmp_path / "table.md"
@@ -227,7 +250,7 @@ def test_the_kimi_call_table_says_not_yet_run_or_shows_the_run(tmp_path, monkeyp
     _kimi_call_run(tmp_path, kimi_call)
     s05_fast_kda.write_kimi_call_table(out, folder=tmp_path)
     text = out.read_text()
-    assert "`python -m benchmarks.kimi_call --out DIR` on NVIDIA H200 (2027-01-01)" in text
+    assert "`python -m benchmarks.kimi_call --out DIR` on NVIDIA H200 (2027-01-01, commit ?)" in text
     assert "| T 8192, H 64 | 3.000 (2.000 to 4.000) | – | 2.500 (1.000 to 4.000) | – | – | – | 1.250 (0.500 to 2.000) |" in text
     assert "| 8192 tokens in 6, H 96 | 1.50 (1.00 to 2.00) | – | – | – |" in text
     assert "Not measured: FlashKDA call: flashkda not importable" in text
@@ -296,6 +319,7 @@ def test_the_launch_bound_study_reads_its_medians_and_each_variants_repeats(tmp_
         '{"device": "x"}\nc dv64: against float64: o 3.3989e-03, state 2.6742e-03\n'
         "c dv64: 0 of 30 calls differ from its first\n"
         "c dv64_pp2: 11 of 30 calls differ from its first (calls [0, 2]); 8 elements differ\n")
-    times, repeats = results.programs_per_sm_run(tmp_path)
+    times, repeats, meta = results.programs_per_sm_run(tmp_path)
+    assert meta == {"device": "x"}
     assert times == {"c": {"dv64": (2.0, 1.0, 3.0), "dv64_pp2": (5.0, 4.0, 9.0)}}
     assert repeats == {("c", "dv64"): (0, 30, 3.3989e-3), ("c", "dv64_pp2"): (11, 30, None)}
