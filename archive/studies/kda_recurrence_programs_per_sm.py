@@ -4,8 +4,10 @@ bound of one, two or three programs an SM, beside FlashKDA, in one process. The 
 configuration's `programs_per_sm` (stages.kda.recurrence: `T.annotate_min_blocks_per_sm(n)`, which nvcc
 fits the registers to, and the warp groups' registers moved within that share: the loading group keeps
 24 a thread and the computing one takes the rest, config.computing_registers; TileLang's own 24 and 240
-would ask for more than n programs leave. The committed H100 run predates that: its bounded programs
-moved no registers (`T.no_set_max_nreg()`): every thread of both groups had the bound's share, 128 or 80).
+would ask for more than n programs leave. Of the two committed H100 runs, the first
+(benchmarks/results/kda_recurrence_programs_per_sm_h100/) predates that: its bounded programs moved no
+registers (`T.no_set_max_nreg()`), every thread of both groups had the bound's share, 128 or 80; the
+second (..._h100_registers/) moved them, and ran the mma_state variants).
 
     python -m archive.studies.kda_recurrence_programs_per_sm --out DIR [--rounds 3] [--repeats 30]
         [--cases A,B] [--variants X,Y]
@@ -61,7 +63,7 @@ VARIANTS = {  # name: (block_dv, programs_per_sm, pipeline stages); the first is
 # TileLang pass options a variant compiles its recurrence with (tilelang.transform.PassConfigKey)
 RECURRENCE_PASS_CONFIGS = {"dv32_pp3_mma_state": {"tl.disable_wgmma": True},
                            "dv64_pp2_mma_state": {"tl.disable_wgmma": True}}
-STUDY_VARIANTS = ("dv64", "dv64_pp2", "dv32", "dv32_pp2", "dv32_pp3")  # what the committed results ran
+STUDY_VARIANTS = ("dv64", "dv64_pp2", "dv32", "dv32_pp2", "dv32_pp3")  # what both committed runs ran
 
 
 KEPT = []  # every kernel compiled here, held: a captured graph launches them after the compile caches are emptied
