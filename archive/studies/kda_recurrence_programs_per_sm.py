@@ -29,7 +29,11 @@ profiler (one profile a variant). --precompile makes the same calls on CPU zeros
 program compiled and not run. The default variants are those the committed results ran; the one-stage
 ones ask whether the race that two programs an SM show is the pipeline's, the mma_state ones whether
 it is the two kinds of tensor-core GEMM side by side (the o path's mma.sync, the state update's wgmma:
-here both mma.sync, TileLang's `tl.disable_wgmma` for the recurrence alone).
+here both mma.sync, TileLang's `tl.disable_wgmma` for the recurrence alone; the second run: it is not),
+the plain_o_store ones whether it is o's TMA store (`tl.disable_tma_lower`: the computing threads copy
+O_s to o themselves; the loading warp group's loads stay TMA, as lowered here), the no_ws one whether it
+is the TMA loads or the loading warp group (`tl.disable_warp_specialized` too: 128 threads, the chunk's
+operands by cp.async, no TMA anywhere).
 
 Writes DIR/programs_per_sm.csv (case, round, variant, ms), DIR/programs_per_sm_kernels.json and
 DIR/programs_per_sm.log.
@@ -59,10 +63,20 @@ VARIANTS = {  # name: (block_dv, programs_per_sm, pipeline stages); the first is
     # tensor-core GEMM of programs that share an SM?)
     "dv32_pp3_mma_state": (32, 3, 2),
     "dv64_pp2_mma_state": (64, 2, 2),
+    # o stored by the threads, not by a TMA store (is the race the store's?), and with no loading warp
+    # group either (every thread loads by cp.async, then computes: is it the TMA loads'?)
+    "dv64_plain_o_store": (64, 1, 2),
+    "dv64_pp2_plain_o_store": (64, 2, 2),
+    "dv32_pp3_plain_o_store": (32, 3, 2),
+    "dv32_pp3_no_ws": (32, 3, 2),
 }
 # TileLang pass options a variant compiles its recurrence with (tilelang.transform.PassConfigKey)
+NO_TMA = {"tl.disable_tma_lower": True}  # o's TMA store; the warp-specialized loads stay TMA
 RECURRENCE_PASS_CONFIGS = {"dv32_pp3_mma_state": {"tl.disable_wgmma": True},
-                           "dv64_pp2_mma_state": {"tl.disable_wgmma": True}}
+                           "dv64_pp2_mma_state": {"tl.disable_wgmma": True},
+                           "dv64_plain_o_store": NO_TMA, "dv64_pp2_plain_o_store": NO_TMA,
+                           "dv32_pp3_plain_o_store": NO_TMA,
+                           "dv32_pp3_no_ws": {**NO_TMA, "tl.disable_warp_specialized": True}}
 STUDY_VARIANTS = ("dv64", "dv64_pp2", "dv32", "dv32_pp2", "dv32_pp3")  # what both committed runs ran
 
 

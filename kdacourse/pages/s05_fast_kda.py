@@ -611,7 +611,11 @@ def write_kimi_call_table(path, folder=None):
 PROGRAMS_PER_SM_VARIANTS = {  # archive/studies/kda_recurrence_programs_per_sm.py's: value columns, programs an SM
     "dv64": "64 columns, 1 an SM (today's)", "dv64_pp2": "64 columns, 2 an SM", "dv32": "32 columns, 1 an SM",
     "dv32_pp2": "32 columns, 2 an SM", "dv32_pp3": "32 columns, 3 an SM",
-    "dv32_pp3_mma_state": "32 columns, 3 an SM, no wgmma", "dv64_pp2_mma_state": "64 columns, 2 an SM, no wgmma"}
+    "dv32_pp3_mma_state": "32 columns, 3 an SM, no wgmma", "dv64_pp2_mma_state": "64 columns, 2 an SM, no wgmma",
+    "dv64_plain_o_store": "64 columns, 1 an SM, o stored by the threads",
+    "dv64_pp2_plain_o_store": "64 columns, 2 an SM, o stored by the threads",
+    "dv32_pp3_plain_o_store": "32 columns, 3 an SM, o stored by the threads",
+    "dv32_pp3_no_ws": "32 columns, 3 an SM, no TMA, no loading warp group"}
 
 
 def write_programs_per_sm_table(path):
