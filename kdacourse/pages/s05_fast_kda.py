@@ -628,8 +628,8 @@ def write_programs_per_sm_table(path):
     rows = []
     for case, measured in times.items():
         flashkda = measured["flashkda"][0]
-        rows.append([case, *(f"{measured[v][0]:.3f} ({flashkda / measured[v][0]:.2f}x)" for v in variants),
-                     f"{flashkda:.3f}"])
+        rows.append([case, *(f"{measured[v][0]:.3f} ({flashkda / measured[v][0]:.2f}x)" if v in measured else "–"
+                             for v in variants), f"{flashkda:.3f}"])  # "–": a variant not built for the case
     repeat_rows = [[case, PROGRAMS_PER_SM_VARIANTS[variant], f"{differ} of {calls}", f"{error:.2e}"]
                    for (case, variant), (differ, calls, error) in repeats.items()]
     path.write_text(

@@ -308,6 +308,22 @@ def test_the_fla_backend_page_counts_fla_s_grid(tmp_path, monkeypatch):
     assert "| test_chunk[b] | refused | ValueError: g: log gates must be <= 0 |" in text and "test_chunk[a]" not in text
 
 
+def test_the_launch_bound_table_shows_a_variant_not_built_for_a_case_as_a_dash(tmp_path, monkeypatch):
+    """A variant built for one sequence only has no time at a packed case: "–" there, its time and
+    FlashKDA's over it elsewhere; every variant's repeats in the second table, by its page name."""
+    times = {"T8192_H96": {"dv64": (1.5, 1.4, 1.6), "dv32_pp3_no_ws": (1.2, 1.2, 1.3), "flashkda": (1.44, 1.4, 1.5)},
+             "8x1024_H96": {"dv64": (1.6, 1.6, 1.6), "flashkda": (1.28, 1.2, 1.3)}}
+    repeats = {("T8192_H96", "dv32_pp3_no_ws"): (0, 30, 3.4e-3)}
+    monkeypatch.setattr(results, "programs_per_sm_run", lambda: (times, repeats, {"command": "python -m x --out /y"}))
+    out = tmp_path / "table.md"
+    s05_fast_kda.write_programs_per_sm_table(out)
+    text = out.read_text()
+    assert "| T8192_H96 | 1.500 (0.96x) | 1.200 (1.20x) | 1.440 |" in text
+    assert "| 8x1024_H96 | 1.600 (0.80x) | – | 1.280 |" in text
+    assert "| T8192_H96 | 32 columns, 3 an SM, no TMA, no loading warp group | 0 of 30 | 3.40e-03 |" in text
+    assert "`python -m x --out DIR`" in text
+
+
 def test_the_launch_bound_study_reads_its_medians_and_each_variants_repeats(tmp_path):
     """Three rounds of two variants, a log with a repeat line each and one variant without an error line:
     the medians by hand, the repeats as the log says them."""
