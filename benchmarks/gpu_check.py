@@ -160,18 +160,17 @@ def _ncu(module):
 # benchmarks.kimi_call's cases in three parts: FLA's autotuning takes about 90 s a case on a fresh machine,
 # so three a part at most, the accuracy check (a case of its own) with the first; each part's results in a
 # folder of its own under benchmarks/results/kimi_call/, read as one run (kdacourse.results.kimi_call_run)
-KIMI_CALL_GROUPS = {  # part's group: (cases, what they are)
-    "one-sequence": (("T8192_H64", "T8192_H96"), "one sequence of 8192 tokens at 64 and 96 heads, and the error "
-                     "against float64"),
-    "packed": (("packed6_H96", "8x1024_H96", "8x4096_H16"), "packed batches as a server makes them"),
-    "long": (("T16384_H32", "T65536_H32"), "long sequences at 32 heads"),
+KIMI_CALL_GROUPS = {  # part's group: (cases, whether it checks the accuracy, what they are)
+    "one-sequence": (("T8192_H64", "T8192_H96"), True, "one sequence of 8192 tokens at 64 and 96 heads, and the "
+                     "error against float64"),
+    "packed": (("packed6_H96", "8x1024_H96", "8x4096_H16"), False, "packed batches as a server makes them"),
+    "long": (("T16384_H32", "T65536_H32"), False, "long sequences at 32 heads"),
 }
 
 
-def _kimi_call(group, cases, what):
+def _kimi_call(group, cases, accuracy, what):
     """A kimi-call part: the course's programs of its cases compiled first on the machine's cores, side by
     side (the benchmark builds them one at a time, four or five a case), then the benchmark."""
-    accuracy = group == "one-sequence"
     names = ",".join(cases)
     folder = group.replace("-", "_")
     return Part(f"kimi-call-{group}", f"KDA as Kimi Linear calls it (raw gate, norms and beta's sigmoid in the "
@@ -240,7 +239,7 @@ def parts() -> dict[str, Part]:
              (_context_parallel("forward", 500),)),
         Part("context-parallel-backward", "stage 8's backward pieces at 1M tokens over 2, 4 and 8 ranks",
              (_context_parallel("backward", 520),)),
-        *(_kimi_call(group, cases, what) for group, (cases, what) in KIMI_CALL_GROUPS.items()),
+        *(_kimi_call(group, *spec) for group, spec in KIMI_CALL_GROUPS.items()),
         *(Part(f"kimi-train-{gate}", f"KDA's forward and backward as Kimi Linear trains (the gate, norms and "
                f"beta's sigmoid in the kernels) beside FLA's, the {gate} gate, and every gradient's error against "
                "float64 (FLA's first call autotunes for about 3 minutes on a fresh machine)",

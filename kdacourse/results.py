@@ -301,12 +301,16 @@ def kimi_call_run(folder: Path = KIMI_CALL) -> KimiCallRun | None:
                        accuracy=next((run.accuracy for run in parts if run.accuracy), {}))
 
 
+def provenance(meta: dict) -> str:
+    """Where a run's numbers come from, for a page, from its meta: its command (the output folder as DIR)
+    on its machine, with its date and, where the meta has one, its commit."""
+    when = ", ".join(filter(None, (meta.get("date", "no date"), meta.get("commit") and f"commit {meta['commit']}")))
+    return f"`{shown_command(meta.get('command', ''))}` on {meta.get('device', 'the GPU')} ({when})"
+
+
 def kimi_call_provenance(run: KimiCallRun) -> str:
-    """Where a kimi_call run's numbers come from, for a page: each command (its output folder as DIR) on
-    its machine, date and commit, "; " between the parts of a run of several."""
-    metas = run.meta.get("runs", [run.meta])
-    return "; ".join(f"`{shown_command(meta.get('command', ''))}` on {meta.get('device', 'the GPU')} "
-                     f"({meta.get('date', 'no date')}, commit {meta.get('commit', '?')})" for meta in metas)
+    """provenance() of a kimi_call run, "; " between the parts of a run of several."""
+    return "; ".join(map(provenance, run.meta.get("runs", [run.meta])))
 
 
 def _one_kimi_call_run(folder: Path) -> KimiCallRun | None:

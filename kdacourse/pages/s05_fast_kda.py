@@ -633,9 +633,9 @@ def write_programs_per_sm_table(path):
     repeat_rows = [[case, PROGRAMS_PER_SM_VARIANTS[variant], f"{differ} of {calls}", f"{error:.2e}"]
                    for (case, variant), (differ, calls, error) in repeats.items()]
     path.write_text(
-        banner(SOURCE) + f"`{results.shown_command(meta.get('command', ''))}` on {meta.get('device', 'the GPU')} "
-        f"({meta.get('date', 'no date')}, benchmarks/results/{results.PROGRAMS_PER_SM.name}/): the fused call, checks "
-        "off, as one CUDA graph, medians of three interleaved rounds in ms (FlashKDA's time over the course's):\n\n"
+        banner(SOURCE) + f"{results.provenance(meta)}, benchmarks/results/{results.PROGRAMS_PER_SM.name}/: the fused "
+        "call, checks off, as one CUDA graph, medians of three interleaved rounds in ms (FlashKDA's time over the "
+        "course's):\n\n"
         + markdown_table(["case", *(PROGRAMS_PER_SM_VARIANTS[v] for v in variants), "FlashKDA"], rows)
         + "\nEach variant called 30 times more: the calls whose o differs from its first call's, and its first "
         "call's o against float64 (relative L2):\n\n"

@@ -137,6 +137,23 @@ def selected(expression, node_id):
     return Expression.compile(expression).evaluate(lambda name: name.lower() in node_id.lower())
 
 
+def test_the_kimi_call_parts_run_every_case_once_and_the_accuracy_once(monkeypatch):
+    """Every case of benchmarks.kimi_call in exactly one kimi-call part, three at most a part (FLA's
+    autotuning, about 90 s a case), the float64 check in one part alone."""
+    import os
+
+    monkeypatch.setenv("FLA_FLASH_KDA", os.environ.get("FLA_FLASH_KDA", "0"))  # kimi_call sets it on import
+    from benchmarks import kimi_call
+
+    groups = gpu_check.KIMI_CALL_GROUPS.values()
+    cases = [case for group_cases, _, _ in groups for case in group_cases]
+    assert sorted(cases) == sorted(kimi_call.CASES) and all(len(group_cases) <= 3 for group_cases, _, _ in groups)
+    steps = [step for name, part in gpu_check.parts().items() if name.startswith("kimi-call-")
+             for step in part.steps if "benchmarks.kimi_call" in step.command]
+    assert len(steps) == len(gpu_check.KIMI_CALL_GROUPS)
+    assert sum("--no-accuracy" not in step.command for step in steps) == 1
+
+
 def test_the_gpu_test_steps_run_every_gpu_test_exactly_once(gpu_test_ids):
     steps = gpu_check.gpu_test_steps()
     for node_id in gpu_test_ids:

@@ -237,7 +237,7 @@ def test_a_folder_of_the_gpu_check_s_kimi_call_parts_reads_as_one_run(tmp_path, 
     assert list(run.cases) == ["T8192_H64", "packed6_H96", "8x1024_H96"]
     assert run.accuracy == {"fla": (4.01e-3, 2e-3), "course": (3.39e-3, 1.5e-3)}
     assert results.kimi_call_provenance(run) == (
-        "`python -m benchmarks.kimi_call --out DIR` on NVIDIA H200 (2027-01-01, commit ?); "
+        "`python -m benchmarks.kimi_call --out DIR` on NVIDIA H200 (2027-01-01); "
         "`python -m benchmarks.kimi_call --out DIR --cases 8x1024_H96` on NVIDIA H100 (2027-01-02, commit abc1234)")
     assert results.kimi_call_run(tmp_path / "none") is None
 
@@ -250,7 +250,7 @@ def test_the_kimi_call_table_says_not_yet_run_or_shows_the_run(tmp_path, monkeyp
     _kimi_call_run(tmp_path, kimi_call)
     s05_fast_kda.write_kimi_call_table(out, folder=tmp_path)
     text = out.read_text()
-    assert "`python -m benchmarks.kimi_call --out DIR` on NVIDIA H200 (2027-01-01, commit ?)" in text
+    assert "`python -m benchmarks.kimi_call --out DIR` on NVIDIA H200 (2027-01-01);" in text
     assert "| T 8192, H 64 | 3.000 (2.000 to 4.000) | – | 2.500 (1.000 to 4.000) | – | – | – | 1.250 (0.500 to 2.000) |" in text
     assert "| 8192 tokens in 6, H 96 | 1.50 (1.00 to 2.00) | – | – | – |" in text
     assert "Not measured: FlashKDA call: flashkda not importable" in text
@@ -321,7 +321,7 @@ def test_the_launch_bound_table_shows_a_variant_not_built_for_a_case_as_a_dash(t
     assert "| T8192_H96 | 1.500 (0.96x) | 1.200 (1.20x) | 1.440 |" in text
     assert "| 8x1024_H96 | 1.600 (0.80x) | – | 1.280 |" in text
     assert "| T8192_H96 | 32 columns, 3 an SM, no TMA, no loading warp group | 0 of 30 | 3.40e-03 |" in text
-    assert "`python -m x --out DIR`" in text
+    assert text.splitlines()[1].startswith("`python -m x --out DIR` on the GPU (no date), benchmarks/results/")
 
 
 def test_the_launch_bound_study_reads_its_medians_and_each_variants_repeats(tmp_path):
