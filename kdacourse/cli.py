@@ -141,17 +141,18 @@ def _test(pytest_args):
     chosen = any(arg in ("-n", "--numprocesses", "no:xdist") or arg.startswith(("--numprocesses=", "-n="))
                  or (arg.startswith("-n") and arg[2:].isdigit()) for arg in pytest_args)
     workers = [] if chosen else ["-n", "auto", "--dist", "loadgroup"]
-    # The workers, and the pytest processes the tests start, share nvcc's logs (tilelang_tools.ptxas_log).
-    cache = None if os.environ.get("KDACOURSE_NVCC_CACHE") else tempfile.mkdtemp(prefix="course-nvcc-")
+    # The workers, and the pytest processes the tests start, share the kernels lowered and nvcc's logs
+    # (tilelang_tools.lower_kernel, ptxas_log).
+    cache = None if os.environ.get("KDACOURSE_COMPILE_CACHE") else tempfile.mkdtemp(prefix="course-compile-")
     if cache:
-        os.environ["KDACOURSE_NVCC_CACHE"] = cache
+        os.environ["KDACOURSE_COMPILE_CACHE"] = cache
     try:
         # The exercise tests check the solutions here; the student's copy is checked by `course check`,
         # and tests/course/test_exercise_model.py checks that the shipped exercises fail and every bug is caught.
         return int(pytest.main(["-p", "no:cacheprovider", "--target=solutions", *workers, *pytest_args]))
     finally:
         if cache:
-            del os.environ["KDACOURSE_NVCC_CACHE"]
+            del os.environ["KDACOURSE_COMPILE_CACHE"]
             shutil.rmtree(cache, ignore_errors=True)
 
 

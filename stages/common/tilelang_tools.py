@@ -2,9 +2,9 @@
 
 Two paths lead from a TileLang program to numbers:
 
-- `compile_report(prim_func, pass_configs)` lowers the program for sm_90a on this machine's CPU, compiles the
-  generated CUDA with nvcc, and reads registers, spills and shared memory from ptxas. It needs
-  nvcc, not a GPU, so it runs in CI and on a student's laptop.
+- `compile_report(prim_func, pass_configs)` lowers the program for sm_90a on this machine's CPU
+  (`lower_kernel`), compiles the generated CUDA with nvcc, and reads registers, spills and shared memory
+  from ptxas. It needs nvcc, not a GPU, so it runs in CI and on a student's laptop.
 - each stage's `forward(...)` JIT-compiles the same program for the GPU torch sees and runs it.
 
 tilelang is imported inside the functions: the NumPy references and their tests never pay for it.
@@ -110,33 +110,70 @@ def lower(prim_func, target=SM90A):
         return tilelang.lower(prim_func, target=target)
 
 
-def compile_report(prim_func, pass_configs=None):
+@dataclass(frozen=True)
+class LoweredKernel:
+    """A program's one device kernel as TileLang lowers it for sm_90a."""
+
+    cuda_source: str
+    threads: int  # per block, as launched (TileLang may add producer warps)
+    grid: tuple  # blocks along x, y, z; an extent sized at run time kept as its expression
+    dynamic_shared: int  # bytes, requested by TileLang at launch
+
+
+def lower_kernel(prim_func, pass_configs=None):
     """Lower `prim_func` for sm_90a under TileLang's `pass_configs` (a dict of pass options, as
-    tilelang.compile takes them), compile it with nvcc, and return its CompileReport."""
+    tilelang.compile takes them) and return its one device kernel as a LoweredKernel.
+
+    The kernel is a function of the program's TIR, the options and TileLang, so it is kept in
+    $KDACOURSE_COMPILE_CACHE (a folder; unset, nothing is kept) under a digest of all three: a test run
+    that lowers one program in several tests and processes (a compile test, its page's report, the
+    exercise whose solution is TIR-equal to the library's program) lowers it once.
+    """
+    import hashlib
+    import json
+
+    import tilelang
     from tilelang.transform import PassContext
 
+    options = sorted((str(name), str(value)) for name, value in (pass_configs or {}).items())
+    key = "\0".join([tilelang.__version__, repr(SM90A), repr(options), prim_func.script()])
+    cached = _cache_path(hashlib.sha256(key.encode()).hexdigest() + ".lowered.json")
+    if cached and os.path.exists(cached):
+        with open(cached) as f:
+            fields = json.load(f)
+        return LoweredKernel(**{**fields, "grid": tuple(fields["grid"])})
     with PassContext(config=pass_configs or {}):
         artifact = lower(prim_func)
-    source = artifact.kernel_source
     kernel_attrs = [fn.attrs for _, fn in artifact.device_mod.functions.items() if fn.attrs is not None]
     if len(kernel_attrs) != 1:
         raise ValueError(f"expected one device kernel, found {len(kernel_attrs)}")
     attrs = kernel_attrs[0]
     extent = dict(attrs["thread_extent"])
-    threads = int(extent.get("threadIdx.x", 1)) * int(extent.get("threadIdx.y", 1)) * int(extent.get("threadIdx.z", 1))
-    # a grid sized at run time (a symbolic extent, e.g. sequences x heads) is kept as its expression
-    grid = tuple(_int_or_text(extent.get(f"blockIdx.{axis}", 1)) for axis in "xyz")
-    dynamic_shared = int(attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in attrs else 0
-    return _parse_ptxas(ptxas_log(source), source, dynamic_shared, threads, grid)
+    kernel = LoweredKernel(
+        cuda_source=artifact.kernel_source,
+        threads=int(extent.get("threadIdx.x", 1)) * int(extent.get("threadIdx.y", 1))
+        * int(extent.get("threadIdx.z", 1)),
+        grid=tuple(_int_or_text(extent.get(f"blockIdx.{axis}", 1)) for axis in "xyz"),
+        dynamic_shared=int(attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in attrs else 0,
+    )
+    if cached:
+        _write_whole(cached, json.dumps(kernel.__dict__))
+    return kernel
+
+
+def compile_report(prim_func, pass_configs=None):
+    """Lower `prim_func` for sm_90a under TileLang's `pass_configs` (lower_kernel), compile it with
+    nvcc, and return its CompileReport."""
+    kernel = lower_kernel(prim_func, pass_configs)
+    return _parse_ptxas(ptxas_log(kernel.cuda_source), kernel.cuda_source, kernel.dynamic_shared, kernel.threads,
+                        kernel.grid)
 
 
 def ptxas_log(cuda_source):
     """What nvcc and ptxas print compiling `cuda_source` for sm_90a (registers, spills, shared memory).
 
     The log is a function of the source, the compile command and the compiler, so it is kept in
-    $KDACOURSE_NVCC_CACHE (a folder; unset, nothing is kept) under a digest of all three: a test run
-    that compiles one kernel in several tests (a compile test, its page's report, an exercise's
-    check) runs nvcc once.
+    $KDACOURSE_COMPILE_CACHE (as lower_kernel's kernels) under a digest of all three.
     """
     import hashlib
 
@@ -145,13 +182,11 @@ def ptxas_log(cuda_source):
     nvcc = find_nvcc()
     options = tilelang_nvcc.default_compile_options() + ["--ptxas-options=--verbose", "-w"]
     arguments = ["--cubin", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", *options]
-    cache = os.environ.get("KDACOURSE_NVCC_CACHE")
-    if cache:
-        key = "\0".join([_nvcc_version(nvcc), *arguments, cuda_source])
-        cached = os.path.join(cache, hashlib.sha256(key.encode()).hexdigest() + ".log")
-        if os.path.exists(cached):
-            with open(cached) as f:
-                return f.read()
+    key = "\0".join([_nvcc_version(nvcc), *arguments, cuda_source])
+    cached = _cache_path(hashlib.sha256(key.encode()).hexdigest() + ".log")
+    if cached and os.path.exists(cached):
+        with open(cached) as f:
+            return f.read()
     with tempfile.TemporaryDirectory() as workdir:
         source_path = os.path.join(workdir, "kernel.cu")
         with open(source_path, "w") as f:
@@ -161,13 +196,26 @@ def ptxas_log(cuda_source):
     log = result.stdout + result.stderr
     if result.returncode != 0:
         raise RuntimeError(f"nvcc failed ({result.returncode}):\n{log[-4000:]}")
-    if cache:
-        os.makedirs(cache, exist_ok=True)
-        partial = f"{cached}.{os.getpid()}"
-        with open(partial, "w") as f:
-            f.write(log)
-        os.replace(partial, cached)  # atomic: a process beside this one reads the whole log or none
+    if cached:
+        _write_whole(cached, log)
     return log
+
+
+def _cache_path(name):
+    """The path of `name` in $KDACOURSE_COMPILE_CACHE, or None where it is unset."""
+    cache = os.environ.get("KDACOURSE_COMPILE_CACHE")
+    if not cache:
+        return None
+    os.makedirs(cache, exist_ok=True)
+    return os.path.join(cache, name)
+
+
+def _write_whole(path, text):
+    """Write `text` to `path` so that a process beside this one reads the whole of it or nothing."""
+    partial = f"{path}.{os.getpid()}"
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
 
 
 @functools.cache

@@ -424,10 +424,10 @@ def test_kernel_compiles_for_sm90a_without_spills(kernel, shape):
 def test_kernel_lowers_for_sm90a(kernel, shape):
     """Every fp16 kernel the GPU tests compile, lowered (nvcc's registers are bf16's above), with no
     __syncthreads() in a branch on the thread index."""
-    from stages.common.tilelang_tools import barriers_in_thread_branches, lower
+    from stages.common.tilelang_tools import barriers_in_thread_branches, lower_kernel
     from stages.kda.backward import BUILDERS, kernel_arguments
 
-    source = lower(BUILDERS[kernel][0](*kernel_arguments(*shape)[kernel])).kernel_source
+    source = lower_kernel(BUILDERS[kernel][0](*kernel_arguments(*shape)[kernel])).cuda_source
     assert barriers_in_thread_branches(source) == []
 
 

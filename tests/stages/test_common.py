@@ -291,3 +291,27 @@ def test_warp_group_offsets_between_atoms_finds_a_slice_read_by_the_wrong_warp_g
     two_atoms = gemm("desc_b_6", "1, 512, 64", "dV_new_s", 16384)
     assert warp_group_offsets_between_atoms(whole + k_major + own + two_atoms) == []
     assert warp_group_offsets_between_atoms(whole + slice_ + own) == [("desc_b_15", "K_col_s", 1024, 4096)]
+
+
+def test_a_lowered_kernel_is_kept_under_its_program_and_options(tmp_path, monkeypatch):
+    """lower_kernel keeps a kernel in $KDACOURSE_COMPILE_CACHE: the same program lowered again comes from
+    the folder (TileLang's lowering not called), equal to the first; another program, or the same under
+    other pass options, is lowered anew."""
+    pytest.importorskip("tilelang")
+    from stages.common import tilelang_tools
+    from stages.s01_linear_attention.kernel import build_program
+
+    monkeypatch.setenv("KDACOURSE_COMPILE_CACHE", str(tmp_path))
+    lowered = []
+    real_lower = tilelang_tools.lower
+    monkeypatch.setattr(tilelang_tools, "lower", lambda program: lowered.append(program) or real_lower(program))
+
+    first = tilelang_tools.lower_kernel(build_program(1, 64, 1, 32, 32))
+    again = tilelang_tools.lower_kernel(build_program(1, 64, 1, 32, 32))
+    assert len(lowered) == 1 and again == first and first.threads > 0 and "__global__" in first.cuda_source
+    assert len(list(tmp_path.glob("*.lowered.json"))) == 1
+
+    longer = tilelang_tools.lower_kernel(build_program(1, 128, 1, 32, 32))
+    assert len(lowered) == 2 and longer.cuda_source != first.cuda_source
+    tilelang_tools.lower_kernel(build_program(1, 64, 1, 32, 32), {"tl.disable_warp_specialized": True})
+    assert len(lowered) == 3 and len(list(tmp_path.glob("*.lowered.json"))) == 3

@@ -47,14 +47,14 @@ def gate_reads_without_a_barrier(source):
 def prepare_source(form, value_flags, layout):
     """A dense batch of 3 chunks, the last 5 tokens short ("short": its rows read masked), or a packed
     batch of two sequences ("packed")."""
-    from stages.common.tilelang_tools import lower
+    from stages.common.tilelang_tools import lower_kernel
     from stages.kda.prepare import PackedBatch, build_prepare_program
 
     rows = {"short": dict(tokens=3 * C - 5), "packed": dict(packed=PackedBatch(tokens=3 * C - 5, chunks=3,
                                                                                 sequences=2))}[layout]
     program = build_prepare_program(1, 3 * C, 2, D, D, chunk_size=C, dtype="bfloat16", value_flags=value_flags,
                                     form=forms()[form], **rows)
-    return lower(program).kernel_source
+    return lower_kernel(program).cuda_source
 
 
 @pytest.mark.parametrize("form, value_flags, layout", [
