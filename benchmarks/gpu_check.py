@@ -184,6 +184,19 @@ def _kimi_call(group, cases, accuracy, what):
                       log_to=f"{RESULTS}/kimi_call/{folder}/kimi_call.log", files_to=f"{RESULTS}/kimi_call/{folder}")))
 
 
+def _kimi_train(gate):
+    """A kimi-train part: the course's programs of every case compiled first on the machine's cores, side
+    by side (the benchmark builds them one at a time, about 90 s a case), then the benchmark."""
+    return Part(f"kimi-train-{gate}", f"KDA's forward and backward as Kimi Linear trains (the gate, norms and "
+                f"beta's sigmoid in the kernels) beside FLA's, the {gate} gate, and every gradient's error against "
+                "float64 (FLA's first call autotunes for about 3 minutes on a fresh machine)",
+                (Step(f"kimi_train_{gate}_precompile", python("scripts/precompile_kimi_train.py", "--gates", gate,
+                                                              "--jobs", "4"), 120),
+                 Step(f"kimi_train_{gate}", python("-m", "benchmarks.kimi_train", "--out", FILES, "--gates", gate,
+                                                   "--rounds", "3", "--deadline", "320"), 400,
+                      log_to=f"{RESULTS}/kimi_train_{gate}/kimi_train.log", files_to=f"{RESULTS}/kimi_train_{gate}")))
+
+
 def parts() -> dict[str, Part]:
     listed = [
         Part("tests-s01-s04", "stages 1-4's GPU tests and kernel exercises (stage 1's log is its page's), then "
@@ -240,13 +253,7 @@ def parts() -> dict[str, Part]:
         Part("context-parallel-backward", "stage 8's backward pieces at 1M tokens over 2, 4 and 8 ranks",
              (_context_parallel("backward", 520),)),
         *(_kimi_call(group, *spec) for group, spec in KIMI_CALL_GROUPS.items()),
-        *(Part(f"kimi-train-{gate}", f"KDA's forward and backward as Kimi Linear trains (the gate, norms and "
-               f"beta's sigmoid in the kernels) beside FLA's, the {gate} gate, and every gradient's error against "
-               "float64 (FLA's first call autotunes for about 3 minutes on a fresh machine)",
-               (Step(f"kimi_train_{gate}", python("-m", "benchmarks.kimi_train", "--out", FILES, "--gates", gate,
-                                                  "--rounds", "3", "--deadline", "400"), 520,
-                     log_to=f"{RESULTS}/kimi_train_{gate}/kimi_train.log", files_to=f"{RESULTS}/kimi_train_{gate}"),))
-          for gate in ("softplus", "bounded")),
+        *(_kimi_train(gate) for gate in ("softplus", "bounded")),
         Part("fla-backend-train", "a small KDA model from fla.models trained 200 steps on FLA's kernels and through "
              "the course's backend (needs scripts/pack_fla_models.sh's pack)",
              (Step("fla_backend_train", python("-m", "benchmarks.fla_backend_train", "--out", FILES, "--steps", "200"),

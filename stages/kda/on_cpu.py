@@ -175,16 +175,16 @@ def _empty_caches(compiled):
         function.cache_clear()
 
 
-def each_in_a_process(script, cases, jobs):
-    """Run `python script --cases NAME` for each of `cases` in a process of its own, `jobs` at a time
-    (TileLang compiles a program on one core: a precompile's cases go side by side on a machine's
+def each_in_a_process(script, cases, jobs, arguments=()):
+    """Run `python script --cases NAME *arguments` for each of `cases` in a process of its own, `jobs` at
+    a time (TileLang compiles a program on one core: a precompile's cases go side by side on a machine's
     cores, sharing TileLang's cache); returns the cases whose process failed."""
     import subprocess
     import sys
     from concurrent.futures import ThreadPoolExecutor
 
     def run(name):
-        return subprocess.run([sys.executable, str(script), "--cases", name]).returncode
+        return subprocess.run([sys.executable, str(script), "--cases", name, *arguments]).returncode
 
     with ThreadPoolExecutor(jobs) as pool:
         codes = list(pool.map(run, cases))

@@ -253,11 +253,14 @@ def test_the_launch_bound_changes_no_arithmetic(programs_per_sm):
 def test_each_case_of_a_precompile_runs_in_a_process_of_its_own_and_failures_are_named(tmp_path):
     from stages.kda.on_cpu import each_in_a_process
 
-    script = tmp_path / "precompile.py"  # writes its case's process id; fails at case "b"
+    script = tmp_path / "precompile.py"  # writes its case's process id and arguments; fails at case "b"
     script.write_text("import os, sys\n"
                       "name = sys.argv[sys.argv.index('--cases') + 1]\n"
                       f"open(os.path.join({str(tmp_path)!r}, name + '.pid'), 'w').write(str(os.getpid()))\n"
+                      f"open(os.path.join({str(tmp_path)!r}, name + '.args'), 'w').write(' '.join(sys.argv[1:]))\n"
                       "sys.exit(name == 'b')\n")
-    assert each_in_a_process(script, ["a", "b", "c"], jobs=2) == ["b"]
+    assert each_in_a_process(script, ["a", "b", "c"], jobs=2, arguments=("--gates", "softplus")) == ["b"]
     pids = {(tmp_path / f"{name}.pid").read_text() for name in "abc"}
     assert len(pids) == 3 and str(os.getpid()) not in pids  # three processes, none of them this one
+    assert [(tmp_path / f"{name}.args").read_text() for name in "abc"] == [
+        f"--cases {name} --gates softplus" for name in "abc"]  # its case, then the arguments every case takes
