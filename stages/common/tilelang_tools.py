@@ -126,8 +126,9 @@ def lower_kernel(prim_func, pass_configs=None):
 
     The kernel is a function of the program's TIR, the options and TileLang, so it is kept in
     $KDACOURSE_COMPILE_CACHE (a folder; unset, nothing is kept) under a digest of all three: a test run
-    that lowers one program in several tests and processes (a compile test, its page's report, the
-    exercise whose solution is TIR-equal to the library's program) lowers it once.
+    that lowers one program in several tests and processes lowers it once (a stage's compile test and its
+    page's compile report build the same program: tests/stages/test_stages.py's COMPILE_SHAPE is the
+    pages'). The TIR is compared whole, the function's name included.
     """
     import hashlib
     import json
@@ -202,7 +203,8 @@ def ptxas_log(cuda_source):
 
 
 def _cache_path(name):
-    """The path of `name` in $KDACOURSE_COMPILE_CACHE, or None where it is unset."""
+    """The path of `name` in $KDACOURSE_COMPILE_CACHE (the folder made if it is missing), or None where
+    the variable is unset."""
     cache = os.environ.get("KDACOURSE_COMPILE_CACHE")
     if not cache:
         return None
