@@ -186,7 +186,9 @@ def _kimi_call(group, cases, accuracy, what):
 
 def _kimi_train(gate):
     """A kimi-train part: the course's programs of every case compiled first on the machine's cores, side
-    by side (the benchmark builds them one at a time, about 90 s a case), then the benchmark."""
+    by side (the benchmark builds them one at a time, about 90 s a case), then the benchmark; its results
+    in benchmarks/results/kimi_train/<gate>/, read with the folder's other runs as one
+    (kdacourse.results.kimi_train_run: a (case, gate) from the newest run that timed it)."""
     return Part(f"kimi-train-{gate}", f"KDA's forward and backward as Kimi Linear trains (the gate, norms and "
                 f"beta's sigmoid in the kernels) beside FLA's, the {gate} gate, and every gradient's error against "
                 "float64 (FLA's first call autotunes for about 3 minutes on a fresh machine)",
@@ -194,7 +196,7 @@ def _kimi_train(gate):
                                                               "--jobs", "4"), 120),
                  Step(f"kimi_train_{gate}", python("-m", "benchmarks.kimi_train", "--out", FILES, "--gates", gate,
                                                    "--rounds", "3", "--deadline", "320"), 400,
-                      log_to=f"{RESULTS}/kimi_train_{gate}/kimi_train.log", files_to=f"{RESULTS}/kimi_train_{gate}")))
+                      log_to=f"{RESULTS}/kimi_train/{gate}/kimi_train.log", files_to=f"{RESULTS}/kimi_train/{gate}")))
 
 
 def parts() -> dict[str, Part]:

@@ -344,6 +344,98 @@ def _one_kimi_call_run(folder: Path) -> KimiCallRun | None:
     return KimiCallRun(cases, meta, accuracy)
 
 
+# ------------------------------------------------------------------ benchmarks.kimi_train: training as Kimi Linear trains
+
+KIMI_TRAIN = RESULTS / "kimi_train"
+KIMI_TRAIN_CSV, KIMI_TRAIN_META, KIMI_TRAIN_ACCURACY = "kimi_train.csv", "kimi_train_meta.json", "kimi_train_accuracy.csv"
+# benchmarks.kimi_train's GATES and CASES in the order the pages show them: the layer's default gate first
+KIMI_TRAIN_GATES = ("softplus", "bounded")
+KIMI_TRAIN_CASE_ORDER = ("T4096_H32", "T16384_H32", "T65536_H32")
+
+
+@dataclass(frozen=True)
+class KimiTrainCase:
+    """One (case, gate) of a kimi_train run: its tokens and heads, the Spread of each peer's forward +
+    backward time over the rounds, FLA's time over the course's taken round by round (None where a
+    side has no time), and why a peer has no time ({impl: the run's words})."""
+
+    tokens: int
+    H: int
+    times: dict
+    speedup: "Spread | None"
+    missing: dict
+
+
+@dataclass(frozen=True)
+class KimiTrainRun:
+    """Committed runs of `python -m benchmarks.kimi_train`, read as one: {(case, gate): KimiTrainCase} in
+    the pages' order, {gate: {impl: {quantity: relative L2 against float64}}} (impl "fla", "course" and
+    "course/fla", the quantities o and the gradients, as the run wrote them), and the metas of the runs
+    that gave them, oldest first."""
+
+    cases: dict
+    accuracy: dict
+    metas: list
+
+
+def kimi_train_run(folder: Path = KIMI_TRAIN) -> KimiTrainRun | None:
+    """The runs in `folder` (a run's files, or one folder per run: the GPU check's kimi-train parts
+    write softplus/ and bounded/), or None where it holds none. A (case, gate) timed by several runs
+    takes the newest run's times, a gate's accuracy the newest run's that measured it: newest by the
+    meta's date, then by the folder's name."""
+    folder = Path(folder)
+    folders = [folder] if (folder / KIMI_TRAIN_META).exists() else sorted(
+        path for path in folder.glob("*/") if (path / KIMI_TRAIN_META).exists()) if folder.is_dir() else []
+    runs = sorted(((read_json(path / KIMI_TRAIN_META), path) for path in folders),
+                  key=lambda run: (run[0].get("date", ""), run[1].name))
+    cases, accuracy, metas = {}, {}, []
+    for meta, path in runs:
+        rows = read_rows(path / KIMI_TRAIN_CSV) if (path / KIMI_TRAIN_CSV).exists() else []
+        measured_here = _kimi_train_cases(rows)
+        accuracy_here = {}
+        if (path / KIMI_TRAIN_ACCURACY).exists():
+            for row in read_rows(path / KIMI_TRAIN_ACCURACY):
+                accuracy_here.setdefault(row["gate"], {})[row["impl"]] = {
+                    key: float(value) for key, value in row.items() if key not in ("gate", "impl")}
+        if measured_here or accuracy_here:
+            cases.update(measured_here)
+            accuracy.update(accuracy_here)
+            metas.append(meta)
+    if not metas:
+        return None
+    in_page_order = sorted(cases, key=lambda key: (KIMI_TRAIN_GATES.index(key[1]), KIMI_TRAIN_CASE_ORDER.index(key[0])))
+    return KimiTrainRun(cases={key: cases[key] for key in in_page_order},
+                        accuracy={gate: accuracy[gate] for gate in KIMI_TRAIN_GATES if gate in accuracy},
+                        metas=metas)
+
+
+def _kimi_train_cases(rows: list[dict]) -> dict:
+    """{(case, gate): KimiTrainCase} of one run's rows (one per case, gate, round and peer: time_ms, or
+    error)."""
+    grouped = {}
+    for row in rows:
+        grouped.setdefault((row["case"], row["gate"]), []).append(row)
+    cases = {}
+    for key, case_rows in grouped.items():
+        measured, missing = {}, {}
+        for row in case_rows:
+            if row.get("time_ms"):
+                measured.setdefault(row["impl"], {})[int(row["round"])] = float(row["time_ms"])
+            elif row.get("error"):
+                missing.setdefault(row["impl"], row["error"])
+        cases[key] = KimiTrainCase(
+            tokens=int(case_rows[0]["tokens"]), H=int(case_rows[0]["H"]),
+            times={impl: Spread.of(by_round.values()) for impl, by_round in measured.items()},
+            speedup=paired(measured, "fla", "course", ratio),
+            missing={impl: why for impl, why in missing.items() if impl not in measured})
+    return cases
+
+
+def kimi_train_provenance(run: KimiTrainRun) -> str:
+    """provenance() of each run that gave a kimi_train table its numbers, "; " between them."""
+    return "; ".join(map(provenance, run.metas))
+
+
 # ------------------------------------------------------------------ benchmarks.context_parallel
 
 def context_parallel_times(rows: list[dict]) -> dict:

@@ -270,6 +270,65 @@ def write_profile_table(path):
     path.write_text(markdown_table(["", *(version for version, _ in PROFILES)], profile_rows(profiles)))
 
 
+# The fused path's goals as Kimi Linear calls and trains it: the course's speed-up on each peer
+KIMI_GOALS = {"the call against FlashKDA": 1.1, "the call against FLA": 2.0, "training against FLA": 2.0}
+KIMI_CALL_GOAL_RATIOS = {"the call against FlashKDA": "FlashKDA call / course call",
+                         "the call against FLA": "FLA call / course call"}
+
+
+def kimi_goal_bars(call_run, train_run) -> dict:
+    """{goal name of KIMI_GOALS: [(label, Spread of the course's speed-up)]}: the call's ratios of each
+    case of a kimi_call run (results.kimi_call_run; None: not run), the training's of each (case, gate)
+    of a kimi_train run (results.kimi_train_run). A case whose ratio was not measured is left out."""
+    bars = {name: [] for name in KIMI_GOALS}
+    for case in (call_run.cases.values() if call_run else ()):
+        label = (f"{case.tokens} in {case.sequences}\nH {case.H}" if case.sequences > 1
+                 else f"T {case.tokens}\nH {case.H}")
+        for goal, ratio_name in KIMI_CALL_GOAL_RATIOS.items():
+            if case.ratios.get(ratio_name) is not None:
+                bars[goal].append((label, case.ratios[ratio_name]))
+    for (_, gate), case in (train_run.cases.items() if train_run else ()):
+        if case.speedup is not None:
+            bars["training against FLA"].append((f"{gate}\nT {case.tokens}", case.speedup))
+    return bars
+
+
+def write_kimi_goals_plot(path, call_folder=None, train_folder=None):
+    """Three panels, one per goal of KIMI_GOALS: the course's speed-up at each measured shape (bar: the
+    median over rounds, whiskers: min to max), the goal as a dashed line, a bar that reaches it green."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = kimi_goal_bars(results.kimi_call_run(results.KIMI_CALL if call_folder is None else call_folder),
+                          results.kimi_train_run(results.KIMI_TRAIN if train_folder is None else train_folder))
+    figure, axes = plt.subplots(1, len(KIMI_GOALS), figsize=(15, 4.4),
+                                gridspec_kw={"width_ratios": [max(len(b), 2) for b in bars.values()]})
+    for axis, (goal, goal_bars) in zip(axes, bars.items()):
+        target = KIMI_GOALS[goal]
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.axhline(target, color="C3", linestyle="--", linewidth=1.2, label=f"goal: {target:g}x")
+        axis.set(title=goal, ylabel="the course's speed-up (> 1: faster)")
+        axis.legend(loc="upper right", fontsize=8)
+        if not goal_bars:
+            axis.text(0.5, 0.5, "not measured yet", transform=axis.transAxes, ha="center", va="center")
+            axis.set(xticks=[], ylim=(0, target * 1.3))
+            continue
+        labels, spreads = zip(*goal_bars)
+        medians = [s.median for s in spreads]
+        whiskers = [[s.median - s.low for s in spreads], [s.high - s.median for s in spreads]]
+        colors = ["C2" if m >= target else "C1" for m in medians]
+        axis.bar(range(len(spreads)), medians, 0.6, color=colors, yerr=whiskers, capsize=3, ecolor="0.3")
+        for index, spread in enumerate(spreads):
+            axis.text(index, spread.high, f"{spread.median:.2f}", ha="center", va="bottom", fontsize=8)
+        axis.set(xticks=range(len(labels)), ylim=(0, max(target, *(s.high for s in spreads)) * 1.15))
+        axis.set_xticklabels(labels, fontsize=8)
+    figure.tight_layout()
+    save_svg(figure, path)
+    plt.close(figure)
+
+
 def generated_files():
     return {
         "docs/generated/bench_meta.md": write_meta,
@@ -280,4 +339,5 @@ def generated_files():
         "docs/generated/bench_correctness.md": write_correctness_table,
         "docs/generated/bench_precision.md": write_precision_table,
         "docs/generated/bench_plots.svg": write_plots,
+        "docs/generated/kimi_goals.svg": write_kimi_goals_plot,
     }

@@ -321,12 +321,57 @@ def write_intra_sections_table(path):
         f"({results.study_command('s06_intra_sections', '--rounds 3')}).\n\n" + intra_sections_table(times))
 
 
+KIMI_TRAIN_GATE_LABELS = {"softplus": "softplus (the layer's default)", "bounded": "bounded (lower_bound -5)"}
+# the quantities of a kimi_train accuracy row, as the page names them: o and the gradients of the inputs
+KIMI_TRAIN_QUANTITIES = {"o": "o", "q": "dq", "k": "dk", "v": "dv", "x": "dx (raw gate)", "beta": "dbeta (logits)",
+                         "A_log": "dA_log", "dt_bias": "ddt_bias"}
+
+
+def write_kimi_train_table(path, folder=None):
+    """Forward + backward as Kimi Linear trains, FLA's and the course's, from the committed runs of
+    `python -m benchmarks.kimi_train` (benchmarks/results/kimi_train/ unless `folder`)."""
+    from kdacourse import results
+
+    run = results.kimi_train_run(results.KIMI_TRAIN if folder is None else folder)
+    if run is None:
+        path.write_text("Not yet run: `python -m benchmarks.kimi_train --out DIR` on the GPU machine writes "
+                        f"DIR/{results.KIMI_TRAIN_CSV}, {results.KIMI_TRAIN_ACCURACY} and {results.KIMI_TRAIN_META}; "
+                        "committed in a folder of benchmarks/results/kimi_train/, `course regenerate` puts their "
+                        "tables here.\n")
+        return
+
+    def cell(spread, form="{:.3f}"):
+        return spread.text(form) if spread is not None else "–"
+
+    rows = [[KIMI_TRAIN_GATE_LABELS.get(gate, gate), f"T {case.tokens}, H {case.H}", cell(case.times.get("fla")),
+             cell(case.times.get("course")), cell(case.speedup, "{:.2f}")]
+            for (_, gate), case in run.cases.items()]
+    missing = sorted({f"{impl} at {name} ({gate}): {why}" for (name, gate), case in run.cases.items()
+                      for impl, why in case.missing.items()})
+    text = (banner(SOURCE) + f"{results.kimi_train_provenance(run)}. One forward and backward (bf16, d = 128, "
+            "B = 1), medians over the rounds in ms (min to max), and FLA's time over the course's taken round "
+            "by round (above 1: the course is faster):\n\n"
+            + markdown_table(["gate", "shape", "FLA", "course", "FLA / course"], rows)
+            + ("\nNot measured: " + "; ".join(missing) + ".\n" if missing else ""))
+    ratios = {gate: by_impl["course/fla"] for gate, by_impl in run.accuracy.items() if "course/fla" in by_impl}
+    if ratios:
+        quantities = [name for name in KIMI_TRAIN_QUANTITIES if any(name in row for row in ratios.values())]
+        text += ("\nThe course's error over FLA's, each against float64 autograd through the same activation "
+                 "(relative L2, T 1024, H 4; below 1: the course is closer):\n\n"
+                 + markdown_table(["gate", *(KIMI_TRAIN_QUANTITIES[name] for name in quantities)],
+                                  [[KIMI_TRAIN_GATE_LABELS.get(gate, gate),
+                                    *(f"{row[name]:.2f}" if name in row else "–" for name in quantities)]
+                                   for gate, row in ratios.items()]))
+    path.write_text(text)
+
+
 def generated_files():
     return {
         "docs/generated/s06_any_gate.md": write_any_gate_table,
         "docs/generated/s06_errors.md": write_error_table,
         "docs/generated/s06_gradient_accuracy.md": write_gradient_accuracy_table,
         "docs/generated/s06_intra_sections.md": write_intra_sections_table,
+        "docs/generated/s06_kimi_train.md": write_kimi_train_table,
         "docs/generated/s06_identities.md": write_identities_table,
         "docs/generated/s06_chunk_states.md": write_storage_table,
         "docs/generated/s06_training.md": write_training_table,

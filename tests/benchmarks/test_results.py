@@ -257,6 +257,111 @@ def test_the_kimi_call_table_says_not_yet_run_or_shows_the_run(tmp_path, monkeyp
     assert "| course | 3.39e-03 | 1.50e-03 |" in text
 
 
+# ------------------------------------------------------------------ training as Kimi Linear trains
+
+def _kimi_train(monkeypatch):
+    """benchmarks.kimi_train, the module that writes the files read here (FLA_FLASH_KDA as for kimi_call)."""
+    import importlib
+    import os
+
+    monkeypatch.setenv("FLA_FLASH_KDA", os.environ.get("FLA_FLASH_KDA", "0"))
+    return importlib.import_module("benchmarks.kimi_train")
+
+
+def _kimi_train_run(folder, kimi_train, times, date, accuracy=None):
+    """A run as the benchmark writes it: times {(case, gate): [(fla ms, course ms) a round]}, a time of
+    None written as the benchmark writes a peer that failed; accuracy {gate: course's error over FLA's,
+    every quantity}."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [dict(case=case, gate=gate, round=number, impl=impl, what="fwd_bwd_call", method="events",
+                 tokens=kimi_train.CASES[case][0], H=kimi_train.CASES[case][1],
+                 time_ms="" if ms is None else f"{ms:.4f}", error="RuntimeError: out of memory" if ms is None else "")
+            for (case, gate), rounds in times.items() for number, pair in enumerate(rounds, 1)
+            for impl, ms in zip(kimi_train.PEERS, pair)]
+    if rows:
+        _write_csv(folder / kimi_train.CSV_NAME, rows)
+    (folder / kimi_train.META_NAME).write_text(
+        f'{{"device": "NVIDIA H200", "date": "{date}", "command": "python -m benchmarks.kimi_train --out /x/{folder.name}"}}')
+    if accuracy:
+        quantities = ("o", *kimi_train.GRADIENTS)
+        _write_csv(folder / kimi_train.ACCURACY_NAME,
+                   [dict(gate=gate, impl=impl, **{name: value for name in quantities})
+                    for gate, ratio in accuracy.items()
+                    for impl, value in (("fla", "4.000e-03"), ("course", f"{4e-3 * ratio:.3e}"),
+                                        ("course/fla", f"{ratio:.3f}"))])
+
+
+def test_kimi_train_runs_read_as_one_the_newest_giving_each_case_and_each_gates_accuracy(tmp_path, monkeypatch):
+    """An older run timed T 4096 (FLA 3 and 5 ms, the course 2 and 2: 1.5x and 2.5x round by round,
+    median 2.0x) and T 16384 with both gates and measured both gates' accuracy; a newer one timed T 4096
+    softplus again (FLA 4, course 1: 4x) and the bounded gate's accuracy. The newer wins where both
+    measured; the rest stays the older's. Read in the pages' order: the layer's gate first, then by T."""
+    kimi_train = _kimi_train(monkeypatch)
+    assert results.KIMI_TRAIN_CASE_ORDER == tuple(kimi_train.CASES) and set(results.KIMI_TRAIN_GATES) == set(
+        kimi_train.GATES)  # the site's copies of the benchmark's names
+    assert (results.KIMI_TRAIN_CSV, results.KIMI_TRAIN_META, results.KIMI_TRAIN_ACCURACY) == (
+        kimi_train.CSV_NAME, kimi_train.META_NAME, kimi_train.ACCURACY_NAME)
+    assert results.kimi_train_run(tmp_path) is None
+    _kimi_train_run(tmp_path / "z_old", kimi_train, {
+        ("T16384_H32", "bounded"): [(9.0, None)], ("T4096_H32", "softplus"): [(3.0, 2.0), (5.0, 2.0)],
+        ("T16384_H32", "softplus"): [(11.0, 8.0)]}, "2026-12-07", accuracy={"softplus": 0.8, "bounded": 1.2})
+    _kimi_train_run(tmp_path / "a_new", kimi_train, {("T4096_H32", "softplus"): [(4.0, 1.0)]}, "2026-12-09",
+                    accuracy={"bounded": 0.9})
+    run = results.kimi_train_run(tmp_path)
+    assert list(run.cases) == [("T4096_H32", "softplus"), ("T16384_H32", "softplus"), ("T16384_H32", "bounded")]
+    newest = run.cases[("T4096_H32", "softplus")]
+    assert (newest.tokens, newest.H, newest.speedup.median, newest.times["fla"].median) == (4096, 32, 4.0, 4.0)
+    older = run.cases[("T16384_H32", "softplus")]
+    assert older.speedup.median == 11.0 / 8.0 and older.times["course"].count == 1
+    failed = run.cases[("T16384_H32", "bounded")]
+    assert failed.speedup is None and failed.missing == {"course": "RuntimeError: out of memory"}
+    assert run.accuracy["softplus"]["course/fla"]["dt_bias"] == 0.8 and run.accuracy["bounded"]["course/fla"]["o"] == 0.9
+    assert results.kimi_train_provenance(run) == (
+        "`python -m benchmarks.kimi_train --out DIR` on NVIDIA H200 (2026-12-07); "
+        "`python -m benchmarks.kimi_train --out DIR` on NVIDIA H200 (2026-12-09)")
+    single = results.kimi_train_run(tmp_path / "z_old")  # a run's own folder reads as that run
+    assert single.cases[("T4096_H32", "softplus")].speedup.median == 2.0
+
+
+def test_the_kimi_train_table_says_not_yet_run_or_shows_the_runs(tmp_path, monkeypatch):
+    kimi_train = _kimi_train(monkeypatch)
+    out = tmp_path / "table.md"
+    s06_backward.write_kimi_train_table(out, folder=tmp_path)
+    assert out.read_text().startswith("Not yet run: `python -m benchmarks.kimi_train --out DIR`")
+    _kimi_train_run(tmp_path / "run", kimi_train, {("T4096_H32", "softplus"): [(3.0, 2.0), (5.0, 2.0)],
+                                                   ("T65536_H32", "bounded"): [(None, 30.0)]}, "2026-12-07",
+                    accuracy={"bounded": 1.25})
+    s06_backward.write_kimi_train_table(out, folder=tmp_path)
+    text = out.read_text()
+    assert "| softplus (the layer's default) | T 4096, H 32 | 4.000 (3.000 to 5.000) | 2.000 (2.000 to 2.000) | " \
+           "2.00 (1.50 to 2.50) |" in text
+    assert "| bounded (lower_bound -5) | T 65536, H 32 | – | 30.000 | – |" in text
+    assert "Not measured: fla at T65536_H32 (bounded): RuntimeError: out of memory." in text
+    assert "| bounded (lower_bound -5) | 1.25 | 1.25 | 1.25 | 1.25 | 1.25 | 1.25 | 1.25 | 1.25 |" in text
+
+
+def test_the_goals_figure_takes_each_measured_ratio_and_says_where_nothing_is(tmp_path, monkeypatch):
+    """The call's two ratios per case (FlashKDA absent in the fixture: no bar on its panel) and the
+    training's per (case, gate); the figure names each goal and marks an empty panel."""
+    from kdacourse.pages import benchmarks
+
+    call_folder, train_folder = tmp_path / "call", tmp_path / "train"
+    call_folder.mkdir()
+    _kimi_call_run(call_folder, _kimi_call(monkeypatch))
+    _kimi_train_run(train_folder / "run", _kimi_train(monkeypatch), {("T16384_H32", "bounded"): [(9.0, 6.0)]},
+                    "2026-12-07")
+    bars = benchmarks.kimi_goal_bars(results.kimi_call_run(call_folder), results.kimi_train_run(train_folder))
+    assert bars["the call against FlashKDA"] == []
+    assert [(label, spread.median) for label, spread in bars["the call against FLA"]] == [
+        ("T 8192\nH 64", 1.5), ("8192 in 6\nH 96", 1.5)]
+    assert [(label, spread.median) for label, spread in bars["training against FLA"]] == [("bounded\nT 16384", 1.5)]
+    assert benchmarks.kimi_goal_bars(None, None) == {goal: [] for goal in benchmarks.KIMI_GOALS}
+    out = tmp_path / "goals.svg"
+    benchmarks.write_kimi_goals_plot(out, call_folder, train_folder)
+    text = out.read_text()
+    assert "goal: 1.1x" in text and "goal: 2x" in text and "not measured yet" in text
+
+
 def test_the_parallelism_table_counts_each_kernels_programs():
     """T = 8192 at H = 64: 64 sequence-heads, so the forward's chunk is 32: 256 chunks (16384 prepare
     programs) against FlashKDA's 512 of 16 (32768 programs of its K1); 64 value columns give 128
