@@ -9,7 +9,7 @@ is read through kdacourse.results.
 """
 
 from kdacourse import results
-from kdacourse.pages.tables import markdown_table, save_svg
+from kdacourse.pages.tables import markdown_table, save_svg, spread_cell
 
 RESULTS = results.RESULTS
 NOT_MEASURED = ("Not measured yet: `python -m benchmarks.fair --out DIR` on a CUDA machine writes "
@@ -61,26 +61,24 @@ def write_timings(path, folder=None):
     named = results.fair_comparisons(rows)
     summary = results.summarize(rows)
 
-    def cell(spread, form):
-        return spread.text(form) if spread is not None else "–"
-
     ratios = markdown_table(
         ["B, N, H, D", "kernels alone: FLA / ours", "whole call, checks off: FLA / ours",
          "default call: FLA / ours", "default call / checks off", "value check on the host alone (ms)"],
-        [(_shape(shape), cell(n["kernels FLA / ours"], "{:.2f}"), cell(n["call FLA / ours unchecked"], "{:.2f}"),
-          cell(n["call FLA / ours checked"], "{:.2f}"), cell(n["call, checks on / off"], "{:.3f}"),
-          cell(n["check alone"], "{:.3f}")) for shape, n in sorted(named.items())])
+        [(_shape(shape), spread_cell(n["kernels FLA / ours"], "{:.2f}"),
+          spread_cell(n["call FLA / ours unchecked"], "{:.2f}"), spread_cell(n["call FLA / ours checked"], "{:.2f}"),
+          spread_cell(n["call, checks on / off"], "{:.3f}"),
+          spread_cell(n["check alone"], "{:.3f}")) for shape, n in sorted(named.items())])
     costs = markdown_table(
         ["B, N, H, D", "the flags in the prepare (% of the kernels)", "the any-gate branch (% of the kernels)"],
-        [(_shape(shape), cell(n["flags in the prepare (% of the kernels)"], "{:+.1f}"),
-          cell(n["any-gate branch (% of the kernels)"], "{:+.1f}")) for shape, n in sorted(named.items())])
+        [(_shape(shape), spread_cell(n["flags in the prepare (% of the kernels)"], "{:+.1f}"),
+          spread_cell(n["any-gate branch (% of the kernels)"], "{:+.1f}")) for shape, n in sorted(named.items())])
     columns = [("ours", "kernels"), ("ours", "prepare"), ("ours", "recurrence"), ("ours", "call_unchecked"),
                ("ours", "call"), ("fla", "kernels"), ("fla", "call")]
     headers = {"kernels": "kernels alone", "prepare": "prepare", "recurrence": "recurrence",
                "call_unchecked": "call, checks off", "call": "call"}
     times = markdown_table(
         ["B, N, H, D", *(f"{'FLA' if impl == 'fla' else 'ours'} {headers[what]} (ms)" for impl, what in columns)],
-        [(_shape(shape), *(cell(measured.get(key), "{:.3f}") for key in columns))
+        [(_shape(shape), *(spread_cell(measured.get(key), "{:.3f}") for key in columns))
          for shape, measured in sorted(summary.items())])
     failed = sorted({f"{row['impl']} {row['what']} at {row['B']}, {row['N']}, {row['H']}, {row['D']}: {row['error']}"
                      for row in rows if row.get("error")})

@@ -9,7 +9,8 @@ timed (benchmarks/results/kimi_call/), and what a state stored in bf16 would cos
 import numpy as np
 
 from kdacourse.pages.stage_tables import compile_report_table, identities_table
-from kdacourse.pages.tables import ROUNDING_NOTE, banner, markdown_table, rounding_level, save_svg
+from kdacourse.pages.tables import (ROUNDING_NOTE, banner, markdown_table, not_yet_run, rounding_level, save_svg,
+                                    spread_cell)
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.kda.inputs import InputForm
@@ -575,14 +576,11 @@ def write_kimi_call_table(path, folder=None):
 
     run = results.kimi_call_run(results.KIMI_CALL if folder is None else folder)
     if run is None:
-        path.write_text("Not yet run: `python -m benchmarks.kimi_call --out DIR` on the GPU machine writes "
-                        f"DIR/{results.KIMI_CALL_CSV}, {results.KIMI_CALL_META} and {results.KIMI_CALL_ACCURACY}; "
-                        "committed in benchmarks/results/kimi_call/, `course regenerate` puts their tables here.\n")
+        path.write_text(not_yet_run("python -m benchmarks.kimi_call --out DIR",
+                                    f"DIR/{results.KIMI_CALL_CSV}, {results.KIMI_CALL_META} and "
+                                    f"{results.KIMI_CALL_ACCURACY}",
+                                    "benchmarks/results/kimi_call/"))
         return
-
-    def cell(spread, form="{:.3f}"):
-        return spread.text(form) if spread is not None else "–"
-
     measured = [("fla", "call"), ("flashkda", "call"), ("course", "call"), ("course", "call_unchecked"),
                 ("fla", "kernels"), ("flashkda", "kernels"), ("course", "kernels")]
     labels = {"call": "call", "call_unchecked": "call, checks off", "kernels": "graph"}
@@ -590,10 +588,10 @@ def write_kimi_call_table(path, folder=None):
     shape = [f"{case.tokens} tokens in {case.sequences}, H {case.H}" if case.sequences > 1 else
              f"T {case.tokens}, H {case.H}" for case in run.cases.values()]
     times = markdown_table(["shape", *(f"{names[impl]} {labels[what]} (ms)" for impl, what in measured)],
-                           [[label, *(cell(case.times.get(key)) for key in measured)]
+                           [[label, *(spread_cell(case.times.get(key)) for key in measured)]
                             for label, case in zip(shape, run.cases.values())])
     ratios = markdown_table(["shape", *results.KIMI_CALL_RATIOS],
-                            [[label, *(cell(case.ratios[name], "{:.2f}") for name in results.KIMI_CALL_RATIOS)]
+                            [[label, *(spread_cell(case.ratios[name], "{:.2f}") for name in results.KIMI_CALL_RATIOS)]
                              for label, case in zip(shape, run.cases.values())])
     missing = sorted({f"{names[impl]} {labels.get(what, what)}: {why}" for case in run.cases.values()
                       for (impl, what), why in case.missing.items()})

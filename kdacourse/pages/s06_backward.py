@@ -6,7 +6,8 @@ import inspect
 import numpy as np
 
 from kdacourse.pages.stage_tables import identities_table
-from kdacourse.pages.tables import ROUNDING_NOTE, banner, markdown_table, rounding_level, save_svg
+from kdacourse.pages.tables import (ROUNDING_NOTE, banner, markdown_table, not_yet_run, rounding_level, save_svg,
+                                    spread_cell)
 from stages.common.errors import error_report
 from stages.common.inputs import make_inputs
 from stages.s05_fast_kda.numerics import FAST_SPAN_LOG
@@ -334,17 +335,14 @@ def write_kimi_train_table(path, folder=None):
 
     run = results.kimi_train_run(results.KIMI_TRAIN if folder is None else folder)
     if run is None:
-        path.write_text("Not yet run: `python -m benchmarks.kimi_train --out DIR` on the GPU machine writes "
-                        f"DIR/{results.KIMI_TRAIN_CSV}, {results.KIMI_TRAIN_ACCURACY} and {results.KIMI_TRAIN_META}; "
-                        "committed in a folder of benchmarks/results/kimi_train/, `course regenerate` puts their "
-                        "tables here.\n")
+        path.write_text(not_yet_run("python -m benchmarks.kimi_train --out DIR",
+                                    f"DIR/{results.KIMI_TRAIN_CSV}, {results.KIMI_TRAIN_ACCURACY} and "
+                                    f"{results.KIMI_TRAIN_META}",
+                                    "a folder of benchmarks/results/kimi_train/"))
         return
-
-    def cell(spread, form="{:.3f}"):
-        return spread.text(form) if spread is not None else "–"
-
-    rows = [[KIMI_TRAIN_GATE_LABELS.get(gate, gate), f"T {case.tokens}, H {case.H}", cell(case.times.get("fla")),
-             cell(case.times.get("course")), cell(case.speedup, "{:.2f}")]
+    rows = [[KIMI_TRAIN_GATE_LABELS.get(gate, gate), f"T {case.tokens}, H {case.H}",
+             spread_cell(case.times.get("fla")), spread_cell(case.times.get("course")),
+             spread_cell(case.speedup, "{:.2f}")]
             for (_, gate), case in run.cases.items()]
     missing = sorted({f"{impl} at {name} ({gate}): {why}" for (name, gate), case in run.cases.items()
                       for impl, why in case.missing.items()})

@@ -14,7 +14,7 @@ import re
 
 from kdacourse import results
 from kdacourse.pages.fair import about_the_run
-from kdacourse.pages.tables import markdown_table
+from kdacourse.pages.tables import markdown_table, spread_cell
 
 RESULTS = results.RESULTS
 NOT_COMMITTED = ("No {what} timings are committed yet: `python -m benchmarks.{module} --out DIR` on a CUDA machine "
@@ -24,11 +24,6 @@ NOT_COMMITTED = ("No {what} timings are committed yet: `python -m benchmarks.{mo
 def committed_run(csv_name, meta_name=None):
     """(rows, meta) of a committed run in RESULTS ({} for a run without a meta file), or (None, None)."""
     return results.committed_run(csv_name, meta_name, RESULTS)
-
-
-def _cell(spread, form="{:.3f}"):
-    """A Spread as "median (min to max)", or a dash for a measurement the run does not have."""
-    return spread.text(form) if spread is not None else "–"
 
 
 def _shape(shape):
@@ -72,13 +67,13 @@ def write_backward_timings(path, run=""):
     columns = [(impl, what, label) for impl, what, label in BACKWARD_TIMES
                if any((impl, what) in measured for measured in summary.values())]
     ratios = markdown_table(["B, N, H, D", *(name.replace("fwd+bwd", "forward + backward") for name in ratio_names)],
-                            [(_shape(shape), *(_cell(n[name], "{:.2f}") for name in ratio_names))
+                            [(_shape(shape), *(spread_cell(n[name], "{:.2f}") for name in ratio_names))
                              for shape, n in sorted(named.items())]) if ratio_names else "No ratios: FLA was not run.\n"
     times = markdown_table(["B, N, H, D", *(f"{label} (ms)" for _, _, label in columns)],
-                           [(_shape(shape), *(_cell(measured.get((impl, what))) for impl, what, _ in columns))
+                           [(_shape(shape), *(spread_cell(measured.get((impl, what))) for impl, what, _ in columns))
                             for shape, measured in sorted(summary.items())])
     kernels = markdown_table(["B, N, H, D", *(f"{kernel} (ms)" for kernel in results.BACKWARD_KERNELS)],
-                             [(_shape(shape), *(_cell(measured.get(("ours", kernel)))
+                             [(_shape(shape), *(spread_cell(measured.get(("ours", kernel)))
                                                 for kernel in results.BACKWARD_KERNELS))
                               for shape, measured in sorted(summary.items())])
 
@@ -120,7 +115,7 @@ def write_varlen_timings(path):
     rounds = max(int(row["round"]) for row in rows)
 
     def ratio(mix, fla, ours):
-        return _cell(results.paired(measured[mix], fla, ours, results.ratio), "{:.2f}")
+        return spread_cell(results.paired(measured[mix], fla, ours, results.ratio), "{:.2f}")
 
     def checked(mix, key):
         value = meta.get("mixes", {}).get(mix, {}).get(key)
@@ -135,7 +130,7 @@ def write_varlen_timings(path):
           checked(mix, "rel_l2_state_ours_vs_fla")) for mix in mixes])
     times = markdown_table(
         ["mix", *(f"{label} (ms)" for _, _, label in VARLEN_TIMES)],
-        [(mix, *(_cell(results.Spread.of(measured[mix].get((impl, what), {}).values()))
+        [(mix, *(spread_cell(results.Spread.of(measured[mix].get((impl, what), {}).values()))
                  for impl, what, _ in VARLEN_TIMES))
          for mix in mixes])
     about = (f"Run on an {meta.get('device', '?')} (`{results.shown_command(meta.get('command', '?'))}`, {rounds} "

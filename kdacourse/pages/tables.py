@@ -44,6 +44,19 @@ def table_cell(value, untrusted=False):
     return " ".join(str(value).split()).replace("|", "&#124;")
 
 
+def spread_cell(spread, form="{:.3f}"):
+    """A Spread over rounds (kdacourse.results) as "median (min to max)", or a dash for a measurement the
+    run does not have (None)."""
+    return spread.text(form) if spread is not None else "–"
+
+
+def not_yet_run(command, files, where):
+    """What a generated table says before its run is committed: the command that writes the files and
+    where they are committed."""
+    return (f"Not yet run: `{command}` on the GPU machine writes {files}; committed in {where}, "
+            "`course regenerate` puts their tables here.\n")
+
+
 def markdown_table(header, rows):
     """A Markdown table from a header row and rows of cells; each cell goes through table_cell."""
     lines = ["| " + " | ".join(map(table_cell, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
