@@ -44,43 +44,53 @@ import csv
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import bench
 from benchmarks.kimi_call import CASES, D, float64_reference, kimi_form, make_inputs, relative_l2
 
 STUDY_CASES = ("T8192_H64", "T8192_H96", "packed6_H96", "8x1024_H96", "8x4096_H16")
-VARIANTS = {  # name: (block_dv, programs_per_sm, pipeline stages); the first is the committed default here
-    "dv64": (64, 1, 2),
-    "dv64_pp2": (64, 2, 2),
-    "dv32": (32, 1, 2),
-    "dv32_pp2": (32, 2, 2),
-    "dv32_pp3": (32, 3, 2),
+# TileLang pass options (tilelang.transform.PassConfigKey) a variant compiles its recurrence with
+NO_TMA = {"tl.disable_tma_lower": True}  # o's TMA store; the warp-specialized loads stay TMA
+NO_WGMMA = {"tl.disable_wgmma": True}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How a variant builds the recurrence: its value columns a program, the launch bound, the chunk
+    loop's pipeline stages, TileLang's pass options for it, and whether it builds for one sequence only
+    (TileLang 0.1.15 does not generate the packed recurrence without warp specialization, CUDA codegen:
+    "Downcast from tirx.Sub to ir.IntImm", the trip count read at run time; found by --precompile on
+    the CPU)."""
+
+    block_dv: int
+    programs_per_sm: int
+    num_stages: int
+    pass_configs: dict = field(default_factory=dict)
+    one_sequence_only: bool = False
+
+
+VARIANTS = {  # the first is the committed default here
+    "dv64": Variant(64, 1, 2),
+    "dv64_pp2": Variant(64, 2, 2),
+    "dv32": Variant(32, 1, 2),
+    "dv32_pp2": Variant(32, 2, 2),
+    "dv32_pp3": Variant(32, 3, 2),
     # one stage: the chunk loop's loads not ahead of its use (is the race the pipeline's?)
-    "dv64_pp2_one_stage": (64, 2, 1),
-    "dv32_pp3_one_stage": (32, 3, 1),
+    "dv64_pp2_one_stage": Variant(64, 2, 1),
+    "dv32_pp3_one_stage": Variant(32, 3, 1),
     # the state update's GEMM on mma.sync, as the o path's are, not wgmma (is the race the two kinds of
     # tensor-core GEMM of programs that share an SM?)
-    "dv32_pp3_mma_state": (32, 3, 2),
-    "dv64_pp2_mma_state": (64, 2, 2),
+    "dv32_pp3_mma_state": Variant(32, 3, 2, NO_WGMMA),
+    "dv64_pp2_mma_state": Variant(64, 2, 2, NO_WGMMA),
     # o stored by the threads, not by a TMA store (is the race the store's?), and with no loading warp
     # group either (every thread loads by cp.async, then computes: is it the TMA loads'?)
-    "dv64_plain_o_store": (64, 1, 2),
-    "dv64_pp2_plain_o_store": (64, 2, 2),
-    "dv32_pp3_plain_o_store": (32, 3, 2),
-    "dv32_pp3_no_ws": (32, 3, 2),
+    "dv64_plain_o_store": Variant(64, 1, 2, NO_TMA),
+    "dv64_pp2_plain_o_store": Variant(64, 2, 2, NO_TMA),
+    "dv32_pp3_plain_o_store": Variant(32, 3, 2, NO_TMA),
+    "dv32_pp3_no_ws": Variant(32, 3, 2, {**NO_TMA, "tl.disable_warp_specialized": True}, one_sequence_only=True),
 }
-# TileLang pass options a variant compiles its recurrence with (tilelang.transform.PassConfigKey)
-NO_TMA = {"tl.disable_tma_lower": True}  # o's TMA store; the warp-specialized loads stay TMA
-RECURRENCE_PASS_CONFIGS = {"dv32_pp3_mma_state": {"tl.disable_wgmma": True},
-                           "dv64_pp2_mma_state": {"tl.disable_wgmma": True},
-                           "dv64_plain_o_store": NO_TMA, "dv64_pp2_plain_o_store": NO_TMA,
-                           "dv32_pp3_plain_o_store": NO_TMA,
-                           "dv32_pp3_no_ws": {**NO_TMA, "tl.disable_warp_specialized": True}}
-# variants that build for one sequence only: TileLang 0.1.15 does not generate the packed recurrence
-# without warp specialization (CUDA codegen: "Downcast from tirx.Sub to ir.IntImm", the trip count read
-# at run time), found by --precompile on the CPU
-ONE_SEQUENCE_ONLY = ("dv32_pp3_no_ws",)
 STUDY_VARIANTS = ("dv64", "dv64_pp2", "dv32", "dv32_pp2", "dv32_pp3")  # what both committed runs ran
 
 
@@ -111,7 +121,7 @@ def in_variant(variant):
     they change (a program is cached by its shape and configuration, not by its pass options)."""
     from stages.kda import compiled
 
-    options = RECURRENCE_PASS_CONFIGS.get(variant, {})
+    options = VARIANTS[variant].pass_configs
     if options != PASS_CONFIGS:
         PASS_CONFIGS.clear()
         PASS_CONFIGS.update(options)
@@ -120,12 +130,13 @@ def in_variant(variant):
             cached.cache_clear()
 
 
-def variant_config(sequences, H, num_sms, block_dv, num_stages, programs_per_sm):
-    """The default configuration of the shape with the recurrence's columns, stages and bound replaced."""
+def variant_config(sequences, H, num_sms, variant: Variant):
+    """The default configuration of the shape with the recurrence's columns, stages and bound replaced
+    by the variant's."""
     from stages.kda.config import resolve
 
-    return resolve(sequences, H, D, D, num_sms, block_dv=block_dv, num_stages=num_stages,
-                   programs_per_sm=programs_per_sm)
+    return resolve(sequences, H, D, D, num_sms, block_dv=variant.block_dv, num_stages=variant.num_stages,
+                   programs_per_sm=variant.programs_per_sm)
 
 
 def course_call(inputs, config):
@@ -155,12 +166,11 @@ def precompile(cases, variants):
                           dt_bias=torch.zeros(H, D), initial_state=torch.zeros(N, H, D, D),
                           cu_seqlens=None if N == 1 else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]))
             for variant in variants:
-                if N > 1 and variant in ONE_SEQUENCE_ONLY:
-                    print(f"{name} {variant}: not built (ONE_SEQUENCE_ONLY)", flush=True)
+                if N > 1 and VARIANTS[variant].one_sequence_only:
+                    print(f"{name} {variant}: not built (one sequence only)", flush=True)
                     continue
                 in_variant(variant)
-                block_dv, programs_per_sm, num_stages = VARIANTS[variant]
-                course_call(inputs, variant_config(N, H, 132, block_dv, num_stages, programs_per_sm))()
+                course_call(inputs, variant_config(N, H, 132, VARIANTS[variant]))()
                 print(f"{name} {variant}: compiled", flush=True)
 
 
@@ -256,13 +266,11 @@ def run(args):
             graphs, first = {}, None  # first: the first variant's (o, final states)
             expected = float64_reference(inputs) if args.repeats else None
             for variant in args.variants:
-                if len(lengths) > 1 and variant in ONE_SEQUENCE_ONLY:
-                    log(f"{name} {variant}: not built (ONE_SEQUENCE_ONLY)")
+                if len(lengths) > 1 and VARIANTS[variant].one_sequence_only:
+                    log(f"{name} {variant}: not built (one sequence only)")
                     continue
                 in_variant(variant)
-                block_dv, programs_per_sm, num_stages = VARIANTS[variant]
-                call = course_call(inputs, variant_config(len(lengths), H, num_sms, block_dv, num_stages,
-                                                          programs_per_sm))
+                call = course_call(inputs, variant_config(len(lengths), H, num_sms, VARIANTS[variant]))
                 if first is None:
                     first = call()
                 graphs[variant] = check_and_capture(name, variant, call, first, expected, args.repeats, log,
@@ -280,9 +288,11 @@ def run(args):
                 order = list(graphs) if round_number % 2 else list(graphs)[::-1]
                 for variant in order:
                     ms = do_bench(graphs[variant].replay, warmup=10, rep=60, return_mode="median")
-                    block_dv, programs, stages = VARIANTS.get(variant, ("", "", ""))
-                    writer.writerow(dict(case=name, round=round_number, variant=variant, block_dv=block_dv,
-                                         programs_per_sm=programs, num_stages=stages, time_ms=f"{ms:.4f}"))
+                    built = VARIANTS.get(variant)  # None: FlashKDA
+                    writer.writerow(dict(case=name, round=round_number, variant=variant,
+                                         block_dv=built.block_dv if built else "",
+                                         programs_per_sm=built.programs_per_sm if built else "",
+                                         num_stages=built.num_stages if built else "", time_ms=f"{ms:.4f}"))
                 f.flush()
             with open(args.out / "programs_per_sm.csv") as read:
                 rows = [row for row in csv.DictReader(read) if row["case"] == name]
