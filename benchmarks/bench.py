@@ -175,7 +175,8 @@ def seconds_log(started):
 
 def run_meta(program, argv, packages=("triton", "tilelang", "fla")):
     """Where and how a timing run ran, for its meta JSON: the GPU, torch and its CUDA, each of `packages`'
-    versions ("not installed" where one is missing), Python, the command as typed and the date."""
+    versions ("not installed" where one is missing), Python, the command as typed, the date and the
+    moment it started (to the second, the machine's clock: what orders two runs of one day)."""
     import torch
 
     versions = {}
@@ -187,7 +188,7 @@ def run_meta(program, argv, packages=("triton", "tilelang", "fla")):
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda, **versions,
                 python=platform.python_version(),
                 command=f"python -m {program} " + " ".join(sys.argv[1:] if argv is None else argv),
-                date=time.strftime("%Y-%m-%d"))
+                date=time.strftime("%Y-%m-%d"), started=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
 class Deadline(Exception):

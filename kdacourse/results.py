@@ -383,12 +383,13 @@ def kimi_train_run(folder: Path = KIMI_TRAIN) -> KimiTrainRun | None:
     """The runs in `folder` (a run's files, or one folder per run: the GPU check's kimi-train parts
     write softplus/ and bounded/), or None where it holds none. A (case, gate) timed by several runs
     takes the newest run's times, a gate's accuracy the newest run's that measured it: newest by the
-    meta's date, then by the folder's name."""
+    meta's start (bench.run_meta's "started"; its date for a run that has none), then by the folder's
+    name."""
     folder = Path(folder)
     folders = [folder] if (folder / KIMI_TRAIN_META).exists() else sorted(
         path for path in folder.glob("*/") if (path / KIMI_TRAIN_META).exists()) if folder.is_dir() else []
     runs = sorted(((read_json(path / KIMI_TRAIN_META), path) for path in folders),
-                  key=lambda run: (run[0].get("date", ""), run[1].name))
+                  key=lambda run: (run[0].get("started", run[0].get("date", "")), run[1].name))
     cases, accuracy, metas = {}, {}, []
     for meta, path in runs:
         rows = read_rows(path / KIMI_TRAIN_CSV) if (path / KIMI_TRAIN_CSV).exists() else []

@@ -78,4 +78,5 @@ def test_a_run_records_its_machine_its_packages_and_its_command(monkeypatch):
     meta = bench.run_meta("benchmarks.fair", ["--out", "x"], ("numpy", "no_such_package_here"))
     assert meta["device"] == "a test GPU" and meta["torch"] == torch.__version__ and meta["numpy"] == numpy.__version__
     assert meta["no_such_package_here"] == "not installed"
+    assert meta["started"].startswith(meta["date"] + "T")  # the moment, which orders two runs of one day
     assert meta["command"] == "python -m benchmarks.fair --out x"

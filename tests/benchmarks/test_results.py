@@ -268,10 +268,10 @@ def _kimi_train(monkeypatch):
     return importlib.import_module("benchmarks.kimi_train")
 
 
-def _kimi_train_run(folder, kimi_train, times, date, accuracy=None):
+def _kimi_train_run(folder, kimi_train, times, date, accuracy=None, started=None):
     """A run as the benchmark writes it: times {(case, gate): [(fla ms, course ms) a round]}, a time of
     None written as the benchmark writes a peer that failed; accuracy {gate: course's error over FLA's,
-    every quantity}."""
+    every quantity}; started: the meta's moment (runs before it was recorded have none)."""
     folder.mkdir(parents=True, exist_ok=True)
     rows = [dict(case=case, gate=gate, round=number, impl=impl, what="fwd_bwd_call", method="events",
                  tokens=kimi_train.CASES[case][0], H=kimi_train.CASES[case][1],
@@ -280,8 +280,10 @@ def _kimi_train_run(folder, kimi_train, times, date, accuracy=None):
             for impl, ms in zip(kimi_train.PEERS, pair)]
     if rows:
         _write_csv(folder / kimi_train.CSV_NAME, rows)
+    moment = f', "started": "{started}"' if started else ""
     (folder / kimi_train.META_NAME).write_text(
-        f'{{"device": "NVIDIA H200", "date": "{date}", "command": "python -m benchmarks.kimi_train --out /x/{folder.name}"}}')
+        f'{{"device": "NVIDIA H200", "date": "{date}"{moment}, '
+        f'"command": "python -m benchmarks.kimi_train --out /x/{folder.name}"}}')
     if accuracy:
         quantities = ("o", *kimi_train.GRADIENTS)
         _write_csv(folder / kimi_train.ACCURACY_NAME,
@@ -321,6 +323,12 @@ def test_kimi_train_runs_read_as_one_the_newest_giving_each_case_and_each_gates_
         "`python -m benchmarks.kimi_train --out DIR` on NVIDIA H200 (2026-12-09)")
     single = results.kimi_train_run(tmp_path / "z_old")  # a run's own folder reads as that run
     assert single.cases[("T4096_H32", "softplus")].speedup.median == 2.0
+    # two runs of one day: the later start wins, whatever the folders' names (and over a run without one)
+    _kimi_train_run(tmp_path / "b_same_day_later", kimi_train, {("T4096_H32", "softplus"): [(6.0, 1.0)]},
+                    "2026-12-09", started="2026-12-09T15:00:00")
+    _kimi_train_run(tmp_path / "c_same_day_earlier", kimi_train, {("T4096_H32", "softplus"): [(5.0, 1.0)]},
+                    "2026-12-09", started="2026-12-09T09:00:00")
+    assert results.kimi_train_run(tmp_path).cases[("T4096_H32", "softplus")].speedup.median == 6.0
 
 
 def test_the_kimi_train_table_says_not_yet_run_or_shows_the_runs(tmp_path, monkeypatch):
