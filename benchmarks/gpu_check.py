@@ -152,9 +152,9 @@ def _context_parallel(direction, limit):
                 log_to=f"{RESULTS}/context_parallel_{direction}.log", files_to=RESULTS)
 
 
-def _ncu(module):
-    """The Nsight Compute command of a profile module (its NCU_COMMAND), as an argv."""
-    return tuple(shlex.split(importlib.import_module(module).NCU_COMMAND))
+def _ncu(module, *arguments):
+    """The Nsight Compute command of a profile module (its NCU_COMMAND, then `arguments`), as an argv."""
+    return (*shlex.split(importlib.import_module(module).NCU_COMMAND), *arguments)
 
 
 # benchmarks.kimi_call's cases in three parts: FLA's autotuning takes about 90 s a case on a fresh machine,
@@ -166,6 +166,10 @@ KIMI_CALL_GROUPS = {  # part's group: (cases, whether it checks the accuracy, wh
     "packed": (("packed6_H96", "8x1024_H96", "8x4096_H16"), False, "packed batches as a server makes them"),
     "long": (("T16384_H32", "T65536_H32"), False, "long sequences at 32 heads"),
 }
+
+
+# the profiles-kimi part's cases: the dense prepare and the packed one at the same 8192 tokens and 96 heads
+KIMI_PREPARE_PROFILES = {"dense": "T8192_H96", "packed": "8x1024_H96"}
 
 
 def _kimi_call(group, cases, accuracy, what):
@@ -273,6 +277,12 @@ def parts() -> dict[str, Part]:
               Step("s05_prepare_ncu", _ncu("benchmarks.profile_s05"), 170, log_to=f"{RESULTS}/s05_prepare_ncu.txt"),
               Step("s06_intra_ncu", _ncu("benchmarks.profile_s06_intra"), 240,
                    log_to=f"{RESULTS}/s06_intra_ncu_registers.txt"))),
+        Part("profiles-kimi", "Nsight Compute on the fused prepare as Kimi Linear calls it, one sequence and a packed "
+             "batch of the same tokens and heads (why the packed one is slower)",
+             (Step("kimi_prepare_precompile", python("scripts/precompile_kimi_call.py", "--cases",
+                                                     ",".join(KIMI_PREPARE_PROFILES.values()), "--jobs", "4"), 150),
+              *(Step(f"kimi_prepare_ncu_{name}", _ncu("benchmarks.profile_kimi_prepare", case), 170,
+                     log_to=f"{RESULTS}/kimi_prepare_ncu/{name}.txt") for name, case in KIMI_PREPARE_PROFILES.items()))),
     ]
     return {part.name: part for part in listed}
 

@@ -67,6 +67,19 @@ def test_a_benchmark_without_cuda_says_so_and_writes_nothing(program, tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
+def test_the_kimi_prepare_profile_takes_one_case_and_needs_cuda(capsys, monkeypatch):
+    """benchmarks.profile_kimi_prepare, which Nsight Compute runs: a case of benchmarks.kimi_call's or
+    its usage, and where torch sees no GPU it says so before making any tensor."""
+    from benchmarks import profile_kimi_prepare
+
+    for argv in ([], ["T8192_H96", "8x1024_H96"], ["no_such_case"]):
+        assert profile_kimi_prepare.main(argv) == 2
+        assert "usage: python -m benchmarks.profile_kimi_prepare CASE" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert profile_kimi_prepare.main(["8x1024_H96"]) == 2
+    assert "benchmarks.profile_kimi_prepare needs a CUDA device" in capsys.readouterr().err
+
+
 def test_a_run_records_its_machine_its_packages_and_its_command(monkeypatch):
     """bench.run_meta, which every timing benchmark's meta JSON starts from: a package that is missing
     says so instead of failing the run; the command is the one typed."""
