@@ -384,31 +384,39 @@ def kimi_train_run(folder: Path = KIMI_TRAIN) -> KimiTrainRun | None:
     write softplus/ and bounded/), or None where it holds none. A (case, gate) timed by several runs
     takes the newest run's times, a gate's accuracy the newest run's that measured it: newest by the
     meta's start (bench.run_meta's "started"; its date for a run that has none), then by the folder's
-    name."""
+    name. The metas are those of the runs whose numbers the result holds."""
     folder = Path(folder)
-    folders = [folder] if (folder / KIMI_TRAIN_META).exists() else sorted(
-        path for path in folder.glob("*/") if (path / KIMI_TRAIN_META).exists()) if folder.is_dir() else []
+    if (folder / KIMI_TRAIN_META).exists():
+        folders = [folder]
+    elif folder.is_dir():
+        folders = [path for path in folder.glob("*/") if (path / KIMI_TRAIN_META).exists()]
+    else:
+        folders = []
     runs = sorted(((read_json(path / KIMI_TRAIN_META), path) for path in folders),
                   key=lambda run: (run[0].get("started", run[0].get("date", "")), run[1].name))
-    cases, accuracy, metas = {}, {}, []
-    for meta, path in runs:
+    cases, accuracy, source = {}, {}, {}  # source: {(case, gate) or gate: the index of the run that gave it}
+    for index, (_, path) in enumerate(runs):
         rows = read_rows(path / KIMI_TRAIN_CSV) if (path / KIMI_TRAIN_CSV).exists() else []
-        measured_here = _kimi_train_cases(rows)
-        accuracy_here = {}
+        for key, case in _kimi_train_cases(rows).items():
+            cases[key], source[key] = case, index
         if (path / KIMI_TRAIN_ACCURACY).exists():
+            by_gate = {}
             for row in read_rows(path / KIMI_TRAIN_ACCURACY):
-                accuracy_here.setdefault(row["gate"], {})[row["impl"]] = {
+                by_gate.setdefault(row["gate"], {})[row["impl"]] = {
                     key: float(value) for key, value in row.items() if key not in ("gate", "impl")}
-        if measured_here or accuracy_here:
-            cases.update(measured_here)
-            accuracy.update(accuracy_here)
-            metas.append(meta)
-    if not metas:
+            for gate, by_impl in by_gate.items():
+                accuracy[gate], source[gate] = by_impl, index
+    if not source:
         return None
-    in_page_order = sorted(cases, key=lambda key: (KIMI_TRAIN_GATES.index(key[1]), KIMI_TRAIN_CASE_ORDER.index(key[0])))
-    return KimiTrainRun(cases={key: cases[key] for key in in_page_order},
-                        accuracy={gate: accuracy[gate] for gate in KIMI_TRAIN_GATES if gate in accuracy},
-                        metas=metas)
+
+    def place(name, order):  # a name the site does not know yet goes last
+        return order.index(name) if name in order else len(order)
+
+    case_order = sorted(cases, key=lambda key: (place(key[1], KIMI_TRAIN_GATES), place(key[0], KIMI_TRAIN_CASE_ORDER)))
+    gate_order = sorted(accuracy, key=lambda gate: place(gate, KIMI_TRAIN_GATES))
+    return KimiTrainRun(cases={key: cases[key] for key in case_order},
+                        accuracy={gate: accuracy[gate] for gate in gate_order},
+                        metas=[runs[index][0] for index in sorted(set(source.values()))])
 
 
 def _kimi_train_cases(rows: list[dict]) -> dict:

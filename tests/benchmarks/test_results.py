@@ -329,6 +329,11 @@ def test_kimi_train_runs_read_as_one_the_newest_giving_each_case_and_each_gates_
     _kimi_train_run(tmp_path / "c_same_day_earlier", kimi_train, {("T4096_H32", "softplus"): [(5.0, 1.0)]},
                     "2026-12-09", started="2026-12-09T09:00:00")
     assert results.kimi_train_run(tmp_path).cases[("T4096_H32", "softplus")].speedup.median == 6.0
+    # a run none of whose numbers is left (a_new's case and accuracy, both given again later) is not named
+    _kimi_train_run(tmp_path / "d_latest", kimi_train, {}, "2026-12-10", accuracy={"bounded": 0.7})
+    run = results.kimi_train_run(tmp_path)
+    assert [meta["command"].rsplit("/", 1)[1] for meta in run.metas] == ["z_old", "b_same_day_later", "d_latest"]
+    assert run.accuracy["bounded"]["course/fla"]["o"] == 0.7
 
 
 def test_the_kimi_train_table_says_not_yet_run_or_shows_the_runs(tmp_path, monkeypatch):
