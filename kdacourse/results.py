@@ -352,6 +352,7 @@ KIMI_TRAIN_ACCURACY = "kimi_train_accuracy.csv"
 # benchmarks.kimi_train's GATES and CASES in the order the pages show them: the layer's default gate first
 KIMI_TRAIN_GATES = ("softplus", "bounded")
 KIMI_TRAIN_CASE_ORDER = ("T4096_H32", "T16384_H32", "T65536_H32")
+KIMI_TRAIN_ACCURACY_SHAPE = (1024, 4)  # benchmarks.kimi_train's ACCURACY_CASE: (T, H) of the float64 comparison
 
 
 @dataclass(frozen=True)

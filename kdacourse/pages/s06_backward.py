@@ -354,8 +354,9 @@ def write_kimi_train_table(path, folder=None):
     ratios = {gate: by_impl["course/fla"] for gate, by_impl in run.accuracy.items() if "course/fla" in by_impl}
     if ratios:
         quantities = [name for name in KIMI_TRAIN_QUANTITIES if any(name in row for row in ratios.values())]
+        T, H = results.KIMI_TRAIN_ACCURACY_SHAPE
         text += ("\nThe course's error over FLA's, each against float64 autograd through the same activation "
-                 "(relative L2, T 1024, H 4; below 1: the course is closer):\n\n"
+                 f"(relative L2, T {T}, H {H}; below 1: the course is closer):\n\n"
                  + markdown_table(["gate", *(KIMI_TRAIN_QUANTITIES[name] for name in quantities)],
                                   [[KIMI_TRAIN_GATE_LABELS.get(gate, gate),
                                     *(f"{row[name]:.2f}" if name in row else "–" for name in quantities)]

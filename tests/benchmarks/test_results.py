@@ -303,6 +303,7 @@ def test_kimi_train_runs_read_as_one_the_newest_giving_each_case_and_each_gates_
         kimi_train.GATES)  # the site's copies of the benchmark's names
     assert (results.KIMI_TRAIN_CSV, results.KIMI_TRAIN_META, results.KIMI_TRAIN_ACCURACY) == (
         kimi_train.CSV_NAME, kimi_train.META_NAME, kimi_train.ACCURACY_NAME)
+    assert results.KIMI_TRAIN_ACCURACY_SHAPE == kimi_train.ACCURACY_CASE  # the shape the page names
     assert results.kimi_train_run(tmp_path) is None
     _kimi_train_run(tmp_path / "z_old", kimi_train, {
         ("T16384_H32", "bounded"): [(9.0, None)], ("T4096_H32", "softplus"): [(3.0, 2.0), (5.0, 2.0)],
